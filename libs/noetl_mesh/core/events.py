@@ -1,0 +1,96 @@
+"""The event envelope (D20: seed 001 §10.1 plus seed 000 §5.3's correlation ids) and stable ids (D21).
+
+Events are plain dicts on the wire and in the log; :func:`make_event` is the one place that shapes
+them. Ids are derived, never random, wherever a redelivery must reproduce the same event: a control-
+plane event's id is a hash of the event that caused it and its position among the outputs; a
+worker's event id is a hash of its ``action_id``, attempt and name.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from typing import Any
+
+# D20: which entity each event name speaks about.
+ENTITY = {
+    "playbook.execution.requested": "playbook",
+    "playbook.request.evaluated": "playbook",
+    "playbook.processed": "playbook",
+    "workflow.started": "workflow",
+    "workflow.finished": "workflow",
+    "execution.cancelled": "workflow",
+    "token.enqueued": "next",
+    "next.evaluated": "next",
+    "step.admitted": "step",
+    "step.skipped": "step",
+    "step.scheduled": "step",
+    "step.started": "step",
+    "step.done": "step",
+    "step.failed": "step",
+    "task.started": "task",
+    "task.processed": "task",
+    "ctx.patched": "workflow",
+    "loop.started": "loop",
+    "loop.iteration.started": "loop",
+    "loop.iteration.done": "loop",
+    "loop.iteration.failed": "loop",
+    "loop.done": "loop",
+}
+TERMINAL_STEP_EVENTS = ("step.done", "step.failed", "loop.done")  # D13
+ALIASES = {"call.done": "step.done", "call.error": "step.failed"}  # D13: accepted in `when`
+
+CORRELATION_KEYS = (
+    "workflow_run_id", "step_run_id", "task_run_id", "parent_id", "action_id", "attempt", "iteration",
+)
+
+
+def stable_id(*parts: Any) -> str:
+    """A short stable hex id of its parts (D21)."""
+    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=12)
+    return h.hexdigest()
+
+
+def new_execution_id() -> str:
+    return uuid.uuid4().hex
+
+
+def action_id(execution_id: str, step_run_id: str, iteration: int | None, task: str, visit: int) -> str:
+    """D21: stable across retries and redeliveries of one task visit."""
+    return stable_id("action", execution_id, step_run_id, iteration, task, visit)
+
+
+def make_event(
+    name: str,
+    execution_id: str,
+    *,
+    event_id: str,
+    source: str,
+    status: str = "success",
+    step: str | None = None,
+    task: str | None = None,
+    data: dict[str, Any] | None = None,
+    entity_id: str | None = None,
+    timestamp: float | None = None,
+    **correlation: Any,
+) -> dict[str, Any]:
+    """Shape one event. ``status`` is ``in_progress | success | error | paused`` (seed 001 §10.1)."""
+    unknown = set(correlation) - set(CORRELATION_KEYS)
+    if unknown:
+        raise TypeError(f"unknown correlation keys {sorted(unknown)}")
+    event = {
+        "event_id": event_id,
+        "execution_id": execution_id,
+        "timestamp": time.time() if timestamp is None else timestamp,
+        "source": source,
+        "name": name,
+        "entity": ENTITY.get(name, "workflow"),
+        "entity_id": entity_id or correlation.get("step_run_id") or execution_id,
+        "status": status,
+        "step": step,
+        "task": task,
+        "data": data or {},
+    }
+    for key in CORRELATION_KEYS:
+        event[key] = correlation.get(key)
+    return event

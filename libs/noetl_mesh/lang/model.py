@@ -1,0 +1,316 @@
+"""Pydantic models of the canonical v10 playbook (seeds 001, 002; DECISIONS D1-D5, D27, D28).
+
+The models are the one description of the document's shape: the validator checks each piece of a
+raw document against them (so every error keeps its own location), ``noetl schema`` exports them as
+JSON Schema, and the rest of the engine reads the typed, normalised :class:`Playbook`.
+
+Structural objects forbid unknown keys (D1: unknown keys are errors). ``spec`` objects allow extra
+keys, because seed 002 keeps placeholders there; the validator warns about the ones it does not know.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
+
+# D6: names that templates reserve; no step or task may use them.
+RESERVED_NAMES = frozenset(
+    "workload ctx iter args execution_id keychain event outcome output _prev _task _attempt".split()
+)
+
+Template = str  # a string that may hold Jinja2 templates (D6, D7)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Open(BaseModel):
+    """A ``spec`` mapping: known keys typed, unknown keys kept (the validator warns about them)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+# ---------------------------------------------------------------- task policy (D9, seed 001 §6)
+class RuleAction(Strict):
+    do: Literal["continue", "retry", "jump", "break", "fail"] = "continue"
+    attempts: int | None = Field(None, ge=1, description="retry: total attempts, the first included")
+    backoff: Literal["none", "linear", "exponential"] = "none"
+    delay: float | Template = 0.0
+    max_delay: float = Field(60.0, ge=0)
+    jitter: bool = False
+    to: str | None = Field(None, description="jump: a task label of the same pipeline")
+    set_iter: dict[str, Any] | None = None
+    set_ctx: dict[str, Any] | None = None
+
+
+class WhenRule(Strict):
+    when: Template
+    then: RuleAction
+
+
+class ElseBody(Strict):
+    then: RuleAction
+
+
+class ElseRule(Strict):
+    else_: ElseBody = Field(alias="else")
+
+
+def _rule_tag(value: Any) -> str:
+    return "else" if isinstance(value, dict) and "else" in value else "when"
+
+
+Rule = Annotated[Union[Annotated[WhenRule, Tag("when")], Annotated[ElseRule, Tag("else")]], Discriminator(_rule_tag)]
+
+
+class TaskPolicy(Open):
+    rules: list[Rule]
+
+
+class TaskSpec(Open):
+    policy: TaskPolicy | None = None
+    timeout: float | dict[str, float] | None = None
+
+
+# ---------------------------------------------------------------- tools (D8, D25, D27, D28)
+class TaskBase(Strict):
+    name: str | None = None
+    desc: str | None = None
+    spec: TaskSpec | None = None
+
+
+class NoopTask(TaskBase):
+    kind: Literal["noop"]
+    result: Any = None
+
+
+class HttpTask(TaskBase):
+    kind: Literal["http"]
+    method: str = "GET"
+    url: Template = Field(validation_alias=AliasChoices("url", "endpoint"))
+    params: dict[str, Any] | Template | None = None
+    headers: dict[str, Any] | Template | None = None
+    json_: Any = Field(None, alias="json")
+    body: Any = Field(None, validation_alias=AliasChoices("body", "data"))
+    timeout: float | dict[str, float] | Template | None = None
+    auth: Any = None
+
+
+class PythonTask(TaskBase):
+    kind: Literal["python"]
+    code: str
+    args: dict[str, Any] | Template | None = Field(None, validation_alias=AliasChoices("args", "input"))
+
+
+class DuckdbTask(TaskBase):
+    kind: Literal["duckdb"]
+    command: str = Field(validation_alias=AliasChoices("command", "query"))
+    params: list[Any] | dict[str, Any] | Template | None = None
+    db_path: Template | None = None
+
+
+class PostgresTask(TaskBase):
+    kind: Literal["postgres"]
+    command: str = Field(validation_alias=AliasChoices("command", "query"))
+    params: list[Any] | dict[str, Any] | Template | None = None
+    auth: str | None = Field(None, description="a keychain entry or stored credential name")
+    dsn: Template | None = Field(None, description="a connection string, usually from the keychain")
+
+
+class PlaybookTask(TaskBase):
+    kind: Literal["playbook"]
+    path: Template
+    version: int | str | None = None
+    workload: dict[str, Any] | Template | None = None
+    args: dict[str, Any] | Template | None = Field(None, validation_alias=AliasChoices("args", "input"))
+
+
+class WorkbookTask(TaskBase):
+    kind: Literal["workbook"]
+    task: str | None = Field(None, description="the workbook task to run; defaults to this task's name")
+    args: dict[str, Any] | Template | None = Field(
+        None, validation_alias=AliasChoices("args", "input", "with")
+    )
+
+
+class SecretsTask(TaskBase):
+    kind: Literal["secrets"]
+    secret: Template = Field(validation_alias=AliasChoices("secret", "key"))
+    provider: str | None = None
+
+
+Task = Annotated[
+    Union[NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask],
+    Field(discriminator="kind"),
+]
+TASK_MODELS: dict[str, type[TaskBase]] = {
+    m.model_fields["kind"].annotation.__args__[0]: m  # type: ignore[union-attr]
+    for m in (NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask)
+}
+TOOL_KINDS = tuple(TASK_MODELS)
+
+# D5: the innermost-but-one layer of every task's effective spec.
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "http": {"timeout": 30.0},
+    "python": {"timeout": 60.0},
+    "postgres": {"timeout": 60.0},
+    "duckdb": {"timeout": 60.0},
+}
+
+
+# ---------------------------------------------------------------- step admission (D17)
+class AdmitThen(Strict):
+    allow: bool | Template = True
+
+
+class AdmitWhen(Strict):
+    when: Template
+    then: AdmitThen
+
+
+class AdmitElseBody(Strict):
+    then: AdmitThen
+
+
+class AdmitElse(Strict):
+    else_: AdmitElseBody = Field(alias="else")
+
+
+AdmitRule = Annotated[
+    Union[Annotated[AdmitWhen, Tag("when")], Annotated[AdmitElse, Tag("else")]], Discriminator(_rule_tag)
+]
+
+
+class AdmitPolicy(Open):
+    mode: Literal["exclusive", "inclusive"] = "exclusive"
+    rules: list[AdmitRule] = []
+
+
+class FailurePolicy(Open):
+    mode: Literal["fail_fast", "best_effort"] = "fail_fast"
+
+
+class StepPolicy(Open):
+    admit: AdmitPolicy | None = None
+    failure: FailurePolicy | None = None
+    lifecycle: dict[str, Any] | None = None
+    emit: dict[str, Any] | None = None
+
+
+class StepSpec(Open):
+    policy: StepPolicy | None = None
+    join: Literal["all", "any"] = "all"
+    max_steps: int = Field(10_000, ge=1)
+    pool: str | None = Field(None, description="worker pool that runs this step's commands")
+
+
+# ---------------------------------------------------------------- loop (D19)
+class LoopSpec(Open):
+    mode: Literal["sequential", "parallel"] = "sequential"
+    max_in_flight: int = Field(16, ge=1)
+    policy: dict[str, Any] | None = None
+
+
+class Loop(Strict):
+    in_: Template | list[Any] = Field(alias="in")
+    iterator: str
+    spec: LoopSpec | None = None
+
+
+# ---------------------------------------------------------------- routing (D13, D14)
+class Arc(Strict):
+    step: str
+    when: Template | None = None
+    args: dict[str, Any] | None = None
+    spec: dict[str, Any] | None = None
+
+
+class RouterSpec(Open):
+    mode: Literal["exclusive", "inclusive"] = "exclusive"
+    policy: dict[str, Any] | None = None
+
+
+class Router(Strict):
+    spec: RouterSpec | None = None
+    arcs: list[Arc] = Field(min_length=1)
+
+
+class Step(Strict):
+    step: str
+    desc: str | None = None
+    spec: StepSpec | None = None
+    loop: Loop | None = None
+    tool: list[Task] | Task | None = None
+    next: Router | None = None
+
+
+# ---------------------------------------------------------------- root (D2)
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    path: str
+    version: int | str | None = None
+    description: str | None = None
+
+
+class LimitsPolicy(Open):
+    max_payload_bytes: int = Field(256 * 1024, ge=1024)
+
+
+class ExecutorPolicy(Open):
+    limits: LimitsPolicy | None = None
+
+
+class ExecutorSpec(Open):
+    entry_step: str | None = None
+    policy: ExecutorPolicy | None = None
+    max_steps: int | None = Field(None, ge=1)
+
+
+class Executor(Strict):
+    profile: str | None = None
+    version: str | None = None
+    spec: ExecutorSpec | None = None
+
+
+class KeychainEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    kind: Literal["credential", "static", "env"]
+
+
+class Playbook(Strict):
+    apiVersion: Literal["noetl.io/v2"]
+    kind: Literal["Playbook"]
+    metadata: Metadata
+    executor: Executor | None = None
+    workload: dict[str, Any] = {}
+    keychain: list[KeychainEntry] = []
+    workbook: list[Task] | None = None
+    workflow: list[Step] = Field(min_length=1)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of the playbook language, for editors (``noetl schema``).
+
+    Field aliases (``endpoint`` for ``url``, ``input`` for ``args``...) are added as properties too,
+    so a playbook that uses them still validates in an editor.
+    """
+    schema = Playbook.model_json_schema(by_alias=True)
+    for model in _all_models():
+        props = schema.get("$defs", {}).get(model.__name__, {}).get("properties")
+        if props is None:
+            continue
+        for field in model.model_fields.values():
+            if isinstance(field.validation_alias, AliasChoices):
+                names = [c for c in field.validation_alias.choices if isinstance(c, str)]
+                for alias in names[1:]:
+                    props.setdefault(alias, props.get(names[0], {}))
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "NoETL playbook (canonical v10)"
+    return schema
+
+
+def _all_models() -> list[type[BaseModel]]:
+    return [v for v in globals().values() if isinstance(v, type) and issubclass(v, BaseModel) and v.__module__ == __name__]

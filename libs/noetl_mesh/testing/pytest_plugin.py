@@ -1,0 +1,100 @@
+"""pytest fixtures for real NATS and Postgres servers.
+
+Load with ``pytest_plugins = ["noetl_mesh.testing.pytest_plugin"]``. Servers start
+lazily, once per session, only when a test asks for one of the fixtures below;
+``NOETL_NATS_URL`` / ``NOETL_PG_DSN`` point them at external servers instead.
+
+Fixtures:
+    nats_server (session)  EmbeddedNats | ExternalNats
+    nats_url               client URL of ``nats_server``
+    pg_server (session)    EmbeddedPostgres | ExternalPostgres (fsync off)
+    pg_template (session)  name of the template database, ``noetl_template``
+    pg_template_init       session fixture returning callables ``(template_dsn) -> None``
+                           run once on the template; override it to apply migrations
+    pg_database_factory    ``() -> dsn``; each call creates a database from the template,
+                           all dropped after the test
+    pg_dsn                 DSN of a fresh database for this test
+
+Applying migrations to every test database (e.g. in ``tests/conftest.py``)::
+
+    @pytest.fixture(scope="session")
+    def pg_template_init():
+        return [apply_migrations]   # must close its connections before returning
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from noetl_mesh.infra.embedded import NatsServer, PostgresServer, provision_nats, provision_postgres
+
+TEMPLATE_DB = "noetl_template"
+
+TemplateInit = Callable[[str], None]
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    """A JetStream-enabled NATS server for the whole session."""
+    server = provision_nats()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """One Postgres cluster for the whole session (fsync and friends off)."""
+    server = provision_postgres(fast=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_template_init() -> list[TemplateInit]:
+    """Callables run once against the template database's DSN; override to add migrations."""
+    return []
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_server: PostgresServer, pg_template_init: list[TemplateInit]) -> Iterator[str]:
+    """(Re)create ``noetl_template`` and initialise it; yields its name."""
+    pg_server.drop_database(TEMPLATE_DB)
+    dsn = pg_server.create_database(TEMPLATE_DB)
+    for init in pg_template_init:
+        init(dsn)
+    yield TEMPLATE_DB
+    pg_server.drop_database(TEMPLATE_DB)
+
+
+@pytest.fixture
+def pg_database_factory(pg_server: PostgresServer, pg_template: str) -> Iterator[Callable[[], str]]:
+    """Create fresh databases (``t_<uuid>``) from the template; all are dropped after the test."""
+    created: list[str] = []
+
+    def create() -> str:
+        name = f"t_{uuid.uuid4().hex}"
+        dsn = pg_server.create_database(name, template=pg_template)
+        created.append(name)
+        return dsn
+
+    yield create
+    for name in created:
+        pg_server.drop_database(name)
+
+
+@pytest.fixture
+def pg_dsn(pg_database_factory: Callable[[], str]) -> str:
+    """DSN of a database of its own for this test."""
+    return pg_database_factory()
