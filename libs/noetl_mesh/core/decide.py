@@ -1,0 +1,432 @@
+"""What happens next: pure decisions from (state, event) to new events and commands.
+
+Three slices, one per control-plane service, each the only writer of its events:
+
+- :func:`admission` — evaluates execution requests and step admission (D17), fires joins (D16),
+  creates step runs and their commands;
+- :func:`router` — evaluates arcs on terminal step events (D13, D14), handles unhandled failures
+  (D15), detects completion and cancellation (D18);
+- :func:`loops` — renders loop collections, dispatches iterations and ends loop steps (D19, D15).
+
+Each function takes the state *after* the event was folded in and returns a :class:`Decision`. The
+caller folds the decision's events into its own state at once (``Decision.apply``) before handling the
+next event, so a service never decides twice on the same tokens. Every id is derived from the cause
+(D21), so a redelivered event yields the same events, which the bus and the log store once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..lang.normalize import deep_merge
+from ..lang.templates import TemplateError, render, truthy
+from .events import ALIASES, TERMINAL_STEP_EVENTS, make_event, stable_id
+from .state import CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, apply, graph_of
+
+DEFAULT_POOL = "default"
+
+
+@dataclass
+class Decision:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    commands: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Out:
+    """Collects the outputs of one decision, giving each a stable id and folding it in at once."""
+
+    def __init__(self, state: ExecutionState, cause: dict[str, Any], source: str):
+        self.state, self.cause, self.source = state, cause, source
+        self.decision = Decision()
+
+    def event(self, name: str, *, status: str = "success", data: dict | None = None, **kw: Any) -> dict:
+        n = len(self.decision.events)
+        event = make_event(
+            name,
+            self.state.execution_id,
+            event_id=stable_id(self.cause["event_id"], self.source, n),
+            source=self.source,
+            status=status,
+            data=data,
+            parent_id=self.cause["event_id"],
+            **kw,
+        )
+        self.decision.events.append(event)
+        apply(self.state, event)
+        return event
+
+    def command(self, command: dict) -> None:
+        self.decision.commands.append(command)
+
+
+# =============================================================== admission
+def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None) -> Decision:
+    """``playbook``: for ``playbook.execution.requested``, the resolved document (the shell fetched
+    it from the catalog or took it inline) or a list of error strings when it could not."""
+    out = _Out(state, event, "admission")
+    name = event["name"]
+    if name == "playbook.execution.requested":
+        _evaluate_request(out, playbook)
+    if state.status == "RUNNING" and state.tokens and not state.halted:
+        _admit_pending(out)
+    return out.decision
+
+
+def _evaluate_request(out: _Out, resolved: Any) -> None:
+    from ..lang.validate import entry_step, validate
+
+    state = out.state
+    if state.playbook is not None:
+        return  # already evaluated (a redelivery)
+    errors: list[str] = []
+    result = None
+    if isinstance(resolved, list):
+        errors = [str(e) for e in resolved]
+    elif resolved is None:
+        errors = ["no playbook given"]
+    else:
+        result = validate(resolved)
+        errors = [str(d) for d in result.errors]
+    if errors:
+        out.event("playbook.request.evaluated", status="error", data={"errors": errors})
+        return
+    doc = result.document
+    overrides = state.request.get("workload") or {}
+    workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
+    out.event(
+        "playbook.request.evaluated",
+        data={"playbook": doc, "workload": workload, "keychain": state.request.get("keychain") or {},
+              "path": doc["metadata"]["path"], "version": state.request.get("version")},
+    )
+    out.event("workflow.started", data={"entry_step": entry_step(doc)})
+    _enqueue(out, entry_step(doc), ENTRY_PLACE, state.request.get("args") or {}, cause_key="entry")
+
+
+def _enqueue(out: _Out, step: str, place: str, args: dict, cause_key: str) -> None:
+    tid = stable_id("token", out.state.execution_id, out.cause["event_id"], cause_key)
+    out.event("token.enqueued", step=step, data={"token_id": tid, "step": step, "place": place, "args": args})
+
+
+def _admit_pending(out: _Out) -> None:
+    """Consume every token that can be consumed now, in arrival order, until nothing changes."""
+    state = out.state
+    progress = True
+    while progress and not state.halted:
+        progress = False
+        for token in sorted(state.tokens.values(), key=lambda t: t.seq):
+            if token.id not in state.tokens:
+                continue
+            if _try_fire(out, token.step, token):
+                progress = True
+                break
+
+
+def _is_join(state: ExecutionState, step: str) -> bool:
+    spec = state.step_def(step).get("spec") or {}
+    return state.graph.is_join(step) and spec.get("join", "all") != "any"
+
+
+def _try_fire(out: _Out, step: str, token) -> bool:
+    """D16: a non-join step (or a back-edge token) fires per token; a join fires when each forward
+    place holds a token or can no longer receive one."""
+    state = out.state
+    graph = state.graph
+    forward = graph.forward_places.get(step, [])
+    if not _is_join(state, step) or token.place not in {p.id for p in forward}:
+        _fire(out, step, [token.id], token.args)
+        return True
+    marked: dict[str, list] = {}
+    for t in state.tokens.values():
+        if t.step == step:
+            marked.setdefault(t.place, []).append(t)
+    active = [t.step for t in state.tokens.values() if t.step != step]
+    active += [r.step for r in state.runs.values() if r.active]
+    for place in forward:
+        if place.id not in marked and graph.can_still_feed(step, place, active):
+            return False  # wait: this branch may still arrive
+    order = {name: i for i, name in enumerate(graph.order)}
+    consumed = []
+    for place in sorted(forward, key=lambda p: (order[p.source], p.index)):
+        if place.id in marked:
+            consumed.append(min(marked[place.id], key=lambda t: t.seq))
+    args: dict[str, Any] = {}
+    for t in consumed:  # D16: merged in the workflow order of their source steps, later keys win
+        args.update(t.args)
+    _fire(out, step, [t.id for t in consumed], args)
+    return True
+
+
+def _fire(out: _Out, step: str, token_ids: list[str], args: dict) -> None:
+    state = out.state
+    sdef = state.step_def(step)
+    allow, why = _admit(state, sdef, args)
+    if not allow:
+        out.event("step.skipped", step=step, data={"tokens": token_ids, "reason": why})
+        return
+    run_id = stable_id("run", state.execution_id, *sorted(token_ids))
+    out.event("step.admitted", step=step, step_run_id=run_id,
+              data={"run_id": run_id, "step": step, "tokens": token_ids, "args": args})
+    run = state.runs[run_id]
+    if not sdef.get("tool"):  # D13: a step without tool is done at once
+        out.event("step.started", step=step, step_run_id=run_id, status="in_progress")
+        out.event("step.done", step=step, step_run_id=run_id, data={"result": None})
+        return
+    if sdef.get("loop"):
+        return  # the loop-coordinator takes it from here (D19)
+    pool = step_spec(state, sdef).get("pool") or DEFAULT_POOL
+    out.event("step.scheduled", step=step, step_run_id=run_id, status="in_progress", data={"pool": pool})
+    out.command(build_command(state, run, pool=pool))
+
+
+def _admit(state: ExecutionState, sdef: dict, args: dict) -> tuple[bool, str]:
+    """D17: first matching rule wins; no rules, or no match and no else, -> allow."""
+    rules = (((sdef.get("spec") or {}).get("policy") or {}).get("admit") or {}).get("rules") or []
+    if not rules:
+        return True, ""
+    context = {"workload": state.workload, "ctx": state.ctx, "args": args, "execution_id": state.execution_id,
+               **_step_scope(state)}
+    where = f"step={sdef['step']}.spec.policy.admit"
+    try:
+        for i, rule in enumerate(rules):
+            if "else" in rule:
+                return _allow(rule["else"]["then"], context, f"{where}.rules[{i}].else"), f"rules[{i}] (else)"
+            if truthy(rule["when"], context, f"{where}.rules[{i}].when"):
+                return _allow(rule["then"], context, f"{where}.rules[{i}]"), f"rules[{i}]"
+    except TemplateError as exc:
+        return False, f"admission error: {exc}"
+    return True, "no rule matched"
+
+
+def _allow(then: dict, context: dict, where: str) -> bool:
+    value = then.get("allow", True)
+    return truthy(value, context, where) if isinstance(value, str) else bool(value)
+
+
+# =============================================================== router
+def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
+    out = _Out(state, event, "router")
+    name = event["name"]
+    if state.finished:
+        return out.decision
+    if name == "playbook.request.evaluated" and event["status"] == "error":
+        _finish(out, FAILED, error={"kind": "invalid_playbook", "message": "; ".join(state.errors)})
+        return out.decision
+    if name == "execution.cancelled":
+        _finish(out, CANCELLED, error={"kind": "cancelled", "message": event["data"].get("reason") or "cancelled"})
+        return out.decision
+    if name in TERMINAL_STEP_EVENTS:
+        run = state.runs.get(event["step_run_id"])
+        if run is not None and run.ended and not run.routed and _terminal_of(run, event):
+            _route(out, run, event)
+    if state.status == "RUNNING" and state.halted and not state.cancel_requested:
+        _finish(out, FAILED, error=(state.failure or {}).get("error"))
+    elif state.status == "RUNNING" and name in ("next.evaluated", "step.skipped", *TERMINAL_STEP_EVENTS) \
+            and state.quiescent():  # only these end activity; between workflow.started and its token nothing does
+        _finish(out, FAILED if state.failed_unhandled else COMPLETED,
+                error=(state.failure or {}).get("error") if state.failed_unhandled else None)
+    return out.decision
+
+
+def _terminal_of(run: StepRun, event: dict) -> bool:
+    """Route only on the event that ended the run (not on a late duplicate of another kind)."""
+    return (run.status == "done") == (event["name"] in ("step.done", "loop.done"))
+
+
+def _route(out: _Out, run: StepRun, event: dict) -> None:
+    """D13/D14: evaluate the arcs of the step in the arc context; fire tokens; D15 on failure."""
+    state = out.state
+    sdef = state.step_def(run.step)
+    router_def = sdef.get("next") or {}
+    mode = (router_def.get("spec") or {}).get("mode", "exclusive")
+    data = event.get("data") or {}
+    ev = {"name": EventName(event["name"]), "step": run.step, "result": data.get("result"),
+          "error": data.get("error")}
+    for key in ("total", "done", "failed"):
+        if key in data:
+            ev[key] = data[key]
+    success = event["name"] in ("step.done", "loop.done")
+    context = {"workload": state.workload, "ctx": state.ctx, "args": run.args, "execution_id": state.execution_id,
+               "event": ev, **_step_scope(state)}
+    fired: list[tuple[int, dict]] = []
+    error = None
+    for i, arc in enumerate(router_def.get("arcs") or []):
+        where = f"step={run.step}.next.arcs[{i}]"
+        try:
+            if arc.get("when") is None:
+                matches = success  # D14: an arc without `when` matches only success events
+            else:
+                matches = truthy(arc["when"], context, f"{where}.when")
+            if matches:
+                fired.append((i, render(arc.get("args") or {}, context, f"{where}.args")))
+        except TemplateError as exc:
+            error = {"kind": "template_error", "message": str(exc), "retryable": False}
+            fired = []
+            break
+        if fired and mode == "exclusive":
+            break
+    unhandled = (not success or error is not None) and not fired
+    fail_fast = unhandled and _failure_mode(state, sdef) == "fail_fast"
+    for i, args in fired:
+        target = router_def["arcs"][i]["step"]
+        place = next(p.id for p in state.graph.places if p.source == run.step and p.index == i)
+        _enqueue(out, target, place, args, cause_key=f"{run.id}:{i}")
+    out.event("next.evaluated", step=run.step, step_run_id=run.id,
+              data={"arcs": [i for i, _ in fired], "unhandled": unhandled, "fail_fast": fail_fast,
+                    "error": error or (data.get("error") if unhandled else None)})
+
+
+def _failure_mode(state: ExecutionState, sdef: dict) -> str:
+    return ((step_spec(state, sdef).get("policy") or {}).get("failure") or {}).get("mode", "fail_fast")
+
+
+def _finish(out: _Out, status: str, error: Any = None) -> None:
+    state = out.state
+    cancelled = [r.id for r in state.runs.values() if r.active and not r.ended]
+    out.event("workflow.finished", status="success" if status == COMPLETED else "error",
+              data={"status": status, "cancelled_runs": cancelled, "error": error})
+    out.event("playbook.processed", status="success" if status == COMPLETED else "error",
+              data={"status": status})
+
+
+class EventName(str):
+    """D13: ``call.done``/``call.error`` compare equal to ``step.done``/``step.failed`` in `when`."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return str.__eq__(self, ALIASES.get(other, other))
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = str.__hash__
+
+
+# =============================================================== loops
+def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
+    out = _Out(state, event, "loop-coordinator")
+    if state.halted:
+        return out.decision
+    name = event["name"]
+    run = state.runs.get(event.get("step_run_id") or "")
+    if run is None or run.ended:
+        return out.decision
+    sdef = state.step_def(run.step)
+    if not sdef.get("loop") or not sdef.get("tool"):
+        return out.decision
+    if name == "step.admitted" and run.loop is None:
+        _start_loop(out, run, sdef)
+    elif name in ("loop.iteration.done", "loop.iteration.failed") and run.loop is not None:
+        _continue_loop(out, run, sdef)
+    return out.decision
+
+
+def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
+    state = out.state
+    loop = sdef["loop"]
+    lspec = loop.get("spec") or {}
+    mode = lspec.get("mode") or (lspec.get("policy") or {}).get("mode") or "sequential"
+    context = {"workload": state.workload, "ctx": state.ctx, "args": run.args, "execution_id": state.execution_id,
+               **_step_scope(state)}
+    out.event("step.started", step=run.step, step_run_id=run.id, status="in_progress")
+    try:
+        items = render(loop["in"], context, f"step={run.step}.loop.in")  # D19: rendered once, at admission
+        if isinstance(items, dict):
+            items = [{"key": k, "value": v} for k, v in items.items()]
+        if not isinstance(items, (list, tuple)):
+            raise TemplateError(str(loop["in"]), f"step={run.step}.loop.in",
+                                f"loop.in must render to a list, got {type(items).__name__}")
+    except TemplateError as exc:
+        out.event("step.failed", status="error", step=run.step, step_run_id=run.id,
+                  data={"error": {"kind": "template_error", "message": str(exc), "retryable": False},
+                        "total": 0, "done": 0, "failed": 0})
+        return
+    max_in_flight = int(lspec.get("max_in_flight", 16)) if mode == "parallel" else 1
+    out.event("loop.started", step=run.step, step_run_id=run.id, status="in_progress",
+              data={"items": list(items), "mode": mode, "max_in_flight": max_in_flight,
+                    "iterator": loop["iterator"]})
+    if not items:  # D19: an empty collection ends at once
+        out.event("loop.done", step=run.step, step_run_id=run.id,
+                  data={"result": [], "total": 0, "done": 0, "failed": 0})
+        return
+    _dispatch(out, run, sdef)
+
+
+def _dispatch(out: _Out, run: StepRun, sdef: dict) -> None:
+    state = out.state
+    loop = run.loop
+    pool = step_spec(state, sdef).get("pool") or DEFAULT_POOL
+    while loop.next_index < loop.total and len(loop.in_flight) < loop.max_in_flight:
+        i = loop.next_index
+        out.event("loop.iteration.started", step=run.step, step_run_id=run.id, iteration=i,
+                  status="in_progress", data={"index": i})
+        out.command(build_command(state, run, pool=pool, iteration=i))
+
+
+def _continue_loop(out: _Out, run: StepRun, sdef: dict) -> None:
+    state = out.state
+    loop = run.loop
+    counts = {"total": loop.total, "done": loop.done, "failed": loop.failed}
+    if loop.failed and _failure_mode(state, sdef) == "fail_fast":
+        # D15: stop dispatching at the first failed iteration and end the step failed
+        first = min(loop.errors)
+        cause = loop.errors[first] or {}
+        out.event("step.failed", status="error", step=run.step, step_run_id=run.id,
+                  data={"error": {"kind": "iteration_failed", "retryable": False, "iteration": first,
+                                  "message": f"iteration {first} failed: {cause.get('message', '')}".rstrip(": ")},
+                        "result": _ordered(loop), **counts})
+        return
+    if loop.finished == loop.total:
+        out.event("loop.done", step=run.step, step_run_id=run.id, data={"result": _ordered(loop), **counts})
+        return
+    _dispatch(out, run, sdef)
+
+
+def _ordered(loop) -> list[Any]:
+    return [loop.results.get(i) for i in range(loop.total)]  # D11: by iter.index, null when failed
+
+
+# =============================================================== commands
+def step_spec(state: ExecutionState, sdef: dict) -> dict:
+    """The step's effective spec without the task level (D5, D9)."""
+    executor = (state.playbook.get("executor") or {}).get("spec")
+    loop = (sdef.get("loop") or {}).get("spec")
+    return deep_merge(executor, sdef.get("spec"), loop)
+
+
+def _step_scope(state: ExecutionState) -> dict[str, Any]:
+    """D6: each finished earlier step is readable by its name."""
+    return state.step_results()
+
+
+def build_command(state: ExecutionState, run: StepRun, *, pool: str, iteration: int | None = None) -> dict:
+    sdef = state.step_def(run.step)
+    loop = sdef.get("loop")
+    iter_scope = None
+    loop_mode = None
+    if iteration is not None:
+        iter_scope = {loop["iterator"]: run.loop.items[iteration], "index": iteration,
+                      "parent": (state.request.get("iter_parent"))}
+        loop_mode = run.loop.mode
+    return {
+        "command_id": stable_id("cmd", run.id, iteration),
+        "pool": pool,
+        "execution_id": state.execution_id,
+        "step": run.step,
+        "step_run_id": run.id,
+        "iteration": iteration,
+        "tasks": sdef.get("tool") or [],
+        "spec_layers": {"executor": (state.playbook.get("executor") or {}).get("spec"),
+                        "step": sdef.get("spec"), "loop": (loop or {}).get("spec")},
+        "workload": state.workload,
+        "ctx": dict(state.ctx),
+        "args": run.args,
+        "iter": iter_scope,
+        "steps": _step_scope(state),
+        "keychain": state.keychain,
+        "loop_mode": loop_mode,
+    }
+
+
+__all__ = ["Decision", "admission", "router", "loops", "build_command", "step_spec", "graph_of", "EventName"]

@@ -1,0 +1,329 @@
+"""Execution state as a pure fold of events (D22).
+
+``apply(state, event)`` updates one :class:`ExecutionState` in place; ``fold(events)`` builds one from
+nothing. Nothing here does I/O, and nothing else in the engine changes execution state: the services
+fold the events they receive (and the ones they emit) with this module, and replay from the event log
+uses it too, so the state a service holds and the state rebuilt from the log are the same function of
+the same events.
+
+The net (D16): a *token* targets a step and lies in a *place* (an arc of the static graph, or
+``entry``); admission consumes tokens into *step runs*; the router turns a run's terminal event into
+new tokens. A run is *active* from its admission until its routing (``next.evaluated``), so at every
+point of the event stream each token or run that can still feed a join is visible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..lang.graph import WorkflowGraph
+from ..lang.validate import entry_step
+
+ENTRY_PLACE = "entry"
+
+# D18 statuses
+PENDING, RUNNING, COMPLETED, FAILED, CANCELLED = "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
+FINAL = (COMPLETED, FAILED, CANCELLED)
+
+
+@dataclass
+class Token:
+    id: str
+    step: str  # the step it targets
+    place: str  # Place.id of the arc it came by, or ENTRY_PLACE
+    args: dict[str, Any]
+    seq: int  # order of arrival, for first-in first-out consumption
+
+
+@dataclass
+class LoopState:
+    items: list[Any]
+    mode: str
+    max_in_flight: int
+    in_flight: set[int] = field(default_factory=set)
+    next_index: int = 0
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, Any] = field(default_factory=dict)  # failed iterations
+    done: int = 0
+    failed: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.items)
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+
+@dataclass
+class StepRun:
+    id: str
+    step: str
+    args: dict[str, Any]
+    status: str = "running"  # running | done | failed | cancelled
+    result: Any = None
+    error: Any = None
+    started: bool = False
+    ended: bool = False
+    routed: bool = False
+    loop: LoopState | None = None
+
+    @property
+    def active(self) -> bool:
+        """Active until routed: until then it may still put tokens on places (D16)."""
+        return not self.routed
+
+
+@dataclass
+class ExecutionState:
+    execution_id: str
+    status: str = PENDING
+    request: dict[str, Any] = field(default_factory=dict)
+    playbook: dict[str, Any] | None = None  # the normalised document
+    graph: WorkflowGraph | None = None
+    workload: dict[str, Any] = field(default_factory=dict)
+    keychain: dict[str, Any] = field(default_factory=dict)
+    ctx: dict[str, Any] = field(default_factory=dict)
+    tokens: dict[str, Token] = field(default_factory=dict)  # pending tokens by id
+    runs: dict[str, StepRun] = field(default_factory=dict)
+    runs_of: dict[str, list[str]] = field(default_factory=dict)  # step -> run ids in order
+    skipped: dict[str, int] = field(default_factory=dict)  # step -> times skipped by admission
+    failed_unhandled: bool = False  # D15: an unhandled failure happened
+    failure: dict[str, Any] | None = None
+    cancel_requested: bool = False
+    errors: list[Any] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)  # event ids applied (D21)
+    token_seq: int = 0
+    events: int = 0
+
+    # ------------------------------------------------------------ derived views
+    @property
+    def finished(self) -> bool:
+        return self.status in FINAL
+
+    @property
+    def halted(self) -> bool:
+        """No new work is scheduled (D15 fail_fast, cancellation, or the end)."""
+        return self.finished or self.cancel_requested or (self.failed_unhandled and self._fail_fast_hit)
+
+    _fail_fast_hit: bool = False
+
+    def steps_by_name(self) -> dict[str, dict[str, Any]]:
+        return {s["step"]: s for s in (self.playbook or {}).get("workflow", [])}
+
+    def step_def(self, name: str) -> dict[str, Any]:
+        for s in (self.playbook or {}).get("workflow", []):
+            if s["step"] == name:
+                return s
+        raise KeyError(name)
+
+    def active_runs(self) -> list[StepRun]:
+        return [r for r in self.runs.values() if r.active]
+
+    def last_run(self, step: str) -> StepRun | None:
+        ids = self.runs_of.get(step)
+        return self.runs[ids[-1]] if ids else None
+
+    def step_results(self) -> dict[str, dict[str, Any]]:
+        """Each step's last *finished* run, readable by name in templates (D6)."""
+        out = {}
+        for step, ids in self.runs_of.items():
+            for rid in reversed(ids):
+                run = self.runs[rid]
+                if run.ended:
+                    out[step] = {"status": run.status, "result": run.result, "error": run.error}
+                    break
+        return out
+
+    def quiescent(self) -> bool:
+        """D18: no token pending and no step run in flight."""
+        return not self.tokens and not any(r.active for r in self.runs.values())
+
+
+def fold(events: Iterable[dict[str, Any]], execution_id: str | None = None) -> ExecutionState:
+    state: ExecutionState | None = None
+    for event in events:
+        if state is None:
+            state = ExecutionState(execution_id or event["execution_id"])
+        apply(state, event)
+    return state or ExecutionState(execution_id or "")
+
+
+def apply(state: ExecutionState, event: dict[str, Any]) -> bool:
+    """Fold one event into ``state``. Returns False when the event was already applied (D21)."""
+    eid = event["event_id"]
+    if eid in state.seen:
+        return False
+    state.seen.add(eid)
+    state.events += 1
+    handler = _HANDLERS.get(event["name"])
+    if handler is not None:
+        handler(state, event, event.get("data") or {})
+    return True
+
+
+# ---------------------------------------------------------------- handlers
+def _requested(s: ExecutionState, e: dict, d: dict) -> None:
+    s.request = d
+
+
+def _evaluated(s: ExecutionState, e: dict, d: dict) -> None:
+    if e["status"] == "error":
+        s.errors = d.get("errors", [])
+        return
+    s.playbook = d["playbook"]
+    s.workload = d.get("workload") or {}
+    s.keychain = d.get("keychain") or {}
+    s.graph = graph_of(s.playbook)
+
+
+def graph_of(doc: dict[str, Any]) -> WorkflowGraph:
+    return WorkflowGraph.build(
+        (st["step"], [a["step"] for a in (st.get("next") or {}).get("arcs", [])]) for st in doc["workflow"]
+    )
+
+
+def _started(s: ExecutionState, e: dict, d: dict) -> None:
+    if s.status == PENDING:
+        s.status = RUNNING
+
+
+def _token(s: ExecutionState, e: dict, d: dict) -> None:
+    s.token_seq += 1
+    s.tokens[d["token_id"]] = Token(d["token_id"], d["step"], d.get("place", ENTRY_PLACE), d.get("args") or {}, s.token_seq)
+
+
+def _consume(s: ExecutionState, d: dict) -> None:
+    for tid in d.get("tokens", ()):
+        s.tokens.pop(tid, None)
+
+
+def _admitted(s: ExecutionState, e: dict, d: dict) -> None:
+    _consume(s, d)
+    run = StepRun(d["run_id"], d["step"], d.get("args") or {})
+    s.runs[run.id] = run
+    s.runs_of.setdefault(run.step, []).append(run.id)
+
+
+def _skipped(s: ExecutionState, e: dict, d: dict) -> None:
+    _consume(s, d)
+    s.skipped[e["step"]] = s.skipped.get(e["step"], 0) + 1
+
+
+def _step_started(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is not None:
+        run.started = True
+
+
+def _ctx_patched(s: ExecutionState, e: dict, d: dict) -> None:
+    s.ctx.update(d.get("patch") or {})  # D12: in event order, last writer wins per key
+
+
+def _loop_started(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is not None:
+        run.loop = LoopState(list(d.get("items") or []), d.get("mode", "sequential"), int(d.get("max_in_flight", 1)))
+
+
+def _iteration_started(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is not None and run.loop is not None and not run.ended:
+        i = e["iteration"]
+        run.loop.in_flight.add(i)
+        run.loop.next_index = max(run.loop.next_index, i + 1)
+
+
+def _iteration_ended(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is None or run.loop is None or run.ended:
+        return
+    i = e["iteration"]
+    loop = run.loop
+    if i not in loop.in_flight:  # a duplicate or late report
+        return
+    loop.in_flight.discard(i)
+    if e["name"] == "loop.iteration.done":
+        loop.done += 1
+        loop.results[i] = d.get("result")
+    else:
+        loop.failed += 1
+        loop.results[i] = None  # D11: null for a failed iteration
+        loop.errors[i] = d.get("error")
+
+
+def _terminal(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is None or run.ended:
+        return
+    run.ended = True
+    run.status = "done" if e["name"] in ("step.done", "loop.done") else d.get("status", "failed")
+    run.result = d.get("result")
+    run.error = d.get("error")
+
+
+def _next_evaluated(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is not None:
+        run.routed = True
+    if d.get("unhandled"):
+        s.failed_unhandled = True
+        s.failure = s.failure or {"step": e["step"], "error": d.get("error")}
+        if d.get("fail_fast"):
+            s._fail_fast_hit = True
+
+
+def _cancel(s: ExecutionState, e: dict, d: dict) -> None:
+    s.cancel_requested = True
+
+
+def _finished(s: ExecutionState, e: dict, d: dict) -> None:
+    s.status = d["status"]
+    for rid in d.get("cancelled_runs", ()):
+        run = s.runs.get(rid)
+        if run is not None and not run.ended:
+            run.ended, run.routed, run.status = True, True, "cancelled"
+    s.tokens.clear()
+
+
+_HANDLERS = {
+    "playbook.execution.requested": _requested,
+    "playbook.request.evaluated": _evaluated,
+    "workflow.started": _started,
+    "token.enqueued": _token,
+    "step.admitted": _admitted,
+    "step.skipped": _skipped,
+    "step.started": _step_started,
+    "ctx.patched": _ctx_patched,
+    "loop.started": _loop_started,
+    "loop.iteration.started": _iteration_started,
+    "loop.iteration.done": _iteration_ended,
+    "loop.iteration.failed": _iteration_ended,
+    "step.done": _terminal,
+    "step.failed": _terminal,
+    "loop.done": _terminal,
+    "next.evaluated": _next_evaluated,
+    "execution.cancelled": _cancel,
+    "workflow.finished": _finished,
+}
+
+__all__ = [
+    "ExecutionState", "StepRun", "Token", "LoopState", "apply", "fold", "graph_of", "entry_step",
+    "ENTRY_PLACE", "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "FINAL",
+]
+
+
+def summary(state: ExecutionState) -> dict[str, Any]:
+    """The D26 shape of an execution (without ``events``): status, workload, ctx, and per step its run
+    count and the status and result of its last run (``skipped`` with 0 runs when admission denied it)."""
+    steps: dict[str, dict[str, Any]] = {}
+    for step in [s["step"] for s in (state.playbook or {}).get("workflow", [])]:
+        run = state.last_run(step)
+        if run is not None:
+            status = run.status if run.ended else "cancelled" if state.finished else "running"
+            steps[step] = {"status": status, "runs": len(state.runs_of[step]), "result": run.result}
+        elif state.skipped.get(step):
+            steps[step] = {"status": "skipped", "runs": 0, "result": None}
+    return {"execution_id": state.execution_id, "status": state.status, "workload": state.workload,
+            "ctx": state.ctx, "steps": steps}

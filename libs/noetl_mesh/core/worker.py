@@ -1,0 +1,62 @@
+"""One command, run: the events a worker reports for a step run or a loop iteration.
+
+The worker service is a thin shell around :func:`execute`: it pulls a command, calls this with the
+tools and a ``publish`` coroutine, and acknowledges the command once the terminal event is stored.
+Event ids are derived from the command and the task visit (D21), so a command redelivered after a
+worker crash reproduces the ids of what was already reported and the log keeps each event once.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Mapping
+
+from .events import make_event, stable_id
+from .pipeline import run_pipeline
+
+Publish = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def execute(
+    command: Mapping[str, Any],
+    tools: Mapping[str, Any],
+    publish: Publish,
+    *,
+    source: str = "worker",
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+) -> dict[str, Any]:
+    """Run the command's pipeline, publishing every event; return the terminal event."""
+    execution_id = command["execution_id"]
+    step, run_id, iteration = command["step"], command["step_run_id"], command.get("iteration")
+    cid = command["command_id"]
+    ids = {"step": step, "step_run_id": run_id, "iteration": iteration}
+
+    def event(name: str, *, status: str = "success", task: str | None = None, data: dict | None = None,
+              key: Any = None, **kw: Any) -> dict[str, Any]:
+        return make_event(name, execution_id, event_id=stable_id(cid, name, key), source=source, status=status,
+                          task=task, data=data, **ids, **kw)
+
+    if iteration is None:
+        await publish(event("step.started", status="in_progress"))
+
+    async def emit(name: str, fields: dict[str, Any]) -> None:
+        aid, attempt = fields.get("action_id"), fields.get("attempt")
+        if name == "ctx.patched":
+            await publish(event(name, task=fields.get("task"), data={"patch": fields["patch"]},
+                                key=(aid, attempt, "ctx"), action_id=aid))
+            return
+        status = "in_progress" if name == "task.started" else (
+            "success" if (fields.get("outcome") or {}).get("status") == "ok" else "error")
+        data = {"outcome": fields["outcome"]} if "outcome" in fields else {}
+        await publish(event(name, status=status, task=fields.get("task"), data=data, key=(aid, attempt),
+                            action_id=aid, attempt=attempt, task_run_id=aid))
+
+    result = await run_pipeline(dict(command), tools, emit, sleep=sleep)
+    ok = result.status == "ok"
+    if iteration is None:
+        name = "step.done" if ok else "step.failed"
+    else:
+        name = "loop.iteration.done" if ok else "loop.iteration.failed"
+    terminal = event(name, status="success" if ok else "error",
+                     data={"result": result.result, "error": result.error, "iter": result.iter})
+    await publish(terminal)
+    return terminal
