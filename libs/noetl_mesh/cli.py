@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
+import os
+import signal
 import sys
 from typing import Sequence
 
@@ -33,6 +37,169 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+def _fail(message: str, code: int = EXIT_INVALID) -> int:
+    print(f"noetl: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input."""
+    from .lang.validate import validate_file
+
+    result = validate_file(args.file)
+    if not result.ok:
+        for d in result.errors:
+            print(f"{args.file}: {d}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        workload = json.loads(args.workload) if args.workload else {}
+    except json.JSONDecodeError as exc:
+        return _fail(f"--workload is not valid JSON: {exc}")
+    if not isinstance(workload, dict):
+        return _fail("--workload must be a JSON object")
+    text = open(args.file, encoding="utf-8").read()
+    try:
+        return asyncio.run(_run(args, text, workload))
+    except KeyboardInterrupt:
+        return EXIT_FAILED
+
+
+async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
+    from .client import GatewayClient
+
+    stack = None
+    gateway = args.gateway or os.environ.get("NOETL_GATEWAY_URL")
+    try:
+        if not gateway:
+            stack = await _embedded_stack(quiet=args.json)
+            gateway = stack.gateway_url
+        async with GatewayClient(gateway) as client:
+            execution_id = await client.start(text, workload)
+            progress = None if args.json else (lambda e: _print_progress(e))
+            final = await client.wait(execution_id, timeout=args.timeout, on_event=progress)
+            events = await client.all_events(execution_id)
+    finally:
+        if stack is not None:
+            await stack.stop()
+    if args.json:
+        out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps")}
+        out["events"] = [{k: e.get(k) for k in ("name", "step", "task", "iteration", "attempt")} for e in events]
+        print(json.dumps(out, default=str))
+    else:
+        print(f"execution {execution_id}: {final['status']}")
+        if final.get("error"):
+            print(f"  error: {final['error']}")
+    return EXIT_OK if final["status"] == "COMPLETED" else EXIT_FAILED
+
+
+def _print_progress(event: dict) -> None:
+    name = event["name"]
+    if name in ("step.started", "step.done", "step.failed", "step.skipped", "loop.done", "workflow.finished"):
+        where = event.get("step") or ""
+        extra = ""
+        if name == "step.failed":
+            extra = f" ({(event.get('data') or {}).get('error', {}).get('message', '')})"
+        if name == "workflow.finished":
+            extra = f" {(event.get('data') or {}).get('status')}"
+        print(f"  {name:<18} {where}{extra}", flush=True)
+
+
+async def _embedded_stack(quiet: bool, persistent: str | None = None, processes: bool = False):
+    """NATS and Postgres as local processes (or the ones NOETL_NATS_URL / NOETL_PG_DSN name) and every
+    service; stopped with the stack."""
+    from .infra.embedded import provision_nats, provision_postgres
+    from .stack import InProcessStack, ProcessStack, Settings
+
+    nats_dir = os.path.join(persistent, "nats") if persistent else None
+    pg_dir = os.path.join(persistent, "pg") if persistent else None
+    nats_server = provision_nats(store_dir=nats_dir)
+    pg = provision_postgres(data_dir=pg_dir, fast=not persistent)
+    settings = Settings(nats_url=nats_server.url, pg_dsn=pg.dsn("postgres"))
+    if processes:
+        stack = ProcessStack(settings, log_dir=persistent)
+    else:
+        stack = InProcessStack(settings)
+    inner_stop = stack.stop
+
+    async def stop() -> None:
+        try:
+            await inner_stop()
+        finally:
+            nats_server.stop()
+            pg.stop()
+
+    stack.stop = stop  # type: ignore[method-assign]
+    try:
+        await stack.start()
+    except BaseException:
+        await stop()
+        raise
+    return stack
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    async def main() -> None:
+        home = os.path.abspath(args.home)
+        os.makedirs(home, exist_ok=True)
+        stack = await _embedded_stack(quiet=False, persistent=home, processes=not args.in_process)
+        print(f"noetl stack up; gateway: {stack.gateway_url} (OpenAPI docs at {stack.gateway_url}/docs)", flush=True)
+        print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("stopping...", flush=True)
+        await stack.stop()
+
+    asyncio.run(main())
+    return EXIT_OK
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from .stack import Settings, serve_forever
+
+    nats_url = args.nats_url or os.environ.get("NOETL_NATS_URL")
+    if not nats_url:
+        return _fail("--nats-url (or NOETL_NATS_URL) is required")
+    settings = Settings(nats_url=nats_url, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"),
+                        pool=args.pool, concurrency=args.concurrency, host=args.host, port=args.port,
+                        ack_wait=args.ack_wait)
+    logging.basicConfig(level=os.environ.get("NOETL_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve_forever(args.name, settings))
+    return EXIT_OK
+
+
+def _gateway_call(args: argparse.Namespace, fn) -> int:
+    from .client import GatewayClient, GatewayError
+
+    async def main() -> int:
+        async with GatewayClient(args.gateway) as client:
+            print(json.dumps(await fn(client), indent=2, default=str))
+            return EXIT_OK
+
+    try:
+        return asyncio.run(main())
+    except GatewayError as exc:
+        return _fail(str(exc), EXIT_FAILED)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _gateway_call(args, lambda c: c.status(args.execution_id))
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    return _gateway_call(args, lambda c: c.all_events(args.execution_id))
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    return _gateway_call(args, lambda c: c.cancel(args.execution_id))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="noetl", description="Run NoETL playbooks as Petri nets over NATS.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +210,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
     p.set_defaults(func=cmd_schema)
+
+    gateway_default = os.environ.get("NOETL_GATEWAY_URL", "http://127.0.0.1:8082")
+    p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--workload", help="JSON object deep-merged over the playbook's workload")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the outcome")
+    p.add_argument("--gateway", help="a running gateway's URL instead of an embedded stack")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the end")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("up", help="start NATS, Postgres and every service in the foreground")
+    p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), help="data and logs directory")
+    p.add_argument("--in-process", action="store_true", help="all services in this process")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("service", help="run one service")
+    p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder", "worker"])
+    p.add_argument("--nats-url")
+    p.add_argument("--pg-dsn")
+    p.add_argument("--pool", default="default")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--ack-wait", type=float, default=30.0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8082)
+    p.set_defaults(func=cmd_service)
+
+    for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
+                            ("events", cmd_events, "an execution's events"),
+                            ("cancel", cmd_cancel, "cancel an execution")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("execution_id")
+        p.add_argument("--gateway", default=gateway_default)
+        p.set_defaults(func=fn)
     return parser
 
 

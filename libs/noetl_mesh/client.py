@@ -1,0 +1,86 @@
+"""A small HTTP client of the gateway, for the CLI, the tests and the benchmarks."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+import httpx
+
+FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, body: Any):
+        super().__init__(f"gateway answered {status}: {body}")
+        self.status, self.body = status, body
+
+
+class GatewayClient:
+    def __init__(self, base_url: str, timeout: float = 30.0):
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, trust_env=False)
+
+    async def __aenter__(self) -> "GatewayClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.http.aclose()
+
+    async def _call(self, method: str, url: str, **kw: Any) -> Any:
+        resp = await self.http.request(method, url, **kw)
+        body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
+        if resp.status_code >= 400:
+            raise GatewayError(resp.status_code, body)
+        return body
+
+    async def register(self, content: str) -> dict:
+        return await self._call("POST", "/api/catalog", json={"content": content})
+
+    async def start(self, playbook: str | dict | None = None, workload: dict | None = None, **ref: Any) -> str:
+        body: dict[str, Any] = {"workload": workload or {}, **ref}
+        if playbook is not None:
+            body["playbook"] = playbook
+        return (await self._call("POST", "/api/executions", json=body))["execution_id"]
+
+    async def status(self, execution_id: str) -> dict:
+        return await self._call("GET", f"/api/executions/{execution_id}")
+
+    async def events(self, execution_id: str, offset: int = 0, limit: int = 1000) -> dict:
+        return await self._call("GET", f"/api/executions/{execution_id}/events",
+                                params={"offset": offset, "limit": limit})
+
+    async def all_events(self, execution_id: str) -> list[dict]:
+        out: list[dict] = []
+        while True:
+            page = await self.events(execution_id, offset=len(out))
+            out += page["events"]
+            if not page["events"] or len(out) >= page["total"]:
+                return out
+
+    async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
+        return await self._call("POST", f"/api/executions/{execution_id}/cancel", json={"reason": reason})
+
+    async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
+                   on_event: Callable[[dict], None] | None = None) -> dict:
+        """Poll until the execution is final and its last event (``playbook.processed``) is recorded."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            status = None
+            try:
+                status = await self.status(execution_id)
+            except GatewayError as exc:
+                if exc.status != 404:
+                    raise
+            if on_event is not None and status is not None:
+                page = await self.events(execution_id, offset=seen)
+                for event in page["events"]:
+                    on_event(event)
+                seen += len(page["events"])
+            if status is not None and status["status"] in FINAL:
+                page = await self.events(execution_id, offset=max(0, status.get("event_count", 1) - 1), limit=1)
+                if page["events"] and page["events"][-1]["name"] == "playbook.processed":
+                    return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"execution {execution_id} did not finish within {timeout}s")
+            await asyncio.sleep(poll)

@@ -1,0 +1,493 @@
+"""The worker side of one step run: a task pipeline under task policies (D6-D12, D21).
+
+Pure logic: no I/O of its own. The tools (kind -> :class:`~noetl_mesh.tools.base.Tool`), the event
+sink (``emit``), the clock-free ``sleep`` and the jitter source ``rng`` are injected, so the control
+flow is tested with fake tools and a fake sleep.
+
+One call of :func:`run_pipeline` runs one pipeline run: a step run outside loops, or one iteration of a
+loop step (D9: ``max_steps`` counts per pipeline run). It emits ``task.started`` / ``task.processed``
+around every attempt and ``ctx.patched`` whenever a rule's ``set_ctx`` applies; the worker shell wraps
+them into event envelopes (D20) and turns the returned :class:`PipelineResult` into the terminal step
+or iteration event.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..lang.model import KIND_DEFAULTS
+from ..lang.normalize import effective_spec
+from ..lang.templates import TemplateError, render, truthy
+from ..tools.base import ToolContext
+from ..tools.noop import NoopTool
+from .events import action_id as _action_id
+
+__all__ = ["Emit", "PipelineResult", "run_pipeline", "DEFAULT_MAX_STEPS", "retry_delay"]
+
+Emit = Callable[[str, dict], Awaitable[None]]
+
+DEFAULT_MAX_STEPS = 10_000  # D9
+DEFAULT_RETRY_ATTEMPTS = 2  # a retry rule without `attempts`
+DEFAULT_MAX_DELAY = 60.0  # D9
+
+# Task fields that are never rendered: identity, layering, documentation; python's code is source (D25).
+_NOT_RENDERED = frozenset({"name", "kind", "spec", "desc"})
+_NOT_RENDERED_PY = _NOT_RENDERED | {"code"}
+
+_OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
+_ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
+_NO_MATCH_DIRECTIVE = {"do": "continue"}  # D9: a policy with no match and no else
+
+
+@dataclass(slots=True)
+class PipelineResult:
+    """What a pipeline run ended with.
+
+    ``status`` ``ok`` or ``error``. ``result`` is the result of the last task executed (D11), also when
+    the run failed; ``error`` the failing outcome's error (``None`` when ok). ``iter`` is the final
+    iteration scope (the command's ``iter`` with ``set_iter`` writes, or the scratch scope outside
+    loops); ``ctx_patch`` the union of this run's ``set_ctx`` patches (last writer wins per key, D12);
+    ``visits`` the number of task visits started (retries excluded, D9).
+    """
+
+    status: str
+    result: Any
+    error: dict | None
+    iter: dict
+    ctx_patch: dict = field(default_factory=dict)
+    visits: int = 0
+
+
+class _PolicyError(Exception):
+    """A task policy could not be applied (template error in a rule, jump to an unknown task...)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class _Cancelled(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _err(kind: str, message: str, retryable: bool = False) -> dict:
+    return {"kind": kind, "message": message, "retryable": retryable}
+
+
+def _view(outcome: dict) -> dict:
+    """An outcome as templates see it: ``data`` is an alias of ``result`` (D8)."""
+    v = dict(outcome)
+    v["data"] = outcome.get("result")
+    return v
+
+
+def _step_view(entry: Any) -> Any:
+    if isinstance(entry, dict) and "result" in entry and "data" not in entry:
+        v = dict(entry)
+        v["data"] = entry["result"]
+        return v
+    return entry
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
+_UNIT = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0}
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A delay in seconds from a number or a string such as ``"1.5"``, ``"500ms"``, ``"5s"``, ``"2m"``."""
+    if isinstance(value, bool):
+        raise _PolicyError("policy_error", f"{what}: expected seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _UNIT[m.group(2)]
+    if value is None:
+        return 0.0
+    raise _PolicyError("policy_error", f"{what}: expected seconds, got {value!r}")
+
+
+def retry_delay(then: Mapping[str, Any], attempt: int, rng: Callable[[], float], delay: float) -> float:
+    """D9: the delay before attempt ``attempt + 1`` (``attempt`` is the one that just ended, 1-based).
+
+    ``delay`` × 1 (``none``), × n (``linear``), × 2^(n-1) (``exponential``), capped by ``max_delay``
+    (default 60 s); with ``jitter: true`` the capped delay is multiplied by a factor in [0.5, 1.5)
+    drawn from ``rng`` (so jitter spreads a capped delay too, like the usual capped backoff + jitter).
+    """
+    backoff = then.get("backoff") or "none"
+    if backoff == "linear":
+        d = delay * attempt
+    elif backoff == "exponential":
+        d = delay * (2 ** (attempt - 1))
+    else:
+        d = delay
+    max_delay = then.get("max_delay")
+    cap = DEFAULT_MAX_DELAY if max_delay is None else float(max_delay)
+    if d > cap:
+        d = cap
+    if then.get("jitter"):
+        d *= 0.5 + rng()
+    return d
+
+
+def _compile_policy(task: Mapping[str, Any]) -> tuple[list[tuple[int, Any, dict]], dict | None] | None:
+    """``(when rules [(index, when, then)], else then)`` of a task's ``spec.policy``; None without one.
+
+    The policy is read from the task's own ``spec`` (seed 001 §6: ``task.spec.policy.rules``; control
+    rules on a step's spec are a validation error).
+    """
+    spec = task.get("spec")
+    if not spec:
+        return None
+    policy = spec.get("policy")
+    if not isinstance(policy, Mapping):
+        return None
+    rules = policy.get("rules")
+    if rules is None:
+        return None
+    whens: list[tuple[int, Any, dict]] = []
+    else_then: dict | None = None
+    for i, rule in enumerate(rules):
+        if "else" in rule:
+            if else_then is None:
+                body = rule["else"] or {}
+                else_then = dict(body.get("then") or {})
+        else:
+            whens.append((i, rule.get("when"), dict(rule.get("then") or {})))
+    return whens, else_then
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+
+
+async def run_pipeline(
+    command: Mapping[str, Any],
+    tools: Mapping[str, Any],
+    emit: Emit,
+    *,
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    rng: Callable[[], float] = random.random,
+    cancel: asyncio.Event | None = None,
+) -> PipelineResult:
+    """Run the command's task pipeline (D9) and return how it ended.
+
+    ``cancel``: when given and set, the running tool call is abandoned (its task cancelled) and the
+    pipeline ends failed with error kind ``cancelled``; tools also see it as ``ToolContext.cancel``.
+    """
+    return await _Run(command, tools, emit, sleep, rng, cancel).run()
+
+
+class _Run:
+    """The state of one pipeline run. Plain attributes; the hot loop copies what it needs to locals."""
+
+    __slots__ = (
+        "tools", "emit", "sleep", "rng", "cancel", "execution_id", "step", "step_run_id", "iteration",
+        "tasks", "layers", "max_steps", "ctx", "iter", "scope", "ctx_patch", "visits", "last", "specs",
+    )
+
+    def __init__(
+        self,
+        command: Mapping[str, Any],
+        tools: Mapping[str, Any],
+        emit: Emit,
+        sleep: Callable[[float], Awaitable[Any]],
+        rng: Callable[[], float],
+        cancel: asyncio.Event | None,
+    ) -> None:
+        self.tools, self.emit, self.sleep, self.rng, self.cancel = tools, emit, sleep, rng, cancel
+        self.execution_id = command["execution_id"]
+        self.step = command["step"]
+        self.step_run_id = command.get("step_run_id")
+        self.iteration = command.get("iteration")
+        self.tasks: list[dict] = command.get("tasks") or []
+        layers = command.get("spec_layers") or {}
+        self.layers = (layers.get("executor"), layers.get("step"), layers.get("loop"))
+
+        # D9: max_steps from the step's effective spec (D5 without the task level: inner layer wins).
+        self.max_steps = DEFAULT_MAX_STEPS
+        for layer in self.layers:
+            if layer and layer.get("max_steps") is not None:
+                self.max_steps = int(layer["max_steps"])
+
+        # D6: one mutable render scope for the whole run (the template engine copies it per render).
+        self.ctx = dict(command.get("ctx") or {})  # D12: this run's set_ctx patches apply here at once
+        it = command.get("iter")
+        self.iter = dict(it) if it else {}  # a scratch scope outside loops, so set_iter works there too
+        scope: dict[str, Any] = {}
+        for sname, entry in (command.get("steps") or {}).items():
+            scope[sname] = _step_view(entry)  # {{ start.result }}; task names set later shadow these
+        scope["workload"] = command.get("workload") or {}
+        scope["ctx"] = self.ctx
+        scope["iter"] = self.iter
+        scope["args"] = command.get("args") or {}
+        scope["execution_id"] = self.execution_id
+        scope["keychain"] = command.get("keychain") or {}
+        scope["_prev"] = None
+        scope["_task"] = None
+        scope["_attempt"] = 1
+        self.scope = scope
+        self.ctx_patch: dict[str, Any] = {}
+        self.visits = 0
+        self.last: dict | None = None  # the last outcome (D11)
+        self.specs: dict[str, dict] = {}  # effective task specs, once per task per run
+
+    def finish(self, status: str, error: dict | None) -> PipelineResult:
+        """D11: the result of the last task executed, also when the run failed."""
+        result = self.last["result"] if self.last is not None else None
+        return PipelineResult(status, result, error, self.iter, self.ctx_patch, self.visits)
+
+    async def run(self) -> PipelineResult:
+        tasks, scope, emit, cancel = self.tasks, self.scope, self.emit, self.cancel
+        step, iteration = self.step, self.iteration
+        index = {t["name"]: i for i, t in enumerate(tasks)}
+        policies: dict[str, Any] = {}
+        pc = 0
+        while pc < len(tasks):
+            task = tasks[pc]
+            name = task["name"]
+            kind = task.get("kind")
+            if self.visits >= self.max_steps:  # D9: so no jump cycle runs forever
+                return self.finish(
+                    "error",
+                    _err("max_steps_exceeded", f"step {step!r}: more than {self.max_steps} task visits (max_steps)"),
+                )
+            aid = _action_id(self.execution_id, self.step_run_id, iteration, name, self.visits)  # D21
+            self.visits += 1  # retries below keep the visit (and its action_id) and raise the attempt
+            if name in policies:
+                policy = policies[name]
+            else:
+                policy = policies[name] = _compile_policy(task)
+            tool = self.tools.get(kind)
+            inline_noop = kind == "noop" and (tool is None or type(tool) is NoopTool)
+            scope["_task"] = name
+            attempt = 1
+            while True:
+                if cancel is not None and cancel.is_set():
+                    return self.finish("error", _err("cancelled", f"step {step!r} cancelled before task {name!r}"))
+                scope["_attempt"] = attempt
+                await emit("task.started", {"task": name, "attempt": attempt, "action_id": aid, "iteration": iteration})
+                t0 = time.perf_counter()
+                if inline_noop:
+                    outcome = self._noop(task, name)
+                else:
+                    outcome = await self._call_tool(task, kind, tool, name, attempt, aid)
+                outcome["meta"] = {
+                    "attempt": attempt,
+                    "duration_ms": round((time.perf_counter() - t0) * 1000.0, 3),
+                    "action_id": aid,
+                }
+                await emit(
+                    "task.processed",
+                    {"task": name, "attempt": attempt, "action_id": aid, "iteration": iteration, "outcome": outcome},
+                )
+                self.last = outcome
+                view = _view(outcome)
+                scope[name] = view  # D6: a finished task is readable by name
+                if cancel is not None and cancel.is_set() and (outcome["error"] or {}).get("kind") == "cancelled":
+                    return self.finish("error", outcome["error"])
+
+                # D9: choose the directive; set_iter / set_ctx of the chosen rule apply first.
+                try:
+                    if policy is None:
+                        then = _OK_DIRECTIVE if outcome["status"] == "ok" else _ERROR_DIRECTIVE
+                    else:
+                        then = await self._apply_policy(policy, view, name, aid)
+                    do = then.get("do") or "continue"
+                    if do != "retry":
+                        break
+                    attempts = then.get("attempts")
+                    attempts = DEFAULT_RETRY_ATTEMPTS if attempts is None else int(attempts)
+                    if attempt >= attempts:
+                        # D9: attempts ran out: the last outcome stands and the pipeline fails.
+                        return self.finish(
+                            "error",
+                            outcome["error"] or _err("retries_exhausted", f"task {name!r}: {attempts} attempts exhausted"),
+                        )
+                    await self.sleep(self._delay(then, attempt, view, name))
+                    attempt += 1
+                except _PolicyError as e:
+                    return self.finish("error", _err(e.kind, e.message))
+
+            scope["_prev"] = outcome["result"]
+            if do == "continue":
+                pc += 1
+            elif do == "jump":
+                target = then.get("to")
+                if target not in index:
+                    return self.finish("error", _err("policy_error", f"task {name!r}: jump to unknown task {target!r}"))
+                pc = index[target]
+            elif do == "break":
+                return self.finish("ok", None)
+            elif do == "fail":
+                if outcome["status"] == "error" and outcome["error"]:
+                    return self.finish("error", outcome["error"])
+                return self.finish("error", _err("policy_fail", f"task {name} failed by policy"))
+            else:
+                return self.finish("error", _err("policy_error", f"task {name!r}: unknown directive {do!r}"))
+        return self.finish("ok", None)
+
+    def _noop(self, task: dict, name: str) -> dict:
+        """D10, inline: the ``result:`` field (rendered) when given, else the previous task's result."""
+        if "result" not in task:
+            return {"status": "ok", "result": self.scope["_prev"], "error": None}
+        try:
+            value = render(task["result"], self.scope, f"{self.step}.{name}.result")
+        except TemplateError as e:
+            return {"status": "error", "result": None, "error": _err("template_error", str(e))}
+        return {"status": "ok", "result": value, "error": None}
+
+    async def _apply_policy(self, policy: tuple[list[tuple[int, Any, dict]], dict | None], view: dict,
+                            name: str, aid: str) -> dict:
+        """D9: first rule whose ``when`` is truthy, else ``else``, else continue; then its set_iter and
+        set_ctx, rendered with ``outcome`` (alias ``output``) in scope."""
+        scope = self.scope
+        whens, else_then = policy
+        where = f"{self.step}.{name}.spec.policy.rules"
+        scope["outcome"] = view
+        scope["output"] = view  # D8 alias
+        patch = None
+        try:
+            then = None
+            for i, when, rule_then in whens:
+                if truthy(when, scope, f"{where}[{i}].when"):
+                    then = rule_then
+                    break
+            if then is None:
+                then = else_then if else_then is not None else _NO_MATCH_DIRECTIVE
+            set_iter = then.get("set_iter")
+            if set_iter:
+                self.iter.update(render(set_iter, scope, f"{where}.set_iter"))
+            set_ctx = then.get("set_ctx")
+            if set_ctx:
+                patch = render(set_ctx, scope, f"{where}.set_ctx")
+        except TemplateError as e:
+            raise _PolicyError("template_error", str(e)) from None
+        finally:
+            del scope["outcome"], scope["output"]
+        if patch:
+            # D12: visible at once to later tasks; recorded as an event (last writer wins per key).
+            self.ctx.update(patch)
+            self.ctx_patch.update(patch)
+            await self.emit("ctx.patched", {"task": name, "patch": patch, "action_id": aid})
+        return then
+
+    def _delay(self, then: Mapping[str, Any], attempt: int, view: dict, name: str) -> float:
+        raw = then.get("delay", 0.0)
+        if isinstance(raw, str) and "{" in raw:
+            scope = self.scope
+            scope["outcome"] = view
+            scope["output"] = view
+            try:
+                raw = render(raw, scope, f"{self.step}.{name}.spec.policy.delay")
+            except TemplateError as e:
+                raise _PolicyError("template_error", str(e)) from None
+            finally:
+                del scope["outcome"], scope["output"]
+        return retry_delay(then, attempt, self.rng, _seconds(raw, f"{self.step}.{name} retry delay"))
+
+    async def _call_tool(self, task: dict, kind: Any, tool: Any, name: str, attempt: int, aid: str) -> dict:
+        """Render the task's inputs and call its tool; always a normalised partial outcome (D8)."""
+        if tool is None:
+            return {"status": "error", "result": None, "error": _err("tool_error", f"no tool for kind {kind!r}")}
+        scope, step = self.scope, self.step
+        skip = _NOT_RENDERED_PY if kind == "python" else _NOT_RENDERED
+        rendered: dict[str, Any] = {}
+        try:
+            for key, value in task.items():
+                rendered[key] = value if key in skip else render(value, scope, f"{step}.{name}.{key}")
+        except TemplateError as e:
+            # An error outcome like any other: it goes through the task's policy (D9).
+            return {"status": "error", "result": None, "error": _err("template_error", str(e))}
+        spec = self.specs.get(name)
+        if spec is None:
+            # D5: merge(KIND_DEFAULTS[kind], executor, step, loop, task.spec).
+            spec = self.specs[name] = effective_spec(KIND_DEFAULTS.get(kind), *self.layers, task.get("spec"))
+        tctx = ToolContext(
+            execution_id=self.execution_id,
+            step=step,
+            task_name=name,
+            timeout=spec.get("timeout"),
+            cancel=self.cancel,
+            step_run_id=self.step_run_id,
+            iteration=self.iteration,
+            attempt=attempt,
+            action_id=aid,
+            keychain=scope["keychain"],
+            prev=scope["_prev"],
+        )
+        try:
+            if self.cancel is None:
+                partial = await tool.run(rendered, spec, tctx)
+            else:
+                partial = await _race(tool.run(rendered, spec, tctx), self.cancel)
+                if partial is None:
+                    return {"status": "error", "result": None, "error": _err("cancelled", f"task {name!r} cancelled")}
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a tool bug never crashes the pipeline
+            return {"status": "error", "result": None, "error": _err("tool_error", f"{type(e).__name__}: {e}")}
+        return _normalise(partial)
+
+
+async def _race(coro: Awaitable[dict], cancel: asyncio.Event) -> dict | None:
+    """The tool's outcome, or None when ``cancel`` was set first (the tool call is then cancelled)."""
+    if cancel.is_set():
+        coro.close()  # type: ignore[attr-defined]
+        return None
+    run = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait((run, waiter), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        run.cancel()
+        waiter.cancel()
+        raise
+    if run.done():
+        waiter.cancel()
+        return run.result()
+    run.cancel()
+    try:
+        await run
+    except BaseException:  # noqa: BLE001 - the cancelled call's fate is irrelevant
+        pass
+    return None
+
+
+def _normalise(partial: Any) -> dict:
+    """A tool's partial outcome as a D8 envelope without ``meta``."""
+    if not isinstance(partial, Mapping):
+        return {
+            "status": "error",
+            "result": None,
+            "error": _err("tool_error", f"tool returned {type(partial).__name__}, not an outcome mapping"),
+        }
+    out = dict(partial)
+    error = out.get("error")
+    status = out.get("status") or ("error" if error else "ok")
+    if status not in ("ok", "error"):
+        status = "error" if error else "ok"
+    out["status"] = status
+    out.setdefault("result", None)
+    if status == "error":
+        if not isinstance(error, Mapping):
+            error = _err("tool_error", str(error) if error else "tool reported an error")
+        else:
+            error = dict(error)
+            error.setdefault("kind", "tool_error")
+            error.setdefault("message", "")
+            error.setdefault("retryable", False)
+        out["error"] = error
+    else:
+        out["error"] = None
+    out.pop("meta", None)
+    return out

@@ -1,0 +1,247 @@
+"""The NATS side of every service: streams, subjects, consumers, publishing, request/reply.
+
+One module names every subject and stream (see docs/architecture.md):
+
+- ``NOETL_EVENTS`` (JetStream, limits retention, file storage): every event. Publishers write
+  ``noetl.evt.<ctl|task>.<execution_id>``; the stream's subject transform stores it as
+  ``noetl.pevt.<partition>.<ctl|task>.<execution_id>`` with ``partition = hash(execution_id) % P``.
+  Control-plane services read ``ctl`` events through one durable consumer per partition with
+  ``max_ack_pending=1`` (per-execution serialisation across any number of replicas); the
+  event-recorder reads everything.
+- ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>``, one durable consumer per
+  worker pool, shared by that pool's workers.
+- core NATS: ``noetl.q.<service>.<verb>`` request/reply reads (JSON in, JSON out, errors as
+  ``{"error": {...}}``), and ``noetl.cancel.<execution_id>`` broadcasts.
+
+Every published message carries a W3C ``traceparent`` header (OpenTelemetry propagation), and every
+JetStream publish a ``Nats-Msg-Id`` (the event or command id) so a republish after a crash is stored
+once (D21).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import nats
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    SubjectTransform,
+)
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from . import tracing
+
+log = logging.getLogger("noetl.bus")
+
+EVENTS = "NOETL_EVENTS"
+COMMANDS = "NOETL_COMMANDS"
+DEFAULT_PARTITIONS = 16
+CTL, TASK = "ctl", "task"
+TASK_EVENTS = frozenset({"task.started", "task.processed"})
+
+
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+
+
+def loads(data: bytes) -> Any:
+    return orjson.loads(data)
+
+
+def event_subject(event: dict[str, Any]) -> str:
+    kind = TASK if event["name"] in TASK_EVENTS else CTL
+    return f"noetl.evt.{kind}.{event['execution_id']}"
+
+
+def partition_of(execution_id: str, partitions: int) -> int:
+    """The partition the stream's transform puts an execution in (NATS uses FNV-1a; we only need a
+    stable hash for local bookkeeping, the stream's own choice is read back from message subjects)."""
+    return zlib.crc32(execution_id.encode()) % partitions
+
+
+def partition_from_subject(subject: str) -> int:
+    return int(subject.split(".")[2])
+
+
+def command_subject(pool: str) -> str:
+    return f"noetl.cmd.{pool}"
+
+
+def cancel_subject(execution_id: str) -> str:
+    return f"noetl.cancel.{execution_id}"
+
+
+@dataclass
+class Bus:
+    nc: Client
+    js: JetStreamContext
+    name: str
+    partitions: int = DEFAULT_PARTITIONS
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    async def connect(cls, url: str, name: str) -> "Bus":
+        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        bus = cls(nc, nc.jetstream(timeout=10), name)
+        return bus
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def setup(self, partitions: int = DEFAULT_PARTITIONS, max_age_s: float = 7 * 24 * 3600) -> None:
+        """Create the streams if missing; adopt the partition count of an existing events stream."""
+        try:
+            info = await self.js.stream_info(EVENTS)
+            self.partitions = _partitions_of(info.config)
+        except NotFoundError:
+            dest = f"noetl.pevt.{{{{partition({partitions},2)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}"
+            await self.js.add_stream(StreamConfig(
+                name=EVENTS, subjects=["noetl.evt.*.*"], storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS, max_age=max_age_s, duplicate_window=120,
+                subject_transform=SubjectTransform(src="noetl.evt.*.*", dest=dest),
+            ))
+            self.partitions = partitions
+        try:
+            await self.js.stream_info(COMMANDS)
+        except NotFoundError:
+            await self.js.add_stream(StreamConfig(
+                name=COMMANDS, subjects=["noetl.cmd.*"], storage=StorageType.FILE,
+                retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120,
+            ))
+
+    async def attach(self) -> None:
+        """Read the partition count from the events stream (created by :meth:`setup`)."""
+        for _ in range(100):
+            try:
+                self.partitions = _partitions_of((await self.js.stream_info(EVENTS)).config)
+                return
+            except NotFoundError:
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"stream {EVENTS} does not exist: run setup first")
+
+    # ----------------------------------------------------------------- publishing
+    async def publish_event(self, event: dict[str, Any]) -> int:
+        ack = await self.js.publish(event_subject(event), dumps(event), stream=EVENTS,
+                                    headers=tracing.inject({"Nats-Msg-Id": event["event_id"]}))
+        return ack.seq
+
+    async def publish_command(self, command: dict[str, Any]) -> None:
+        await self.js.publish(command_subject(command["pool"]), dumps(command), stream=COMMANDS,
+                              headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
+
+    async def broadcast(self, subject: str, payload: dict[str, Any]) -> None:
+        await self.nc.publish(subject, dumps(payload), headers=tracing.inject({}))
+
+    # ----------------------------------------------------------------- request/reply
+    async def request(self, subject: str, payload: dict[str, Any], timeout: float = 10.0) -> Any:
+        try:
+            msg = await self.nc.request(subject, dumps(payload), timeout=timeout, headers=tracing.inject({}))
+        except nats.errors.NoRespondersError as exc:
+            raise BusError("unavailable", f"no service answers {subject}") from exc
+        except NatsTimeout as exc:
+            raise BusError("timeout", f"{subject} did not answer within {timeout}s") from exc
+        reply = loads(msg.data)
+        if isinstance(reply, dict) and "error" in reply and set(reply) <= {"error"}:
+            err = reply["error"]
+            raise BusError(err.get("kind", "error"), err.get("message", ""), err.get("details"))
+        return reply
+
+    async def serve(self, subject: str, handler: Callable[[Any], Awaitable[Any]], queue: str) -> None:
+        """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
+        exception becomes an error reply, so the requester never just times out."""
+
+        async def on_msg(msg: Msg) -> None:
+            with tracing.consume_span(f"{self.name} {subject}", msg.headers):
+                try:
+                    reply = await handler(loads(msg.data) if msg.data else {})
+                except BusError as exc:
+                    reply = {"error": {"kind": exc.kind, "message": exc.message, "details": exc.details}}
+                except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
+                    log.exception("%s: %s failed", self.name, subject)
+                    reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+                await msg.respond(dumps(reply))
+
+        await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    # ----------------------------------------------------------------- consumers
+    async def durable(self, stream: str, name: str, filter_subject: str, *, max_ack_pending: int,
+                      ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT):
+        """Create or update a durable pull consumer and bind to it."""
+        await self.js.add_consumer(stream, ConsumerConfig(
+            durable_name=name, filter_subject=filter_subject, ack_policy=ack_policy,
+            max_ack_pending=max_ack_pending, ack_wait=ack_wait, max_deliver=max_deliver,
+            deliver_policy=DeliverPolicy.ALL,
+        ))
+        return await self.js.pull_subscribe_bind(name, stream=stream)
+
+    async def execution_events(self, execution_id: str, partition: int, kinds: str = CTL) -> list[tuple[int, dict]]:
+        """Every event of one execution now in the events stream, in stream order, with its sequence."""
+        subject = f"noetl.pevt.{partition}.{kinds}.{execution_id}"
+        try:
+            last = (await self.js.get_last_msg(EVENTS, subject)).seq
+        except NotFoundError:
+            return []
+        sub = await self.js.pull_subscribe(subject, stream=EVENTS, config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=10.0))
+        out: list[tuple[int, dict]] = []
+        try:
+            while not out or out[-1][0] < last:
+                for msg in await sub.fetch(512, timeout=5):
+                    out.append((msg.metadata.sequence.stream, loads(msg.data)))
+        finally:
+            await sub.unsubscribe()
+        return out
+
+
+class BusError(Exception):
+    def __init__(self, kind: str, message: str, details: Any = None):
+        super().__init__(f"{kind}: {message}")
+        self.kind, self.message, self.details = kind, message, details
+
+
+def _partitions_of(config: StreamConfig) -> int:
+    dest = config.subject_transform.dest if config.subject_transform else ""
+    try:
+        return int(dest.split("partition(")[1].split(",")[0])
+    except (IndexError, ValueError):
+        return DEFAULT_PARTITIONS
+
+
+async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 1,
+                    timeout: float = 1.0) -> None:
+    """Fetch and handle messages until ``stop`` is set. Handler errors are logged and the message is
+    nak'ed with a delay (never terminated, never retried in a tight loop)."""
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(batch, timeout=timeout)
+        except NatsTimeout:
+            continue
+        except Exception:  # noqa: BLE001 - connection hiccups: keep pulling
+            if stop.is_set():
+                return
+            log.exception("fetch failed")
+            await asyncio.sleep(0.5)
+            continue
+        for msg in msgs:
+            try:
+                await handle(msg)
+            except Exception:  # noqa: BLE001
+                log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
+                try:
+                    await msg.nak(delay=min(30.0, 0.5 * msg.metadata.num_delivered))
+                except Exception:  # noqa: BLE001
+                    pass

@@ -1,0 +1,122 @@
+"""The shell shared by the control-plane services (admission, router, loop-coordinator).
+
+Each service reads the ``ctl`` events of every partition through its own durable consumers (one per
+partition, ``max_ack_pending=1``): the server hands out one event of a partition at a time, to any
+replica, so the events of one execution are handled strictly in log order and never concurrently,
+however many replicas run.
+
+Each replica keeps the execution states it has folded (:mod:`noetl_mesh.core.state`) in a cache. The
+cache is valid while this replica saw every delivery of the partition: the consumer sequence of each
+delivery must follow the previous one it handled; a gap (another replica took some events, or a
+redelivery) drops the partition's cached states, which are rebuilt from the stream on demand (D22).
+A rebuild for the event at stream sequence S folds the execution's events before S plus the events
+this service itself emitted for causes before S — exactly what the replica that handled those causes
+held, since a service folds its own decisions at once (:mod:`noetl_mesh.core.decide`).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from ..core.decide import Decision
+from ..core.state import ExecutionState, apply
+from . import tracing
+from .bus import CTL, EVENTS, Bus, loads, partition_from_subject, pull_loop
+
+log = logging.getLogger("noetl.control")
+
+
+class PartitionedService:
+    name = "control"
+    cache_size = 10_000
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.cache: collections.OrderedDict[str, ExecutionState] = collections.OrderedDict()
+        self.partition_of: dict[str, int] = {}
+        self.last_consumer_seq: dict[int, int] = {}
+        self.stop_event = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.handled = 0
+        self.rebuilds = 0
+
+    # --------------------------------------------------------------- the service's slice of the core
+    async def decide(self, state: ExecutionState, event: dict[str, Any]) -> Decision:
+        raise NotImplementedError
+
+    async def after(self, state: ExecutionState, event: dict[str, Any], decision: Decision) -> None:
+        """Side effects beyond publishing (router: cancel broadcasts)."""
+
+    # --------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.bus.attach()
+        for p in range(self.bus.partitions):
+            sub = await self.bus.durable(EVENTS, f"{self.name}-p{p}", f"noetl.pevt.{p}.{CTL}.*",
+                                         max_ack_pending=1, ack_wait=30, max_deliver=50)
+            self.tasks.append(asyncio.create_task(pull_loop(sub, self.handle, self.stop_event, timeout=1.0),
+                                                  name=f"{self.name}-p{p}"))
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+
+    # --------------------------------------------------------------- one event
+    async def handle(self, msg: Msg) -> None:
+        p = partition_from_subject(msg.subject)
+        seq = msg.metadata.sequence
+        if self.last_consumer_seq.get(p) != seq.consumer - 1:
+            self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
+        self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
+        event = loads(msg.data)
+        eid = event["execution_id"]
+        with tracing.consume_span(f"{self.name} {event['name']}", msg.headers,
+                                  **{"noetl.execution_id": eid, "noetl.event": event["name"]}):
+            state = self.cache.get(eid)
+            if state is None:
+                state = await self._rebuild(eid, p, seq.stream)
+                self.cache[eid] = state
+                self.partition_of[eid] = p
+            self.cache.move_to_end(eid)
+            if apply(state, event):
+                decision = await self.decide(state, event)
+                for out in decision.events:
+                    await self.bus.publish_event(out)
+                for command in decision.commands:
+                    await self.bus.publish_command(command)
+                await self.after(state, event, decision)
+            self.handled += 1
+        await msg.ack_sync()
+        self.last_consumer_seq[p] = seq.consumer
+        self._evict()
+
+    async def _rebuild(self, execution_id: str, partition: int, before_seq: int) -> ExecutionState:
+        self.rebuilds += 1
+        events = await self.bus.execution_events(execution_id, partition)
+        state = ExecutionState(execution_id)
+        later_own = []
+        for s, event in events:
+            if s < before_seq:
+                apply(state, event)
+            elif event["source"] == self.name:
+                later_own.append(event)
+        for event in later_own:  # our own decisions on causes before S (folded at once when made)
+            if event.get("parent_id") in state.seen:
+                apply(state, event)
+        return state
+
+    def _drop_partition(self, p: int) -> None:
+        for eid in [e for e, part in self.partition_of.items() if part == p]:
+            self.cache.pop(eid, None)
+            self.partition_of.pop(eid, None)
+
+    def _evict(self) -> None:
+        while len(self.cache) > self.cache_size:
+            eid, _ = self.cache.popitem(last=False)
+            self.partition_of.pop(eid, None)

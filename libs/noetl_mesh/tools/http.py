@@ -1,0 +1,243 @@
+"""The ``http`` tool (D8, D28) on one shared ``httpx.AsyncClient`` per tool instance.
+
+Fields: ``method`` (default GET), ``url`` (alias ``endpoint``), ``params``, ``headers``, ``json``,
+``body`` (alias ``data``: a string or bytes is sent as is, a mapping form-encoded, anything else as
+JSON), ``timeout`` (seconds or ``{connect, read, write, pool}``; wins over ``spec.timeout``), ``auth``
+(``{"type": "bearer", "token"}``, ``{"type": "basic", "username", "password"}``, ``[user, password]``,
+or the name of a keychain entry holding such fields, D24).
+
+Outcome: ``result`` is the body, parsed when the content type is ``application/json`` or ``*+json``,
+else text; ``http: {status, headers}`` always. Status >= 400 is an error (``http_error``, retryable
+for 408, 429 and 5xx) with the body still in ``result``. Transport failures: ``http_connect_error``
+(cannot connect), ``timeout``, ``http_transport_error`` (the connection broke), all retryable; a bad
+URL or auth is ``invalid_task`` (not retryable).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from .base import ToolContext, error, ok, timeout_seconds
+
+__all__ = ["HttpTool"]
+
+DEFAULT_TIMEOUT = 30.0  # KIND_DEFAULTS["http"]["timeout"]
+_RETRYABLE = frozenset({408, 429})
+
+
+class _BadTask(Exception):
+    pass
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _timeout(field: Any, spec_timeout: Any) -> httpx.Timeout:
+    """The task's ``timeout`` field wins over the effective spec's (D28); a mapping sets parts."""
+    default = DEFAULT_TIMEOUT if isinstance(spec_timeout, Mapping) else timeout_seconds(spec_timeout, DEFAULT_TIMEOUT)
+    value = field if field is not None else spec_timeout
+    if isinstance(value, Mapping):
+        parts = {k: timeout_seconds(value[k], default) if k in value else default
+                 for k in ("connect", "read", "write", "pool")}
+        return httpx.Timeout(default, **parts)
+    return httpx.Timeout(timeout_seconds(value, default))
+
+
+def _auth(auth: Any, keychain: Mapping[str, Any]) -> tuple[httpx.Auth | None, dict[str, str]]:
+    """``(httpx auth, extra headers)`` for the task's ``auth`` field."""
+    if auth is None or auth == "" or auth == {}:
+        return None, {}
+    if isinstance(auth, str):
+        entry = keychain.get(auth) if isinstance(keychain, Mapping) else None
+        if not isinstance(entry, Mapping):
+            raise _BadTask(f"auth {auth!r} names no keychain entry")
+        auth = entry
+    if isinstance(auth, (list, tuple)):
+        if len(auth) != 2:
+            raise _BadTask("auth as a list must be [user, password]")
+        return httpx.BasicAuth(str(auth[0]), str(auth[1])), {}
+    if isinstance(auth, Mapping):
+        kind = str(auth.get("type") or "").lower()
+        if not kind:
+            kind = "bearer" if "token" in auth else "basic" if ("username" in auth or "user" in auth) else ""
+        if kind == "bearer":
+            token = auth.get("token")
+            if token is None:
+                raise _BadTask("bearer auth needs 'token'")
+            return None, {"Authorization": f"Bearer {token}"}
+        if kind == "basic":
+            user = auth.get("username", auth.get("user"))
+            if user is None:
+                raise _BadTask("basic auth needs 'username'")
+            return httpx.BasicAuth(str(user), str(auth.get("password") or "")), {}
+        if kind in ("header", "api_key"):
+            name = auth.get("header") or auth.get("name") or "X-API-Key"
+            value = auth.get("value", auth.get("key", auth.get("token")))
+            if value is None:
+                raise _BadTask("header auth needs 'value'")
+            return None, {str(name): str(value)}
+        raise _BadTask(f"unsupported auth type {kind or '(none)'!r}")
+    raise _BadTask(f"unsupported auth value of type {type(auth).__name__}")
+
+
+def _str_map(value: Any, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _BadTask(f"{what} must be a mapping, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, (dict, list)):
+            v = json.dumps(v, separators=(",", ":"))
+        out[str(k)] = str(v)
+    return out
+
+
+def _params(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value  # a query string
+    if not isinstance(value, Mapping):
+        raise _BadTask(f"params must be a mapping, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, list):
+            v = [("true" if x else "false") if isinstance(x, bool) else x for x in v]
+        elif isinstance(v, dict):
+            v = json.dumps(v, separators=(",", ":"))
+        out[str(k)] = v
+    return out
+
+
+def _form(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A mapping body as form fields: scalars as text, lists repeated, maps as JSON text."""
+    out: dict[str, Any] = {}
+    for k, v in body.items():
+        if v is None:
+            v = ""
+        elif isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, dict):
+            v = json.dumps(v, separators=(",", ":"))
+        elif isinstance(v, list):
+            v = [str(x) for x in v]
+        else:
+            v = str(v)
+        out[str(k)] = v
+    return out
+
+
+class HttpTool:
+    """``kind: http``. One ``httpx.AsyncClient`` per instance (per event loop), closed by ``close()``."""
+
+    kind = "http"
+
+    def __init__(self, *, trust_env: bool = True, follow_redirects: bool = True, verify: Any = True) -> None:
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opts = {"trust_env": trust_env, "follow_redirects": follow_redirects, "verify": verify}
+
+    def _get_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop or self._client.is_closed:
+            self._client = httpx.AsyncClient(**self._opts)
+            self._loop = loop
+        return self._client
+
+    async def run(self, task: dict, spec: dict, ctx: ToolContext) -> dict:
+        url = task.get("url") or task.get("endpoint")
+        method = str(task.get("method") or "GET").upper()
+        try:
+            if not url or not isinstance(url, str):
+                raise _BadTask("http task needs 'url' (a string)")
+            kwargs: dict[str, Any] = {
+                "timeout": _timeout(task.get("timeout"), ctx.timeout if ctx.timeout is not None else spec.get("timeout"))
+            }
+            params = _params(task.get("params"))
+            if params:
+                kwargs["params"] = params
+            headers = _str_map(task.get("headers"), "headers")
+            auth, auth_headers = _auth(task.get("auth"), ctx.keychain)
+            for k, v in auth_headers.items():
+                if not any(h.lower() == k.lower() for h in headers):
+                    headers[k] = v
+            if auth is not None:
+                kwargs["auth"] = auth
+            body = task["body"] if "body" in task else task.get("data")
+            if task.get("json") is not None:
+                kwargs["json"] = task["json"]
+            elif body is not None:
+                if isinstance(body, (str, bytes, bytearray)):
+                    kwargs["content"] = body
+                elif isinstance(body, Mapping):
+                    kwargs["data"] = _form(body)
+                else:
+                    kwargs["content"] = json.dumps(body)
+                    if not any(h.lower() == "content-type" for h in headers):
+                        headers["Content-Type"] = "application/json"
+            if headers:
+                kwargs["headers"] = headers
+            client = self._get_client()
+            resp = await client.request(method, url, **kwargs)
+        except _BadTask as e:
+            return error("invalid_task", str(e), False, http=_http(None, {}))
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
+            return error("invalid_task", f"bad url {url!r}: {e}", False, http=_http(None, {}))
+        except httpx.TimeoutException as e:
+            what = type(e).__name__
+            return error("timeout", f"{method} {url}: {what}: {e or 'timed out'}", True, http=_http(None, {}))
+        except httpx.ConnectError as e:
+            return error("http_connect_error", f"{method} {url}: cannot connect: {e}", True, http=_http(None, {}))
+        except httpx.TransportError as e:
+            return error("http_transport_error", f"{method} {url}: {type(e).__name__}: {e}", True,
+                         http=_http(None, {}))
+        headers_out = dict(resp.headers)
+        result = _body(resp)
+        http = _http(resp.status_code, headers_out)
+        status = resp.status_code
+        if status >= 400:
+            retryable = status in _RETRYABLE or status >= 500
+            reason = resp.reason_phrase or ""
+            return error("http_error", f"{method} {url} returned HTTP {status} {reason}".rstrip(), retryable,
+                         result=result, http=http)
+        return ok(result, http=http)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and not client.is_closed:
+            try:
+                await client.aclose()
+            except RuntimeError:  # created on an event loop that is gone
+                pass
+
+
+def _body(resp: httpx.Response) -> Any:
+    if _is_json(resp.headers.get("content-type")):
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+    return resp.text
+
+
+def _http(status: int | None, headers: dict) -> dict:
+    return {"status": status, "headers": headers}

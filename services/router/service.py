@@ -1,0 +1,25 @@
+"""router: evaluates arcs on terminal step events (D13, D14), moves tokens into places, handles
+unhandled failures (D15), detects completion and cancellation (D18)."""
+from __future__ import annotations
+
+from typing import Any
+
+from noetl_mesh.core import decide
+from noetl_mesh.core.state import ExecutionState
+from noetl_mesh.infra.bus import cancel_subject
+from noetl_mesh.infra.control import PartitionedService
+
+
+class RouterService(PartitionedService):
+    name = "router"
+
+    async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
+        return decide.router(state, event)
+
+    async def after(self, state: ExecutionState, event: dict[str, Any], decision: decide.Decision) -> None:
+        for out in decision.events:
+            if out["name"] == "workflow.finished":
+                # workers abort the execution's in-flight commands and drop queued ones (D15, D18)
+                await self.bus.broadcast(cancel_subject(state.execution_id),
+                                         {"execution_id": state.execution_id, "status": out["data"]["status"],
+                                          "runs": out["data"]["cancelled_runs"]})

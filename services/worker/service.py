@@ -1,0 +1,118 @@
+"""worker pool: pulls the commands of its pool, runs step pipelines, reports events.
+
+A command is acknowledged only after its terminal event is stored, so a worker that dies mid-task
+leaves it to be redelivered (after ``ack_wait``) to another worker; the rerun reproduces the event
+ids of what was already reported (D21). Long tasks keep their lease with in-progress acks. A
+``noetl.cancel.<execution>`` broadcast aborts the execution's running commands and drops its queued
+ones (D15, D18).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+
+from noetl_mesh.core.worker import execute
+from noetl_mesh.infra import tracing
+from noetl_mesh.infra.bus import COMMANDS, Bus, command_subject, loads
+from noetl_mesh.tools import close_tools, default_tools
+
+log = logging.getLogger("noetl.worker")
+
+
+class WorkerService:
+    name = "worker"
+
+    def __init__(self, bus: Bus, *, pool: str = "default", concurrency: int = 8, ack_wait: float = 30.0,
+                 tools: dict[str, Any] | None = None):
+        self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
+        self.tools = tools
+        self.running: dict[asyncio.Task, str] = {}
+        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
+        self.stop_event = asyncio.Event()
+        self.loop_task: asyncio.Task | None = None
+        self.cancel_sub = None
+        self.done = 0
+
+    async def start(self) -> None:
+        await self.bus.attach()
+        self.tools = self.tools or default_tools()
+        self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", command_subject(self.pool),
+                                          max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
+        self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
+        self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
+
+    async def stop(self) -> None:
+        self.stop_event.set()
+        if self.loop_task:
+            self.loop_task.cancel()
+            await asyncio.gather(self.loop_task, return_exceptions=True)
+        if self.running:  # let in-flight commands finish (a graceful stop does not force redeliveries)
+            await asyncio.wait(list(self.running), timeout=10)
+        if self.cancel_sub is not None:
+            await self.cancel_sub.unsubscribe()
+        await close_tools(self.tools or {})
+
+    async def _pull(self) -> None:
+        while not self.stop_event.is_set():
+            free = self.concurrency - len(self.running)
+            if free <= 0:
+                await asyncio.wait(list(self.running), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await self.sub.fetch(free, timeout=1.0)
+            except NatsTimeout:
+                continue
+            except Exception:  # noqa: BLE001
+                if self.stop_event.is_set():
+                    return
+                log.exception("fetch failed")
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._run(msg))
+                self.running[task] = ""
+                task.add_done_callback(lambda t: self.running.pop(t, None))
+
+    async def _run(self, msg: Msg) -> None:
+        command = loads(msg.data)
+        eid = command["execution_id"]
+        self.running[asyncio.current_task()] = eid
+        if eid in self.finished:
+            await msg.ack()
+            return
+        heartbeat = asyncio.create_task(self._keep_lease(msg))
+        try:
+            with tracing.consume_span(f"worker {command['step']}", msg.headers,
+                                      **{"noetl.execution_id": eid, "noetl.step": command["step"]}):
+                await execute(command, self.tools, self.bus.publish_event, source=f"worker:{self.pool}")
+            self.done += 1
+            await msg.ack_sync()
+        except asyncio.CancelledError:
+            if eid in self.finished:  # cancelled by the control plane: nothing more to report
+                await msg.ack()
+            else:
+                raise
+        except Exception:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered
+            log.exception("command %s failed", command.get("command_id"))
+            await msg.nak(delay=2.0)
+        finally:
+            heartbeat.cancel()
+
+    async def _keep_lease(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait / 3)
+            await msg.in_progress()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        eid = loads(msg.data)["execution_id"]
+        self.finished[eid] = None
+        while len(self.finished) > 10_000:
+            self.finished.popitem(last=False)
+        for task, task_eid in list(self.running.items()):
+            if task_eid == eid:
+                task.cancel()
