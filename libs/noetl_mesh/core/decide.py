@@ -96,7 +96,8 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
     out.event(
         "playbook.request.evaluated",
         data={"playbook": doc, "workload": workload, "keychain": state.request.get("keychain") or {},
-              "path": doc["metadata"]["path"], "version": state.request.get("version")},
+              "path": doc["metadata"]["path"], "version": (state.request.get("catalog") or {}).get("version"),
+              "parent_execution_id": state.request.get("parent_execution_id")},
     )
     out.event("workflow.started", data={"entry_step": entry_step(doc)})
     _enqueue(out, entry_step(doc), ENTRY_PLACE, state.request.get("args") or {}, cause_key="entry")

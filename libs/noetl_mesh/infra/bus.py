@@ -160,7 +160,7 @@ class Bus:
             raise BusError(err.get("kind", "error"), err.get("message", ""), err.get("details"))
         return reply
 
-    async def serve(self, subject: str, handler: Callable[[Any], Awaitable[Any]], queue: str) -> None:
+    async def serve(self, subject: str, handler: Callable[[Any], Awaitable[Any]], queue: str):
         """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
         exception becomes an error reply, so the requester never just times out."""
 
@@ -175,7 +175,7 @@ class Bus:
                     reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
                 await msg.respond(dumps(reply))
 
-        await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
     # ----------------------------------------------------------------- consumers
     async def durable(self, stream: str, name: str, filter_subject: str, *, max_ack_pending: int,

@@ -1,0 +1,202 @@
+"""End-to-end benchmarks of the distributed engine (issue 3), every service in its own process, NATS and
+Postgres embedded, the event log on. Prints a table; asserts nothing.
+
+    python bench/bench_engine.py            # all four scenarios (a few minutes)
+    python bench/bench_engine.py --quick    # small sizes, a smoke run
+    python bench/bench_engine.py chain loop # some of: chain, burst, loop, recorder
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import threading
+import time
+
+import yaml
+
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.core.events import make_event, new_execution_id
+from noetl_mesh.infra.bus import Bus
+from noetl_mesh.infra.embedded import EmbeddedNats, provision_postgres
+from noetl_mesh.stack import ProcessStack, Settings
+
+
+def chain(n: int) -> dict:
+    steps = [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
+              **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < n - 1 else {})} for i in range(n)]
+    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "chain", "path": "bench/chain"},
+            "workflow": steps}
+
+
+def loop_playbook(n: int, in_flight: int) -> dict:
+    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "loop", "path": "bench/loop"},
+            "workflow": [{"step": "start", "loop": {"in": f"{{{{ range({n}) | list }}}}", "iterator": "i",
+                                                     "spec": {"mode": "parallel", "max_in_flight": in_flight}},
+                          "tool": {"kind": "noop", "result": "{{ iter.i }}"}}]}
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+class RssSampler(threading.Thread):
+    """Peak resident memory of each service process, sampled from /proc every 100 ms."""
+
+    def __init__(self, procs: dict):
+        super().__init__(daemon=True)
+        self.procs, self.peak, self.stop_flag = procs, {}, False
+
+    def run(self) -> None:
+        while not self.stop_flag:
+            for key, proc in self.procs.items():
+                try:
+                    with open(f"/proc/{proc.pid}/status") as f:
+                        for line in f:
+                            if line.startswith("VmRSS:"):
+                                kb = int(line.split()[1])
+                                self.peak[key] = max(self.peak.get(key, 0), kb)
+                except OSError:
+                    pass
+            time.sleep(0.1)
+
+
+async def run_one(client: GatewayClient, doc: dict, timeout: float = 600) -> tuple[dict, list[dict]]:
+    eid = await client.start(doc)
+    status = await client.wait(eid, timeout=timeout, poll=0.01)
+    return status, await client.all_events(eid)
+
+
+async def bench_chain(url: str, steps: int, rounds: int) -> list[tuple]:
+    per_step, hops = [], []
+    async with GatewayClient(url) as client:
+        await run_one(client, chain(3))  # warm-up
+        for _ in range(rounds):
+            status, events = await run_one(client, chain(steps))
+            assert status["status"] == "COMPLETED", status
+            t = {(e["name"], e["step"]): e["timestamp"] for e in events}
+            first = t[("step.admitted", "s0")]
+            last = t[("step.done", f"s{steps - 1}")]
+            per_step.append((last - first) / steps * 1000)
+            for i in range(steps - 1):  # control-plane hop: step.done of one -> step.started of the next
+                hops.append((t[("step.started", f"s{i + 1}")] - t[("step.done", f"s{i}")]) * 1000)
+    return [("chain", f"{steps}-step noop chain x{rounds}: wall time per step p50", f"{statistics.median(per_step):.2f} ms"),
+            ("chain", "step-to-step overhead (done -> next started) p50", f"{pct(hops, 50):.2f} ms"),
+            ("chain", "step-to-step overhead p99", f"{pct(hops, 99):.2f} ms"),
+            ("chain", "steps/s in one execution", f"{1000 / statistics.median(per_step):.0f}")]
+
+
+async def bench_burst(url: str, executions: int, steps: int = 5) -> list[tuple]:
+    doc = chain(steps)
+    sem = asyncio.Semaphore(64)
+    async with GatewayClient(url, timeout=120) as client:
+        t0 = time.perf_counter()
+
+        async def submit() -> str:
+            async with sem:
+                return await client.start(doc)
+
+        ids = await asyncio.gather(*(submit() for _ in range(executions)))
+        submitted = time.perf_counter() - t0
+        latencies = []
+        for eid in ids:
+            status = await client.wait(eid, timeout=900, poll=0.05)
+            assert status["status"] == "COMPLETED", status
+        elapsed = time.perf_counter() - t0
+        for eid in ids[:: max(1, executions // 200)]:
+            events = await client.all_events(eid)
+            t = {e["name"]: e["timestamp"] for e in events}
+            latencies.append((t["workflow.finished"] - t["playbook.execution.requested"]) * 1000)
+    return [("burst", f"{executions} executions x {steps} noop steps: executions/s", f"{executions / elapsed:.1f}"),
+            ("burst", "steps/s", f"{executions * steps / elapsed:.0f}"),
+            ("burst", "submission through the gateway", f"{submitted:.1f} s"),
+            ("burst", "end-to-end latency p50 / p99", f"{pct(latencies, 50):.0f} / {pct(latencies, 99):.0f} ms")]
+
+
+async def bench_loop(url: str, n: int, in_flight: int, sampler: RssSampler) -> list[tuple]:
+    async with GatewayClient(url, timeout=120) as client:
+        t0 = time.perf_counter()
+        eid = await client.start(loop_playbook(n, in_flight))
+        status = await client.wait(eid, timeout=3600, poll=0.5)
+        elapsed = time.perf_counter() - t0
+    assert status["status"] == "COMPLETED", status["status"]
+    assert status["steps"]["start"]["runs"] == 1
+    rows = [("loop", f"parallel loop of {n} noop iterations (max_in_flight {in_flight})", f"{n / elapsed:.0f} iterations/s"),
+            ("loop", "wall time", f"{elapsed:.1f} s")]
+    for key, kb in sorted(sampler.peak.items()):
+        rows.append(("loop", f"peak RSS {key}", f"{kb / 1024:.0f} MB"))
+    return rows
+
+
+async def bench_recorder(nats_url: str, pg_dsn: str, n: int) -> list[tuple]:
+    from noetl_mesh.services.event_recorder.service import RecorderService
+
+    bus = await Bus.connect(nats_url, "bench")
+    await bus.setup()
+    eids = [new_execution_id() for _ in range(max(1, n // 100))]
+    for i in range(n):
+        await bus.publish_event(make_event("task.processed", eids[i % len(eids)], event_id=f"bench-{i}",
+                                           source="bench", data={"outcome": {"status": "ok", "result": i}}))
+    import psycopg
+
+    recorder = RecorderService(bus, pg_dsn=pg_dsn)
+    t0 = time.perf_counter()
+    await recorder.start()
+    with psycopg.connect(pg_dsn) as conn:
+        while conn.execute("select count(*) from event where source = 'bench'").fetchone()[0] < n:
+            time.sleep(0.05)
+    elapsed = time.perf_counter() - t0
+    await recorder.stop()
+    await bus.close()
+    return [("recorder", f"{n} events drained into Postgres", f"{n / elapsed:.0f} events/s")]
+
+
+async def main(args: argparse.Namespace) -> None:
+    which = set(args.which or ["chain", "burst", "loop", "recorder"])
+    quick = args.quick
+    rows: list[tuple] = []
+    nats = EmbeddedNats().start()
+    pg = provision_postgres(fast=True)
+    try:
+        if which & {"chain", "burst", "loop"}:
+            dsn = pg.create_database("bench_stack")
+            stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=dsn, concurrency=args.concurrency),
+                                 workers=args.workers, log_dir=args.log_dir)
+            if args.log_dir:
+                os.makedirs(args.log_dir, exist_ok=True)
+            await stack.start()
+            sampler = RssSampler(stack.procs)
+            sampler.start()
+            try:
+                if "chain" in which:
+                    rows += await bench_chain(stack.gateway_url, 20, 3 if quick else 20)
+                if "burst" in which:
+                    rows += await bench_burst(stack.gateway_url, 50 if quick else 1000)
+                if "loop" in which:
+                    sampler.peak.clear()
+                    rows += await bench_loop(stack.gateway_url, 2000 if quick else 100_000, 256, sampler)
+            finally:
+                sampler.stop_flag = True
+                await stack.stop()
+        if "recorder" in which:
+            rows += await bench_recorder(nats.url, pg.create_database("bench_recorder"), 5000 if quick else 100_000)
+    finally:
+        nats.stop()
+        pg.stop()
+    width = max(len(r[1]) for r in rows)
+    print(f"\n{'scenario':<9} {'measure':<{width}}  value")
+    for scenario, measure, value in rows:
+        print(f"{scenario:<9} {measure:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("which", nargs="*", choices=["chain", "burst", "loop", "recorder", []], default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--log-dir")
+    asyncio.run(main(parser.parse_args()))

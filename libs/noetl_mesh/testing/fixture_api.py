@@ -1,0 +1,80 @@
+"""A small HTTP API on loopback for tests and examples (``examples/pagination.yaml`` pages through it).
+
+Routes: ``/assessments?page=N&pageSize=M`` (25 items, seed 002's paging envelope), ``/status/<code>``,
+``/flaky/<key>/<n>`` (503 for the first n calls of a key, then 200), ``/slow/<seconds>``, ``/echo``
+(POST: the JSON body back). Anything else is 404.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+ITEMS = [{"id": i, "score": (i * 37) % 100} for i in range(1, 26)]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _send(self, code: int, body, content_type: str = "application/json") -> None:
+        data = json.dumps(body).encode() if content_type == "application/json" else str(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        url = urlparse(self.path)
+        parts = [p for p in url.path.split("/") if p]
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if parts == ["assessments"]:
+            page, size = int(query.get("page", 1)), int(query.get("pageSize", 10))
+            chunk = ITEMS[(page - 1) * size: page * size]
+            has_more = page * size < len(ITEMS)
+            return self._send(200, {"data": {"data": chunk, "paging": {"page": page, "hasMore": has_more}}})
+        if len(parts) == 2 and parts[0] == "status":
+            return self._send(int(parts[1]), {"status": int(parts[1])})
+        if len(parts) == 3 and parts[0] == "flaky":
+            with self.lock:
+                n = self.calls[parts[1]] = self.calls.get(parts[1], 0) + 1
+            if n <= int(parts[2]):
+                return self._send(503, {"attempt": n})
+            return self._send(200, {"attempt": n, "ok": True})
+        if len(parts) == 2 and parts[0] == "slow":
+            time.sleep(float(parts[1]))
+            return self._send(200, {"slept": float(parts[1])})
+        if parts == ["text"]:
+            return self._send(200, "plain text", "text/plain")
+        return self._send(404, {"error": "not found", "path": url.path})
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length) or b"null")
+        if self.path.startswith("/echo"):
+            return self._send(200, {"echo": body})
+        return self._send(404, {"error": "not found"})
+
+
+class FixtureApi:
+    def __init__(self, port: int = 0):
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> "FixtureApi":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

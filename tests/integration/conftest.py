@@ -1,0 +1,90 @@
+"""A whole stack (every service, real NATS and Postgres) running in a background event loop, shared
+by the tests of a module; tests drive it through the gateway."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Coroutine, Iterator
+
+import pytest
+
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.stack import InProcessStack, Settings
+from noetl_mesh.testing.fixture_api import FixtureApi
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine, timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class StackHandle:
+    def __init__(self, loop: LoopThread, stack: InProcessStack):
+        self.loop, self.stack = loop, stack
+
+    @property
+    def url(self) -> str:
+        return self.stack.gateway_url
+
+    def run(self, coro: Coroutine, timeout: float = 120) -> Any:
+        return self.loop.run(coro, timeout)
+
+    def execute(self, playbook: Any, workload: dict | None = None, timeout: float = 60) -> tuple[dict, list[dict]]:
+        """Submit through the gateway, wait for the end; return (status, events)."""
+
+        async def go():
+            async with GatewayClient(self.url) as client:
+                eid = await client.start(playbook, workload)
+                status = await client.wait(eid, timeout=timeout)
+                return status, await client.all_events(eid)
+
+        return self.run(go(), timeout + 10)
+
+
+@pytest.fixture(scope="module")
+def fixture_api() -> Iterator[FixtureApi]:
+    api = FixtureApi().start()
+    yield api
+    api.stop()
+
+
+def start_stack(pg_dsn: str, **kw: Any):
+    nats = EmbeddedNats().start()
+    loop = LoopThread()
+    stack = loop.run(InProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn), **kw).start())
+    return nats, loop, StackHandle(loop, stack)
+
+
+def stop_stack(nats, loop, handle) -> None:
+    try:
+        loop.run(handle.stack.stop(), timeout=60)
+    finally:
+        loop.close()
+        nats.stop()
+
+
+@pytest.fixture(scope="module")
+def module_pg(pg_server, pg_template) -> Iterator[str]:
+    import uuid
+
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    dsn = pg_server.create_database(name, template=pg_template)
+    yield dsn
+    pg_server.drop_database(name)
+
+
+@pytest.fixture(scope="module")
+def stack(module_pg) -> Iterator[StackHandle]:
+    nats, loop, handle = start_stack(module_pg)
+    yield handle
+    stop_stack(nats, loop, handle)

@@ -1,0 +1,429 @@
+"""The event-recorder against real NATS and Postgres: recording, idempotency, the projection, the
+rebuilt execution state, the catalog, restarts, a database outage, and the insert rate."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import psycopg
+import pytest
+import yaml
+from nats.js.errors import NotFoundError
+
+from noetl_mesh.core.events import make_event, new_execution_id, stable_id
+from noetl_mesh.core.local import run_local
+from noetl_mesh.core.state import summary
+from noetl_mesh.infra.bus import EVENTS, Bus, BusError, dumps
+from noetl_mesh.services.event_recorder.service import DURABLE, RecorderService
+
+pytestmark = pytest.mark.integration
+
+PLAYBOOK = yaml.safe_load("""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: tiny, path: tests/tiny}
+workload: {n: 2}
+workflow:
+  - step: start
+    tool: {kind: noop, result: "{{ workload.n }}"}
+    next: {arcs: [{step: double, args: {x: "{{ event.result }}"}}]}
+  - step: double
+    tool: {kind: noop, result: "{{ args.x * 2 }}"}
+    next: {arcs: [{step: end}]}
+  - step: end
+    tool: {kind: noop}
+""")
+
+
+async def fresh_bus(nats_url: str) -> Bus:
+    """A bus on an empty events stream (the NATS server is shared by the whole test session)."""
+    bus = await Bus.connect(nats_url, "test")
+    with contextlib.suppress(NotFoundError):
+        await bus.js.delete_stream(EVENTS)
+    await bus.setup(partitions=4)
+    return bus
+
+
+async def eventually(check, timeout: float = 10.0, every: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout}s (last: {result!r})")
+        await asyncio.sleep(every)
+
+
+def count(dsn: str, sql: str = "SELECT count(*) FROM event", *params: Any) -> int:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql, params).fetchone()[0]
+
+
+async def recorded(dsn: str, n: int) -> bool:
+    return count(dsn) >= n
+
+
+def small_events(n: int, executions: int = 50) -> list[dict[str, Any]]:
+    xids = [new_execution_id() for _ in range(executions)]
+    return [make_event("step.done", xids[i % executions], event_id=stable_id("ev", xids[0], i), source="test",
+                       step="s", step_run_id="r", data={"result": i}) for i in range(n)]
+
+
+async def publish_all(bus: Bus, events: list[dict[str, Any]], chunk: int = 500) -> None:
+    for i in range(0, len(events), chunk):
+        await asyncio.gather(*(bus.publish_event(e) for e in events[i:i + chunk]))
+
+
+def same_envelope(stored: dict[str, Any], original: dict[str, Any]) -> None:
+    assert set(stored) == set(original) | {"seq"}
+    assert stored["timestamp"] == pytest.approx(original["timestamp"], abs=1e-6)
+    assert {k: v for k, v in stored.items() if k not in ("seq", "timestamp")} == \
+           {k: v for k, v in original.items() if k != "timestamp"}
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_events_are_recorded_once_in_log_order_and_fold_to_the_state(nats_url: str, pg_dsn: str) -> None:
+    run = asyncio.run(run_local(PLAYBOOK))
+    expected = summary(run.state)
+    assert expected["status"] == "COMPLETED"
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=7)  # small batches: many of them
+        await rec.start()
+        try:
+            seqs = [await bus.publish_event(e) for e in run.log]
+            await bus.publish_event(run.log[3])  # same id within the duplicate window: one stream entry
+            # the same event stored twice in the stream (a republish after the window): recorded once
+            extra = await bus.js.publish(f"noetl.evt.ctl.{run.execution_id}", dumps(run.log[4]), stream=EVENTS)
+            assert extra.seq > seqs[-1]
+            await eventually(lambda: recorded(pg_dsn, len(run.log)))
+            await asyncio.sleep(0.2)  # let the republished copy arrive, if it were to be stored
+            assert count(pg_dsn) == len(run.log)
+
+            page = await bus.request("noetl.q.execution.events", {"execution_id": run.execution_id, "limit": 1000})
+            assert page["total"] == len(run.log) and [e["seq"] for e in page["events"]] == seqs
+            for stored, original in zip(page["events"], run.log):
+                same_envelope(stored, original)
+
+            state = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
+            assert {k: state[k] for k in expected} == expected
+            assert state["event_count"] == len(run.log) and state["error"] is None
+            assert state["path"] == "tests/tiny" and state["finished_at"] and state["created_at"]
+
+            # paging
+            xid = run.execution_id
+            first = await bus.request("noetl.q.execution.events", {"execution_id": xid, "offset": 0, "limit": 5})
+            rest = await bus.request("noetl.q.execution.events", {"execution_id": xid, "offset": 5, "limit": 1000})
+            assert (first["total"], first["offset"], first["limit"], len(first["events"])) == (len(run.log), 0, 5, 5)
+            assert [e["event_id"] for e in first["events"] + rest["events"]] == [e["event_id"] for e in run.log]
+            capped = await bus.request("noetl.q.execution.events", {"execution_id": run.execution_id, "limit": 5000})
+            assert capped["limit"] == 1000
+
+            with pytest.raises(BusError) as missing:
+                await bus.request("noetl.q.execution.get", {"execution_id": "nope"})
+            assert missing.value.kind == "not_found"
+            with pytest.raises(BusError) as missing:
+                await bus.request("noetl.q.execution.events", {"execution_id": "nope"})
+            assert missing.value.kind == "not_found"
+            ping = await bus.request("noetl.q.recorder.ping", {})
+            assert ping["ok"] is True and ping["lag"] == 0
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT status, path FROM execution WHERE execution_id = %s",
+                            (run.execution_id,)).fetchone() == ("COMPLETED", "tests/tiny")
+
+
+def test_recording_the_same_batch_twice_stores_it_once(nats_url: str, pg_dsn: str) -> None:
+    """A redelivery (the recorder died after its commit, before its ack) changes nothing."""
+    run = asyncio.run(run_local(PLAYBOOK))
+    records = list(enumerate(run.log, start=1))
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn)
+        await rec.start()
+        try:
+            await rec.store(records)
+            before = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
+            await rec.store(records)
+            await rec.store(records[2:5])
+            after = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
+            assert count(pg_dsn) == len(run.log)
+            assert before == after and after["status"] == "COMPLETED"
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_projection_follows_the_request_lifecycle(nats_url: str, pg_dsn: str) -> None:
+    ok, rejected, running, child = (new_execution_id() for _ in range(4))
+    t0 = time.time()
+
+    def ev(name: str, xid: str, dt: float, data: dict[str, Any] | None = None, status: str = "success"):
+        return make_event(name, xid, event_id=stable_id(name, xid), source="test", status=status,
+                          data=data, timestamp=t0 + dt)
+
+    requested = "playbook.execution.requested"
+    events = [
+        ev(requested, ok, 0, {"catalog": {"path": "cat/ok", "version": 3}, "playbook": None}, "in_progress"),
+        ev(requested, rejected, 1, {"catalog": None, "playbook": {"metadata": {"name": "bad", "path": "inline/bad"}}},
+           "in_progress"),
+        ev("playbook.request.evaluated", rejected, 1.1, {"errors": ["broken"]}, "error"),
+        ev("workflow.finished", rejected, 1.2,
+           {"status": "FAILED", "error": {"kind": "invalid_playbook", "message": "broken"}}, "error"),
+        ev(requested, running, 2, {"playbook": None, "catalog": None, "parent_execution_id": ok}, "in_progress"),
+        ev("playbook.request.evaluated", running, 2.1, {"path": "from/evaluated", "version": None, "playbook": {}}),
+        ev("workflow.started", running, 2.2),
+        ev("workflow.started", ok, 3),
+        ev("workflow.finished", ok, 4, {"status": "COMPLETED", "error": None}),
+        # out of order (e.g. a redelivery): a late start does not reopen a finished execution
+        ev("workflow.finished", child, 5, {"status": "CANCELLED", "error": {"kind": "cancelled"}}, "error"),
+        ev("workflow.started", child, 4.5),
+    ]
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=3)
+        await rec.start()
+        try:
+            await publish_all(bus, events, chunk=1)
+            await eventually(lambda: recorded(pg_dsn, len(events)))
+            rows = {r["execution_id"]: r for r in await bus.request("noetl.q.execution.list", {})}
+            assert rows[ok]["status"] == "COMPLETED" and (rows[ok]["path"], rows[ok]["version"]) == ("cat/ok", 3)
+            assert rows[ok]["started_at"] and rows[ok]["finished_at"] and rows[ok]["error"] is None
+            assert rows[rejected]["status"] == "FAILED" and rows[rejected]["path"] == "inline/bad"
+            assert rows[rejected]["error"] == {"kind": "invalid_playbook", "message": "broken"}
+            assert rows[running]["status"] == "RUNNING" and rows[running]["path"] == "from/evaluated"
+            assert rows[running]["parent_execution_id"] == ok and rows[running]["finished_at"] is None
+            assert rows[child]["status"] == "CANCELLED"
+            newest_first = await bus.request("noetl.q.execution.list", {"limit": 2})
+            assert [r["execution_id"] for r in newest_first] == [child, running]
+            failed = await bus.request("noetl.q.execution.list", {"status": "FAILED"})
+            assert [r["execution_id"] for r in failed] == [rejected]
+            state = await bus.request("noetl.q.execution.get", {"execution_id": rejected})
+            assert state["status"] == "FAILED" and state["error"]["kind"] == "invalid_playbook"
+            with pytest.raises(BusError) as bad:
+                await bus.request("noetl.q.execution.list", {"status": "SLEEPING"})
+            assert bad.value.kind == "bad_request"
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+VALID = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: greeter, path: demo/greeter}
+workflow:
+  - step: start
+    tool: {kind: noop, result: hi}
+"""
+INVALID = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: broken}
+workflow:
+  - step: start
+    tool: {kind: nosuchtool}
+    next: {arcs: [{step: nowhere}]}
+  - step: start
+    case: []
+"""
+
+
+def test_catalog_register_get_list(nats_url: str, pg_dsn: str) -> None:
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn)
+        await rec.start()
+        try:
+            one = await bus.request("noetl.q.catalog.register", {"content": VALID})
+            two = await bus.request("noetl.q.catalog.register", {"content": VALID.replace("hi", "hello")})
+            other = await bus.request("noetl.q.catalog.register",
+                                      {"content": VALID.replace("demo/greeter", "demo/other")})
+            assert (one["path"], one["version"], one["name"]) == ("demo/greeter", 1, "greeter")
+            assert (two["version"], other["version"]) == (2, 1) and two["id"] != one["id"]
+            assert one["warnings"] == []
+
+            with pytest.raises(BusError) as invalid:
+                await bus.request("noetl.q.catalog.register", {"content": INVALID})
+            assert invalid.value.kind == "invalid_playbook"
+            errors = invalid.value.details
+            assert len(errors) >= 3 and all(set(e) == {"location", "message", "severity"} for e in errors)
+            with pytest.raises(BusError) as not_yaml:
+                await bus.request("noetl.q.catalog.register", {"content": "a: [b"})
+            assert not_yaml.value.kind == "invalid_playbook" and "YAML" in not_yaml.value.details[0]["message"]
+
+            latest = await bus.request("noetl.q.catalog.get", {"path": "demo/greeter"})
+            assert latest["version"] == 2 and "hello" in latest["content"]
+            first = await bus.request("noetl.q.catalog.get", {"path": "demo/greeter", "version": 1})
+            assert first["content"] == VALID and first["id"] == one["id"]
+            by_id = await bus.request("noetl.q.catalog.get", {"id": other["id"]})
+            assert by_id["path"] == "demo/other"
+            for missing in ({"path": "demo/none"}, {"path": "demo/greeter", "version": 9}, {"id": 999}):
+                with pytest.raises(BusError) as err:
+                    await bus.request("noetl.q.catalog.get", missing)
+                assert err.value.kind == "not_found"
+
+            everything = await bus.request("noetl.q.catalog.list", {})
+            assert [e["id"] for e in everything] == [other["id"], two["id"], one["id"]]
+            assert "content" not in everything[0]
+            versions = await bus.request("noetl.q.catalog.list", {"path": "demo/greeter"})
+            assert [e["version"] for e in versions] == [2, 1]
+
+            # concurrent registrations of one path get distinct versions
+            many = await asyncio.gather(*(bus.request("noetl.q.catalog.register", {"content": VALID})
+                                          for _ in range(5)))
+            assert sorted(r["version"] for r in many) == [3, 4, 5, 6, 7]
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_restart_mid_stream_loses_and_duplicates_nothing(nats_url: str, pg_dsn: str) -> None:
+    events = small_events(3000)
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        publishing = asyncio.create_task(publish_all(bus, events, chunk=50))
+        for _ in range(3):
+            rec = RecorderService(bus, pg_dsn=pg_dsn, batch=100, drain_timeout=0)
+            await rec.start()
+            await asyncio.sleep(0.15)
+            await rec.stop()
+        await publishing
+        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=100)
+        await rec.start()
+        try:
+            await eventually(lambda: recorded(pg_dsn, len(events)))
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+    assert count(pg_dsn) == len(events)
+    assert count(pg_dsn, "SELECT count(DISTINCT seq) FROM event") == len(events)
+    assert count(pg_dsn, "SELECT max(seq) FROM event") == len(events)
+
+
+def test_a_batch_held_by_a_dead_recorder_is_not_acked_away(nats_url: str, pg_dsn: str) -> None:
+    """AckPolicy.ALL: acking seq N acks everything below; messages a crashed recorder had fetched must
+    be recorded (after their redelivery) before the consumer's floor passes them."""
+    events = small_events(600)
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, ack_wait=1.0)
+        await rec.start()
+        await rec.stop()  # the durable consumer exists now
+        await publish_all(bus, events[:300])
+        dead = await bus.js.pull_subscribe_bind(DURABLE, stream=EVENTS)
+        held = await dead.fetch(100, timeout=5)  # fetched and never acked: the recorder "died"
+        assert [m.metadata.sequence.stream for m in held] == list(range(1, 101))
+        await dead.unsubscribe()
+        rec = RecorderService(bus, pg_dsn=pg_dsn, ack_wait=1.0)
+        await rec.start()
+        try:
+            await publish_all(bus, events[300:])
+            await eventually(lambda: recorded(pg_dsn, len(events)), timeout=15)
+
+            async def all_acked() -> bool:
+                info = await bus.js.consumer_info(EVENTS, DURABLE)
+                return info.ack_floor.stream_seq == len(events) and info.num_ack_pending == 0
+
+            await eventually(all_acked, timeout=10)
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+    assert count(pg_dsn) == len(events)
+
+
+def test_a_database_outage_delays_recording_and_loses_nothing(nats_url: str, pg_dsn: str) -> None:
+    events = small_events(400)
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=50)
+        await rec.start()
+        try:
+            await publish_all(bus, events[:100])
+            await eventually(lambda: recorded(pg_dsn, 100))
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("ALTER TABLE event RENAME TO event_away")
+            await publish_all(bus, events[100:])
+            await asyncio.sleep(0.5)  # the recorder fails and retries meanwhile
+            assert count(pg_dsn, "SELECT count(*) FROM event_away") == 100
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("ALTER TABLE event_away RENAME TO event")
+            await eventually(lambda: recorded(pg_dsn, len(events)), timeout=15)
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+    assert count(pg_dsn) == len(events)
+
+
+def test_odd_events_are_recorded_and_round_trip(nats_url: str, pg_dsn: str) -> None:
+    """Values Postgres cannot hold as sent (NUL in text) or unexpected keys do not block the log."""
+    xid = new_execution_id()
+    nul = make_event("ctx.patched", xid, event_id="odd-1", source="test", data={"patch": {"k": "a\x00b"}})
+    extra = dict(make_event("step.started", xid, event_id="odd-2", source="test", step="s", iteration=1),
+                 custom={"x": 1}, attempt="first")
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn)
+        await rec.start()
+        try:
+            await publish_all(bus, [nul, extra])
+            await eventually(lambda: recorded(pg_dsn, 2))
+            page = await bus.request("noetl.q.execution.events", {"execution_id": xid})
+            got_nul, got_extra = page["events"]
+            assert got_nul["data"] == {"patch": {"k": "a\ufffdb"}}
+            same_envelope(got_extra, extra)
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_insert_rate(nats_url: str, pg_dsn: str) -> None:
+    """20,000 small events already in the stream, drained by a fresh recorder (printed: -s)."""
+    n = 20_000
+    events = small_events(n, executions=200)
+
+    async def main() -> float:
+        bus = await fresh_bus(nats_url)
+        await publish_all(bus, events, chunk=1000)
+        rec = RecorderService(bus, pg_dsn=pg_dsn)
+        started = time.perf_counter()
+        await rec.start()
+        try:
+            while rec.recorded < n:
+                await asyncio.sleep(0.005)
+            return time.perf_counter() - started
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    elapsed = asyncio.run(main())
+    print(f"\nevent-recorder: {n} events drained in {elapsed:.2f}s = {n / elapsed:,.0f} events/s")
+    assert count(pg_dsn) == n
