@@ -32,7 +32,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from noetl_mesh.core.state import FINAL, fold, summary
-from noetl_mesh.infra.bus import EVENTS, Bus, BusError, loads
+from noetl_mesh.infra.bus import EVENTS, Bus, BusError, loads, log_seq
 from noetl_mesh.lang.validate import validate_text
 
 from . import schema
@@ -262,14 +262,14 @@ class RecorderService:
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             try:
-                event = loads(msg.data)
-                if not isinstance(event, dict) or not all(
-                        isinstance(event.get(k), str) for k in ("event_id", "execution_id", "name")):
-                    raise ValueError("not an event envelope")
+                events = loads(msg.data)  # one message holds the events of one decision (bus.batches)
+                if not isinstance(events, list) or not all(isinstance(e, dict) and all(
+                        isinstance(e.get(k), str) for k in ("event_id", "execution_id", "name")) for e in events):
+                    raise ValueError("not a list of event envelopes")
             except Exception as exc:  # noqa: BLE001 - a malformed message is skipped, not retried forever
                 log.error("skipping malformed message seq=%s on %s: %s", seq, msg.subject, exc)
                 continue
-            records.append((seq, event))
+            records += [(log_seq(seq, i), event) for i, event in enumerate(events)]
         delay = 0.1
         while True:
             try:

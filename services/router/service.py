@@ -16,8 +16,8 @@ class RouterService(PartitionedService):
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
         return decide.router(state, event)
 
-    async def after(self, state: ExecutionState, event: dict[str, Any], decision: decide.Decision) -> None:
-        for out in decision.events:
+    async def after(self, state: ExecutionState, outputs: list[dict[str, Any]]) -> None:
+        for out in outputs:
             if out["name"] == "workflow.finished":
                 # workers abort the execution's in-flight commands and drop queued ones (D15, D18)
                 await self.bus.broadcast(cancel_subject(state.execution_id),

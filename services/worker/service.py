@@ -24,6 +24,42 @@ from noetl_mesh.tools import close_tools, default_tools
 log = logging.getLogger("noetl.worker")
 
 
+class EventBatcher:
+    """A run's events leave in a few messages: everything reported within ``linger`` seconds travels
+    together (a quick step is one message), and the PubAcks are awaited once, at the end."""
+
+    def __init__(self, bus: Bus, linger: float = 0.05):
+        self.bus, self.linger = bus, linger
+        self.buffer: list[dict] = []
+        self.acks: list[asyncio.Future] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.flushing: asyncio.Task | None = None
+
+    async def add(self, event: dict) -> None:
+        self.buffer.append(event)
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.linger, self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self.timer = None
+        if self.buffer and (self.flushing is None or self.flushing.done()):
+            self.flushing = asyncio.ensure_future(self.flush())
+
+    async def flush(self) -> None:
+        events, self.buffer = self.buffer, []
+        if events:
+            self.acks.append(await self.bus.send_events(events))
+
+    async def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.flushing is not None:
+            await self.flushing
+        await self.flush()
+        await asyncio.wait_for(asyncio.gather(*self.acks), 30)
+
+
 class WorkerService:
     name = "worker"
 
@@ -89,9 +125,11 @@ class WorkerService:
         try:
             with tracing.consume_span(f"worker {command['step']}", msg.headers,
                                       **{"noetl.execution_id": eid, "noetl.step": command["step"]}):
-                await execute(command, self.tools, self.bus.publish_event, source=f"worker:{self.pool}")
+                batcher = EventBatcher(self.bus)
+                await execute(command, self.tools, batcher.add, source=f"worker:{self.pool}")
+                await batcher.close()
             self.done += 1
-            await msg.ack_sync()
+            await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)
         except asyncio.CancelledError:
             if eid in self.finished:  # cancelled by the control plane: nothing more to report
                 await msg.ack()

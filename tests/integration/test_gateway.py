@@ -79,7 +79,7 @@ async def stream_events(bus: Bus, execution_id: str) -> list[tuple[dict[str, Any
         msgs = await sub.fetch(100, timeout=2)
     finally:
         await sub.unsubscribe()
-    return [(loads(m.data), dict(m.headers or {})) for m in msgs]
+    return [(e, dict(m.headers or {})) for m in msgs for e in loads(m.data)]
 
 
 async def poll(client: httpx.AsyncClient, url: str, until, timeout: float = 10.0) -> httpx.Response:

@@ -15,13 +15,16 @@ next event, so a service never decides twice on the same tokens. Every id is der
 """
 from __future__ import annotations
 
+import collections
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, truthy
 from .events import ALIASES, TERMINAL_STEP_EVENTS, make_event, stable_id
-from .state import CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, apply, graph_of
+from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, apply, graph_of,
+                    playbook_digest)
 
 DEFAULT_POOL = "default"
 
@@ -73,34 +76,50 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
 
 
 def _evaluate_request(out: _Out, resolved: Any) -> None:
-    from ..lang.validate import entry_step, validate
+    from ..lang.validate import entry_step
 
     state = out.state
     if state.playbook is not None:
         return  # already evaluated (a redelivery)
-    errors: list[str] = []
-    result = None
     if isinstance(resolved, list):
         errors = [str(e) for e in resolved]
     elif resolved is None:
         errors = ["no playbook given"]
     else:
-        result = validate(resolved)
-        errors = [str(d) for d in result.errors]
+        digest, doc, errors = _validated(resolved)
     if errors:
         out.event("playbook.request.evaluated", status="error", data={"errors": errors})
         return
-    doc = result.document
     overrides = state.request.get("workload") or {}
     workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
     out.event(
         "playbook.request.evaluated",
-        data={"playbook": doc, "workload": workload, "keychain": state.request.get("keychain") or {},
+        data={"playbook": doc, "digest": digest, "workload": workload, "keychain": state.request.get("keychain") or {},
               "path": doc["metadata"]["path"], "version": (state.request.get("catalog") or {}).get("version"),
               "parent_execution_id": state.request.get("parent_execution_id")},
     )
     out.event("workflow.started", data={"entry_step": entry_step(doc)})
     _enqueue(out, entry_step(doc), ENTRY_PLACE, state.request.get("args") or {}, cause_key="entry")
+
+
+_VALIDATED: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+
+
+def _validated(doc: Any) -> tuple[str, dict | None, list[str]]:
+    """Validation is a pure function of the document: the same playbook submitted again is not
+    validated again (a small LRU keyed by the document's digest)."""
+    from ..lang.validate import validate
+
+    digest = playbook_digest(doc)
+    hit = _VALIDATED.get(digest)
+    if hit is None:
+        result = validate(doc)
+        hit = (result.document, [str(d) for d in result.errors])
+        _VALIDATED[digest] = hit
+        if len(_VALIDATED) > 256:
+            _VALIDATED.popitem(last=False)
+    _VALIDATED.move_to_end(digest)
+    return digest, copy.deepcopy(hit[0]), hit[1]
 
 
 def _enqueue(out: _Out, step: str, place: str, args: dict, cause_key: str) -> None:

@@ -13,8 +13,11 @@ point of the event stream each token or run that can still feed a join is visibl
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+import orjson
 
 from ..lang.graph import WorkflowGraph
 from ..lang.validate import entry_step
@@ -175,13 +178,28 @@ def _evaluated(s: ExecutionState, e: dict, d: dict) -> None:
     s.playbook = d["playbook"]
     s.workload = d.get("workload") or {}
     s.keychain = d.get("keychain") or {}
-    s.graph = graph_of(s.playbook)
+    s.graph = graph_of(s.playbook, d.get("digest"))
 
 
-def graph_of(doc: dict[str, Any]) -> WorkflowGraph:
-    return WorkflowGraph.build(
-        (st["step"], [a["step"] for a in (st.get("next") or {}).get("arcs", [])]) for st in doc["workflow"]
-    )
+_GRAPHS: dict[str, WorkflowGraph] = {}
+
+
+def playbook_digest(doc: Any) -> str:
+    return hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS, default=str), digest_size=16).hexdigest()
+
+
+def graph_of(doc: dict[str, Any], digest: str | None = None) -> WorkflowGraph:
+    """The static graph of a playbook (immutable, so shared by every execution of the same one)."""
+    graph = _GRAPHS.get(digest) if digest else None
+    if graph is None:
+        graph = WorkflowGraph.build(
+            (st["step"], [a["step"] for a in (st.get("next") or {}).get("arcs", [])]) for st in doc["workflow"]
+        )
+        if digest:
+            if len(_GRAPHS) > 256:
+                _GRAPHS.clear()
+            _GRAPHS[digest] = graph
+    return graph
 
 
 def _started(s: ExecutionState, e: dict, d: dict) -> None:

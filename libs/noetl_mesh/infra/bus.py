@@ -13,9 +13,12 @@ One module names every subject and stream (see docs/architecture.md):
 - core NATS: ``noetl.q.<service>.<verb>`` request/reply reads (JSON in, JSON out, errors as
   ``{"error": {...}}``), and ``noetl.cancel.<execution_id>`` broadcasts.
 
-Every published message carries a W3C ``traceparent`` header (OpenTelemetry propagation), and every
-JetStream publish a ``Nats-Msg-Id`` (the event or command id) so a republish after a crash is stored
-once (D21).
+An events message is a JSON *list* of events: the events of one decision (or of one worker flush)
+travel and are stored together, so a decision lands whole or not at all and a step costs a few
+messages instead of one per event. An event's place in the log is ``log_seq(stream sequence, index in
+its message)``. Every published message carries a W3C ``traceparent`` header (OpenTelemetry
+propagation), and every JetStream publish a ``Nats-Msg-Id`` (derived from the event or command ids)
+so a republish after a crash is stored once (D21).
 """
 from __future__ import annotations
 
@@ -49,8 +52,12 @@ log = logging.getLogger("noetl.bus")
 EVENTS = "NOETL_EVENTS"
 COMMANDS = "NOETL_COMMANDS"
 DEFAULT_PARTITIONS = 16
-CTL, TASK = "ctl", "task"
-TASK_EVENTS = frozenset({"task.started", "task.processed"})
+# Subject classes: which events a control-plane service must fold. ``ctl`` events change what
+# admission and the router decide; ``loop`` events only the loop-coordinator's; ``info`` events
+# (task progress, scheduling notes) no service decides on: only the recorder reads them.
+CTL, LOOP, INFO = "ctl", "loop", "info"
+LOOP_EVENTS = frozenset({"loop.started", "loop.iteration.started", "loop.iteration.done", "loop.iteration.failed"})
+INFO_EVENTS = frozenset({"task.started", "task.processed", "step.started", "step.scheduled", "playbook.processed"})
 
 
 def dumps(value: Any) -> bytes:
@@ -61,9 +68,36 @@ def loads(data: bytes) -> Any:
     return orjson.loads(data)
 
 
-def event_subject(event: dict[str, Any]) -> str:
-    kind = TASK if event["name"] in TASK_EVENTS else CTL
-    return f"noetl.evt.{kind}.{event['execution_id']}"
+BATCH_MAX = 1024  # events per message; also the factor of log_seq
+
+
+def log_seq(stream_seq: int, index: int) -> int:
+    """The log order of the ``index``-th event of the message at ``stream_seq``."""
+    return stream_seq * BATCH_MAX + index
+
+
+_CLASS_RANK = {"info": 0, "loop": 1, "ctl": 2}
+
+
+def event_class(name: str) -> str:
+    return LOOP if name in LOOP_EVENTS else INFO if name in INFO_EVENTS else CTL
+
+
+def batch_subject(events: list[dict[str, Any]]) -> str:
+    """A message goes to the most demanding class among its events (ctl > loop > info)."""
+    cls = max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
+    return f"noetl.evt.{cls}.{events[0]['execution_id']}"
+
+
+def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Group events by execution (a message belongs to one partition), in order, at most BATCH_MAX each."""
+    out: list[list[dict[str, Any]]] = []
+    for e in events:
+        if out and out[-1][0]["execution_id"] == e["execution_id"] and len(out[-1]) < BATCH_MAX:
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out
 
 
 def partition_of(execution_id: str, partitions: int) -> int:
@@ -135,9 +169,28 @@ class Bus:
 
     # ----------------------------------------------------------------- publishing
     async def publish_event(self, event: dict[str, Any]) -> int:
-        ack = await self.js.publish(event_subject(event), dumps(event), stream=EVENTS,
-                                    headers=tracing.inject({"Nats-Msg-Id": event["event_id"]}))
-        return ack.seq
+        """Publish one event alone and wait for it to be stored; returns its log_seq."""
+        ack = await self.js.publish(batch_subject([event]), dumps([event]), stream=EVENTS,
+                                    headers=tracing.inject({"Nats-Msg-Id": _msg_id([event])}))
+        return log_seq(ack.seq, 0)
+
+    async def publish_all(self, events: list[dict[str, Any]], commands: list[dict[str, Any]] = (),
+                          timeout: float = 10.0) -> None:
+        """Publish in order without waiting for each PubAck (one connection keeps the order), then
+        wait for every PubAck: on return, all are stored."""
+        futures = [await self.send_events(batch) for batch in batches(events)]
+        for c in commands:
+            futures.append(await self.js.publish_async(
+                command_subject(c["pool"]), dumps(c), stream=COMMANDS,
+                headers=tracing.inject({"Nats-Msg-Id": c["command_id"]})))
+        if futures:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+
+    async def send_events(self, events: list[dict[str, Any]]) -> asyncio.Future:
+        """Write one message of events (one execution) to the connection; the returned future
+        resolves to its PubAck."""
+        return await self.js.publish_async(batch_subject(events), dumps(events), stream=EVENTS,
+                                           headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
 
     async def publish_command(self, command: dict[str, Any]) -> None:
         await self.js.publish(command_subject(command["pool"]), dumps(command), stream=COMMANDS,
@@ -178,33 +231,51 @@ class Bus:
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
     # ----------------------------------------------------------------- consumers
-    async def durable(self, stream: str, name: str, filter_subject: str, *, max_ack_pending: int,
+    async def durable(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int,
                       ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT):
         """Create or update a durable pull consumer and bind to it."""
+        subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         await self.js.add_consumer(stream, ConsumerConfig(
-            durable_name=name, filter_subject=filter_subject, ack_policy=ack_policy,
+            durable_name=name, ack_policy=ack_policy,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            filter_subjects=subjects if len(subjects) > 1 else None,
             max_ack_pending=max_ack_pending, ack_wait=ack_wait, max_deliver=max_deliver,
             deliver_policy=DeliverPolicy.ALL,
         ))
         return await self.js.pull_subscribe_bind(name, stream=stream)
 
-    async def execution_events(self, execution_id: str, partition: int, kinds: str = CTL) -> list[tuple[int, dict]]:
-        """Every event of one execution now in the events stream, in stream order, with its sequence."""
-        subject = f"noetl.pevt.{partition}.{kinds}.{execution_id}"
-        try:
-            last = (await self.js.get_last_msg(EVENTS, subject)).seq
-        except NotFoundError:
+    async def execution_events(self, execution_id: str, partition: int,
+                               classes: tuple[str, ...] = (CTL,)) -> list[tuple[int, dict]]:
+        """The events of the given classes of one execution now in the stream, in order, with seqs."""
+        subjects = [f"noetl.pevt.{partition}.{c}.{execution_id}" for c in classes]
+        last = 0
+        for subject in subjects:
+            try:
+                last = max(last, (await self.js.get_last_msg(EVENTS, subject)).seq)
+            except NotFoundError:
+                pass
+        if not last:
             return []
-        sub = await self.js.pull_subscribe(subject, stream=EVENTS, config=ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=10.0))
+        sub = await self.js.pull_subscribe(subjects[0], stream=EVENTS, config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=10.0,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            filter_subjects=subjects if len(subjects) > 1 else None))
         out: list[tuple[int, dict]] = []
+        seq = 0
         try:
-            while not out or out[-1][0] < last:
+            while seq < last:
                 for msg in await sub.fetch(512, timeout=5):
-                    out.append((msg.metadata.sequence.stream, loads(msg.data)))
+                    seq = msg.metadata.sequence.stream
+                    out += [(seq, e) for e in loads(msg.data)]
         finally:
             await sub.unsubscribe()
         return out
+
+
+def _msg_id(events: list[dict[str, Any]]) -> str:
+    if len(events) == 1:
+        return events[0]["event_id"]
+    return f"{events[0]['event_id']}+{len(events)}-{events[-1]['event_id']}"
 
 
 class BusError(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -32,10 +33,12 @@ log = logging.getLogger("noetl.control")
 
 class PartitionedService:
     name = "control"
+    classes: tuple[str, ...] = (CTL,)  # the event classes this service folds (see bus.event_class)
     cache_size = 10_000
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, ack_wait: float | None = None):
         self.bus = bus
+        self.ack_wait = ack_wait or float(os.environ.get("NOETL_CONTROL_ACK_WAIT", 30))
         self.cache: collections.OrderedDict[str, ExecutionState] = collections.OrderedDict()
         self.partition_of: dict[str, int] = {}
         self.last_consumer_seq: dict[int, int] = {}
@@ -48,15 +51,16 @@ class PartitionedService:
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> Decision:
         raise NotImplementedError
 
-    async def after(self, state: ExecutionState, event: dict[str, Any], decision: Decision) -> None:
+    async def after(self, state: ExecutionState, outputs: list[dict[str, Any]]) -> None:
         """Side effects beyond publishing (router: cancel broadcasts)."""
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.bus.attach()
         for p in range(self.bus.partitions):
-            sub = await self.bus.durable(EVENTS, f"{self.name}-p{p}", f"noetl.pevt.{p}.{CTL}.*",
-                                         max_ack_pending=1, ack_wait=30, max_deliver=50)
+            subjects = [f"noetl.pevt.{p}.{c}.*" for c in self.classes]
+            sub = await self.bus.durable(EVENTS, f"{self.name}-p{p}", subjects,
+                                         max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
             self.tasks.append(asyncio.create_task(pull_loop(sub, self.handle, self.stop_event, timeout=1.0),
                                                   name=f"{self.name}-p{p}"))
 
@@ -74,31 +78,37 @@ class PartitionedService:
         if self.last_consumer_seq.get(p) != seq.consumer - 1:
             self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
         self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
-        event = loads(msg.data)
-        eid = event["execution_id"]
-        with tracing.consume_span(f"{self.name} {event['name']}", msg.headers,
-                                  **{"noetl.execution_id": eid, "noetl.event": event["name"]}):
-            state = self.cache.get(eid)
-            if state is None:
-                state = await self._rebuild(eid, p, seq.stream)
-                self.cache[eid] = state
-                self.partition_of[eid] = p
-            self.cache.move_to_end(eid)
+        events = loads(msg.data)  # one message: the events of one decision, one execution
+        eid = events[0]["execution_id"]
+        state = self.cache.get(eid)
+        if state is None and events[0]["name"] == "playbook.execution.requested":
+            state = ExecutionState(eid)  # an execution's first event: nothing before it to fold
+        elif state is None:
+            state = await self._rebuild(eid, p, seq.stream)
+        self.cache[eid] = state
+        self.partition_of[eid] = p
+        self.cache.move_to_end(eid)
+        outputs, commands = [], []
+        for event in events:
             if apply(state, event):
                 decision = await self.decide(state, event)
-                for out in decision.events:
-                    await self.bus.publish_event(out)
-                for command in decision.commands:
-                    await self.bus.publish_command(command)
-                await self.after(state, event, decision)
-            self.handled += 1
-        await msg.ack_sync()
+                outputs += decision.events
+                commands += decision.commands
+        if outputs or commands:  # most events need nothing from this service: no span, no publish
+            with tracing.consume_span(f"{self.name} {events[-1]['name']}", msg.headers,
+                                      **{"noetl.execution_id": eid, "noetl.event": events[-1]["name"]}):
+                await self.bus.publish_all(outputs, commands)
+                await self.after(state, outputs)
+        self.handled += 1
+        # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
+        # means a redelivery, which folds to nothing (D21).
+        await msg.ack()
         self.last_consumer_seq[p] = seq.consumer
         self._evict()
 
     async def _rebuild(self, execution_id: str, partition: int, before_seq: int) -> ExecutionState:
         self.rebuilds += 1
-        events = await self.bus.execution_events(execution_id, partition)
+        events = await self.bus.execution_events(execution_id, partition, self.classes)
         state = ExecutionState(execution_id)
         later_own = []
         for s, event in events:
