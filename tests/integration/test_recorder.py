@@ -301,15 +301,15 @@ def test_restart_mid_stream_loses_and_duplicates_nothing(nats_url: str, pg_dsn: 
         bus = await fresh_bus(nats_url)
         publishing = asyncio.create_task(publish_all(bus, events, chunk=50))
         for _ in range(3):
-            rec = RecorderService(bus, pg_dsn=pg_dsn, batch=100, drain_timeout=0)
+            rec = RecorderService(bus, pg_dsn=pg_dsn, batch=100, drain_timeout=0, ack_wait=3)
             await rec.start()
             await asyncio.sleep(0.15)
             await rec.stop()
         await publishing
-        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=100)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=100, ack_wait=3)
         await rec.start()
-        try:
-            await eventually(lambda: recorded(pg_dsn, len(events)))
+        try:  # messages a stopped recorder still held come back after ack_wait
+            await eventually(lambda: recorded(pg_dsn, len(events)), timeout=40)
         finally:
             await rec.stop()
             await bus.close()

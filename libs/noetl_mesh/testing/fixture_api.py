@@ -62,9 +62,16 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(404, {"error": "not found"})
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:  # a client that hung up: not our concern
+        pass
+
+
 class FixtureApi:
     def __init__(self, port: int = 0):
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        self.server = _QuietServer(("127.0.0.1", port), _Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
