@@ -133,8 +133,14 @@ class Bus:
         return bus
 
     async def close(self) -> None:
+        """Close the connection (services stop their own loops first; draining would only wait out
+        pending pull requests)."""
         if not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await self.nc.flush(timeout=5)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            await self.nc.close()
 
     async def setup(self, partitions: int = DEFAULT_PARTITIONS, max_age_s: float = 7 * 24 * 3600) -> None:
         """Create the streams if missing; adopt the partition count of an existing events stream."""
