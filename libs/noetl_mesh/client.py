@@ -42,8 +42,8 @@ class GatewayClient:
             body["playbook"] = playbook
         return (await self._call("POST", "/api/executions", json=body))["execution_id"]
 
-    async def status(self, execution_id: str) -> dict:
-        return await self._call("GET", f"/api/executions/{execution_id}")
+    async def status(self, execution_id: str, brief: bool = False) -> dict:
+        return await self._call("GET", f"/api/executions/{execution_id}", params={"brief": "true"} if brief else None)
 
     async def events(self, execution_id: str, offset: int = 0, limit: int = 1000) -> dict:
         return await self._call("GET", f"/api/executions/{execution_id}/events",
@@ -68,7 +68,7 @@ class GatewayClient:
         while True:
             status = None
             try:
-                status = await self.status(execution_id)
+                status = await self.status(execution_id, brief=True)
             except GatewayError as exc:
                 if exc.status != 404:
                     raise
@@ -78,9 +78,9 @@ class GatewayClient:
                     on_event(event)
                 seen += len(page["events"])
             if status is not None and status["status"] in FINAL:
-                page = await self.events(execution_id, offset=max(0, status.get("event_count", 1) - 1), limit=1)
+                page = await self.events(execution_id, offset=max(0, status["event_count"] - 1), limit=1)
                 if page["events"] and page["events"][-1]["name"] == "playbook.processed":
-                    return status
+                    return await self.status(execution_id)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"execution {execution_id} did not finish within {timeout}s")
             await asyncio.sleep(poll)

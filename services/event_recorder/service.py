@@ -433,9 +433,17 @@ class RecorderService:
     async def execution_get(self, req: dict[str, Any]) -> dict[str, Any]:
         xid = _execution_id(req)
         async with self._connection() as conn:
-            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s ORDER BY seq", (xid,))
-            rows = await cur.fetchall()
             proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
+            count = (await (await conn.execute(
+                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            if req.get("brief"):
+                if proj is None:
+                    raise BusError("not_found", f"execution {xid} is not known")
+                return {**_execution_row(proj), "event_count": count}
+            # task progress events change no state (bus.INFO_EVENTS): the fold reads the rest
+            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND name NOT IN "
+                                     "('task.started', 'task.processed') ORDER BY seq", (xid,))
+            rows = await cur.fetchall()
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
         events = [schema.row_event(r) for r in rows]
@@ -447,7 +455,7 @@ class RecorderService:
             "error": (finished[-1]["data"] or {}).get("error") if finished else None,
             "parent_execution_id": p.get("parent_execution_id"), "created_at": p.get("created_at"),
             "started_at": p.get("started_at"), "finished_at": p.get("finished_at"),
-            "event_count": len(events),
+            "event_count": count,
         })
         return out
 

@@ -256,10 +256,12 @@ def create_app(bus: Bus) -> FastAPI:
             return await shell.ask(Q_EXECUTION_LIST, {"limit": limit, "status": status})
 
     @app.get("/api/executions/{execution_id}", tags=["executions"])
-    async def get_execution(execution_id: str) -> dict[str, Any]:
+    async def get_execution(execution_id: str, brief: bool = Query(False, description=(
+            "only the status projection and the event count (cheap: for polling); without it the "
+            "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
         with tracing.span("gateway GET /api/executions/{id}"):
-            return await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
+            return await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
 
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
     async def get_execution_events(execution_id: str, offset: int = Query(0, ge=0),

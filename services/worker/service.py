@@ -16,7 +16,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
-from noetl_mesh.core.worker import execute
+from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import COMMANDS, Bus, command_subject, loads
 from noetl_mesh.tools import close_tools, default_tools
@@ -126,7 +126,7 @@ class WorkerService:
             with tracing.consume_span(f"worker {command['step']}", msg.headers,
                                       **{"noetl.execution_id": eid, "noetl.step": command["step"]}):
                 batcher = EventBatcher(self.bus)
-                await execute(command, self.tools, batcher.add, source=f"worker:{self.pool}")
+                await execute_command(command, self.tools, batcher.add, source=f"worker:{self.pool}")
                 await batcher.close()
             self.done += 1
             await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)

@@ -373,15 +373,28 @@ def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
     _dispatch(out, run, sdef)
 
 
+def chunk_size(loop) -> int:
+    """Iterations per command: a parallel loop ships them in chunks (one command, one report per
+    chunk) so a large loop does not pay a message round per iteration; ``max_in_flight`` still counts
+    iterations. A sequential loop runs one at a time (D19)."""
+    return 1 if loop.mode != "parallel" else max(1, min(32, loop.max_in_flight // 8))
+
+
 def _dispatch(out: _Out, run: StepRun, sdef: dict) -> None:
     state = out.state
     loop = run.loop
     pool = step_spec(state, sdef).get("pool") or DEFAULT_POOL
-    while loop.next_index < loop.total and len(loop.in_flight) < loop.max_in_flight:
-        i = loop.next_index
-        out.event("loop.iteration.started", step=run.step, step_run_id=run.id, iteration=i,
-                  status="in_progress", data={"index": i})
-        out.command(build_command(state, run, pool=pool, iteration=i))
+    size = chunk_size(loop)
+    while loop.next_index < loop.total:
+        free = loop.max_in_flight - len(loop.in_flight)
+        k = min(size, free, loop.total - loop.next_index)
+        if k <= 0 or (k < size and len(loop.in_flight) and k < loop.total - loop.next_index):
+            break  # wait for room for a whole chunk (unless it is the last one)
+        first = loop.next_index
+        for i in range(first, first + k):
+            out.event("loop.iteration.started", step=run.step, step_run_id=run.id, iteration=i,
+                      status="in_progress", data={"index": i})
+        out.command(build_command(state, run, pool=pool, iterations=range(first, first + k)))
 
 
 def _continue_loop(out: _Out, run: StepRun, sdef: dict) -> None:
@@ -420,29 +433,34 @@ def _step_scope(state: ExecutionState) -> dict[str, Any]:
     return state.step_results()
 
 
-def build_command(state: ExecutionState, run: StepRun, *, pool: str, iteration: int | None = None) -> dict:
+def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations: range | None = None) -> dict:
+    """A step run's command; for loop iterations, ``chunk`` lists each one's index, scope and id."""
     sdef = state.step_def(run.step)
     loop = sdef.get("loop")
-    iter_scope = None
+    chunk = None
     loop_mode = None
-    if iteration is not None:
-        iter_scope = {loop["iterator"]: run.loop.items[iteration], "index": iteration,
-                      "parent": (state.request.get("iter_parent"))}
+    if iterations is not None:
+        parent = state.request.get("iter_parent")
+        chunk = [{"iteration": i, "command_id": stable_id("cmd", run.id, i),
+                  "iter": {loop["iterator"]: run.loop.items[i], "index": i, "parent": parent}}
+                 for i in iterations]
         loop_mode = run.loop.mode
+    single = chunk[0] if chunk and len(chunk) == 1 else None
     return {
-        "command_id": stable_id("cmd", run.id, iteration),
+        "command_id": single["command_id"] if single else stable_id("cmd", run.id, *(iterations or [None])),
         "pool": pool,
         "execution_id": state.execution_id,
         "step": run.step,
         "step_run_id": run.id,
-        "iteration": iteration,
+        "iteration": single["iteration"] if single else None,
+        "chunk": chunk if chunk and not single else None,
         "tasks": sdef.get("tool") or [],
         "spec_layers": {"executor": (state.playbook.get("executor") or {}).get("spec"),
                         "step": sdef.get("spec"), "loop": (loop or {}).get("spec")},
         "workload": state.workload,
         "ctx": dict(state.ctx),
         "args": run.args,
-        "iter": iter_scope,
+        "iter": single["iter"] if single else None,
         "steps": _step_scope(state),
         "keychain": state.keychain,
         "loop_mode": loop_mode,

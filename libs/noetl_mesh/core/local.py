@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from . import decide
 from .events import make_event, new_execution_id
 from .state import ExecutionState, apply, fold
-from .worker import execute
+from .worker import execute_command
 
 SERVICES = ("admission", "router", "loop-coordinator")
 _DECIDERS: dict[str, Callable[..., decide.Decision]] = {
@@ -80,7 +80,7 @@ async def run_local(
             i = rng.randrange(len(run.commands)) if seed is not None else 0
             command = run.commands.pop(i)
             if not _cancelled(run, command):
-                await execute(command, tools, publish, sleep=sleep or no_sleep)
+                await execute_command(command, tools, publish, sleep=sleep or no_sleep)
             continue
         event = run.log[run.cursors[who]]
         run.cursors[who] += 1

@@ -16,6 +16,23 @@ from .pipeline import run_pipeline
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+async def execute_command(
+    command: Mapping[str, Any],
+    tools: Mapping[str, Any],
+    publish: Publish,
+    *,
+    source: str = "worker",
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+) -> list[dict[str, Any]]:
+    """Run a command: one step run or iteration, or a chunk of loop iterations run concurrently
+    (each exactly as if it had come alone, with its own ids)."""
+    chunk = command.get("chunk")
+    if not chunk:
+        return [await execute(command, tools, publish, source=source, sleep=sleep)]
+    subs = [{**command, "chunk": None, **entry} for entry in chunk]
+    return list(await asyncio.gather(*(execute(sub, tools, publish, source=source, sleep=sleep) for sub in subs)))
+
+
 async def execute(
     command: Mapping[str, Any],
     tools: Mapping[str, Any],

@@ -55,8 +55,11 @@ DEFAULT_PARTITIONS = 16
 # Subject classes: which events a control-plane service must fold. ``ctl`` events change what
 # admission and the router decide; ``loop`` events only the loop-coordinator's; ``info`` events
 # (task progress, scheduling notes) no service decides on: only the recorder reads them.
-CTL, LOOP, INFO = "ctl", "loop", "info"
-LOOP_EVENTS = frozenset({"loop.started", "loop.iteration.started", "loop.iteration.done", "loop.iteration.failed"})
+# ``dispatch`` events are the loop-coordinator's own bookkeeping: it folds them when it makes them and
+# reads them back only to rebuild a state, so they do not come back to it one by one.
+CTL, LOOP, DISPATCH, INFO = "ctl", "loop", "dispatch", "info"
+LOOP_EVENTS = frozenset({"loop.iteration.done", "loop.iteration.failed"})
+DISPATCH_EVENTS = frozenset({"loop.started", "loop.iteration.started"})
 INFO_EVENTS = frozenset({"task.started", "task.processed", "step.started", "step.scheduled", "playbook.processed"})
 
 
@@ -76,15 +79,19 @@ def log_seq(stream_seq: int, index: int) -> int:
     return stream_seq * BATCH_MAX + index
 
 
-_CLASS_RANK = {"info": 0, "loop": 1, "ctl": 2}
+_CLASS_RANK = {INFO: 0, DISPATCH: 1, LOOP: 2, CTL: 3}
 
 
 def event_class(name: str) -> str:
-    return LOOP if name in LOOP_EVENTS else INFO if name in INFO_EVENTS else CTL
+    if name in LOOP_EVENTS:
+        return LOOP
+    if name in DISPATCH_EVENTS:
+        return DISPATCH
+    return INFO if name in INFO_EVENTS else CTL
 
 
 def batch_subject(events: list[dict[str, Any]]) -> str:
-    """A message goes to the most demanding class among its events (ctl > loop > info)."""
+    """A message goes to the most demanding class among its events (ctl > loop > dispatch > info)."""
     cls = max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
     return f"noetl.evt.{cls}.{events[0]['execution_id']}"
 

@@ -33,7 +33,8 @@ log = logging.getLogger("noetl.control")
 
 class PartitionedService:
     name = "control"
-    classes: tuple[str, ...] = (CTL,)  # the event classes this service folds (see bus.event_class)
+    classes: tuple[str, ...] = (CTL,)  # the event classes this service consumes (see bus.event_class)
+    rebuild_classes: tuple[str, ...] = ()  # classes it only reads back when rebuilding (its own)
     cache_size = 10_000
 
     def __init__(self, bus: Bus, ack_wait: float | None = None):
@@ -108,7 +109,7 @@ class PartitionedService:
 
     async def _rebuild(self, execution_id: str, partition: int, before_seq: int) -> ExecutionState:
         self.rebuilds += 1
-        events = await self.bus.execution_events(execution_id, partition, self.classes)
+        events = await self.bus.execution_events(execution_id, partition, self.classes + self.rebuild_classes)
         state = ExecutionState(execution_id)
         later_own = []
         for s, event in events:
