@@ -137,27 +137,45 @@ async def bench_recorder(nats_url: str, pg_dsn: str, n: int) -> list[tuple]:
     bus = await Bus.connect(nats_url, "bench")
     await bus.setup()
     eids = [new_execution_id() for _ in range(max(1, n // 100))]
-    for i in range(n):
-        await bus.publish_event(make_event("task.processed", eids[i % len(eids)], event_id=f"bench-{i}",
-                                           source="bench", data={"outcome": {"status": "ok", "result": i}}))
+    for start in range(0, n, 1000):  # one event per message, as a worst case for the recorder
+        futures = [await bus.send_events([make_event("task.processed", eids[i % len(eids)], event_id=f"bench-{i}",
+                                                      source="bench", data={"outcome": {"status": "ok", "result": i}})])
+                   for i in range(start, min(n, start + 1000))]
+        await asyncio.gather(*futures)
     import psycopg
 
     recorder = RecorderService(bus, pg_dsn=pg_dsn)
     t0 = time.perf_counter()
     await recorder.start()
-    with psycopg.connect(pg_dsn) as conn:
-        while conn.execute("select count(*) from event where source = 'bench'").fetchone()[0] < n:
-            time.sleep(0.05)
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        while (await (await conn.execute("select count(*) from event where source = 'bench'")).fetchone())[0] < n:
+            await asyncio.sleep(0.05)
     elapsed = time.perf_counter() - t0
     await recorder.stop()
     await bus.close()
     return [("recorder", f"{n} events drained into Postgres", f"{n / elapsed:.0f} events/s")]
 
 
+class Rows(list):
+    """Rows of the result table; each is also printed as soon as it is measured."""
+
+    def __iadd__(self, new):
+        for scenario, measure, value in new:
+            print(f"  [{scenario}] {measure}: {value}", flush=True)
+        self.extend(new)
+        return self
+
+    def table(self) -> None:
+        width = max(len(r[1]) for r in self)
+        print(f"\n{'scenario':<9} {'measure':<{width}}  value")
+        for scenario, measure, value in self:
+            print(f"{scenario:<9} {measure:<{width}}  {value}")
+
+
 async def main(args: argparse.Namespace) -> None:
     which = set(args.which or ["chain", "burst", "loop", "recorder"])
     quick = args.quick
-    rows: list[tuple] = []
+    rows = Rows()
     nats = EmbeddedNats().start()
     pg = provision_postgres(fast=True)
     try:
@@ -186,10 +204,7 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         nats.stop()
         pg.stop()
-    width = max(len(r[1]) for r in rows)
-    print(f"\n{'scenario':<9} {'measure':<{width}}  value")
-    for scenario, measure, value in rows:
-        print(f"{scenario:<9} {measure:<{width}}  {value}")
+    rows.table()
 
 
 if __name__ == "__main__":

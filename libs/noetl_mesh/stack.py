@@ -206,7 +206,7 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
 
 async def serve_forever(name: str, settings: Settings) -> None:
     """``noetl service NAME``: run one service until SIGTERM/SIGINT."""
-    running = await start_service(name, settings)
+    running = await start_service(name, settings, setup=True)  # creates the streams when missing
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

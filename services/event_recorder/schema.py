@@ -5,7 +5,7 @@ advisory lock so that replicas starting together do not race; every statement is
 (``IF NOT EXISTS``), so a half-applied migration can simply run again.
 
 ``event`` keeps one row per event id (D21) with the envelope's fields as columns (``data`` as jsonb,
-any other top-level key in ``extra``) and ``seq``, the JetStream stream sequence: the log order.
+any other top-level key in ``extra``) and ``seq``, the event's place in the log: ``bus.log_seq`` (stream sequence x 1024 + index in its message).
 :func:`event_row` and :func:`row_event` are inverse: a row rebuilds the envelope that was published
 (``timestamp`` back as a float epoch, to the microsecond Postgres keeps) plus ``seq``.
 """

@@ -101,7 +101,7 @@ class WorkerService:
                 continue
             try:
                 msgs = await self.sub.fetch(free, timeout=1.0)
-            except NatsTimeout:
+            except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
                 continue
             except Exception:  # noqa: BLE001
                 if self.stop_event.is_set():

@@ -3,8 +3,9 @@
 One module names every subject and stream (see docs/architecture.md):
 
 - ``NOETL_EVENTS`` (JetStream, limits retention, file storage): every event. Publishers write
-  ``noetl.evt.<ctl|task>.<execution_id>``; the stream's subject transform stores it as
-  ``noetl.pevt.<partition>.<ctl|task>.<execution_id>`` with ``partition = hash(execution_id) % P``.
+  ``noetl.evt.<class>.<execution_id>`` (class: ``ctl``, ``loop``, ``dispatch`` or ``info``, see
+  :func:`event_class`); the stream's subject transform stores it as
+  ``noetl.pevt.<partition>.<class>.<execution_id>`` with ``partition = hash(execution_id) % P``.
   Control-plane services read ``ctl`` events through one durable consumer per partition with
   ``max_ack_pending=1`` (per-execution serialisation across any number of replicas); the
   event-recorder reads everything.
@@ -312,7 +313,7 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
     while not stop.is_set():
         try:
             msgs = await sub.fetch(batch, timeout=timeout)
-        except NatsTimeout:
+        except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
             continue
         except Exception:  # noqa: BLE001 - connection hiccups: keep pulling
             if stop.is_set():
