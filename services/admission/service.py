@@ -8,7 +8,7 @@ import yaml
 
 from noetl_mesh.core import decide
 from noetl_mesh.core.state import ExecutionState
-from noetl_mesh.infra.bus import BusError
+from noetl_mesh.infra.bus import Q_CATALOG_GET, BusError
 from noetl_mesh.infra.control import PartitionedService
 
 
@@ -36,7 +36,7 @@ class AdmissionService(PartitionedService):
         if not ref:
             return ["the request names no playbook (inline, catalog path or catalog id)"]
         try:
-            entry = await self.bus.request("noetl.q.catalog.get", ref)
+            entry = await self.bus.request(Q_CATALOG_GET, ref)
         except BusError as exc:
             if exc.kind in ("unavailable", "timeout"):
                 raise  # transient: the message is retried later, nothing is decided

@@ -32,7 +32,23 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from noetl_mesh.core.state import FINAL, fold, summary
-from noetl_mesh.infra.bus import EVENTS, Bus, BusError, loads, log_seq
+from noetl_mesh.infra.bus import (
+    DISPATCH_EVENTS,
+    EVENTS,
+    INFO_EVENTS,
+    LOOP_EVENTS,
+    Q_CATALOG_GET,
+    Q_CATALOG_LIST,
+    Q_CATALOG_REGISTER,
+    Q_EXECUTION_EVENTS,
+    Q_EXECUTION_GET,
+    Q_EXECUTION_LIST,
+    Q_RECORDER_PING,
+    Bus,
+    BusError,
+    loads,
+    log_seq,
+)
 from noetl_mesh.lang.validate import validate_text
 
 from . import schema
@@ -40,16 +56,10 @@ from . import schema
 log = logging.getLogger("noetl.event-recorder")
 
 DURABLE = "event-recorder"
+NOT_SUMMARY = sorted(INFO_EVENTS | LOOP_EVENTS | DISPATCH_EVENTS)
 QUEUE = "event-recorder"
 FILTER = "noetl.pevt.>"
 
-Q_CATALOG_REGISTER = "noetl.q.catalog.register"
-Q_CATALOG_GET = "noetl.q.catalog.get"
-Q_CATALOG_LIST = "noetl.q.catalog.list"
-Q_EXECUTION_GET = "noetl.q.execution.get"
-Q_EXECUTION_EVENTS = "noetl.q.execution.events"
-Q_EXECUTION_LIST = "noetl.q.execution.list"
-Q_RECORDER_PING = "noetl.q.recorder.ping"
 
 STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 MAX_PAGE = 1000
@@ -440,9 +450,10 @@ class RecorderService:
                 if proj is None:
                     raise BusError("not_found", f"execution {xid} is not known")
                 return {**_execution_row(proj), "event_count": count}
-            # task progress events change no state (bus.INFO_EVENTS): the fold reads the rest
-            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND name NOT IN "
-                                     "('task.started', 'task.processed') ORDER BY seq", (xid,))
+            # the summary is a fold of the ``ctl`` events alone (bus.event_class): task progress and loop
+            # bookkeeping change no step's status or result (a loop's result is on its loop.done)
+            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND NOT (name = ANY(%s))"
+                                     " ORDER BY seq", (xid, NOT_SUMMARY))
             rows = await cur.fetchall()
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")

@@ -25,10 +25,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import tracing
-from noetl_mesh.infra.bus import Bus, BusError
-from noetl_mesh.lang.validate import parse_yaml, validate
-
-from ..event_recorder.service import (
+from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
     Q_CATALOG_REGISTER,
@@ -36,7 +33,11 @@ from ..event_recorder.service import (
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
     Q_RECORDER_PING,
+    Bus,
+    BusError,
 )
+from noetl_mesh.lang.validate import parse_yaml, validate, validate_cached
+
 
 log = logging.getLogger("noetl.gateway")
 
@@ -229,7 +230,7 @@ def create_app(bus: Bus) -> FastAPI:
             if body.playbook is not None:
                 doc, diags = (parse_yaml(body.playbook) if isinstance(body.playbook, str)
                               else (body.playbook, []))
-                diags = diags or validate(doc).diagnostics
+                diags = diags or validate_cached(doc).diagnostics
                 if any(d.severity == "error" for d in diags):
                     raise _invalid(diags)
             else:

@@ -15,7 +15,6 @@ next event, so a service never decides twice on the same tokens. Every id is der
 """
 from __future__ import annotations
 
-import collections
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,24 +101,12 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
     _enqueue(out, entry_step(doc), ENTRY_PLACE, state.request.get("args") or {}, cause_key="entry")
 
 
-_VALIDATED: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
-
-
 def _validated(doc: Any) -> tuple[str, dict | None, list[str]]:
-    """Validation is a pure function of the document: the same playbook submitted again is not
-    validated again (a small LRU keyed by the document's digest)."""
-    from ..lang.validate import validate
+    from ..lang.validate import validate_cached
 
-    digest = playbook_digest(doc)
-    hit = _VALIDATED.get(digest)
-    if hit is None:
-        result = validate(doc)
-        hit = (result.document, [str(d) for d in result.errors])
-        _VALIDATED[digest] = hit
-        if len(_VALIDATED) > 256:
-            _VALIDATED.popitem(last=False)
-    _VALIDATED.move_to_end(digest)
-    return digest, copy.deepcopy(hit[0]), hit[1]
+    result = validate_cached(doc)
+    document = copy.deepcopy(result.document) if result.ok else None
+    return playbook_digest(doc), document, [str(d) for d in result.errors]
 
 
 def _enqueue(out: _Out, step: str, place: str, args: dict, cause_key: str) -> None:

@@ -64,6 +64,16 @@ DISPATCH_EVENTS = frozenset({"loop.started", "loop.iteration.started"})
 INFO_EVENTS = frozenset({"task.started", "task.processed", "step.started", "step.scheduled", "playbook.processed"})
 
 
+# request/reply reads, answered by the event-recorder (queue group ``event-recorder``)
+Q_CATALOG_REGISTER = "noetl.q.catalog.register"
+Q_CATALOG_GET = "noetl.q.catalog.get"
+Q_CATALOG_LIST = "noetl.q.catalog.list"
+Q_EXECUTION_GET = "noetl.q.execution.get"
+Q_EXECUTION_EVENTS = "noetl.q.execution.events"
+Q_EXECUTION_LIST = "noetl.q.execution.list"
+Q_RECORDER_PING = "noetl.q.recorder.ping"
+
+
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
 

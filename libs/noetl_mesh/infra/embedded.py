@@ -285,17 +285,11 @@ class EmbeddedNats:
         return f"EmbeddedNats({where}, pid={self.pid})"
 
 
-class ExternalNats:
-    """An already running NATS server (``NOETL_NATS_URL``); start/stop are no-ops."""
+class _External:
+    """A server somebody else runs: starting and stopping it are no-ops."""
 
     external = True
     pid: int | None = None
-    monitor_url: str | None = None
-    store_dir: Path | None = None
-    log_path: Path | None = None
-
-    def __init__(self, url: str) -> None:
-        self.url = url
 
     def start(self) -> Self:
         return self
@@ -308,6 +302,17 @@ class ExternalNats:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+class ExternalNats(_External):
+    """An already running NATS server (``NOETL_NATS_URL``)."""
+
+    monitor_url: str | None = None
+    store_dir: Path | None = None
+    log_path: Path | None = None
+
+    def __init__(self, url: str) -> None:
+        self.url = url
 
     def __repr__(self) -> str:
         return f"ExternalNats({self.url})"
@@ -708,11 +713,9 @@ class EmbeddedPostgres(_PgAdmin):
         return f"EmbeddedPostgres(port={self.port}, data_dir={self.data_dir}, pid={self.pid})"
 
 
-class ExternalPostgres(_PgAdmin):
+class ExternalPostgres(_External, _PgAdmin):
     """An already running Postgres (``NOETL_PG_DSN``); ``dsn(db)`` swaps the database name."""
 
-    external = True
-    pid: int | None = None
     data_dir: Path | None = None
     log_path: Path | None = None
 
@@ -727,18 +730,6 @@ class ExternalPostgres(_PgAdmin):
 
     def _admin_dsn(self) -> str:
         return self._base_dsn  # the database the DSN names is known to be reachable
-
-    def start(self) -> Self:
-        return self
-
-    def stop(self, *args: Any, **kwargs: Any) -> None:
-        """External servers are not ours to stop."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
     def __repr__(self) -> str:
         shown = {k: v for k, v in self._base.items() if k != "password"}

@@ -7,12 +7,15 @@ document alongside. A valid document is normalised (D4) and returned as a typed 
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path as FsPath
 from typing import Any, Mapping
 
+import orjson
 import yaml
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model
 
@@ -102,6 +105,23 @@ def load_playbook(source: str | Mapping[str, Any]) -> ValidationResult:
     if not result.ok:
         raise PlaybookError(result.diagnostics)
     return result
+
+
+_CACHE: "collections.OrderedDict[str, ValidationResult]" = collections.OrderedDict()
+
+
+def validate_cached(doc: Any) -> ValidationResult:
+    """:func:`validate` with a small LRU keyed by the document's digest: the same playbook submitted
+    again is not validated again (gateway and admission see the same playbooks over and over). The
+    result is shared: do not mutate it (its ``document`` is deep-copied by callers that keep it)."""
+    key = hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS, default=str), digest_size=16).hexdigest()
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _CACHE[key] = validate(doc)
+        if len(_CACHE) > 256:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(key)
+    return hit
 
 
 def validate(doc: Any) -> ValidationResult:
