@@ -36,7 +36,7 @@ from noetl_mesh.infra.bus import (
     Bus,
     BusError,
 )
-from noetl_mesh.lang.validate import parse_yaml, validate, validate_cached
+from noetl_mesh.lang.validate import parse_yaml, validate_cached
 
 
 log = logging.getLogger("noetl.gateway")
