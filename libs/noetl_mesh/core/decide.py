@@ -442,6 +442,7 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         "iteration": single["iteration"] if single else None,
         "chunk": chunk if chunk and not single else None,
         "tasks": sdef.get("tool") or [],
+        "workbook": state.playbook.get("workbook") or [],  # root workbook tasks, for `kind: workbook`
         "spec_layers": {"executor": (state.playbook.get("executor") or {}).get("spec"),
                         "step": sdef.get("spec"), "loop": (loop or {}).get("spec")},
         "workload": state.workload,

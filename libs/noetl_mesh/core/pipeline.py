@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..lang.model import KIND_DEFAULTS
-from ..lang.normalize import effective_spec
+from ..lang.normalize import effective_spec, normalize_workbook
 from ..lang.templates import TemplateError, render, truthy
 from ..tools.base import ToolContext
 from ..tools.noop import NoopTool
@@ -38,6 +38,7 @@ DEFAULT_MAX_DELAY = 60.0  # D9
 # Task fields that are never rendered: identity, layering, documentation; python's code is source (D25).
 _NOT_RENDERED = frozenset({"name", "kind", "spec", "desc"})
 _NOT_RENDERED_PY = _NOT_RENDERED | {"code"}
+_ARGS_KEYS = ("args", "input", "with")  # a workbook call's args and their aliases (model.WorkbookTask)
 
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
@@ -193,6 +194,7 @@ class _Run:
     __slots__ = (
         "tools", "emit", "sleep", "rng", "cancel", "execution_id", "step", "step_run_id", "iteration",
         "tasks", "layers", "max_steps", "ctx", "iter", "scope", "ctx_patch", "visits", "last", "specs",
+        "workbook",
     )
 
     def __init__(
@@ -210,6 +212,10 @@ class _Run:
         self.step_run_id = command.get("step_run_id")
         self.iteration = command.get("iteration")
         self.tasks: list[dict] = command.get("tasks") or []
+        # Root workbook tasks by name (validated documents arrive as a list; a mapping is accepted too).
+        self.workbook: dict[str, dict] = {
+            t["name"]: t for t in normalize_workbook(command.get("workbook")) if t.get("name") is not None
+        }
         layers = command.get("spec_layers") or {}
         self.layers = (layers.get("executor"), layers.get("step"), layers.get("loop"))
 
@@ -269,6 +275,7 @@ class _Run:
                 policy = policies[name] = _compile_policy(task)
             tool = self.tools.get(kind)
             inline_noop = kind == "noop" and (tool is None or type(tool) is NoopTool)
+            workbook = kind == "workbook"
             scope["_task"] = name
             attempt = 1
             while True:
@@ -279,6 +286,8 @@ class _Run:
                 t0 = time.perf_counter()
                 if inline_noop:
                     outcome = self._noop(task, name)
+                elif workbook:
+                    outcome = await self._workbook(task, name, attempt, aid)
                 else:
                     outcome = await self._call_tool(task, kind, tool, name, attempt, aid)
                 outcome["meta"] = {
@@ -336,12 +345,12 @@ class _Run:
                 return self.finish("error", _err("policy_error", f"task {name!r}: unknown directive {do!r}"))
         return self.finish("ok", None)
 
-    def _noop(self, task: dict, name: str) -> dict:
+    def _noop(self, task: dict, name: str, where: str | None = None) -> dict:
         """D10, inline: the ``result:`` field (rendered) when given, else the previous task's result."""
         if "result" not in task:
             return {"status": "ok", "result": self.scope["_prev"], "error": None}
         try:
-            value = render(task["result"], self.scope, f"{self.step}.{name}.result")
+            value = render(task["result"], self.scope, f"{where or f'{self.step}.{name}'}.result")
         except TemplateError as e:
             return {"status": "error", "result": None, "error": _err("template_error", str(e))}
         return {"status": "ok", "result": value, "error": None}
@@ -395,23 +404,87 @@ class _Run:
                 del scope["outcome"], scope["output"]
         return retry_delay(then, attempt, self.rng, _seconds(raw, f"{self.step}.{name} retry delay"))
 
-    async def _call_tool(self, task: dict, kind: Any, tool: Any, name: str, attempt: int, aid: str) -> dict:
-        """Render the task's inputs and call its tool; always a normalised partial outcome (D8)."""
+    async def _workbook(self, task: dict, name: str, attempt: int, aid: str) -> dict:
+        """``kind: workbook``: run the root workbook task named by ``task:`` (default: this task's name).
+
+        The caller's ``args`` (alias ``input``, ``with``), rendered in the caller's context, are bound
+        as ``args`` while the workbook task's own fields render (the rest of the caller's context stays
+        visible). The workbook task runs as its own kind, with its own fields, and its ``spec`` layered
+        under the caller's task ``spec`` (D5: the caller's is innermost); a python workbook task also
+        gets the caller's args merged over its own ``args`` (D25: bound as variables).
+
+        Policy: per the issue, "the caller's policy applying to its outcome": the calling task's
+        ``spec.policy`` (compiled in :meth:`run` from the caller task) decides on this outcome, and a
+        workbook task's own ``spec.policy`` is ignored. The outcome is recorded under the caller's name.
+        A missing workbook task, or one that is itself ``kind: workbook`` (no nesting), is an error
+        outcome of kind ``invalid_task`` that goes through the caller's policy like any error.
+        """
+        target = task.get("task") or name
+        wb = self.workbook.get(target)
+        if wb is None:
+            return {"status": "error", "result": None,
+                    "error": _err("invalid_task", f"task {name!r}: no workbook task named {target!r}")}
+        wkind = wb.get("kind")
+        if wkind == "workbook":
+            return {"status": "error", "result": None,
+                    "error": _err("invalid_task", f"task {name!r}: workbook task {target!r} is itself of kind "
+                                                  "'workbook' (workbook tasks do not nest)")}
+        raw_args = next((task[k] for k in _ARGS_KEYS if k in task), None)
+        scope = self.scope
+        try:
+            args = render(raw_args, scope, f"{self.step}.{name}.args") if raw_args is not None else {}
+        except TemplateError as e:
+            return {"status": "error", "result": None, "error": _err("template_error", str(e))}
+        if args is None:
+            args = {}
+        if not isinstance(args, Mapping):
+            return {"status": "error", "result": None,
+                    "error": _err("invalid_task", f"task {name!r}: args must be a mapping, got {type(args).__name__}")}
+        args = dict(args)
+        where = f"{self.step}.{name}.workbook.{target}"
+        saved = scope["args"]
+        scope["args"] = args
+        try:
+            tool = self.tools.get(wkind)
+            if wkind == "noop" and (tool is None or type(tool) is NoopTool):
+                return self._noop(wb, name, where)
+            return await self._call_tool(wb, wkind, tool, name, attempt, aid, where=where,
+                                         caller_spec=task.get("spec"), caller_args=args)
+        finally:
+            scope["args"] = saved
+
+    async def _call_tool(self, task: dict, kind: Any, tool: Any, name: str, attempt: int, aid: str, *,
+                         where: str | None = None, caller_spec: Mapping[str, Any] | None = None,
+                         caller_args: dict | None = None) -> dict:
+        """Render the task's inputs and call its tool; always a normalised partial outcome (D8).
+
+        For a workbook task (:meth:`_workbook`): ``where`` locates its fields in template errors,
+        ``caller_spec`` is the calling task's spec (layered innermost) and ``caller_args`` the caller's
+        rendered args (merged over a python task's own ``args``)."""
         if tool is None:
             return {"status": "error", "result": None, "error": _err("tool_error", f"no tool for kind {kind!r}")}
         scope, step = self.scope, self.step
+        where = where or f"{step}.{name}"
         skip = _NOT_RENDERED_PY if kind == "python" else _NOT_RENDERED
         rendered: dict[str, Any] = {}
         try:
             for key, value in task.items():
-                rendered[key] = value if key in skip else render(value, scope, f"{step}.{name}.{key}")
+                rendered[key] = value if key in skip else render(value, scope, f"{where}.{key}")
         except TemplateError as e:
             # An error outcome like any other: it goes through the task's policy (D9).
             return {"status": "error", "result": None, "error": _err("template_error", str(e))}
+        if caller_args is not None and kind == "python":
+            own = rendered.pop("args", None) if "args" in rendered else rendered.pop("input", None)
+            if own is not None and not isinstance(own, Mapping):
+                return {"status": "error", "result": None,
+                        "error": _err("invalid_task", f"{where}.args must be a mapping, got {type(own).__name__}")}
+            rendered["args"] = {**(own or {}), **caller_args}
         spec = self.specs.get(name)
         if spec is None:
-            # D5: merge(KIND_DEFAULTS[kind], executor, step, loop, task.spec).
+            # D5: merge(KIND_DEFAULTS[kind], executor, step, loop, task.spec[, caller task.spec]).
             spec = self.specs[name] = effective_spec(KIND_DEFAULTS.get(kind), *self.layers, task.get("spec"))
+            if caller_spec:
+                spec = self.specs[name] = effective_spec(spec, None, None, None, caller_spec)
         tctx = ToolContext(
             execution_id=self.execution_id,
             step=step,
