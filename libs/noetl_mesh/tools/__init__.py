@@ -27,6 +27,7 @@ def default_tools(
     from .duckdb import DuckdbTool
     from .http import HttpTool
     from .noop import NoopTool
+    from .postgres import PostgresTool
     from .python import PythonTool
 
     return {
@@ -34,6 +35,7 @@ def default_tools(
         "python": PythonTool(pool_size=python_pool_size, max_tasks_per_child=python_max_tasks),
         "http": HttpTool(trust_env=http_trust_env),
         "duckdb": DuckdbTool(),
+        "postgres": PostgresTool(),
     }
 
 

@@ -1,0 +1,394 @@
+"""The ``postgres`` tool (D8, D24, D27).
+
+Fields: ``command`` (alias ``query``): one or more statements; ``params``: a list for positional
+placeholders (``%s``) or a mapping for named ones (``%(name)s``), bound by psycopg (never formatted into
+the text); ``dsn``: a connection string, or ``auth``: the name of a keychain entry (D24) giving either
+``dsn`` or ``host``, ``port``, ``user``, ``password``, ``dbname`` (alias ``database``).
+
+All statements run in one transaction (committed at the end, rolled back on error). Without ``params``
+the command goes to the server as written (simple protocol: several statements in one round trip). With
+``params`` the command is split into statements (on ``;`` outside quotes, dollar quotes and comments)
+and the params are bound to each statement that has placeholders; with a list and several such
+statements, the list is dealt out in order when its length is the total number of placeholders.
+
+Result, of the last statement: ``{rows: [{column: value}], columns: [...], row_count: N}``; without a
+result set ``rows`` and ``columns`` are empty and ``row_count`` is the number of rows affected. Values
+are converted as the duckdb tool does (dates ISO-8601, decimals numbers, UUIDs strings, bytea base64);
+json/jsonb arrive parsed.
+
+Errors: ``postgres_error`` with the server's message (primary + detail) and ``pg: {code, sqlstate}``,
+retryable for serialization failures, deadlocks, connection trouble, admin shutdown and too many
+connections; ``postgres_connect_error`` (retryable) when no connection can be had; ``timeout``
+(retryable) when ``spec.timeout`` runs out (``statement_timeout`` on the server, and a client-side
+deadline); ``invalid_task`` when the task gives no usable connection or command. Passwords never appear
+in an outcome.
+
+Connections come from one ``psycopg_pool.AsyncConnectionPool`` per distinct connection string per tool
+instance (created lazily; ``close()`` closes them).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg import conninfo as _conninfo
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from .base import ToolContext, error, ok, timeout_seconds
+from .duckdb import _PLAIN, to_json_value
+
+__all__ = ["PostgresTool", "split_statements", "RETRYABLE_SQLSTATES"]
+
+DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["postgres"]["timeout"]
+CONNECT_TIMEOUT = 10.0  # the most a task waits for a connection (within its own timeout)
+GRACE = 2.0  # client-side deadline beyond the server's statement_timeout
+POOL_MAX_SIZE = 4
+
+RETRYABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+_RETRYABLE_CLASSES = ("40", "08")
+_ENTRY_KEYS = ("host", "port", "user", "password", "dbname", "sslmode", "options", "application_name")
+_PLACEHOLDER = re.compile(r"%(?:\(([^)]+)\).|.)", re.S)  # as psycopg sees them
+_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\u0080-\uffff][A-Za-z0-9_\u0080-\uffff]*)?\$")
+
+
+class _BadTask(Exception):
+    pass
+
+
+class _ConnectError(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------ statements
+
+
+def split_statements(sql: str) -> list[str]:
+    """The statements of ``sql``: split on ``;`` outside string literals (``'...'``, ``E'...'``),
+    quoted identifiers, dollar-quoted bodies and comments (``--``, nested ``/* */``). Statements with
+    nothing but whitespace and comments are dropped; each keeps its own text without the ``;``."""
+    out: list[str] = []
+    n = len(sql)
+    i = start = 0
+    content = False
+    while i < n:
+        c = sql[i]
+        if c == "'":
+            escapes = i > 0 and sql[i - 1] in "eE" and (i < 2 or not (sql[i - 2].isalnum() or sql[i - 2] == "_"))
+            i += 1
+            while i < n:
+                if escapes and sql[i] == "\\":
+                    i += 2
+                    continue
+                if sql[i] == "'":
+                    if i + 1 < n and sql[i + 1] == "'":
+                        i += 2
+                        continue
+                    break
+                i += 1
+            i += 1
+            content = True
+        elif c == '"':
+            i += 1
+            while i < n:
+                if sql[i] == '"':
+                    if i + 1 < n and sql[i + 1] == '"':
+                        i += 2
+                        continue
+                    break
+                i += 1
+            i += 1
+            content = True
+        elif c == "-" and sql.startswith("--", i):
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif c == "/" and sql.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if sql.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif sql.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+        elif c == "$" and not (i > 0 and (sql[i - 1].isalnum() or sql[i - 1] == "_")):
+            m = _DOLLAR_TAG.match(sql, i)
+            if m:
+                end = sql.find(m.group(0), m.end())
+                i = n if end < 0 else end + len(m.group(0))
+            else:
+                i += 1
+            content = True
+        elif c == ";":
+            if content:
+                out.append(sql[start:i].strip())
+            start, content = i + 1, False
+            i += 1
+        else:
+            if not c.isspace():
+                content = True
+            i += 1
+    if content:
+        out.append(sql[start:].strip())
+    return out
+
+
+def _placeholders(stmt: str) -> tuple[int, set[str]]:
+    """(positional placeholder count, named placeholder names) as psycopg would read ``stmt``."""
+    count, names = 0, set()
+    for m in _PLACEHOLDER.finditer(stmt):
+        if m.group(0) == "%%":
+            continue
+        if m.group(1) is not None:
+            names.add(m.group(1))
+        else:
+            count += 1
+    return count, names
+
+
+def _plan(sql: str, params: Any) -> list[tuple[str, Any]]:
+    """``[(statement, params or None)]`` to execute in order."""
+    if params is None or (isinstance(params, (list, tuple, Mapping)) and len(params) == 0):
+        return [(sql, None)]  # as written: the server splits it
+    stmts = split_statements(sql)
+    if not stmts:
+        return [(sql, None)]
+    if len(stmts) == 1:
+        return [(stmts[0], params)]
+    counts = [_placeholders(s) for s in stmts]
+    declaring = [i for i, (k, names) in enumerate(counts) if k or names]
+    if not declaring:
+        declaring = [len(stmts) - 1]  # let psycopg say what is wrong with them
+    bound: dict[int, Any] = {}
+    if isinstance(params, Mapping):
+        for i in declaring:
+            bound[i] = params
+    else:
+        params = list(params)
+        total = sum(counts[i][0] for i in declaring)
+        if len(declaring) > 1 and total == len(params) and any(counts[i][0] != len(params) for i in declaring):
+            pos = 0
+            for i in declaring:
+                k = counts[i][0]
+                bound[i] = params[pos:pos + k]
+                pos += k
+        else:
+            for i in declaring:
+                bound[i] = params
+    return [(s, bound.get(i)) for i, s in enumerate(stmts)]
+
+
+# ----------------------------------------------------------------------------------- connection
+
+
+def _conninfo_for(task: Mapping[str, Any], keychain: Mapping[str, Any]) -> str:
+    dsn = task.get("dsn")
+    if dsn not in (None, ""):
+        if not isinstance(dsn, str):
+            raise _BadTask(f"'dsn' must be a string, got {type(dsn).__name__}")
+        return dsn
+    auth = task.get("auth")
+    if auth in (None, "", {}):
+        raise _BadTask("postgres task needs a connection: 'dsn' (a connection string) or 'auth' (a keychain entry)")
+    entry = auth
+    if isinstance(auth, str):
+        entry = keychain.get(auth) if isinstance(keychain, Mapping) else None
+        if not isinstance(entry, Mapping):
+            raise _BadTask(f"auth {auth!r} names no keychain entry")
+    if not isinstance(entry, Mapping):
+        raise _BadTask(f"'auth' must be a keychain entry name, got {type(auth).__name__}")
+    for nested in ("data", "value", "values"):  # entries may keep their fields one level down
+        if not any(k in entry for k in ("dsn", "host", "dbname", "database")) and isinstance(entry.get(nested), Mapping):
+            entry = entry[nested]
+    where = f"auth {auth!r}" if isinstance(auth, str) else "auth"
+    if entry.get("dsn") not in (None, ""):
+        if not isinstance(entry["dsn"], str):
+            raise _BadTask(f"{where}: 'dsn' must be a string")
+        return entry["dsn"]
+    fields = {k: entry[k] for k in _ENTRY_KEYS if entry.get(k) not in (None, "")}
+    if "dbname" not in fields and entry.get("database") not in (None, ""):
+        fields["dbname"] = entry["database"]
+    if "host" not in fields or "dbname" not in fields:
+        raise _BadTask(f"{where} needs 'dsn', or 'host' and 'dbname' (with 'port', 'user', 'password')")
+    try:
+        return _conninfo.make_conninfo(**{k: str(v) for k, v in fields.items()})
+    except psycopg.ProgrammingError as e:
+        raise _BadTask(f"{where}: bad connection fields ({type(e).__name__})") from None
+
+
+def _secrets(conninfo: str) -> list[str]:
+    try:
+        password = _conninfo.conninfo_to_dict(conninfo).get("password")
+    except Exception:  # noqa: BLE001
+        password = None
+    return [s for s in (conninfo, str(password) if password else None) if s]
+
+
+def _mask(message: str, secrets: list[str]) -> str:
+    for s in secrets:
+        if s and s in message:
+            message = message.replace(s, "***")
+    return message
+
+
+# --------------------------------------------------------------------------------------- results
+
+
+def _shape(columns: list[str], raw: list[tuple]) -> dict:
+    plain = _PLAIN
+    rows = [{c: (v if type(v) in plain else to_json_value(v)) for c, v in zip(columns, r)} for r in raw]
+    return {"rows": rows, "columns": columns, "row_count": len(rows)}
+
+
+async def _run_plan(conn: Any, plan: list[tuple[str, Any]], timeout_ms: int | None) -> dict:
+    async with conn.cursor() as cur:
+        if timeout_ms:
+            await cur.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),))
+        for stmt, params in plan:
+            if params is None:
+                await cur.execute(stmt, prepare=False)
+            else:
+                await cur.execute(stmt, params)
+        while cur.nextset():  # several statements in one text: the last result counts
+            pass
+        desc = cur.description
+        if not desc:
+            return {"rows": [], "columns": [], "row_count": max(cur.rowcount, 0)}
+        columns = [d.name for d in desc]
+        return _shape(columns, await cur.fetchall())
+
+
+def _pg_error(e: psycopg.Error, secrets: list[str]) -> dict:
+    sqlstate = getattr(e, "sqlstate", None)
+    diag = getattr(e, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    detail = getattr(diag, "message_detail", None) if diag is not None else None
+    message = primary or str(e).strip() or type(e).__name__
+    if detail:
+        message = f"{message}\nDETAIL: {detail}"
+    message = _mask(message, secrets)
+    pg = {"code": sqlstate, "sqlstate": sqlstate}
+    if sqlstate == "57014" or isinstance(e, psycopg.errors.QueryCanceled):
+        return error("timeout", message, True, pg=pg)
+    if sqlstate is None and isinstance(e, psycopg.OperationalError):
+        return error("postgres_connect_error", message, True, pg=pg)  # the connection broke
+    retryable = bool(sqlstate) and (sqlstate[:2] in _RETRYABLE_CLASSES or sqlstate in RETRYABLE_SQLSTATES)
+    return error("postgres_error", message, retryable, pg=pg)
+
+
+# ------------------------------------------------------------------------------------------ tool
+
+
+class PostgresTool:
+    """``kind: postgres`` (D27)."""
+
+    kind = "postgres"
+
+    def __init__(self, *, max_size: int = POOL_MAX_SIZE, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        self._max_size = max_size
+        self._connect_timeout = connect_timeout
+        self._pools: dict[str, AsyncConnectionPool] = {}
+        self._lock: asyncio.Lock | None = None
+
+    async def _pool(self, conninfo: str, timeout: float) -> AsyncConnectionPool:
+        pool = self._pools.get(conninfo)
+        if pool is not None:
+            return pool
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            pool = self._pools.get(conninfo)
+            if pool is not None:
+                return pool
+            # One direct connection first: a bad address or password fails fast with the server's
+            # reason, instead of the pool retrying in the background until its wait runs out.
+            try:
+                probe = await psycopg.AsyncConnection.connect(conninfo, connect_timeout=max(1, int(timeout + 0.999)))
+            except psycopg.Error as e:
+                raise _ConnectError(str(e).strip() or type(e).__name__) from None
+            await probe.close()
+            pool = AsyncConnectionPool(
+                conninfo, min_size=0, max_size=self._max_size, open=False,
+                timeout=self._connect_timeout, name="noetl-postgres",
+            )
+            await pool.open(wait=False)
+            self._pools[conninfo] = pool
+            return pool
+
+    async def _execute(self, conninfo: str, plan: list[tuple[str, Any]], timeout: float | None) -> dict:
+        connect_wait = min(self._connect_timeout, timeout) if timeout else self._connect_timeout
+        pool = await self._pool(conninfo, connect_wait)
+        try:
+            conn = await pool.getconn(timeout=connect_wait)
+        except PoolTimeout as e:
+            raise _ConnectError(f"no connection within {connect_wait:g}s ({e})") from None
+        try:
+            result = await _run_plan(conn, plan, int(timeout * 1000) if timeout else None)
+            await conn.commit()
+            return result
+        except BaseException:
+            try:
+                await asyncio.shield(conn.rollback())
+            except BaseException:  # noqa: BLE001 - the pool discards a broken connection
+                pass
+            raise
+        finally:
+            await asyncio.shield(pool.putconn(conn))
+
+    async def run(self, task: dict, spec: dict, ctx: ToolContext) -> dict:
+        sql = task.get("command")
+        if sql is None:
+            sql = task.get("query")
+        if not isinstance(sql, str) or not sql.strip():
+            return error("invalid_task", "postgres task needs 'command' (alias 'query'): SQL text")
+        params = task.get("params")
+        if params is not None and not isinstance(params, (list, tuple, Mapping)):
+            return error("invalid_task", f"'params' must be a list or a mapping, got {type(params).__name__}")
+        try:
+            conninfo = _conninfo_for(task, ctx.keychain or {})
+        except _BadTask as e:
+            return error("invalid_task", str(e))
+        secrets = _secrets(conninfo)
+        timeout = timeout_seconds(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
+        plan = _plan(sql, dict(params) if isinstance(params, Mapping) else params)
+
+        work = asyncio.ensure_future(self._execute(conninfo, plan, timeout))
+        waiter = asyncio.ensure_future(ctx.cancel.wait()) if ctx.cancel is not None else None
+        try:
+            waits = {work} if waiter is None else {work, waiter}
+            done, _ = await asyncio.wait(waits, timeout=(timeout + GRACE) if timeout else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            if waiter is not None:
+                waiter.cancel()
+            raise
+        if waiter is not None:
+            waiter.cancel()
+        if work not in done:
+            work.cancel()  # psycopg cancels the running query on the server
+            try:
+                await work
+            except BaseException:  # noqa: BLE001 - the abandoned query's own error is not the story
+                pass
+            if waiter is not None and waiter in done:
+                return error("cancelled", "postgres task cancelled")
+            return error("timeout", f"postgres task exceeded its timeout of {timeout:g}s", True)
+        try:
+            return ok(work.result())
+        except _ConnectError as e:
+            return error("postgres_connect_error", _mask(f"cannot connect to postgres: {e}", secrets), True)
+        except psycopg.Error as e:
+            return _pg_error(e, secrets)
+        except Exception as e:  # noqa: BLE001 - e.g. a value psycopg cannot adapt
+            return error("postgres_error", _mask(f"{type(e).__name__}: {e}", secrets), pg={"code": None, "sqlstate": None})
+
+    async def close(self) -> None:
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            try:
+                await pool.close()
+            except Exception:  # noqa: BLE001
+                pass
