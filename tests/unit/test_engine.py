@@ -4,32 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 
 import pytest
 import yaml
 
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import apply, fold, summary
+from noetl_mesh.testing.fakes import FakeHttp
 from noetl_mesh.tools.noop import NoopTool
-
-
-class FakeHttp:
-    """url 'ok:<json>' -> ok with that result; 'error:<status>' -> http error; 'flaky:<n>' fails n times."""
-
-    def __init__(self):
-        self.calls = {}
-
-    async def run(self, task, spec, ctx):
-        url = task["url"]
-        self.calls[url] = self.calls.get(url, 0) + 1
-        if url.startswith("ok:"):
-            return {"status": "ok", "result": json.loads(url[3:]), "http": {"status": 200, "headers": {}}}
-        if url.startswith("flaky:") and self.calls[url] > int(url.split(":")[1]):
-            return {"status": "ok", "result": "recovered", "http": {"status": 200, "headers": {}}}
-        code = 503 if url.startswith("flaky:") else int(url.split(":")[1])
-        return {"status": "error", "result": None, "http": {"status": code, "headers": {}},
-                "error": {"kind": "http_error", "message": f"HTTP {code}", "retryable": code >= 500}}
 
 
 def play(workflow, workload=None, **root):

@@ -4,7 +4,6 @@ outcome"), recorded under the caller's name."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import yaml
 
@@ -12,26 +11,8 @@ from noetl_mesh.core import decide
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.pipeline import run_pipeline
 from noetl_mesh.core.state import StepRun, summary
+from noetl_mesh.testing.fakes import FakeHttp
 from noetl_mesh.tools.noop import NoopTool
-
-
-class FakeHttp:
-    """url 'ok:<json>' -> ok with that result; 'flaky:<n>' fails n times (503) then 'recovered'."""
-
-    def __init__(self):
-        self.calls = {}
-        self.seen = []
-
-    async def run(self, task, spec, ctx):
-        self.seen.append((dict(task), dict(spec), ctx.task_name))
-        url = task["url"]
-        self.calls[url] = self.calls.get(url, 0) + 1
-        if url.startswith("ok:"):
-            return {"status": "ok", "result": json.loads(url[3:]), "http": {"status": 200, "headers": {}}}
-        if url.startswith("flaky:") and self.calls[url] > int(url.split(":")[1]):
-            return {"status": "ok", "result": "recovered", "http": {"status": 200, "headers": {}}}
-        return {"status": "error", "result": None, "http": {"status": 503, "headers": {}},
-                "error": {"kind": "http_error", "message": "HTTP 503", "retryable": True}}
 
 
 class FakePython:
