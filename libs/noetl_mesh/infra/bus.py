@@ -47,6 +47,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from . import tracing
+from .payloads import DEFAULT_LIMIT, MARKER, PayloadStore
 
 log = logging.getLogger("noetl.bus")
 
@@ -142,6 +143,14 @@ class Bus:
     js: JetStreamContext
     name: str
     partitions: int = DEFAULT_PARTITIONS
+    payload_limit: int = DEFAULT_LIMIT  # D23: bigger values travel as object-store references
+    _payloads: PayloadStore | None = None
+
+    @property
+    def payloads(self) -> PayloadStore:
+        if self._payloads is None:
+            self._payloads = PayloadStore(self.js)
+        return self._payloads
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -194,8 +203,9 @@ class Bus:
     # ----------------------------------------------------------------- publishing
     async def publish_event(self, event: dict[str, Any]) -> int:
         """Publish one event alone and wait for it to be stored; returns its log_seq."""
-        ack = await self.js.publish(batch_subject([event]), dumps([event]), stream=EVENTS,
-                                    headers=tracing.inject({"Nats-Msg-Id": _msg_id([event])}))
+        events = await self._fit([event], self.payload_limit)
+        ack = await self.js.publish(batch_subject(events), dumps(events), stream=EVENTS,
+                                    headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
         return log_seq(ack.seq, 0)
 
     async def publish_all(self, events: list[dict[str, Any]], commands: list[dict[str, Any]] = (),
@@ -204,21 +214,40 @@ class Bus:
         wait for every PubAck: on return, all are stored."""
         futures = [await self.send_events(batch) for batch in batches(events)]
         for c in commands:
-            futures.append(await self.js.publish_async(
-                command_subject(c["pool"]), dumps(c), stream=COMMANDS,
-                headers=tracing.inject({"Nats-Msg-Id": c["command_id"]})))
+            futures.append(await self.send_command(c))
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), timeout)
 
-    async def send_events(self, events: list[dict[str, Any]]) -> asyncio.Future:
-        """Write one message of events (one execution) to the connection; the returned future
-        resolves to its PubAck."""
-        return await self.js.publish_async(batch_subject(events), dumps(events), stream=EVENTS,
-                                           headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
+    async def send_events(self, events: list[dict[str, Any]], limit: int | None = None) -> asyncio.Future:
+        """Write the events of one execution to the connection, as one message or, when too big for
+        one, several in order (values over ``limit`` bytes become references, D23); the returned
+        future resolves when every PubAck is in."""
+        events = await self._fit(events, limit or self.payload_limit)
+        futures = []
+        for chunk in _by_size(events, MAX_MESSAGE):
+            futures.append(await self.js.publish_async(batch_subject(chunk), dumps(chunk), stream=EVENTS,
+                                                       headers=tracing.inject({"Nats-Msg-Id": _msg_id(chunk)})))
+        return asyncio.gather(*futures)
 
-    async def publish_command(self, command: dict[str, Any]) -> None:
-        await self.js.publish(command_subject(command["pool"]), dumps(command), stream=COMMANDS,
-                              headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
+    async def send_command(self, command: dict[str, Any], limit: int | None = None) -> asyncio.Future:
+        limit = limit or self.payload_limit
+        data = dumps(command)
+        if len(data) > limit:
+            command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, limit))
+                       for k, v in command.items()}
+            data = dumps(command)
+        return await self.js.publish_async(command_subject(command["pool"]), data, stream=COMMANDS,
+                                           headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
+
+    async def _fit(self, events: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+        if len(dumps(events)) <= limit:
+            return events
+        return [e if len(dumps(e)) <= limit else {**e, "data": await self.payloads.shrink(e.get("data"), limit)}
+                for e in events]
+
+    async def expand(self, raw: bytes, value: Any) -> Any:
+        """A received message's value with its payload references resolved (D23)."""
+        return await self.payloads.expand(value) if MARKER in raw else value
 
     async def broadcast(self, subject: str, payload: dict[str, Any]) -> None:
         await self.nc.publish(subject, dumps(payload), headers=tracing.inject({}))
@@ -290,10 +319,29 @@ class Bus:
             while seq < last:
                 for msg in await sub.fetch(512, timeout=5):
                     seq = msg.metadata.sequence.stream
-                    out += [(seq, e) for e in loads(msg.data)]
+                    out += [(seq, e) for e in await self.expand(msg.data, loads(msg.data))]
         finally:
             await sub.unsubscribe()
         return out
+
+
+MAX_MESSAGE = 768 * 1024  # below the server's default max_payload (1 MiB)
+# a command's fields that identify and shape it: never moved to the object store
+COMMAND_IDENTITY = frozenset({"command_id", "pool", "execution_id", "step", "step_run_id", "iteration",
+                              "tasks", "spec_layers", "loop_mode", "workbook"})
+
+
+def _by_size(events: list[dict[str, Any]], limit: int) -> list[list[dict[str, Any]]]:
+    out: list[list[dict[str, Any]]] = [[]]
+    size = 0
+    for e in events:
+        n = len(dumps(e)) if len(events) > 1 else 0
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += n
+    return out
 
 
 def _msg_id(events: list[dict[str, Any]]) -> str:

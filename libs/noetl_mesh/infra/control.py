@@ -79,7 +79,7 @@ class PartitionedService:
         if self.last_consumer_seq.get(p) != seq.consumer - 1:
             self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
         self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
-        events = loads(msg.data)  # one message: the events of one decision, one execution
+        events = await self.bus.expand(msg.data, loads(msg.data))  # one decision's events, one execution
         eid = events[0]["execution_id"]
         state = self.cache.get(eid)
         if state is None and events[0]["name"] == "playbook.execution.requested":

@@ -1,0 +1,103 @@
+"""Large values out of messages and event rows (D23): the NATS object store ``noetl_payloads``.
+
+A value too big to travel inline is stored once (content-addressed: the key is its SHA-256) and
+replaced by a reference ``{store, key, size, checksum}``. Publishers call :meth:`PayloadStore.shrink`
+on what they send; receivers call :meth:`PayloadStore.expand` on what they fold or render, so the
+engine's core and every template see plain values. References are stable: the same value always gives
+the same reference, so a republished event is still the same event (D21).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Any
+
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+BUCKET = "noetl_payloads"
+STORE = f"nats-object:{BUCKET}"
+DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
+MARKER = f'"store":"{STORE}"'.encode()  # cheap test on raw message bytes
+
+
+def is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("store") == STORE and set(value) == {"store", "key", "size", "checksum"}
+
+
+class PayloadStore:
+    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024):
+        self.js = js
+        self._bucket = None
+        self._cache: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
+        self._cache_bytes, self._cached = cache_bytes, 0
+
+    async def bucket(self):
+        if self._bucket is None:
+            try:
+                self._bucket = await self.js.object_store(BUCKET)
+            except (NotFoundError, Exception):  # noqa: BLE001 - missing: create it
+                self._bucket = await self.js.create_object_store(BUCKET)
+        return self._bucket
+
+    async def put(self, value: Any) -> dict[str, Any]:
+        from .bus import dumps, loads  # noqa: F401
+
+        data = dumps(value)
+        digest = hashlib.sha256(data).hexdigest()
+        bucket = await self.bucket()
+        try:
+            await bucket.get_info(digest)
+        except (ObjectNotFoundError, NotFoundError):
+            await bucket.put(digest, data)
+        self._remember(digest, len(data), value)
+        return {"store": STORE, "key": digest, "size": len(data), "checksum": f"sha256:{digest}"}
+
+    async def get(self, ref: dict[str, Any]) -> Any:
+        from .bus import loads
+
+        key = ref["key"]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key][1]
+        data = (await (await self.bucket()).get(key)).data
+        if hashlib.sha256(data).hexdigest() != key:
+            raise ValueError(f"payload {key} does not match its checksum")
+        value = loads(data)
+        self._remember(key, len(data), value)
+        return value
+
+    def _remember(self, key: str, size: int, value: Any) -> None:
+        if size > self._cache_bytes // 4:
+            return
+        self._cache[key] = (size, value)
+        self._cached += size
+        while self._cached > self._cache_bytes:
+            _, (s, _) = self._cache.popitem(last=False)
+            self._cached -= s
+
+    async def shrink(self, value: Any, limit: int = DEFAULT_LIMIT) -> Any:
+        """``value`` with every part whose JSON is over ``limit`` bytes replaced by a reference:
+        the biggest containers are split first; one still too big is stored whole."""
+        from .bus import dumps
+
+        if is_ref(value):
+            return value
+        if len(dumps(value)) <= limit:
+            return value
+        if isinstance(value, dict):
+            out = {k: await self.shrink(v, limit) for k, v in value.items()}
+        elif isinstance(value, list):
+            out = [await self.shrink(v, limit) for v in value]
+        else:
+            return await self.put(value)
+        return out if len(dumps(out)) <= limit else await self.put(value)
+
+    async def expand(self, value: Any) -> Any:
+        """``value`` with every reference replaced by what it refers to (recursively)."""
+        if is_ref(value):
+            return await self.expand(await self.get(value))
+        if isinstance(value, dict):
+            return {k: await self.expand(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [await self.expand(v) for v in value]
+        return value
