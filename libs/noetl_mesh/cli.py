@@ -175,6 +175,8 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 def _gateway_call(args: argparse.Namespace, fn) -> int:
+    import httpx
+
     from .client import GatewayClient, GatewayError
 
     async def main() -> int:
@@ -186,6 +188,8 @@ def _gateway_call(args: argparse.Namespace, fn) -> int:
         return asyncio.run(main())
     except GatewayError as exc:
         return _fail(str(exc), EXIT_FAILED)
+    except (OSError, httpx.TransportError) as exc:  # e.g. no gateway listening
+        return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -198,6 +202,21 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     return _gateway_call(args, lambda c: c.cancel(args.execution_id))
+
+
+def cmd_credential(args: argparse.Namespace) -> int:
+    """``noetl credential add|list|delete`` against a gateway (D24)."""
+    if args.action == "add":
+        try:
+            data = json.loads(args.data)
+        except json.JSONDecodeError as exc:
+            return _fail(f"--data is not valid JSON: {exc}")
+        if not isinstance(data, dict) or not data:
+            return _fail("--data must be a non-empty JSON object")
+        return _gateway_call(args, lambda c: c.credential_put(args.name, args.kind, data, args.description))
+    if args.action == "list":
+        return _gateway_call(args, lambda c: c.credential_list())
+    return _gateway_call(args, lambda c: c.credential_delete(args.name))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("execution_id")
         p.add_argument("--gateway", default=gateway_default)
         p.set_defaults(func=fn)
+
+    p = sub.add_parser("credential", help="the credential store (add, list, delete)")
+    csub = p.add_subparsers(dest="action", required=True)
+    c = csub.add_parser("add", help="create or replace a credential")
+    c.add_argument("name")
+    c.add_argument("--kind", default="generic", help="postgres, http, generic, ...")
+    c.add_argument("--data", required=True, help="the secret fields, a JSON object")
+    c.add_argument("--description")
+    c = csub.add_parser("list", help="credentials without their data")
+    c2 = csub.add_parser("delete", help="delete a credential")
+    c2.add_argument("name")
+    for c in (csub.choices["add"], csub.choices["list"], c2):
+        c.add_argument("--gateway", default=gateway_default)
+        c.set_defaults(func=cmd_credential)
     return parser
 
 

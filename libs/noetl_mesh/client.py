@@ -60,6 +60,24 @@ class GatewayClient:
     async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
         return await self._call("POST", f"/api/executions/{execution_id}/cancel", json={"reason": reason})
 
+    # credentials (D24)
+    async def credential_put(self, name: str, kind: str, data: dict, description: str | None = None) -> dict:
+        body: dict[str, Any] = {"name": name, "kind": kind, "data": data}
+        if description is not None:
+            body["description"] = description
+        return await self._call("POST", "/api/credentials", json=body)
+
+    async def credential_list(self) -> list[dict]:
+        return await self._call("GET", "/api/credentials")
+
+    async def credential_get(self, name: str, include_data: bool = False) -> dict:
+        return await self._call("GET", f"/api/credentials/{name}",
+                                params={"include_data": "true" if include_data else "false"})
+
+    async def credential_delete(self, name: str) -> dict:
+        await self._call("DELETE", f"/api/credentials/{name}")
+        return {"name": name, "deleted": True}
+
     async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
                    on_event: Callable[[dict], None] | None = None) -> dict:
         """Poll until the execution is final and its last event (``playbook.processed``) is recorded."""

@@ -18,6 +18,8 @@ from psycopg import AsyncConnection
 
 from noetl_mesh.core.events import CORRELATION_KEYS
 
+from . import credentials as _credentials
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "event log, catalog, execution projection", """
 CREATE TABLE IF NOT EXISTS event (
@@ -68,6 +70,7 @@ CREATE TABLE IF NOT EXISTS execution (
 CREATE INDEX IF NOT EXISTS execution_created ON execution (created_at DESC);
 CREATE INDEX IF NOT EXISTS execution_status_created ON execution (status, created_at DESC);
 """),
+    _credentials.MIGRATION,  # 2: the credential store (D24)
 ]
 
 _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas

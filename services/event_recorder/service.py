@@ -51,7 +51,7 @@ from noetl_mesh.infra.bus import (
 )
 from noetl_mesh.lang.validate import validate_text
 
-from . import schema
+from . import credentials, schema
 
 log = logging.getLogger("noetl.event-recorder")
 
@@ -186,6 +186,7 @@ class RecorderService:
             (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
+        await credentials.serve(self)  # D24: the credential store's subjects
         self._task = asyncio.create_task(self._consume(), name="event-recorder consume")
 
     async def stop(self) -> None:

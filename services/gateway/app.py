@@ -18,13 +18,15 @@ import nats.errors
 import uvicorn
 import yaml
 from fastapi import Body, FastAPI, HTTPException, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
+from noetl_mesh.core.keychain import Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST, Q_CREDENTIAL_PUT
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import tracing
+from noetl_mesh.infra.payloads import MARKER
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
@@ -35,6 +37,7 @@ from noetl_mesh.infra.bus import (
     Q_RECORDER_PING,
     Bus,
     BusError,
+    dumps,
 )
 from noetl_mesh.lang.validate import parse_yaml, validate_cached
 
@@ -111,6 +114,17 @@ try:
     _BUILTIN_TYPES = set(getattr(ErrorType, "__args__", ()))
 except ImportError:  # pragma: no cover
     _BUILTIN_TYPES = set()
+
+
+class CredentialBody(BaseModel):
+    """A stored credential (D24): its fields in ``data`` are encrypted at rest and never listed."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$", description="an identifier")
+    kind: str = Field("generic", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$",
+                      description="what it is for: postgres, http, generic, ...")
+    data: dict[str, Any] = Field(min_length=1, description="the secret fields")
+    description: str | None = None
 
 
 class CancelRequest(BaseModel):
@@ -262,7 +276,8 @@ def create_app(bus: Bus) -> FastAPI:
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
         with tracing.span("gateway GET /api/executions/{id}"):
-            return await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+            reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+            return await bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
 
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
     async def get_execution_events(execution_id: str, offset: int = Query(0, ge=0),
@@ -284,6 +299,31 @@ def create_app(bus: Bus) -> FastAPI:
                 "execution.cancelled", execution_id, event_id=stable_id("cancel", execution_id),
                 source="gateway", data={"reason": body.reason if body else None}))
         return {"execution_id": execution_id, "status": "CANCELLING"}
+
+    # ------------------------------------------------------------------ credentials (D24)
+    @app.post("/api/credentials", status_code=201, tags=["credentials"])
+    async def put_credential(body: CredentialBody) -> dict[str, Any]:
+        """Create or replace a credential; the answer has no data."""
+        with tracing.span("gateway POST /api/credentials"):
+            return await shell.ask(Q_CREDENTIAL_PUT, body.model_dump())
+
+    @app.get("/api/credentials", tags=["credentials"])
+    async def list_credentials() -> list[dict[str, Any]]:
+        """Every credential's name, kind, description and times (never its data)."""
+        with tracing.span("gateway GET /api/credentials"):
+            return await shell.ask(Q_CREDENTIAL_LIST, {})
+
+    @app.get("/api/credentials/{name}", tags=["credentials"])
+    async def get_credential(name: str, include_data: bool = Query(False, description=(
+            "also return the decrypted data"))) -> dict[str, Any]:
+        with tracing.span("gateway GET /api/credentials/{name}"):
+            return await shell.ask(Q_CREDENTIAL_GET, {"name": name, "include_data": include_data})
+
+    @app.delete("/api/credentials/{name}", status_code=204, tags=["credentials"])
+    async def delete_credential(name: str) -> Response:
+        with tracing.span("gateway DELETE /api/credentials/{name}"):
+            await shell.ask(Q_CREDENTIAL_DELETE, {"name": name})
+        return Response(status_code=204)
 
     # ------------------------------------------------------------------ health
     @app.get("/health", response_model=Health, tags=["health"],

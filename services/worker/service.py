@@ -16,6 +16,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
+from noetl_mesh.core.keychain import bus_resolver
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import COMMANDS, Bus, command_subject, loads
@@ -24,12 +25,18 @@ from noetl_mesh.tools import close_tools, default_tools
 log = logging.getLogger("noetl.worker")
 
 
+def payload_limit(command: dict) -> int | None:
+    """D23: the playbook's ``executor.spec.policy.limits.max_payload_bytes``, if it sets one."""
+    executor = (command.get("spec_layers") or {}).get("executor") or {}
+    return ((executor.get("policy") or {}).get("limits") or {}).get("max_payload_bytes")
+
+
 class EventBatcher:
     """A run's events leave in a few messages: everything reported within ``linger`` seconds travels
     together (a quick step is one message), and the PubAcks are awaited once, at the end."""
 
-    def __init__(self, bus: Bus, linger: float = 0.05):
-        self.bus, self.linger = bus, linger
+    def __init__(self, bus: Bus, linger: float = 0.05, limit: int | None = None):
+        self.bus, self.linger, self.limit = bus, linger, limit
         self.buffer: list[dict] = []
         self.acks: list[asyncio.Future] = []
         self.timer: asyncio.TimerHandle | None = None
@@ -48,7 +55,7 @@ class EventBatcher:
     async def flush(self) -> None:
         events, self.buffer = self.buffer, []
         if events:
-            self.acks.append(await self.bus.send_events(events))
+            self.acks.append(await self.bus.send_events(events, self.limit))
 
     async def close(self) -> None:
         if self.timer is not None:
@@ -67,6 +74,7 @@ class WorkerService:
                  tools: dict[str, Any] | None = None):
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
         self.tools = tools
+        self.keychain = bus_resolver(self.bus.request)  # D24: per-execution cache, resolved on use
         self.running: dict[asyncio.Task, str] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
         self.stop_event = asyncio.Event()
@@ -125,8 +133,10 @@ class WorkerService:
         try:
             with tracing.consume_span(f"worker {command['step']}", msg.headers,
                                       **{"noetl.execution_id": eid, "noetl.step": command["step"]}):
-                batcher = EventBatcher(self.bus)
-                await execute_command(command, self.tools, batcher.add, source=f"worker:{self.pool}")
+                command = await self.bus.expand(msg.data, command)  # D23: references -> values
+                batcher = EventBatcher(self.bus, limit=payload_limit(command))
+                await execute_command(command, self.tools, batcher.add, source=f"worker:{self.pool}",
+                                      keychain_resolver=self.keychain)
                 await batcher.close()
             self.done += 1
             await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)

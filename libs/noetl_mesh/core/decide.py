@@ -93,12 +93,17 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
     workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
     out.event(
         "playbook.request.evaluated",
-        data={"playbook": doc, "digest": digest, "workload": workload, "keychain": state.request.get("keychain") or {},
+        data={"playbook": doc, "digest": digest, "workload": workload, "keychain": _keychain_declarations(doc),
               "path": doc["metadata"]["path"], "version": (state.request.get("catalog") or {}).get("version"),
               "parent_execution_id": state.request.get("parent_execution_id")},
     )
     out.event("workflow.started", data={"entry_step": entry_step(doc)})
     _enqueue(out, entry_step(doc), ENTRY_PLACE, state.request.get("args") or {}, cause_key="entry")
+
+
+def _keychain_declarations(doc: dict) -> list[dict]:
+    """D24: the playbook's keychain *declarations*, never resolved values (the worker resolves them)."""
+    return [dict(d) for d in doc.get("keychain") or [] if isinstance(d, dict)]
 
 
 def _validated(doc: Any) -> tuple[str, dict | None, list[str]]:
@@ -450,7 +455,8 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         "args": run.args,
         "iter": single["iter"] if single else None,
         "steps": _step_scope(state),
-        "keychain": state.keychain,
+        "keychain": [dict(d) for d in state.keychain if isinstance(d, dict)]
+        if isinstance(state.keychain, list) else [],  # declarations (D24): the worker resolves them
         "loop_mode": loop_mode,
     }
 

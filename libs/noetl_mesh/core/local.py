@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 from . import decide
 from .events import make_event, new_execution_id
+from .keychain import Resolver, dict_resolver
 from .state import ExecutionState, apply, fold
 from .worker import execute_command
 
@@ -48,10 +49,16 @@ async def run_local(
     seed: int | None = None,
     max_moves: int = 200_000,
     sleep: Callable[[float], Any] | None = None,
+    credentials: Mapping[str, Any] | None = None,
+    keychain_resolver: Resolver | None = None,
 ) -> LocalRun:
     """Run one execution to its end. ``seed=None`` moves everything in a fixed order; an int picks
-    the next mover at random among those that can move."""
+    the next mover at random among those that can move. Keychain ``credential`` entries resolve
+    through ``keychain_resolver``, or else from ``credentials`` (``{stored name: data}``, in memory)."""
     from ..tools import default_tools
+
+    if keychain_resolver is None:
+        keychain_resolver = dict_resolver(credentials or {})
 
     tools = tools if tools is not None else default_tools()
     rng = random.Random(seed)
@@ -80,7 +87,8 @@ async def run_local(
             i = rng.randrange(len(run.commands)) if seed is not None else 0
             command = run.commands.pop(i)
             if not _cancelled(run, command):
-                await execute_command(command, tools, publish, sleep=sleep or no_sleep)
+                await execute_command(command, tools, publish, sleep=sleep or no_sleep,
+                                      keychain_resolver=keychain_resolver)
             continue
         event = run.log[run.cursors[who]]
         run.cursors[who] += 1

@@ -86,7 +86,7 @@ class ExecutionState:
     playbook: dict[str, Any] | None = None  # the normalised document
     graph: WorkflowGraph | None = None
     workload: dict[str, Any] = field(default_factory=dict)
-    keychain: dict[str, Any] = field(default_factory=dict)
+    keychain: list[dict[str, Any]] = field(default_factory=list)  # the playbook's declarations (D24)
     ctx: dict[str, Any] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)  # pending tokens by id
     runs: dict[str, StepRun] = field(default_factory=dict)
@@ -177,7 +177,7 @@ def _evaluated(s: ExecutionState, e: dict, d: dict) -> None:
         return
     s.playbook = d["playbook"]
     s.workload = d.get("workload") or {}
-    s.keychain = d.get("keychain") or {}
+    s.keychain = d.get("keychain") if isinstance(d.get("keychain"), list) else []
     s.graph = graph_of(s.playbook, d.get("digest"))
 
 

@@ -4,6 +4,10 @@ The worker service is a thin shell around :func:`execute`: it pulls a command, c
 tools and a ``publish`` coroutine, and acknowledges the command once the terminal event is stored.
 Event ids are derived from the command and the task visit (D21), so a command redelivered after a
 worker crash reproduces the ids of what was already reported and the log keeps each event once.
+
+Keychain (D24): the command carries the playbook's keychain *declarations*; they are resolved here when
+the command starts (``keychain_resolver`` fetches the stored credentials) and every event published is
+masked with the resolved secret values, so no secret reaches a stream or the event log.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import asyncio
 from typing import Any, Awaitable, Callable, Mapping
 
 from .events import make_event, stable_id
+from .keychain import Resolver, mask, resolve, secrets_of
 from .pipeline import run_pipeline
 
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
@@ -23,9 +28,35 @@ async def execute_command(
     *,
     source: str = "worker",
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    keychain_resolver: Resolver | None = None,
 ) -> list[dict[str, Any]]:
     """Run a command: one step run or iteration, or a chunk of loop iterations run concurrently
-    (each exactly as if it had come alone, with its own ids)."""
+    (each exactly as if it had come alone, with its own ids).
+
+    ``keychain_resolver(execution_id, declarations) -> {name: entry}`` resolves the ``credential``
+    entries of the command's keychain (``static`` and ``env`` entries are resolved here); without it
+    credential entries stay unresolved. Every event is published masked (D24)."""
+    keychain = await resolve(command.get("keychain"), command["execution_id"], keychain_resolver)
+    secrets = secrets_of(keychain)
+    command = {**command, "keychain": keychain}
+    if secrets:
+        raw_publish = publish
+
+        async def publish(event: dict[str, Any]) -> None:  # noqa: F811 - the masking wrapper
+            await raw_publish(_masked(event, secrets))
+
+    terminals = await _execute_all(command, tools, publish, source=source, sleep=sleep)
+    return [_masked(t, secrets) for t in terminals] if secrets else terminals
+
+
+def _masked(event: dict[str, Any], secrets: list[str]) -> dict[str, Any]:
+    """The event with its ``data`` (outcomes, results, errors, ctx patches) masked; the envelope holds
+    only ids and names from the playbook, which routing needs intact."""
+    return {**event, "data": mask(event.get("data"), secrets)} if event.get("data") is not None else event
+
+
+async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *,
+                       source: str, sleep: Callable[[float], Awaitable[Any]]) -> list[dict[str, Any]]:
     chunk = command.get("chunk")
     if not chunk:
         return [await execute(command, tools, publish, source=source, sleep=sleep)]

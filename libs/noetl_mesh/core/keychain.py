@@ -1,0 +1,181 @@
+"""Keychain resolution and secret masking (D24), pure apart from the clock and the environment.
+
+A playbook's root ``keychain`` lists *declarations* ``{name, kind, ...}``; commands carry them as they
+are, never the secrets. The worker resolves them when a command starts into ``{name: entry}`` (what
+``{{ keychain.<name>.<field> }}`` and a tool's ``auth: <name>`` read):
+
+- ``static``: the declaration's own fields (``name`` and ``kind`` removed);
+- ``env``: ``{value: <the worker's environment variable var>}`` (an unset variable: no entry);
+- ``credential``: the stored credential's data (``credential: <stored name>``, default the entry's
+  name), fetched over request/reply from the event-recorder (``noetl.q.credential.resolve``) and cached
+  per execution for ``ttl`` seconds (:class:`KeychainCache`). A credential that is not stored: no entry.
+
+Everything the worker publishes goes through :func:`mask`: each resolved string value of at least
+``MIN_SECRET`` characters is replaced by ``***`` wherever it occurs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Awaitable, Callable, Iterable, Mapping
+
+Q_CREDENTIAL_PUT = "noetl.q.credential.put"
+Q_CREDENTIAL_LIST = "noetl.q.credential.list"
+Q_CREDENTIAL_GET = "noetl.q.credential.get"
+Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
+Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"
+
+MASK = "***"
+MIN_SECRET = 4
+DEFAULT_TTL = 60.0
+
+# (execution_id, declarations) -> {entry name: resolved entry}
+Resolver = Callable[[str, list], Awaitable[Mapping[str, Any]]]
+# (execution_id, stored credential names) -> {stored name: data}
+Fetch = Callable[[str, list], Awaitable[Mapping[str, Any]]]
+
+
+def declarations_of(keychain: Any) -> list[dict[str, Any]]:
+    """The well-formed declarations of a command's ``keychain`` (a list of ``{name, kind, ...}``)."""
+    if not isinstance(keychain, list):
+        return []
+    return [dict(d) for d in keychain
+            if isinstance(d, Mapping) and isinstance(d.get("name"), str) and d.get("kind") in ("static", "env", "credential")]
+
+
+def stored_name(declaration: Mapping[str, Any]) -> str:
+    stored = declaration.get("credential")
+    return stored if isinstance(stored, str) and stored else declaration["name"]
+
+
+async def resolve(keychain: Any, execution_id: str, resolver: Resolver | None = None, *,
+                  environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``{name: entry}`` for a command's keychain declarations. ``resolver`` resolves the
+    ``credential`` entries (none without it). A ``keychain`` that is already a mapping is taken as
+    resolved."""
+    if isinstance(keychain, Mapping):
+        return dict(keychain)
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    credentials: list[dict[str, Any]] = []
+    for d in declarations_of(keychain):
+        kind, name = d["kind"], d["name"]
+        if kind == "static":
+            out[name] = {k: v for k, v in d.items() if k not in ("name", "kind")}
+        elif kind == "env":
+            var = d.get("var") or d.get("env") or name
+            if isinstance(var, str) and var in env:
+                out[name] = {"value": env[var]}
+        else:
+            credentials.append(d)
+    if credentials and resolver is not None:
+        resolved = await resolver(execution_id, credentials)
+        for d in credentials:
+            if d["name"] in (resolved or {}):
+                out[d["name"]] = resolved[d["name"]]
+    return out
+
+
+class KeychainCache:
+    """Stored credentials by execution, each kept ``ttl`` seconds; ``fetch`` asks for the missing ones.
+    Use the instance itself as the worker's ``keychain_resolver``."""
+
+    def __init__(self, fetch: Fetch, ttl: float = DEFAULT_TTL, clock: Callable[[], float] = time.monotonic):
+        self.fetch, self.ttl, self.clock = fetch, ttl, clock
+        self._entries: dict[tuple[str, str], tuple[float, Any]] = {}  # (execution, stored name) -> (expiry, data)
+        self.fetches = 0
+
+    async def get(self, execution_id: str, names: Iterable[str]) -> dict[str, Any]:
+        """``{stored name: data}`` for the names that are stored."""
+        now = self.clock()
+        self._expire(now)
+        wanted = list(dict.fromkeys(names))
+        missing = [n for n in wanted if (execution_id, n) not in self._entries]
+        if missing:
+            self.fetches += 1
+            got = await self.fetch(execution_id, missing) or {}
+            for n in missing:
+                self._entries[(execution_id, n)] = (now + self.ttl, got.get(n))
+        return {n: self._entries[(execution_id, n)][1] for n in wanted
+                if self._entries[(execution_id, n)][1] is not None}
+
+    async def __call__(self, execution_id: str, declarations: list) -> dict[str, Any]:
+        decls = declarations_of(list(declarations))
+        stored = await self.get(execution_id, [stored_name(d) for d in decls])
+        return {d["name"]: stored[stored_name(d)] for d in decls if stored_name(d) in stored}
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (expiry, _) in self._entries.items() if expiry <= now]:
+            del self._entries[key]
+
+
+def bus_resolver(request: Callable[..., Awaitable[Any]], ttl: float = DEFAULT_TTL, timeout: float = 10.0) -> KeychainCache:
+    """The worker's resolver over request/reply: ``bus_resolver(bus.request)``."""
+
+    async def fetch(execution_id: str, names: list) -> Mapping[str, Any]:
+        return await request(Q_CREDENTIAL_RESOLVE, {"names": list(names), "execution_id": execution_id},
+                             timeout=timeout)
+
+    return KeychainCache(fetch, ttl=ttl)
+
+
+def dict_resolver(store: Mapping[str, Any], ttl: float = DEFAULT_TTL) -> KeychainCache:
+    """A resolver over an in-memory ``{stored name: data}`` (the local engine, tests)."""
+
+    async def fetch(execution_id: str, names: list) -> Mapping[str, Any]:
+        return {n: store[n] for n in names if n in store}
+
+    return KeychainCache(fetch, ttl=ttl)
+
+
+# ------------------------------------------------------------------------------------------ masking
+def secrets_of(resolved: Any) -> list[str]:
+    """Every string value (at any depth) of resolved entries that is long enough to mask, longest first."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            if len(value) >= MIN_SECRET:
+                found.add(value)
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple, set)):
+            for v in value:
+                walk(v)
+
+    walk(resolved)
+    return sorted(found, key=len, reverse=True)
+
+
+def mask(value: Any, secrets: Iterable[str]) -> Any:
+    """``value`` with every occurrence of each secret in its strings (keys included) replaced by
+    ``***``; returns new containers, leaves the input alone."""
+    secrets = [s for s in secrets if isinstance(s, str) and len(s) >= MIN_SECRET]
+    if not secrets:
+        return value
+    secrets.sort(key=len, reverse=True)
+
+    def text(s: str) -> str:
+        for secret in secrets:
+            if secret in s:
+                s = s.replace(secret, MASK)
+        return s
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, str):
+            return text(v)
+        if isinstance(v, Mapping):
+            return {(text(k) if isinstance(k, str) else k): walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(walk(x) for x in v)
+        return v
+
+    return walk(value)
+
+
+__all__ = ["KeychainCache", "Resolver", "resolve", "mask", "secrets_of", "bus_resolver", "dict_resolver",
+           "declarations_of", "stored_name", "MASK", "Q_CREDENTIAL_PUT", "Q_CREDENTIAL_LIST", "Q_CREDENTIAL_GET",
+           "Q_CREDENTIAL_DELETE", "Q_CREDENTIAL_RESOLVE"]
