@@ -29,14 +29,14 @@ import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from noetl_mesh.core.keychain import (
+from noetl_mesh.infra.bus import (
     Q_CREDENTIAL_DELETE,
     Q_CREDENTIAL_GET,
     Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT,
     Q_CREDENTIAL_RESOLVE,
+    BusError,
 )
-from noetl_mesh.infra.bus import BusError
 
 log = logging.getLogger("noetl.event-recorder.credentials")
 

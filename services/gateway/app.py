@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
-from noetl_mesh.core.keychain import Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST, Q_CREDENTIAL_PUT
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.payloads import MARKER
@@ -31,6 +30,10 @@ from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
     Q_CATALOG_REGISTER,
+    Q_CREDENTIAL_DELETE,
+    Q_CREDENTIAL_GET,
+    Q_CREDENTIAL_LIST,
+    Q_CREDENTIAL_PUT,
     Q_EXECUTION_EVENTS,
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,

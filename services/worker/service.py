@@ -19,7 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from noetl_mesh.core.keychain import bus_resolver
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
-from noetl_mesh.infra.bus import COMMANDS, Bus, command_subject, loads
+from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, command_subject, loads
 from noetl_mesh.tools import close_tools, default_tools
 
 log = logging.getLogger("noetl.worker")
@@ -74,7 +74,7 @@ class WorkerService:
                  tools: dict[str, Any] | None = None):
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
         self.tools = tools
-        self.keychain = bus_resolver(self.bus.request)  # D24: per-execution cache, resolved on use
+        self.keychain = bus_resolver(self.bus.request, Q_CREDENTIAL_RESOLVE)  # D24: per-execution TTL cache
         self.running: dict[asyncio.Task, str] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
         self.stop_event = asyncio.Event()

@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from noetl_mesh.cli import main as cli
 from noetl_mesh.core.keychain import bus_resolver
-from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus
+from noetl_mesh.infra.bus import COMMANDS, EVENTS, Q_CREDENTIAL_RESOLVE, Bus
 from noetl_mesh.services.event_recorder.credentials import decrypt
 from noetl_mesh.services.worker import service as worker_service
 
@@ -83,7 +83,7 @@ def kc_stack(module_pg) -> Iterator[Any]:
         if "keychain_resolver" not in kw:  # not wired by the service yet: wire it as documented
             if not resolver:
                 buses.append(await Bus.connect(nats.url, "kc-test-resolver"))
-                resolver.append(bus_resolver(buses[0].request))
+                resolver.append(bus_resolver(buses[0].request, Q_CREDENTIAL_RESOLVE))
             kw["keychain_resolver"] = resolver[0]
         return await real(command, tools, publish, **kw)
 

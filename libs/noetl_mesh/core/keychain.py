@@ -19,11 +19,6 @@ import os
 import time
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
-Q_CREDENTIAL_PUT = "noetl.q.credential.put"
-Q_CREDENTIAL_LIST = "noetl.q.credential.list"
-Q_CREDENTIAL_GET = "noetl.q.credential.get"
-Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
-Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"
 
 MASK = "***"
 MIN_SECRET = 4
@@ -109,12 +104,12 @@ class KeychainCache:
             del self._entries[key]
 
 
-def bus_resolver(request: Callable[..., Awaitable[Any]], ttl: float = DEFAULT_TTL, timeout: float = 10.0) -> KeychainCache:
-    """The worker's resolver over request/reply: ``bus_resolver(bus.request)``."""
+def bus_resolver(request: Callable[..., Awaitable[Any]], subject: str, ttl: float = DEFAULT_TTL,
+                 timeout: float = 10.0) -> KeychainCache:
+    """The worker's resolver over request/reply: ``bus_resolver(bus.request, bus.Q_CREDENTIAL_RESOLVE)``."""
 
     async def fetch(execution_id: str, names: list) -> Mapping[str, Any]:
-        return await request(Q_CREDENTIAL_RESOLVE, {"names": list(names), "execution_id": execution_id},
-                             timeout=timeout)
+        return await request(subject, {"names": list(names), "execution_id": execution_id}, timeout=timeout)
 
     return KeychainCache(fetch, ttl=ttl)
 
@@ -177,5 +172,4 @@ def mask(value: Any, secrets: Iterable[str]) -> Any:
 
 
 __all__ = ["KeychainCache", "Resolver", "resolve", "mask", "secrets_of", "bus_resolver", "dict_resolver",
-           "declarations_of", "stored_name", "MASK", "Q_CREDENTIAL_PUT", "Q_CREDENTIAL_LIST", "Q_CREDENTIAL_GET",
-           "Q_CREDENTIAL_DELETE", "Q_CREDENTIAL_RESOLVE"]
+           "declarations_of", "stored_name", "MASK"]

@@ -73,6 +73,11 @@ Q_EXECUTION_GET = "noetl.q.execution.get"
 Q_EXECUTION_EVENTS = "noetl.q.execution.events"
 Q_EXECUTION_LIST = "noetl.q.execution.list"
 Q_RECORDER_PING = "noetl.q.recorder.ping"
+Q_CREDENTIAL_PUT = "noetl.q.credential.put"
+Q_CREDENTIAL_LIST = "noetl.q.credential.list"
+Q_CREDENTIAL_GET = "noetl.q.credential.get"
+Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
+Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"  # workers resolve keychain entries (D24)
 
 
 def dumps(value: Any) -> bytes:
