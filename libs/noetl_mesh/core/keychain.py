@@ -12,6 +12,11 @@ are, never the secrets. The worker resolves them when a command starts into ``{n
 
 Everything the worker publishes goes through :func:`mask`: each resolved string value of at least
 ``MIN_SECRET`` characters is replaced by ``***`` wherever it occurs.
+
+The ``secrets`` tool fetches one stored credential by name (:meth:`KeychainCache.credential`); its
+values are remembered per execution (:meth:`KeychainCache.known_secrets`) and masked in every event the
+worker publishes after the fetch, for that command and the later commands of the execution that this
+worker runs. A different worker only masks the values it has itself fetched or resolved.
 """
 from __future__ import annotations
 
@@ -78,6 +83,7 @@ class KeychainCache:
     def __init__(self, fetch: Fetch, ttl: float = DEFAULT_TTL, clock: Callable[[], float] = time.monotonic):
         self.fetch, self.ttl, self.clock = fetch, ttl, clock
         self._entries: dict[tuple[str, str], tuple[float, Any]] = {}  # (execution, stored name) -> (expiry, data)
+        self._secrets: dict[str, tuple[float, set[str]]] = {}  # execution -> (expiry, values to mask)
         self.fetches = 0
 
     async def get(self, execution_id: str, names: Iterable[str]) -> dict[str, Any]:
@@ -99,9 +105,41 @@ class KeychainCache:
         stored = await self.get(execution_id, [stored_name(d) for d in decls])
         return {d["name"]: stored[stored_name(d)] for d in decls if stored_name(d) in stored}
 
+    async def credential(self, execution_id: str, name: str) -> Any:
+        """The data of the stored credential ``name`` (None when not stored), through the cache; its
+        values are remembered as secrets of the execution (:meth:`known_secrets`). Fetch failures
+        propagate."""
+        data = (await self.get(execution_id, [name])).get(name)
+        if data is not None:
+            self.remember(execution_id, secrets_of(data))
+        return data
+
+    def remember(self, execution_id: str, values: Iterable[str]) -> None:
+        """Add ``values`` to the execution's secrets (kept ``ttl`` seconds after their last use)."""
+        values = {v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET}
+        if not values:
+            return
+        now = self.clock()
+        _, known = self._secrets.get(execution_id, (0.0, set()))
+        self._secrets[execution_id] = (now + self.ttl, known | values)
+
+    def known_secrets(self, execution_id: str) -> list[str]:
+        """The values fetched by name for the execution on this worker (each read extends their life)."""
+        now = self.clock()
+        entry = self._secrets.get(execution_id)
+        if entry is None:
+            return []
+        if entry[0] <= now:
+            del self._secrets[execution_id]
+            return []
+        self._secrets[execution_id] = (now + self.ttl, entry[1])
+        return list(entry[1])
+
     def _expire(self, now: float) -> None:
         for key in [k for k, (expiry, _) in self._entries.items() if expiry <= now]:
             del self._entries[key]
+        for eid in [e for e, (expiry, _) in self._secrets.items() if expiry <= now]:
+            del self._secrets[eid]
 
 
 def bus_resolver(request: Callable[..., Awaitable[Any]], subject: str, ttl: float = DEFAULT_TTL,

@@ -7,13 +7,15 @@ worker crash reproduces the ids of what was already reported and the log keeps e
 
 Keychain (D24): the command carries the playbook's keychain *declarations*; they are resolved here when
 the command starts (``keychain_resolver`` fetches the stored credentials) and every event published is
-masked with the resolved secret values, so no secret reaches a stream or the event log.
+masked with the resolved secret values, so no secret reaches a stream or the event log. Secrets that
+the ``secrets`` tool fetches mid-command are masked from then on.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Awaitable, Callable, Mapping
 
+from ..tools.secrets import SecretsTool
 from .events import make_event, stable_id
 from .keychain import Resolver, mask, resolve, secrets_of
 from .pipeline import run_pipeline
@@ -35,18 +37,32 @@ async def execute_command(
 
     ``keychain_resolver(execution_id, declarations) -> {name: entry}`` resolves the ``credential``
     entries of the command's keychain (``static`` and ``env`` entries are resolved here); without it
-    credential entries stay unresolved. Every event is published masked (D24)."""
-    keychain = await resolve(command.get("keychain"), command["execution_id"], keychain_resolver)
+    credential entries stay unresolved. Every event is published masked (D24): with the keychain's
+    values, and with the values the ``secrets`` tool fetches, from the fetch on (a ``secrets`` tool over
+    the resolver is provided when ``tools`` has none), and those the resolver fetched by name earlier in
+    the execution (``known_secrets``: this worker only)."""
+    execution_id = command["execution_id"]
+    keychain = await resolve(command.get("keychain"), execution_id, keychain_resolver)
     secrets = secrets_of(keychain)
     command = {**command, "keychain": keychain}
-    if secrets:
+    fetched: set[str] = set()  # values the secrets tool fetches during this command
+    if keychain_resolver is not None and "secrets" not in tools:
+        tools = {**tools, "secrets": SecretsTool(keychain_resolver, sink=fetched)}
+    known = getattr(keychain_resolver, "known_secrets", None)  # fetched earlier in the execution (same worker)
+
+    def current() -> list[str]:
+        extra = fetched.union(known(execution_id)) if known is not None else fetched
+        return secrets + [s for s in extra if s not in secrets] if extra else secrets
+
+    if secrets or keychain_resolver is not None:
         raw_publish = publish
 
         async def publish(event: dict[str, Any]) -> None:  # noqa: F811 - the masking wrapper
-            await raw_publish(_masked(event, secrets))
+            await raw_publish(_masked(event, current()))
 
     terminals = await _execute_all(command, tools, publish, source=source, sleep=sleep)
-    return [_masked(t, secrets) for t in terminals] if secrets else terminals
+    final = current()
+    return [_masked(t, final) for t in terminals] if final else terminals
 
 
 def _masked(event: dict[str, Any], secrets: list[str]) -> dict[str, Any]:

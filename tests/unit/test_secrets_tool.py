@@ -1,0 +1,153 @@
+"""The ``secrets`` tool (issue 4): a named secret from the credential store into the task result, the
+tasks seeing the real value and every published event masked from the fetch on."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import yaml
+
+from noetl_mesh.core.keychain import KeychainCache, dict_resolver
+from noetl_mesh.core.local import run_local
+from noetl_mesh.core.state import summary
+from noetl_mesh.core.worker import execute_command
+from noetl_mesh.tools.base import ToolContext
+from noetl_mesh.tools.noop import NoopTool
+from noetl_mesh.tools.secrets import SecretsTool
+
+SECRET = "s3cr3t-value"
+CREDENTIALS = {"api": {"token": SECRET, "user": "svc-account"}}
+
+
+def arun(coro):
+    return asyncio.run(coro)
+
+
+def playbook(secret_task: str, path: str = "t/secrets") -> dict:
+    return yaml.safe_load(f"""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {{name: sec, path: {path}}}
+workflow:
+  - step: start
+    tool:
+      - {secret_task}
+      - name: use
+        kind: noop
+        result: "{{{{ get.result.token }}}}"
+        spec:
+          policy:
+            rules:
+              # the literal is split so that the playbook (in the request event) does not hold it
+              - when: "{{{{ get.result.token == 's3cr3t' ~ '-value' }}}}"
+                then: {{do: continue, set_iter: {{saw_real: true}}, set_ctx: {{saw_real: true, echoed: "{{{{ outcome.result }}}}"}}}}
+              - else: {{then: {{do: continue, set_ctx: {{saw_real: false}}}}}}
+    next: {{arcs: [{{step: end}}]}}
+  - step: end
+    tool: {{kind: noop, result: "{{{{ ctx.echoed }}}}|{{{{ start.result }}}}"}}
+""")
+
+
+def ctx(eid: str = "e1") -> ToolContext:
+    return ToolContext(execution_id=eid, step="s", task_name="get")
+
+
+def test_secret_reaches_the_task_and_never_the_log():
+    doc = playbook("{name: get, kind: secrets, secret: api}")
+    run = arun(run_local(doc, tools={"noop": NoopTool()}, credentials=CREDENTIALS))
+    s = summary(run.state)
+    assert s["status"] == "COMPLETED"
+    assert s["ctx"]["saw_real"] is True  # the policy saw the real value
+    assert s["steps"]["start"]["result"] == "***" and s["steps"]["end"]["result"] == "***|***"
+    processed = [e for e in run.log if e["name"] == "task.processed" and e["task"] == "get"]
+    assert processed and processed[0]["data"]["outcome"]["result"] == {"token": "***", "user": "***"}
+    log = json.dumps(run.log)
+    assert SECRET not in log and "svc-account" not in log
+
+
+def test_key_alias_and_store_provider():
+    doc = playbook("{name: get, kind: secrets, key: api, provider: store}", path="t/secrets-alias")
+    run = arun(run_local(doc, tools={"noop": NoopTool()}, credentials=CREDENTIALS))
+    assert summary(run.state)["ctx"]["saw_real"] is True
+    assert SECRET not in json.dumps(run.log)
+
+
+def test_unknown_secret_is_secret_not_found_routed_by_policy():
+    doc = yaml.safe_load("""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: sec, path: t/secrets-missing}
+workflow:
+  - step: start
+    tool:
+      - name: get
+        kind: secrets
+        secret: nope
+        spec:
+          policy:
+            rules:
+              - when: "{{ outcome.error.kind == 'secret_not_found' and not outcome.error.retryable }}"
+                then: {do: continue, set_ctx: {missing: true}}
+    next: {arcs: [{step: end}]}
+  - step: end
+    tool: {kind: noop}
+""")
+    run = arun(run_local(doc, tools={"noop": NoopTool()}, credentials=CREDENTIALS))
+    s = summary(run.state)
+    assert s["status"] == "COMPLETED" and s["ctx"]["missing"] is True
+
+
+def test_bad_provider_is_invalid_task():
+    out = arun(SecretsTool(dict_resolver(CREDENTIALS)).run({"secret": "api", "provider": "vault"}, {}, ctx()))
+    assert out["status"] == "error" and out["error"]["kind"] == "invalid_task"
+    assert "credential" in out["error"]["message"] and "store" in out["error"]["message"]
+    doc = yaml.safe_load("""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: sec, path: t/secrets-provider}
+workflow:
+  - step: start
+    tool: {name: get, kind: secrets, secret: api, provider: vault}
+""")
+    run = arun(run_local(doc, tools={"noop": NoopTool()}, credentials=CREDENTIALS))
+    assert summary(run.state)["status"] == "FAILED"
+    failed = next(e for e in run.log if e["name"] == "step.failed")
+    assert failed["data"]["error"]["kind"] == "invalid_task"
+
+
+def test_store_unreachable_is_retryable_secret_unavailable():
+    async def fetch(eid, names):
+        raise TimeoutError("no responders")
+
+    out = arun(SecretsTool(KeychainCache(fetch)).run({"secret": "api"}, {}, ctx()))
+    assert out["error"]["kind"] == "secret_unavailable" and out["error"]["retryable"] is True
+
+
+def test_plain_resolver_and_sink():
+    async def resolver(eid, decls):
+        return {d["name"]: CREDENTIALS[d["credential"]] for d in decls if d["credential"] in CREDENTIALS}
+
+    sink: set[str] = set()
+    out = arun(SecretsTool(resolver, sink=sink).run({"secret": "api"}, {}, ctx()))
+    assert out["status"] == "ok" and out["result"]["token"] == SECRET
+    assert sink == {SECRET, "svc-account"}
+
+
+def test_later_commands_of_the_execution_mask_fetched_values():
+    cache = dict_resolver(CREDENTIALS)
+    published: list[dict] = []
+
+    async def publish(e):
+        published.append(e)
+
+    def command(cid, tasks):
+        return {"execution_id": "e9", "command_id": cid, "step": "s", "step_run_id": f"r-{cid}", "tasks": tasks}
+
+    arun(execute_command(command("c1", [{"name": "get", "kind": "secrets", "secret": "api"}]),
+                         {"noop": NoopTool()}, publish, keychain_resolver=cache))
+    assert set(cache.known_secrets("e9")) == {SECRET, "svc-account"} and cache.known_secrets("other") == []
+    # a later command printing the value (e.g. from its input) is masked too
+    terminals = arun(execute_command(command("c2", [{"name": "p", "kind": "noop", "result": f"x-{SECRET}"}]),
+                                     {"noop": NoopTool()}, publish, keychain_resolver=cache))
+    assert terminals[0]["data"]["result"] == "x-***"
+    assert SECRET not in json.dumps(published)
