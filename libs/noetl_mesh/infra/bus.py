@@ -208,10 +208,8 @@ class Bus:
     # ----------------------------------------------------------------- publishing
     async def publish_event(self, event: dict[str, Any]) -> int:
         """Publish one event alone and wait for it to be stored; returns its log_seq."""
-        events = await self._fit([event], self.payload_limit)
-        ack = await self.js.publish(batch_subject(events), dumps(events), stream=EVENTS,
-                                    headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
-        return log_seq(ack.seq, 0)
+        ack = await (await self.send_events([event]))
+        return log_seq((ack[0] if isinstance(ack, list) else ack).seq, 0)
 
     async def publish_all(self, events: list[dict[str, Any]], commands: list[dict[str, Any]] = (),
                           timeout: float = 10.0) -> None:
@@ -227,7 +225,12 @@ class Bus:
         """Write the events of one execution to the connection, as one message or, when too big for
         one, several in order (values over ``limit`` bytes become references, D23); the returned
         future resolves when every PubAck is in."""
-        events = await self._fit(events, limit or self.payload_limit)
+        limit = limit or self.payload_limit
+        data = dumps(events)
+        if len(data) <= min(limit, MAX_MESSAGE):  # the common case: one message, serialised once
+            return await self.js.publish_async(batch_subject(events), data, stream=EVENTS,
+                                               headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
+        events = await self._fit(events, limit)
         futures = []
         for chunk in _by_size(events, MAX_MESSAGE):
             futures.append(await self.js.publish_async(batch_subject(chunk), dumps(chunk), stream=EVENTS,
