@@ -8,7 +8,9 @@ import socket
 import statistics
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from noetl_mesh.testing.fixture_api import QuietHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -424,8 +426,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    srv.daemon_threads = True
+    srv = QuietHTTPServer(("127.0.0.1", 0), _Handler)  # clients that time out on purpose hang up
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"

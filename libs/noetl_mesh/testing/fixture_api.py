@@ -62,7 +62,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(404, {"error": "not found"})
 
 
-class _QuietServer(ThreadingHTTPServer):
+class QuietHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def handle_error(self, request, client_address) -> None:  # a client that hung up: not our concern
@@ -71,7 +71,7 @@ class _QuietServer(ThreadingHTTPServer):
 
 class FixtureApi:
     def __init__(self, port: int = 0):
-        self.server = _QuietServer(("127.0.0.1", port), _Handler)
+        self.server = QuietHTTPServer(("127.0.0.1", port), _Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
