@@ -198,3 +198,57 @@ def test_control_plane_killed_and_restarted_mid_execution(process_stack):
     assert all(final["steps"][f"s{i}"] == {"status": "done", "runs": 1, "result": i} for i in range(6))
     assert sum(e["name"] == "workflow.finished" for e in events) == 1
     assert sum(e["name"] == "step.admitted" for e in events) == 6
+
+
+# ------------------------------------------------------------------------------ lost commands
+def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn):
+    """Workers that take a command and die (here: a consumer that never answers) until it runs out
+    of deliveries: admission reports the step run failed (`worker_lost`), the router applies D15."""
+    from nats.js.api import AckPolicy as Ack
+
+    from noetl_mesh.infra.bus import COMMANDS
+
+    nats, loop, stack = start_stack(pg_dsn, workers=0)
+    try:
+        async def go():
+            bus = await Bus.connect(stack.stack.settings.nats_url, "black-hole")
+            await bus.js.add_consumer(COMMANDS, ConsumerConfig(
+                durable_name="pool-default", filter_subject="noetl.cmd.default", ack_policy=Ack.EXPLICIT,
+                ack_wait=0.5, max_deliver=2, max_ack_pending=100))
+            sub = await bus.js.pull_subscribe_bind("pool-default", stream=COMMANDS)
+
+            async def swallow():
+                while True:
+                    try:
+                        await sub.fetch(10, timeout=0.5)  # take, never acknowledge
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # noqa: BLE001 - empty fetches
+                        pass
+
+            task = asyncio.create_task(swallow())
+            try:
+                async with GatewayClient(stack.url) as client:
+                    eid = await client.start({
+                        "apiVersion": "noetl.io/v2", "kind": "Playbook",
+                        "metadata": {"name": "lost", "path": "tests/lost"},
+                        "workflow": [{"step": "start", "tool": {"kind": "noop", "result": 1},
+                                      "next": {"arcs": [{"step": "recover",
+                                                         "when": "{{ event.error.kind == 'worker_lost' }}"}]}},
+                                     # tool-less: admission finishes it, no worker needed
+                                     {"step": "recover", "next": {"arcs": [{"step": "never", "when": "{{ false }}"}]}},
+                                     {"step": "never", "tool": {"kind": "noop"}}]})
+                    final = await client.wait(eid, timeout=20)
+                    return final, await client.all_events(eid)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await bus.nc.close()
+
+        final, events = stack.run(go(), timeout=60)
+        assert final["status"] == "COMPLETED"  # the failure was routed to `recover` (D15)
+        assert final["steps"]["start"]["status"] == "failed" and final["steps"]["recover"]["runs"] == 1
+        failed = next(e for e in events if e["name"] == "step.failed")
+        assert failed["source"] == "admission" and failed["data"]["error"]["kind"] == "worker_lost"
+    finally:
+        stop_stack(nats, loop, stack)

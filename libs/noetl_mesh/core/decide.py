@@ -413,6 +413,26 @@ def _ordered(loop) -> list[Any]:
 
 
 # =============================================================== commands
+def lost_command(command: dict[str, Any], deliveries: int) -> list[dict[str, Any]]:
+    """The events that end the work of a command no worker could finish (delivered ``deliveries``
+    times, each time without an acknowledgement: its workers died or hung). Each step run or loop
+    iteration it carried fails with ``worker_lost``, retryable, and the router handles that failure
+    like any other (D15). Ids derive from the command, so a repeated advisory changes nothing (D21)."""
+    error = {"kind": "worker_lost", "retryable": True,
+             "message": f"command {command['command_id']} was delivered {deliveries} times and never "
+                        "finished (its workers died or hung)"}
+    common = {"source": "admission", "status": "error", "step": command["step"],
+              "step_run_id": command["step_run_id"]}
+    entries = command.get("chunk") or ([{"iteration": command.get("iteration"), "command_id": command["command_id"]}])
+    out = []
+    for entry in entries:
+        i = entry.get("iteration")
+        name = "step.failed" if i is None else "loop.iteration.failed"
+        out.append(make_event(name, command["execution_id"], event_id=stable_id(entry["command_id"], name, "lost"),
+                              iteration=i, data={"error": error, "result": None}, **common))
+    return out
+
+
 def step_spec(state: ExecutionState, sdef: dict) -> dict:
     """The step's effective spec without the task level (D5, D9)."""
     executor = (state.playbook.get("executor") or {}).get("spec")
@@ -461,4 +481,5 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
     }
 
 
-__all__ = ["Decision", "admission", "router", "loops", "build_command", "step_spec", "graph_of", "EventName"]
+__all__ = ["Decision", "admission", "router", "loops", "build_command", "lost_command", "step_spec", "graph_of",
+           "EventName"]
