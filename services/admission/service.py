@@ -34,7 +34,7 @@ class AdmissionService(PartitionedService):
         seq = advisory.get("stream_seq")
         try:
             stored = await self.bus.js.get_msg(COMMANDS, seq)
-            command = loads(stored.data)
+            command = await self.bus.expand(stored.data, loads(stored.data))  # D23
             await self.bus.publish_all(decide.lost_command(command, advisory.get("deliveries", 0)))
             await self.bus.js.delete_msg(COMMANDS, seq)
         except Exception:  # noqa: BLE001 - an advisory is best effort; log what could not be reported

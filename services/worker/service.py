@@ -57,6 +57,14 @@ class EventBatcher:
         if events:
             self.acks.append(await self.bus.send_events(events, self.limit))
 
+    def abandon(self) -> None:
+        """Stop a cancelled run's pending flush (nothing more of it is published)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.flushing is not None and not self.flushing.done():
+            self.flushing.cancel()
+
     async def close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -97,6 +105,9 @@ class WorkerService:
             await asyncio.gather(self.loop_task, return_exceptions=True)
         if self.running:  # let in-flight commands finish (a graceful stop does not force redeliveries)
             await asyncio.wait(list(self.running), timeout=10)
+        for task in list(self.running):  # still running: their commands are redelivered elsewhere
+            task.cancel()
+        await asyncio.gather(*self.running, return_exceptions=True)
         if self.cancel_sub is not None:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})
@@ -123,13 +134,19 @@ class WorkerService:
                 task.add_done_callback(lambda t: self.running.pop(t, None))
 
     async def _run(self, msg: Msg) -> None:
-        command = loads(msg.data)
-        eid = command["execution_id"]
+        try:
+            command = loads(msg.data)
+            eid = command["execution_id"]
+        except Exception:  # noqa: BLE001 - a malformed command can never succeed: drop it, loudly
+            log.error("dropping a malformed command at %s: %r", msg.subject, msg.data[:200])
+            await msg.term()
+            return
         self.running[asyncio.current_task()] = eid
         if eid in self.finished:
             await msg.ack()
             return
         heartbeat = asyncio.create_task(self._keep_lease(msg))
+        batcher: EventBatcher | None = None
         try:
             with tracing.consume_span(f"worker {command['step']}", msg.headers,
                                       **{"noetl.execution_id": eid, "noetl.step": command["step"]}):
@@ -150,6 +167,8 @@ class WorkerService:
             await msg.nak(delay=2.0)
         finally:
             heartbeat.cancel()
+            if batcher is not None:
+                batcher.abandon()
 
     async def _keep_lease(self, msg: Msg) -> None:
         while True:

@@ -224,7 +224,7 @@ def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
         _finish(out, FAILED, error={"kind": "invalid_playbook", "message": "; ".join(state.errors)})
         return out.decision
     if name == "execution.cancelled":
-        _finish(out, CANCELLED, error={"kind": "cancelled", "message": event["data"].get("reason") or "cancelled"})
+        _finish(out, CANCELLED, error={"kind": "cancelled", "message": (event.get("data") or {}).get("reason") or "cancelled"})
         return out.decision
     if name in TERMINAL_STEP_EVENTS:
         run = state.runs.get(event["step_run_id"])

@@ -91,14 +91,16 @@ class KeychainCache:
         now = self.clock()
         self._expire(now)
         wanted = list(dict.fromkeys(names))
-        missing = [n for n in wanted if (execution_id, n) not in self._entries]
+        # a snapshot before awaiting: a concurrent command may expire entries meanwhile
+        have = {n: self._entries[(execution_id, n)][1] for n in wanted if (execution_id, n) in self._entries}
+        missing = [n for n in wanted if n not in have]
         if missing:
             self.fetches += 1
             got = await self.fetch(execution_id, missing) or {}
             for n in missing:
-                self._entries[(execution_id, n)] = (now + self.ttl, got.get(n))
-        return {n: self._entries[(execution_id, n)][1] for n in wanted
-                if self._entries[(execution_id, n)][1] is not None}
+                have[n] = got.get(n)
+                self._entries[(execution_id, n)] = (now + self.ttl, have[n])
+        return {n: have[n] for n in wanted if have.get(n) is not None}
 
     async def __call__(self, execution_id: str, declarations: list) -> dict[str, Any]:
         decls = declarations_of(list(declarations))

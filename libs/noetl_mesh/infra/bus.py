@@ -124,12 +124,6 @@ def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return out
 
 
-def partition_of(execution_id: str, partitions: int) -> int:
-    """The partition the stream's transform puts an execution in (NATS uses FNV-1a; we only need a
-    stable hash for local bookkeeping, the stream's own choice is read back from message subjects)."""
-    return zlib.crc32(execution_id.encode()) % partitions
-
-
 def partition_from_subject(subject: str) -> int:
     return int(subject.split(".")[2])
 
@@ -227,10 +221,10 @@ class Bus:
         future resolves when every PubAck is in."""
         limit = limit or self.payload_limit
         data = dumps(events)
-        if len(data) <= min(limit, MAX_MESSAGE):  # the common case: one message, serialised once
+        if len(data) <= min(limit, MAX_MESSAGE) and len(events) <= BATCH_MAX:  # the common case: one message
             return await self.js.publish_async(batch_subject(events), data, stream=EVENTS,
                                                headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
-        events = await self._fit(events, limit)
+        events = await self._fit(events, min(limit, MAX_MESSAGE))
         futures = []
         for chunk in _by_size(events, MAX_MESSAGE):
             futures.append(await self.js.publish_async(batch_subject(chunk), dumps(chunk), stream=EVENTS,
@@ -344,7 +338,7 @@ def _by_size(events: list[dict[str, Any]], limit: int) -> list[list[dict[str, An
     size = 0
     for e in events:
         n = len(dumps(e)) if len(events) > 1 else 0
-        if out[-1] and size + n > limit:
+        if out[-1] and (size + n > limit or len(out[-1]) >= BATCH_MAX):  # log_seq needs < BATCH_MAX
             out.append([])
             size = 0
         out[-1].append(e)
@@ -390,7 +384,16 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
         for msg in msgs:
             try:
                 await handle(msg)
-            except Exception:  # noqa: BLE001
+            except (ValueError, KeyError, TypeError, AttributeError):  # noqa: PERF203
+                # a message that cannot be decoded or folded will never succeed: retrying it would
+                # hold up its whole partition, so it is dropped, loudly
+                log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject,
+                              msg.metadata.num_delivered)
+                try:
+                    await msg.term()
+                except Exception:  # noqa: BLE001
+                    pass
+            except Exception:  # noqa: BLE001 - transient (NATS, a service not answering): retry later
                 log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
                 try:
                     await msg.nak(delay=min(30.0, 0.5 * msg.metadata.num_delivered))

@@ -35,7 +35,7 @@ class PayloadStore:
         if self._bucket is None:
             try:
                 self._bucket = await self.js.object_store(BUCKET)
-            except (NotFoundError, Exception):  # noqa: BLE001 - missing: create it
+            except NotFoundError:  # missing: create it
                 self._bucket = await self.js.create_object_store(BUCKET)
         return self._bucket
 
@@ -67,6 +67,9 @@ class PayloadStore:
         return value
 
     def _remember(self, key: str, size: int, value: Any) -> None:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return
         if size > self._cache_bytes // 4:
             return
         self._cache[key] = (size, value)
