@@ -26,6 +26,24 @@ class Scenario:
         return yaml.safe_load(text)
 
 
+# A three-step playbook for tests of the services around the engine (catalog, recorder, gateway).
+TINY = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: tiny, path: tests/tiny}
+workload: {n: 2}
+workflow:
+  - step: start
+    tool: {kind: noop, result: "{{ workload.n }}"}
+    next: {arcs: [{step: double, args: {x: "{{ event.result }}"}}]}
+  - step: double
+    tool: {kind: noop, result: "{{ args.x * 2 }}"}
+    next: {arcs: [{step: end}]}
+  - step: end
+    tool: {kind: noop}
+"""
+
+
 def names(events, step=None):
     return [e["name"] for e in events if step is None or e.get("step") == step]
 

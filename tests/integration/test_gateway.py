@@ -17,24 +17,11 @@ from noetl_mesh.core.state import summary
 from noetl_mesh.infra.bus import EVENTS, Bus, loads
 from noetl_mesh.services.event_recorder.service import RecorderService
 from noetl_mesh.services.gateway.app import GatewayService, create_app
+from scenarios import TINY
 
 pytestmark = pytest.mark.integration
 
-VALID = """
-apiVersion: noetl.io/v2
-kind: Playbook
-metadata: {name: tiny, path: tests/tiny}
-workload: {n: 2}
-workflow:
-  - step: start
-    tool: {kind: noop, result: "{{ workload.n }}"}
-    next: {arcs: [{step: double, args: {x: "{{ event.result }}"}}]}
-  - step: double
-    tool: {kind: noop, result: "{{ args.x * 2 }}"}
-    next: {arcs: [{step: end}]}
-  - step: end
-    tool: {kind: noop}
-"""
+VALID = TINY
 INVALID = """
 apiVersion: noetl.io/v2
 kind: Playbook

@@ -17,24 +17,12 @@ from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
 from noetl_mesh.infra.bus import EVENTS, Bus, BusError, dumps, log_seq
 from noetl_mesh.services.event_recorder.service import DURABLE, RecorderService
+from scenarios import TINY
 
 pytestmark = pytest.mark.integration
 
-PLAYBOOK = yaml.safe_load("""
-apiVersion: noetl.io/v2
-kind: Playbook
-metadata: {name: tiny, path: tests/tiny}
-workload: {n: 2}
-workflow:
-  - step: start
-    tool: {kind: noop, result: "{{ workload.n }}"}
-    next: {arcs: [{step: double, args: {x: "{{ event.result }}"}}]}
-  - step: double
-    tool: {kind: noop, result: "{{ args.x * 2 }}"}
-    next: {arcs: [{step: end}]}
-  - step: end
-    tool: {kind: noop}
-""")
+PLAYBOOK = yaml.safe_load(TINY)
+
 
 
 async def fresh_bus(nats_url: str) -> Bus:

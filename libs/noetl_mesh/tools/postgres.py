@@ -65,6 +65,24 @@ class _ConnectError(Exception):
 # ------------------------------------------------------------------------------------ statements
 
 
+def _end_of_quoted(sql: str, i: int, quote: str, escapes: bool) -> int:
+    """The index after the literal or quoted identifier opening at ``i`` (a doubled quote stays inside;
+    with ``escapes``, an ``E'...'`` string, so does a backslash-escaped character)."""
+    n = len(sql)
+    i += 1
+    while i < n:
+        if escapes and sql[i] == "\\":
+            i += 2
+            continue
+        if sql[i] == quote:
+            if i + 1 < n and sql[i + 1] == quote:
+                i += 2
+                continue
+            break
+        i += 1
+    return i + 1
+
+
 def split_statements(sql: str) -> list[str]:
     """The statements of ``sql``: split on ``;`` outside string literals (``'...'``, ``E'...'``),
     quoted identifiers, dollar-quoted bodies and comments (``--``, nested ``/* */``). Statements with
@@ -75,31 +93,10 @@ def split_statements(sql: str) -> list[str]:
     content = False
     while i < n:
         c = sql[i]
-        if c == "'":
-            escapes = i > 0 and sql[i - 1] in "eE" and (i < 2 or not (sql[i - 2].isalnum() or sql[i - 2] == "_"))
-            i += 1
-            while i < n:
-                if escapes and sql[i] == "\\":
-                    i += 2
-                    continue
-                if sql[i] == "'":
-                    if i + 1 < n and sql[i + 1] == "'":
-                        i += 2
-                        continue
-                    break
-                i += 1
-            i += 1
-            content = True
-        elif c == '"':
-            i += 1
-            while i < n:
-                if sql[i] == '"':
-                    if i + 1 < n and sql[i + 1] == '"':
-                        i += 2
-                        continue
-                    break
-                i += 1
-            i += 1
+        if c in "'\"":
+            escapes = c == "'" and i > 0 and sql[i - 1] in "eE" and (
+                i < 2 or not (sql[i - 2].isalnum() or sql[i - 2] == "_"))
+            i = _end_of_quoted(sql, i, c, escapes)
             content = True
         elif c == "-" and sql.startswith("--", i):
             j = sql.find("\n", i)
