@@ -492,7 +492,8 @@ def test_retry_policy_recovers_flaky_task():
 def test_replay_equals_live_state_of_every_service():
     r = run(play(FORK_JOIN, {"a": True, "b": True, "c": True}), seed=3)
     rebuilt = summary(r.state)
-    for name, live in r.states.items():
+    for name, states in r.states.items():
+        live = states[r.execution_id]
         assert summary(live) == rebuilt, name
         assert set(live.runs) == set(r.state.runs)
         assert live.tokens.keys() == r.state.tokens.keys() == set()

@@ -8,6 +8,13 @@ Three slices, one per control-plane service, each the only writer of its events:
   (D15), detects completion and cancellation (D18);
 - :func:`loops` — renders loop collections, dispatches iterations and ends loop steps (D19, D15).
 
+Child executions (``kind: playbook``): a worker's pipeline suspends at the task (``task.suspended``);
+admission requests the child (an event in the child's stream); the child's router, when it finishes,
+tells the parent (``playbook.child.finished`` in the parent's stream), and the parent's admission sends
+the resume command. A decision's events for *other* executions are its ``foreign`` events; the shell
+publishes them before the decision's own events, so a redelivered cause that re-decides republishes
+them (same ids, stored once) and none is lost between the two.
+
 Each function takes the state *after* the event was folded in and returns a :class:`Decision`. The
 caller folds the decision's events into its own state at once (``Decision.apply``) before handling the
 next event, so a service never decides twice on the same tokens. Every id is derived from the cause
@@ -22,16 +29,18 @@ from typing import Any
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, truthy
 from .events import ALIASES, TERMINAL_STEP_EVENTS, make_event, stable_id
-from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, apply, graph_of,
+from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, Wait, apply, graph_of,
                     playbook_digest)
 
 DEFAULT_POOL = "default"
+DEFAULT_MAX_DEPTH = 10  # child executions nest at most this deep (a root execution is at depth 0)
 
 
 @dataclass
 class Decision:
     events: list[dict[str, Any]] = field(default_factory=list)
     commands: list[dict[str, Any]] = field(default_factory=list)
+    foreign: list[dict[str, Any]] = field(default_factory=list)  # events of other executions (children, parent)
 
 
 class _Out:
@@ -60,6 +69,14 @@ class _Out:
     def command(self, command: dict) -> None:
         self.decision.commands.append(command)
 
+    def foreign(self, name: str, execution_id: str, key: str, *, status: str = "success", data: dict | None = None,
+                **kw: Any) -> dict:
+        """An event for another execution (not folded here); its id derives from ``key`` (D21)."""
+        event = make_event(name, execution_id, event_id=stable_id(key, name), source=self.source, status=status,
+                           data=data, parent_id=self.cause["event_id"], **kw)
+        self.decision.foreign.append(event)
+        return event
+
 
 # =============================================================== admission
 def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None) -> Decision:
@@ -69,6 +86,12 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     name = event["name"]
     if name == "playbook.execution.requested":
         _evaluate_request(out, playbook)
+    elif name == "task.suspended":
+        _start_child(out, event)
+    elif name == "playbook.child.finished":
+        wait = state.waits.get((event.get("data") or {}).get("child_execution_id"))
+        if wait is not None and wait.finished is not None and not state.halted:
+            _resume(out, wait)
     if state.status == "RUNNING" and state.tokens and not state.halted:
         _admit_pending(out)
     return out.decision
@@ -214,6 +237,97 @@ def _allow(then: dict, context: dict, where: str) -> bool:
     return truthy(value, context, where) if isinstance(value, str) else bool(value)
 
 
+# =============================================================== child executions
+def depth_limit(state: ExecutionState) -> int:
+    """How deep child executions may nest below the root: the smallest of the limit the parent chain
+    passed down and this playbook's ``executor.spec.policy.limits.max_depth`` (default 10)."""
+    limits = ((((state.playbook or {}).get("executor") or {}).get("spec") or {}).get("policy") or {}).get("limits")
+    candidates = [v for v in (state.request.get("max_depth"), (limits or {}).get("max_depth"))
+                  if isinstance(v, int) and not isinstance(v, bool)]
+    return min(candidates) if candidates else DEFAULT_MAX_DEPTH
+
+
+def _start_child(out: _Out, event: dict) -> None:
+    """A run suspended at a ``playbook`` task: request the child execution (in the child's stream),
+    or, when it would nest deeper than allowed, end the wait at once with a ``recursion_limit`` error."""
+    state = out.state
+    child = (event.get("data") or {}).get("child") or {}
+    wait = state.waits.get(child.get("execution_id"))
+    if wait is None or wait.finished is not None or state.halted:
+        return
+    depth = int(state.request.get("depth") or 0) + 1
+    limit = depth_limit(state)
+    if depth > limit:
+        out.event("playbook.child.finished", status="error", step=wait.step, step_run_id=wait.step_run_id,
+                  iteration=wait.iteration,
+                  data={"child_execution_id": wait.child, "status": FAILED, "started": False, "result": None,
+                        "error": {"kind": "recursion_limit", "retryable": False,
+                                  "message": f"step {wait.step!r} task {wait.task!r}: calling playbook "
+                                             f"{wait.path!r} would nest child executions {depth} deep; the limit "
+                                             f"is {limit} (executor.spec.policy.limits.max_depth)"}})
+        _resume(out, wait)
+        return
+    out.foreign("playbook.execution.requested", wait.child, f"request:{wait.child}", status="in_progress", data={
+        "catalog": {"path": wait.path, "version": child.get("version")},
+        "workload": child.get("workload") or {},
+        "args": child.get("args") or {},
+        "iter_parent": child.get("iter_parent"),  # D19
+        "parent_execution_id": state.execution_id,
+        "parent": {"execution_id": state.execution_id, "step": wait.step, "step_run_id": wait.step_run_id,
+                   "iteration": wait.iteration, "task": wait.task},
+        "depth": depth,
+        "max_depth": limit,
+    })
+
+
+def child_outcome(wait: Wait) -> dict[str, Any]:
+    """The ``playbook`` task's outcome (D8) from how its child ended: the child's result (its status,
+    ctx and step results) either way; an error of kind ``child_failed`` / ``child_cancelled`` (the
+    child's own error under ``cause``) unless it completed."""
+    d = wait.finished or {}
+    status, cause = d.get("status"), d.get("error")
+    if status == COMPLETED:
+        return {"status": "ok", "result": d.get("result"), "error": None}
+    if d.get("started") is False and isinstance(cause, dict):  # never started (recursion limit)
+        return {"status": "error", "result": None, "error": cause}
+    cause = cause if isinstance(cause, dict) else ({"message": str(cause)} if cause else {})
+    message = cause.get("message") or cause.get("kind") or "no error reported"
+    return {"status": "error", "result": d.get("result"), "error": {
+        "kind": "child_cancelled" if status == CANCELLED else "child_failed",
+        "message": f"child execution {wait.child} of playbook {wait.path!r} ended {status}: {message}",
+        "retryable": bool(cause.get("retryable")), "child_execution_id": wait.child, "cause": cause or None}}
+
+
+def _resume(out: _Out, wait: Wait) -> None:
+    """The child ended: a command that resumes the suspended run with the child's outcome."""
+    state = out.state
+    run = state.runs.get(wait.step_run_id)
+    if run is None or run.ended:
+        return
+    sdef = state.step_def(run.step)
+    pool = step_spec(state, sdef).get("pool") or DEFAULT_POOL
+    iterations = None if wait.iteration is None else range(wait.iteration, wait.iteration + 1)
+    command = build_command(state, run, pool=pool, iterations=iterations)
+    command["command_id"] = stable_id("resume", wait.child)  # not the suspended command's id (dedup window)
+    command["resume"] = {"continuation": wait.continuation, "outcome": child_outcome(wait)}
+    out.command(command)
+
+
+def _cancel_children(out: _Out, waits: list[Wait], reason: str) -> None:
+    """Children whose parent run will not resume are cancelled (their own router ends them)."""
+    for wait in waits:
+        if wait.finished is None:
+            out.foreign("execution.cancelled", wait.child, f"cancel:{wait.child}", data={"reason": reason})
+
+
+def _child_result(state: ExecutionState) -> dict[str, Any]:
+    """What a parent's ``playbook`` task gets as result: the child's status, final ctx and step results."""
+    from .state import summary
+
+    s = summary(state)
+    return {"execution_id": s["execution_id"], "status": s["status"], "ctx": s["ctx"], "steps": s["steps"]}
+
+
 # =============================================================== router
 def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
     out = _Out(state, event, "router")
@@ -294,10 +408,18 @@ def _failure_mode(state: ExecutionState, sdef: dict) -> str:
 def _finish(out: _Out, status: str, error: Any = None) -> None:
     state = out.state
     cancelled = [r.id for r in state.runs.values() if r.active and not r.ended]
+    _cancel_children(out, list(state.waits.values()), f"parent execution {state.execution_id} ended {status}")
     out.event("workflow.finished", status="success" if status == COMPLETED else "error",
               data={"status": status, "cancelled_runs": cancelled, "error": error})
     out.event("playbook.processed", status="success" if status == COMPLETED else "error",
               data={"status": status})
+    parent = state.request.get("parent")
+    if isinstance(parent, dict) and parent.get("execution_id"):  # a child execution tells its parent
+        out.foreign("playbook.child.finished", parent["execution_id"], f"finished:{state.execution_id}",
+                    status="success" if status == COMPLETED else "error", step=parent.get("step"),
+                    step_run_id=parent.get("step_run_id"), iteration=parent.get("iteration"),
+                    data={"child_execution_id": state.execution_id, "status": status, "error": error,
+                          "result": _child_result(state)})
 
 
 class EventName(str):
@@ -397,6 +519,8 @@ def _continue_loop(out: _Out, run: StepRun, sdef: dict) -> None:
         # D15: stop dispatching at the first failed iteration and end the step failed
         first = min(loop.errors)
         cause = loop.errors[first] or {}
+        _cancel_children(out, [w for w in state.waits.values() if w.step_run_id == run.id],
+                         f"loop step {run.step!r} failed (iteration {first})")
         out.event("step.failed", status="error", step=run.step, step_run_id=run.id,
                   data={"error": {"kind": "iteration_failed", "retryable": False, "iteration": first,
                                   "message": f"iteration {first} failed: {cause.get('message', '')}".rstrip(": ")},
@@ -482,4 +606,4 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
 
 
 __all__ = ["Decision", "admission", "router", "loops", "build_command", "lost_command", "step_spec", "graph_of",
-           "EventName"]
+           "EventName", "child_outcome", "depth_limit", "DEFAULT_MAX_DEPTH"]

@@ -30,6 +30,8 @@ ENTITY = {
     "step.failed": "step",
     "task.started": "task",
     "task.processed": "task",
+    "task.suspended": "task",  # a playbook task waits for its child execution (not in D20's list)
+    "playbook.child.finished": "playbook",  # a child execution ended (to its parent; not in D20's list)
     "ctx.patched": "workflow",
     "loop.started": "loop",
     "loop.iteration.started": "loop",

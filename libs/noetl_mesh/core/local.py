@@ -28,17 +28,35 @@ _DECIDERS: dict[str, Callable[..., decide.Decision]] = {
 
 @dataclass
 class LocalRun:
-    execution_id: str
-    log: list[dict[str, Any]] = field(default_factory=list)
-    states: dict[str, ExecutionState] = field(default_factory=dict)
+    """One run: the root execution and every child execution it started, over one ordered log."""
+
+    execution_id: str  # the root execution
+    events: list[dict[str, Any]] = field(default_factory=list)  # every execution's events, in log order
+    states: dict[str, dict[str, ExecutionState]] = field(default_factory=dict)  # service -> execution -> state
     cursors: dict[str, int] = field(default_factory=dict)
     commands: list[dict[str, Any]] = field(default_factory=list)
     playbook: Any = None
 
     @property
+    def log(self) -> list[dict[str, Any]]:
+        """The root execution's events."""
+        return self.log_of(self.execution_id)
+
+    def log_of(self, execution_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["execution_id"] == execution_id]
+
+    @property
     def state(self) -> ExecutionState:
-        """The state rebuilt from the whole log (D22)."""
+        """The root execution's state rebuilt from its events (D22)."""
         return fold(self.log, self.execution_id)
+
+    def state_of(self, execution_id: str) -> ExecutionState:
+        return fold(self.log_of(execution_id), execution_id)
+
+    @property
+    def executions(self) -> list[str]:
+        """Every execution of the run, in the order of their first event."""
+        return list(dict.fromkeys(e["execution_id"] for e in self.events))
 
 
 async def run_local(
@@ -51,10 +69,13 @@ async def run_local(
     sleep: Callable[[float], Any] | None = None,
     credentials: Mapping[str, Any] | None = None,
     keychain_resolver: Resolver | None = None,
+    catalog: Mapping[str, Any] | None = None,
 ) -> LocalRun:
     """Run one execution to its end. ``seed=None`` moves everything in a fixed order; an int picks
     the next mover at random among those that can move. Keychain ``credential`` entries resolve
-    through ``keychain_resolver``, or else from ``credentials`` (``{stored name: data}``, in memory)."""
+    through ``keychain_resolver``, or else from ``credentials`` (``{stored name: data}``, in memory).
+    ``catalog`` (``{path: playbook}``) resolves the child executions of ``playbook`` tasks; the root
+    playbook is in it under its own ``metadata.path`` too."""
     from ..tools import default_tools
 
     if keychain_resolver is None:
@@ -63,21 +84,30 @@ async def run_local(
     tools = tools if tools is not None else default_tools()
     rng = random.Random(seed)
     run = LocalRun(new_execution_id(), playbook=playbook)
+    books = dict(catalog or {})
+    if isinstance(playbook, dict) and isinstance(playbook.get("metadata"), dict):
+        books.setdefault(playbook["metadata"].get("path"), playbook)
     for name in SERVICES:
-        run.states[name] = ExecutionState(run.execution_id)
+        run.states[name] = {}
         run.cursors[name] = 0
-    run.log.append(make_event("playbook.execution.requested", run.execution_id,
-                              event_id=f"req-{run.execution_id}", source="local",
-                              data={"workload": dict(workload or {})}))
+    run.events.append(make_event("playbook.execution.requested", run.execution_id,
+                                 event_id=f"req-{run.execution_id}", source="local",
+                                 data={"workload": dict(workload or {})}))
+
+    def resolve(event: dict[str, Any]) -> Any:
+        if event["execution_id"] == run.execution_id:
+            return playbook
+        path = ((event.get("data") or {}).get("catalog") or {}).get("path")
+        return books[path] if path in books else [f"catalog: no playbook at path {path!r}"]
 
     async def no_sleep(_: float) -> None:
         return None
 
     async def publish(event: dict[str, Any]) -> None:
-        run.log.append(event)
+        run.events.append(event)
 
     for _ in range(max_moves):
-        movers = [s for s in SERVICES if run.cursors[s] < len(run.log)]
+        movers = [s for s in SERVICES if run.cursors[s] < len(run.events)]
         if run.commands:
             movers.append("worker")
         if not movers:
@@ -90,16 +120,20 @@ async def run_local(
                 await execute_command(command, tools, publish, sleep=sleep or no_sleep,
                                       keychain_resolver=keychain_resolver)
             continue
-        event = run.log[run.cursors[who]]
+        event = run.events[run.cursors[who]]
         run.cursors[who] += 1
-        state = run.states[who]
+        eid = event["execution_id"]
+        state = run.states[who].get(eid)
+        if state is None:
+            state = run.states[who][eid] = ExecutionState(eid)
         if not apply(state, event):
             continue  # its own event coming back, already folded (D21)
         if who == "admission" and event["name"] == "playbook.execution.requested":
-            decision = decide.admission(state, event, playbook)
+            decision = decide.admission(state, event, resolve(event))
         else:
             decision = _DECIDERS[who](state, event)
-        run.log.extend(decision.events)
+        run.events.extend(decision.foreign)  # as the shell publishes them: other executions' first
+        run.events.extend(decision.events)
         run.commands.extend(decision.commands)
     else:
         raise RuntimeError(f"execution did not settle within {max_moves} moves")
@@ -107,4 +141,5 @@ async def run_local(
 
 
 def _cancelled(run: LocalRun, command: dict[str, Any]) -> bool:
-    return run.states["router"].finished
+    state = run.states["router"].get(command["execution_id"])
+    return state is not None and state.finished

@@ -26,6 +26,7 @@ from ..lang.templates import TemplateError, render, truthy
 from ..tools.base import ToolContext
 from ..tools.noop import NoopTool
 from .events import action_id as _action_id
+from .events import stable_id
 
 __all__ = ["Emit", "PipelineResult", "run_pipeline", "DEFAULT_MAX_STEPS", "retry_delay"]
 
@@ -39,6 +40,9 @@ DEFAULT_MAX_DELAY = 60.0  # D9
 _NOT_RENDERED = frozenset({"name", "kind", "spec", "desc"})
 _NOT_RENDERED_PY = _NOT_RENDERED | {"code"}
 _ARGS_KEYS = ("args", "input", "with")  # a workbook call's args and their aliases (model.WorkbookTask)
+# Scope names that are not task outcomes (never saved in nor restored from a continuation).
+_RESERVED = frozenset({"workload", "ctx", "iter", "args", "execution_id", "keychain", "_prev", "_task",
+                       "_attempt", "outcome", "output"})
 
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
@@ -54,6 +58,10 @@ class PipelineResult:
     iteration scope (the command's ``iter`` with ``set_iter`` writes, or the scratch scope outside
     loops); ``ctx_patch`` the union of this run's ``set_ctx`` patches (last writer wins per key, D12);
     ``visits`` the number of task visits started (retries excluded, D9).
+
+    ``status`` ``suspended``: the run stopped at a ``playbook`` task to wait for a child execution;
+    ``suspend`` holds ``{child, continuation, task, action_id, attempt}`` — the child to start and what
+    a resume command needs to go on from that task (see :func:`run_pipeline`).
     """
 
     status: str
@@ -62,6 +70,16 @@ class PipelineResult:
     iter: dict
     ctx_patch: dict = field(default_factory=dict)
     visits: int = 0
+    suspend: dict | None = None
+
+
+class _Suspend:
+    """What a ``playbook`` task hands back instead of an outcome: the child execution to start."""
+
+    __slots__ = ("child",)
+
+    def __init__(self, child: dict) -> None:
+        self.child = child
 
 
 class _PolicyError(Exception):
@@ -184,6 +202,14 @@ async def run_pipeline(
 
     ``cancel``: when given and set, the running tool call is abandoned (its task cancelled) and the
     pipeline ends failed with error kind ``cancelled``; tools also see it as ``ToolContext.cancel``.
+
+    Child executions (``kind: playbook``): the task's inputs are rendered, then the run *suspends*
+    instead of waiting, so the worker frees its slot (issue 4: a parent never holds a worker while its
+    child runs). The result is ``status="suspended"`` with the child request and a continuation: the
+    position (task, visit, attempt, action id), the run's ``set_iter``/``set_ctx`` writes, the
+    previous result and the outcomes of the tasks that ran. When the child ends, the control plane
+    sends a command with ``resume: {continuation, outcome}``; this function then restores the run and
+    goes on as if the task had just returned ``outcome`` (its policy applies: retry starts a new child).
     """
     return await _Run(command, tools, emit, sleep, rng, cancel).run()
 
@@ -194,7 +220,7 @@ class _Run:
     __slots__ = (
         "tools", "emit", "sleep", "rng", "cancel", "execution_id", "step", "step_run_id", "iteration",
         "tasks", "layers", "max_steps", "ctx", "iter", "scope", "ctx_patch", "visits", "last", "specs",
-        "workbook",
+        "workbook", "resume",
     )
 
     def __init__(
@@ -246,6 +272,7 @@ class _Run:
         self.visits = 0
         self.last: dict | None = None  # the last outcome (D11)
         self.specs: dict[str, dict] = {}  # effective task specs, once per task per run
+        self.resume: Mapping[str, Any] | None = command.get("resume")
 
     def finish(self, status: str, error: dict | None) -> PipelineResult:
         """D11: the result of the last task executed, also when the run failed."""
@@ -258,17 +285,27 @@ class _Run:
         index = {t["name"]: i for i, t in enumerate(tasks)}
         policies: dict[str, Any] = {}
         pc = 0
+        resumed = None
+        if self.resume is not None:
+            try:
+                pc, resumed = self._restore(index, policies)
+            except (KeyError, TypeError, ValueError) as e:
+                return self.finish("error", _err("invalid_resume", f"step {step!r}: cannot resume: {e}"))
         while pc < len(tasks):
             task = tasks[pc]
             name = task["name"]
             kind = task.get("kind")
-            if self.visits >= self.max_steps:  # D9: so no jump cycle runs forever
-                return self.finish(
-                    "error",
-                    _err("max_steps_exceeded", f"step {step!r}: more than {self.max_steps} task visits (max_steps)"),
-                )
-            aid = _action_id(self.execution_id, self.step_run_id, iteration, name, self.visits)  # D21
-            self.visits += 1  # retries below keep the visit (and its action_id) and raise the attempt
+            if resumed is None:
+                if self.visits >= self.max_steps:  # D9: so no jump cycle runs forever
+                    return self.finish(
+                        "error",
+                        _err("max_steps_exceeded", f"step {step!r}: more than {self.max_steps} task visits (max_steps)"),
+                    )
+                aid = _action_id(self.execution_id, self.step_run_id, iteration, name, self.visits)  # D21
+                self.visits += 1  # retries below keep the visit (and its action_id) and raise the attempt
+                attempt = 1
+            else:
+                aid, attempt = resumed["action_id"], int(resumed["attempt"])
             if name in policies:
                 policy = policies[name]
             else:
@@ -277,22 +314,30 @@ class _Run:
             inline_noop = kind == "noop" and (tool is None or type(tool) is NoopTool)
             workbook = kind == "workbook"
             scope["_task"] = name
-            attempt = 1
             while True:
-                if cancel is not None and cancel.is_set():
-                    return self.finish("error", _err("cancelled", f"step {step!r} cancelled before task {name!r}"))
-                scope["_attempt"] = attempt
-                await emit("task.started", {"task": name, "attempt": attempt, "action_id": aid, "iteration": iteration})
-                t0 = time.perf_counter()
-                if inline_noop:
-                    outcome = self._noop(task, name)
-                elif workbook:
-                    outcome = await self._workbook(task, name, attempt, aid)
+                if resumed is not None:  # the child ended: its outcome is this attempt's outcome
+                    scope["_attempt"] = attempt
+                    outcome = dict(resumed["outcome"])
+                    duration = max(0.0, time.time() - float(resumed.get("suspended_at") or time.time()))
+                    resumed = None
                 else:
-                    outcome = await self._call_tool(task, kind, tool, name, attempt, aid)
+                    if cancel is not None and cancel.is_set():
+                        return self.finish("error", _err("cancelled", f"step {step!r} cancelled before task {name!r}"))
+                    scope["_attempt"] = attempt
+                    await emit("task.started", {"task": name, "attempt": attempt, "action_id": aid, "iteration": iteration})
+                    t0 = time.perf_counter()
+                    if inline_noop:
+                        outcome = self._noop(task, name)
+                    elif workbook:
+                        outcome = await self._workbook(task, name, attempt, aid)
+                    else:
+                        outcome = await self._call_tool(task, kind, tool, name, attempt, aid)
+                    if outcome.__class__ is _Suspend:
+                        return self._suspended(outcome, pc, name, aid, attempt, policies)
+                    duration = time.perf_counter() - t0
                 outcome["meta"] = {
                     "attempt": attempt,
-                    "duration_ms": round((time.perf_counter() - t0) * 1000.0, 3),
+                    "duration_ms": round(duration * 1000.0, 3),
                     "action_id": aid,
                 }
                 await emit(
@@ -344,6 +389,74 @@ class _Run:
             else:
                 return self.finish("error", _err("policy_error", f"task {name!r}: unknown directive {do!r}"))
         return self.finish("ok", None)
+
+    def _suspended(self, suspend: _Suspend, pc: int, name: str, aid: str, attempt: int,
+                   policies: Mapping[str, Any]) -> PipelineResult:
+        """Stop at a ``playbook`` task: the child to start and how to go on when it ends."""
+        scope = self.scope
+        continuation = {
+            "pc": pc, "task": name, "action_id": aid, "attempt": attempt, "visits": self.visits,
+            "iter": self.iter, "ctx_patch": self.ctx_patch, "prev": scope["_prev"], "last": self.last,
+            # the outcomes of the tasks that ran (every visited task's name is a key of ``policies``)
+            "outcomes": {n: scope[n] for n in policies if n != name and n in scope and n not in _RESERVED},
+            "suspended_at": time.time(),
+        }
+        result = self.finish("suspended", None)
+        result.suspend = {"child": suspend.child, "continuation": continuation, "task": name,
+                          "action_id": aid, "attempt": attempt}
+        return result
+
+    def _restore(self, index: Mapping[str, int], policies: dict[str, Any]) -> tuple[int, dict]:
+        """Put a suspended run back where it stopped (see :meth:`_suspended`)."""
+        resume = self.resume or {}
+        cont = resume["continuation"]
+        name = cont["task"]
+        pc = int(cont["pc"])
+        if index.get(name) != pc:
+            raise ValueError(f"task {name!r} is not at position {pc} of the step's pipeline")
+        self.visits = int(cont["visits"])
+        self.iter.update(cont.get("iter") or {})
+        patch = cont.get("ctx_patch") or {}
+        self.ctx.update(patch)  # D12: the run's own writes win over the ctx the command carries
+        self.ctx_patch.update(patch)
+        self.last = cont.get("last")
+        scope = self.scope
+        scope["_prev"] = cont.get("prev")
+        for task_name, view in (cont.get("outcomes") or {}).items():
+            if task_name in index and task_name not in _RESERVED:
+                scope[task_name] = view
+                policies[task_name] = _compile_policy(self.tasks[index[task_name]])
+        outcome = resume["outcome"]
+        if not isinstance(outcome, Mapping):
+            raise TypeError("the resume outcome is not a mapping")
+        return pc, {"outcome": _normalise(outcome), "action_id": cont["action_id"],
+                    "attempt": cont.get("attempt", 1), "suspended_at": cont.get("suspended_at")}
+
+    def _child(self, rendered: Mapping[str, Any], name: str, attempt: int, aid: str, where: str,
+               caller_args: dict | None) -> dict | _Suspend:
+        """``kind: playbook`` with its fields rendered: the child execution to request, or an error
+        outcome when the fields are unusable."""
+        path = rendered.get("path")
+        if not isinstance(path, str) or not path.strip():
+            return {"status": "error", "result": None,
+                    "error": _err("invalid_task", f"{where}.path must be a catalog path, got {path!r}")}
+        args = next((rendered[k] for k in ("args", "input") if k in rendered), None)
+        workload = rendered.get("workload")
+        for key, value in (("args", args), ("workload", workload)):
+            if value is not None and not isinstance(value, Mapping):
+                return {"status": "error", "result": None,
+                        "error": _err("invalid_task", f"{where}.{key} must be a mapping, got {type(value).__name__}")}
+        args = {**(args or {}), **(caller_args or {})}
+        version = rendered.get("version")
+        if version is not None and not isinstance(version, (int, str)):
+            return {"status": "error", "result": None,
+                    "error": _err("invalid_task", f"{where}.version must be a number, got {version!r}")}
+        return _Suspend({
+            "execution_id": stable_id("child", self.execution_id, aid, attempt),  # D21: a redelivery asks again
+            "path": path.strip(), "version": version, "workload": dict(workload or {}), "args": args,
+            # D19: the calling iteration's scope becomes iter.parent in the child's loops
+            "iter_parent": dict(self.iter) if self.iteration is not None else None,
+        })
 
     def _noop(self, task: dict, name: str, where: str | None = None) -> dict:
         """D10, inline: the ``result:`` field (rendered) when given, else the previous task's result."""
@@ -461,7 +574,7 @@ class _Run:
         For a workbook task (:meth:`_workbook`): ``where`` locates its fields in template errors,
         ``caller_spec`` is the calling task's spec (layered innermost) and ``caller_args`` the caller's
         rendered args (merged over a python task's own ``args``)."""
-        if tool is None:
+        if tool is None and kind != "playbook":
             return {"status": "error", "result": None, "error": _err("tool_error", f"no tool for kind {kind!r}")}
         scope, step = self.scope, self.step
         where = where or f"{step}.{name}"
@@ -479,6 +592,8 @@ class _Run:
                 return {"status": "error", "result": None,
                         "error": _err("invalid_task", f"{where}.args must be a mapping, got {type(own).__name__}")}
             rendered["args"] = {**(own or {}), **caller_args}
+        if kind == "playbook":  # a child execution: the control plane runs it, this run suspends
+            return self._child(rendered, name, attempt, aid, where, caller_args)
         spec = self.specs.get(name)
         if spec is None:
             # D5: merge(KIND_DEFAULTS[kind], executor, step, loop, task.spec[, caller task.spec]).

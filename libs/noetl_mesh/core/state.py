@@ -79,6 +79,20 @@ class StepRun:
 
 
 @dataclass
+class Wait:
+    """A pipeline run suspended at a ``playbook`` task until its child execution ends."""
+
+    child: str  # the child's execution id
+    step_run_id: str
+    iteration: int | None
+    step: str
+    task: str | None
+    path: str | None
+    continuation: dict[str, Any]
+    finished: dict[str, Any] | None = None  # the child's playbook.child.finished data, once it ended
+
+
+@dataclass
 class ExecutionState:
     execution_id: str
     status: str = PENDING
@@ -96,6 +110,8 @@ class ExecutionState:
     failure: dict[str, Any] | None = None
     cancel_requested: bool = False
     errors: list[Any] = field(default_factory=list)
+    waits: dict[str, Wait] = field(default_factory=dict)  # suspended runs by child execution id
+    children: list[str] = field(default_factory=list)  # every child execution requested, in order
     seen: set[str] = field(default_factory=set)  # event ids applied (D21)
     token_seq: int = 0
     events: int = 0
@@ -262,6 +278,8 @@ def _iteration_ended(s: ExecutionState, e: dict, d: dict) -> None:
     if i not in loop.in_flight:  # a duplicate or late report
         return
     loop.in_flight.discard(i)
+    if s.waits:
+        _drop_waits(s, run.id, i)
     if e["name"] == "loop.iteration.done":
         loop.done += 1
         loop.results[i] = d.get("result")
@@ -276,9 +294,38 @@ def _terminal(s: ExecutionState, e: dict, d: dict) -> None:
     if run is None or run.ended:
         return
     run.ended = True
+    if s.waits:
+        _drop_waits(s, run.id)
     run.status = "done" if e["name"] in ("step.done", "loop.done") else d.get("status", "failed")
     run.result = d.get("result")
     run.error = d.get("error")
+
+
+def _suspended(s: ExecutionState, e: dict, d: dict) -> None:
+    run = s.runs.get(e["step_run_id"])
+    if run is None or run.ended:
+        return
+    i = e.get("iteration")
+    if i is not None and (run.loop is None or i not in run.loop.in_flight):
+        return  # a late report of an iteration already ended
+    child = d.get("child") if isinstance(d.get("child"), dict) else {}
+    cid = child.get("execution_id")
+    if not isinstance(cid, str) or cid in s.waits:
+        return
+    s.waits[cid] = Wait(cid, run.id, i, run.step, e.get("task"), child.get("path"), d.get("continuation") or {})
+    s.children.append(cid)
+
+
+def _child_finished(s: ExecutionState, e: dict, d: dict) -> None:
+    wait = s.waits.get(d.get("child_execution_id"))
+    if wait is not None and wait.finished is None:
+        wait.finished = d
+
+
+def _drop_waits(s: ExecutionState, run_id: str, iteration: Any = ...) -> None:
+    for cid in [c for c, w in s.waits.items()
+                if w.step_run_id == run_id and (iteration is ... or w.iteration == iteration)]:
+        del s.waits[cid]
 
 
 def _next_evaluated(s: ExecutionState, e: dict, d: dict) -> None:
@@ -322,12 +369,14 @@ _HANDLERS = {
     "step.failed": _terminal,
     "loop.done": _terminal,
     "next.evaluated": _next_evaluated,
+    "task.suspended": _suspended,
+    "playbook.child.finished": _child_finished,
     "execution.cancelled": _cancel,
     "workflow.finished": _finished,
 }
 
 __all__ = [
-    "ExecutionState", "StepRun", "Token", "LoopState", "apply", "fold", "graph_of", "entry_step",
+    "ExecutionState", "StepRun", "Token", "LoopState", "Wait", "apply", "fold", "graph_of", "entry_step",
     "ENTRY_PLACE", "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "FINAL",
 ]
 
@@ -343,5 +392,10 @@ def summary(state: ExecutionState) -> dict[str, Any]:
             steps[step] = {"status": status, "runs": len(state.runs_of[step]), "result": run.result}
         elif state.skipped.get(step):
             steps[step] = {"status": "skipped", "runs": 0, "result": None}
-    return {"execution_id": state.execution_id, "status": state.status, "workload": state.workload,
-            "ctx": state.ctx, "steps": steps}
+    out = {"execution_id": state.execution_id, "status": state.status, "workload": state.workload,
+           "ctx": state.ctx, "steps": steps}
+    if state.request.get("parent_execution_id"):
+        out["parent_execution_id"] = state.request["parent_execution_id"]
+    if state.children:
+        out["children"] = list(state.children)
+    return out

@@ -99,7 +99,7 @@ async def execute(
         return make_event(name, execution_id, event_id=stable_id(cid, name, key), source=source, status=status,
                           task=task, data=data, **ids, **kw)
 
-    if iteration is None:
+    if iteration is None and not command.get("resume"):
         await publish(event("step.started", status="in_progress"))
 
     async def emit(name: str, fields: dict[str, Any]) -> None:
@@ -115,6 +115,15 @@ async def execute(
                             action_id=aid, attempt=attempt, task_run_id=aid))
 
     result = await run_pipeline(dict(command), tools, emit, sleep=sleep)
+    if result.suspend is not None:
+        # A `playbook` task: the run waits for its child without holding this worker (the command is
+        # acknowledged); the control plane starts the child and, when it ends, sends a resume command.
+        s = result.suspend
+        suspended = event("task.suspended", status="paused", task=s["task"], key=(s["action_id"], s["attempt"]),
+                          data={"child": s["child"], "continuation": s["continuation"]},
+                          action_id=s["action_id"], attempt=s["attempt"], task_run_id=s["action_id"])
+        await publish(suspended)
+        return suspended
     ok = result.status == "ok"
     if iteration is None:
         name = "step.done" if ok else "step.failed"

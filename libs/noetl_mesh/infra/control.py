@@ -89,16 +89,19 @@ class PartitionedService:
         self.cache[eid] = state
         self.partition_of[eid] = p
         self.cache.move_to_end(eid)
-        outputs, commands = [], []
+        outputs, commands, foreign = [], [], []
         for event in events:
             if apply(state, event):
                 decision = await self.decide(state, event)
                 outputs += decision.events
                 commands += decision.commands
-        if outputs or commands:  # most events need nothing from this service: no span, no publish
+                foreign += decision.foreign
+        if outputs or commands or foreign:  # most events need nothing from this service: no span, no publish
             with tracing.consume_span(f"{self.name} {events[-1]['name']}", msg.headers,
                                       **{"noetl.execution_id": eid, "noetl.event": events[-1]["name"]}):
-                await self.bus.publish_all(outputs, commands)
+                # other executions' events first (a child's request, a parent's notice): if this
+                # service dies in between, the redelivered cause decides again and sends both
+                await self.bus.publish_all(foreign + outputs, commands)
                 await self.after(state, outputs)
         self.handled += 1
         # A plain ack: the server reads it before this connection's next fetch, and a lost ack only

@@ -256,6 +256,7 @@ class Metadata(BaseModel):
 
 class LimitsPolicy(Open):
     max_payload_bytes: int = Field(256 * 1024, ge=1024)
+    max_depth: int | None = Field(None, ge=0, description="how deep child executions (playbook tasks) may nest; default 10")
 
 
 class ExecutorPolicy(Open):
