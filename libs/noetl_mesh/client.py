@@ -80,7 +80,9 @@ class GatewayClient:
 
     async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
                    on_event: Callable[[dict], None] | None = None) -> dict:
-        """Poll until the execution is final and its last event (``playbook.processed``) is recorded."""
+        """Poll until the execution is final. The recorder stores a message's events and the projection
+        in one transaction, so a final status means ``workflow.finished`` and the ``playbook.processed``
+        published with it are recorded (events may still follow: a child's notice, a late report)."""
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
@@ -96,9 +98,7 @@ class GatewayClient:
                     on_event(event)
                 seen += len(page["events"])
             if status is not None and status["status"] in FINAL:
-                page = await self.events(execution_id, offset=max(0, status["event_count"] - 1), limit=1)
-                if page["events"] and page["events"][-1]["name"] == "playbook.processed":
-                    return await self.status(execution_id)
+                return await self.status(execution_id)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"execution {execution_id} did not finish within {timeout}s")
             await asyncio.sleep(poll)

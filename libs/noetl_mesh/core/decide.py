@@ -89,9 +89,7 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     elif name == "task.suspended":
         _start_child(out, event)
     elif name == "playbook.child.finished":
-        wait = state.waits.get((event.get("data") or {}).get("child_execution_id"))
-        if wait is not None and wait.finished is not None and not state.halted:
-            _resume(out, wait)
+        _child_finished(out, event, iterations=False)
     if state.status == "RUNNING" and state.tokens and not state.halted:
         _admit_pending(out)
     return out.decision
@@ -265,7 +263,8 @@ def _start_child(out: _Out, event: dict) -> None:
                                   "message": f"step {wait.step!r} task {wait.task!r}: calling playbook "
                                              f"{wait.path!r} would nest child executions {depth} deep; the limit "
                                              f"is {limit} (executor.spec.policy.limits.max_depth)"}})
-        _resume(out, wait)
+        if wait.iteration is None:  # an iteration's resume is the loop-coordinator's (it holds the loop)
+            _resume(out, wait)
         return
     out.foreign("playbook.execution.requested", wait.child, f"request:{wait.child}", status="in_progress", data={
         "catalog": {"path": wait.path, "version": child.get("version")},
@@ -296,6 +295,16 @@ def child_outcome(wait: Wait) -> dict[str, Any]:
         "kind": "child_cancelled" if status == CANCELLED else "child_failed",
         "message": f"child execution {wait.child} of playbook {wait.path!r} ended {status}: {message}",
         "retryable": bool(cause.get("retryable")), "child_execution_id": wait.child, "cause": cause or None}}
+
+
+def _child_finished(out: _Out, event: dict, *, iterations: bool) -> None:
+    """Resume the run that waited for this child: admission resumes step runs, the loop-coordinator
+    loop iterations (only it folds loop positions)."""
+    state = out.state
+    wait = state.waits.get((event.get("data") or {}).get("child_execution_id"))
+    if wait is not None and wait.finished is not None and not state.halted \
+            and (wait.iteration is not None) == iterations:
+        _resume(out, wait)
 
 
 def _resume(out: _Out, wait: Wait) -> None:
@@ -443,6 +452,9 @@ def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
     if state.halted:
         return out.decision
     name = event["name"]
+    if name == "playbook.child.finished":
+        _child_finished(out, event, iterations=True)
+        return out.decision
     run = state.runs.get(event.get("step_run_id") or "")
     if run is None or run.ended:
         return out.decision

@@ -305,9 +305,7 @@ def _suspended(s: ExecutionState, e: dict, d: dict) -> None:
     run = s.runs.get(e["step_run_id"])
     if run is None or run.ended:
         return
-    i = e.get("iteration")
-    if i is not None and (run.loop is None or i not in run.loop.in_flight):
-        return  # a late report of an iteration already ended
+    i = e.get("iteration")  # no loop check: only the loop-coordinator folds loop positions (D21 dedups reruns)
     child = d.get("child") if isinstance(d.get("child"), dict) else {}
     cid = child.get("execution_id")
     if not isinstance(cid, str) or cid in s.waits:
