@@ -49,10 +49,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input."""
     from .lang.validate import validate_file
 
-    result = validate_file(args.file)
-    if not result.ok:
+    invalid = False
+    for path in [args.file, *(args.register or [])]:  # every playbook checked before anything starts
+        result = validate_file(path)
         for d in result.errors:
-            print(f"{args.file}: {d}", file=sys.stderr)
+            print(f"{path}: {d}", file=sys.stderr)
+        invalid = invalid or not result.ok
+    if invalid:
         return EXIT_INVALID
     try:
         workload = json.loads(args.workload) if args.workload else {}
@@ -77,6 +80,8 @@ async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
             stack = await _embedded_stack(quiet=args.json)
             gateway = stack.gateway_url
         async with GatewayClient(gateway) as client:
+            for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
+                await client.register(open(path, encoding="utf-8").read())
             execution_id = await client.start(text, workload)
             progress = None if args.json else (lambda e: _print_progress(e))
             final = await client.wait(execution_id, timeout=args.timeout, on_event=progress)
@@ -192,6 +197,23 @@ def _gateway_call(args: argparse.Namespace, fn) -> int:
         return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
 
 
+def cmd_register(args: argparse.Namespace) -> int:
+    """``noetl register FILE...``: add playbooks to a running gateway's catalog (a new version each)."""
+    from .lang.validate import validate_file
+
+    for path in args.files:
+        result = validate_file(path)
+        if not result.ok:
+            for d in result.errors:
+                print(f"{path}: {d}", file=sys.stderr)
+            return EXIT_INVALID
+
+    async def register(client):
+        return [await client.register(open(path, encoding="utf-8").read()) for path in args.files]
+
+    return _gateway_call(args, register)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     return _gateway_call(args, lambda c: c.status(args.execution_id))
 
@@ -237,7 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with the outcome")
     p.add_argument("--gateway", help="a running gateway's URL instead of an embedded stack")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the end")
+    p.add_argument("--register", action="append", metavar="FILE",
+                   help="register this playbook in the catalog first (for `kind: playbook` tasks); repeatable")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("register", help="add playbooks to the catalog of a running gateway")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--gateway", default=gateway_default)
+    p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("up", help="start NATS, Postgres and every service in the foreground")
     p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), help="data and logs directory")

@@ -71,3 +71,23 @@ def test_run_shows_progress_without_json():
     assert proc.returncode == 0, proc.stderr
     assert "step.started       eu" in proc.stdout and "step.done          report" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].endswith("COMPLETED")
+
+
+def test_run_nested_example_registers_the_child_first():
+    proc = noetl("run", str(EXAMPLES / "nested.yaml"), "--register", str(EXAMPLES / "nested_child.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["status"] == "COMPLETED"
+    assert out["steps"]["end"]["result"] == ["Oslo: mean 4.0, max 5", "Lisbon: mean 19.3, max 21"]
+    assert sum(e["name"] == "task.suspended" for e in out["events"]) == 2  # one child per iteration
+
+
+def test_run_nested_without_the_child_registered_fails_clearly(tmp_path):
+    bad = tmp_path / "child.yaml"
+    bad.write_text("apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: c}\nworkflow: []\n")
+    proc = noetl("run", str(EXAMPLES / "nested.yaml"), "--register", str(bad))
+    assert proc.returncode == 2 and str(bad) in proc.stderr  # every file is validated before anything runs
+    proc = noetl("run", str(EXAMPLES / "nested.yaml"), "--json")
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout)
+    assert out["status"] == "FAILED"
