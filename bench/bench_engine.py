@@ -131,6 +131,37 @@ async def bench_loop(url: str, n: int, in_flight: int, sampler: RssSampler) -> l
     return rows
 
 
+CHILD = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "child", "path": "bench/child"},
+         "workflow": [{"step": "start", "tool": {"kind": "noop", "result": "{{ args.i }}"}}]}
+
+
+async def bench_child(url: str, calls: int, fanout: int) -> list[tuple]:
+    """Child executions: the round trip of a `playbook` task (task.started -> task.processed in the
+    parent: suspend, request, the child's whole run, the notice, the resume) in a sequential chain, and
+    children per second when a parallel loop calls one per iteration."""
+    import yaml
+
+    seq = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "calls", "path": "bench/calls"},
+           "workflow": [{"step": "start", "loop": {"in": f"{{{{ range({calls}) | list }}}}", "iterator": "i"},
+                         "tool": {"kind": "playbook", "path": "bench/child", "args": {"i": "{{ iter.i }}"}}}]}
+    fan = {**seq, "workflow": [{**seq["workflow"][0], "loop": {
+        "in": f"{{{{ range({fanout}) | list }}}}", "iterator": "i", "spec": {"mode": "parallel", "max_in_flight": 64}}}]}
+    async with GatewayClient(url, timeout=120) as client:
+        await client.register(yaml.safe_dump(CHILD))
+        await run_one(client, {**seq, "workflow": [{**seq["workflow"][0], "loop": {"in": "{{ [1] }}", "iterator": "i"}}]})
+        status, events = await run_one(client, seq)
+        assert status["status"] == "COMPLETED", status
+        started = {e["iteration"]: e["timestamp"] for e in events if e["name"] == "task.started"}
+        trips = [(e["timestamp"] - started[e["iteration"]]) * 1000 for e in events if e["name"] == "task.processed"]
+        t0 = time.perf_counter()
+        status, _ = await run_one(client, fan)
+        elapsed = time.perf_counter() - t0
+        assert status["status"] == "COMPLETED" and len(status["steps"]["start"]["result"]) == fanout, status
+    return [("child", f"playbook task round trip ({calls} sequential children) p50", f"{pct(trips, 50):.1f} ms"),
+            ("child", "playbook task round trip p99", f"{pct(trips, 99):.1f} ms"),
+            ("child", f"{fanout} children from a parallel loop (max_in_flight 64)", f"{fanout / elapsed:.0f} children/s")]
+
+
 async def bench_recorder(nats_url: str, pg_dsn: str, n: int) -> list[tuple]:
     from noetl_mesh.services.event_recorder.service import RecorderService
 
@@ -173,13 +204,13 @@ class Rows(list):
 
 
 async def main(args: argparse.Namespace) -> None:
-    which = set(args.which or ["chain", "burst", "loop", "recorder"])
+    which = set(args.which or ["chain", "burst", "loop", "child", "recorder"])
     quick = args.quick
     rows = Rows()
     nats = EmbeddedNats().start()
     pg = provision_postgres(fast=True)
     try:
-        if which & {"chain", "burst", "loop"}:
+        if which & {"chain", "burst", "loop", "child"}:
             dsn = pg.create_database("bench_stack")
             stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=dsn, concurrency=args.concurrency),
                                  workers=args.workers, log_dir=args.log_dir)
@@ -193,6 +224,8 @@ async def main(args: argparse.Namespace) -> None:
                     rows += await bench_chain(stack.gateway_url, 20, 3 if quick else 20)
                 if "burst" in which:
                     rows += await bench_burst(stack.gateway_url, 50 if quick else 1000)
+                if "child" in which:
+                    rows += await bench_child(stack.gateway_url, 20 if quick else 100, 100 if quick else 1000)
                 if "loop" in which:
                     sampler.peak.clear()
                     rows += await bench_loop(stack.gateway_url, 2000 if quick else 100_000, 256, sampler)
@@ -209,7 +242,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("which", nargs="*", choices=["chain", "burst", "loop", "recorder", []], default=None)
+    parser.add_argument("which", nargs="*", choices=["chain", "burst", "loop", "child", "recorder", []], default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64)
