@@ -25,7 +25,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import tracing
-from noetl_mesh.infra.payloads import MARKER
+from noetl_mesh.infra.payloads import MARKER, PayloadMissing
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
@@ -280,7 +280,10 @@ def create_app(bus: Bus) -> FastAPI:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
         with tracing.span("gateway GET /api/executions/{id}"):
             reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
-            return await bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
+            try:
+                return await bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
+            except PayloadMissing as exc:  # the object outlived its retention
+                raise HTTPException(410, f"execution {execution_id}: {exc}") from None
 
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
     async def get_execution_events(execution_id: str, offset: int = Query(0, ge=0),

@@ -17,9 +17,11 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
 from noetl_mesh.core.keychain import bus_resolver
+from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, command_subject, loads
+from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.tools import close_tools, default_tools
 
 log = logging.getLogger("noetl.worker")
@@ -157,6 +159,10 @@ class WorkerService:
                 await batcher.close()
             self.done += 1
             await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)
+        except PayloadMissing as exc:  # D23: a reference past the retention; no redelivery will help
+            log.error("command %s: %s", command.get("command_id"), exc)
+            await self._fail(command, {"kind": "payload_missing", "message": str(exc), "retryable": False})
+            await msg.ack()
         except asyncio.CancelledError:
             if eid in self.finished:  # cancelled by the control plane: nothing more to report
                 await msg.ack()
@@ -169,6 +175,13 @@ class WorkerService:
             heartbeat.cancel()
             if batcher is not None:
                 batcher.abandon()
+
+    async def _fail(self, command: dict, error: dict) -> None:
+        """End the command's step run or iterations failed without running them."""
+        if is_ref(command.get("chunk")):
+            log.error("command %s: its iterations are unreadable too; nothing reported", command.get("command_id"))
+            return
+        await self.bus.publish_all(lost_command(command, 0, error=error, source=f"worker:{self.pool}"))
 
     async def _keep_lease(self, msg: Msg) -> None:
         while True:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import psycopg
 import pytest
+from nats import connect as nats_connect
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from noetl_mesh.infra.bus import EVENTS, Bus
+from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus
 from noetl_mesh.infra.embedded import EmbeddedNats
-from noetl_mesh.infra.payloads import STORE, is_ref
+from noetl_mesh.infra.payloads import STORE, PayloadMissing, PayloadStore, is_ref
 
 pytestmark = pytest.mark.integration
 BIG = 20_000_000
@@ -33,6 +35,35 @@ def test_store_round_trip_is_content_addressed():
             assert await bus.payloads.shrink({"a": 1}) == {"a": 1}
         finally:
             await bus.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        nats.stop()
+
+
+def test_objects_expire_after_the_retention_and_an_aged_object_is_refreshed():
+    nats = EmbeddedNats().start()
+
+    async def main():
+        nc = await nats_connect(nats.url)
+        try:
+            js = nc.jetstream()
+            store = PayloadStore(js, retention_s=2.0)
+            old = await store.put("a" * 1000)
+            await asyncio.sleep(1.2)  # older than half the retention: putting the same value writes it again
+            again = await store.put("a" * 1000)
+            assert again == old
+            gone = await store.put("b" * 1000)
+            await asyncio.sleep(1.5)
+            # the refreshed object is younger than the retention; the other one has expired
+            reader = PayloadStore(js, retention_s=2.0)  # no cache
+            assert await reader.get(old) == "a" * 1000
+            await asyncio.sleep(1.5)
+            with pytest.raises(PayloadMissing, match=f"payload {gone['key']} .* kept 2 s"):
+                await PayloadStore(js, retention_s=2.0).get(gone)
+        finally:
+            await nc.close()
 
     try:
         asyncio.run(main())
@@ -71,3 +102,37 @@ def test_a_20_mb_result_runs_end_to_end(stack, module_pg):
         biggest = conn.execute("SELECT max(length(data::text)) FROM event WHERE execution_id = %s",
                                (final["execution_id"],)).fetchone()[0]
     assert biggest < 300 * 1024
+
+
+def test_a_command_whose_payload_expired_fails_its_run_clearly(fresh_nats):
+    from noetl_mesh.services.worker.service import WorkerService
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "expired-test")
+        await bus.setup(1)
+        worker = WorkerService(bus, concurrency=1)
+        await worker.start()
+        try:
+            sub = await bus.js.subscribe("noetl.pevt.>", stream=EVENTS, ordered_consumer=True)
+            missing = {"store": STORE, "key": "0" * 64, "size": 999, "checksum": "sha256:" + "0" * 64}
+            await bus.send_command({"command_id": "c1", "pool": "default", "execution_id": "x1", "step": "s",
+                                    "step_run_id": "r1", "iteration": None, "tasks": [{"name": "t", "kind": "noop"}],
+                                    "args": missing})
+            msg = await sub.next_msg(timeout=10)
+            [event] = orjson.loads(msg.data)
+            assert (event["name"], event["step_run_id"], event["source"]) == ("step.failed", "r1", "worker:default")
+            error = event["data"]["error"]
+            assert error["kind"] == "payload_missing" and not error["retryable"]
+            assert f"payload {'0' * 64} (999 bytes) is no longer in noetl_payloads" in error["message"]
+            info = await bus.js.consumer_info(COMMANDS, "pool-default")
+            for _ in range(50):  # acknowledged: not redelivered
+                if info.num_ack_pending == 0 and info.num_pending == 0:
+                    break
+                await asyncio.sleep(0.1)
+                info = await bus.js.consumer_info(COMMANDS, "pool-default")
+            assert info.num_ack_pending == 0 and info.num_pending == 0
+        finally:
+            await worker.stop()
+            await bus.close()
+
+    asyncio.run(main())

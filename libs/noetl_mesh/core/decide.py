@@ -549,15 +549,17 @@ def _ordered(loop) -> list[Any]:
 
 
 # =============================================================== commands
-def lost_command(command: dict[str, Any], deliveries: int) -> list[dict[str, Any]]:
+def lost_command(command: dict[str, Any], deliveries: int, *, error: dict[str, Any] | None = None,
+                 source: str = "admission") -> list[dict[str, Any]]:
     """The events that end the work of a command no worker could finish (delivered ``deliveries``
     times, each time without an acknowledgement: its workers died or hung). Each step run or loop
-    iteration it carried fails with ``worker_lost``, retryable, and the router handles that failure
-    like any other (D15). Ids derive from the command, so a repeated advisory changes nothing (D21)."""
-    error = {"kind": "worker_lost", "retryable": True,
-             "message": f"command {command['command_id']} was delivered {deliveries} times and never "
-                        "finished (its workers died or hung)"}
-    common = {"source": "admission", "status": "error", "step": command["step"],
+    iteration it carried fails with ``worker_lost``, retryable (or with ``error``: a worker that cannot
+    even read the command), and the router handles that failure like any other (D15). Ids derive from
+    the command, so a repeated advisory changes nothing (D21)."""
+    error = error or {"kind": "worker_lost", "retryable": True,
+                      "message": f"command {command['command_id']} was delivered {deliveries} times and never "
+                                 "finished (its workers died or hung)"}
+    common = {"source": source, "status": "error", "step": command["step"],
               "step_run_id": command["step_run_id"]}
     entries = command.get("chunk") or ([{"iteration": command.get("iteration"), "command_id": command["command_id"]}])
     out = []

@@ -5,19 +5,37 @@ replaced by a reference ``{store, key, size, checksum}``. Publishers call :meth:
 on what they send; receivers call :meth:`PayloadStore.expand` on what they fold or render, so the
 engine's core and every template see plain values. References are stable: the same value always gives
 the same reference, so a republished event is still the same event (D21).
+
+Retention: the bucket keeps an object for ``retention_s`` seconds (default 7 days, the events
+stream's max age: an execution older than that cannot be rebuilt anyway; ``NOETL_PAYLOAD_RETENTION``
+overrides it for a *new* bucket). Storing a value whose object is older than half the retention
+writes it again, so a reference made now stays readable for at least half the retention.
 """
 from __future__ import annotations
 
 import collections
+import datetime
 import hashlib
+import os
+import re
 from typing import Any
 
+from nats.js.api import ObjectStoreConfig
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 BUCKET = "noetl_payloads"
 STORE = f"nats-object:{BUCKET}"
 DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
 MARKER = f'"store":"{STORE}"'.encode()  # cheap test on raw message bytes
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+
+
+class PayloadMissing(KeyError):
+    """A reference whose object is gone (expired past the retention, or deleted). A ``KeyError``, so a
+    control-plane message that needs it is dropped as poison (logged), not retried 50 times."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "payload missing"
 
 
 def is_ref(value: Any) -> bool:
@@ -25,8 +43,9 @@ def is_ref(value: Any) -> bool:
 
 
 class PayloadStore:
-    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024, retention_s: float | None = None):
         self.js = js
+        self.retention_s = retention_s or float(os.environ.get("NOETL_PAYLOAD_RETENTION", DEFAULT_RETENTION_S))
         self._bucket = None
         self._cache: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
         self._cache_bytes, self._cached = cache_bytes, 0
@@ -36,7 +55,8 @@ class PayloadStore:
             try:
                 self._bucket = await self.js.object_store(BUCKET)
             except NotFoundError:  # missing: create it
-                self._bucket = await self.js.create_object_store(BUCKET)
+                self._bucket = await self.js.create_object_store(BUCKET, config=ObjectStoreConfig(
+                    description="noetl payload references (D23)", ttl=self.retention_s))
         return self._bucket
 
     async def put(self, value: Any) -> dict[str, Any]:
@@ -46,7 +66,9 @@ class PayloadStore:
         digest = hashlib.sha256(data).hexdigest()
         bucket = await self.bucket()
         try:
-            await bucket.get_info(digest)
+            info = await bucket.get_info(digest)
+            if _age_s(info.mtime) > self.retention_s / 2:  # refresh: this reference must outlive it
+                await bucket.put(digest, data)
         except (ObjectNotFoundError, NotFoundError):
             await bucket.put(digest, data)
         self._remember(digest, len(data), value)
@@ -59,7 +81,11 @@ class PayloadStore:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key][1]
-        data = (await (await self.bucket()).get(key)).data
+        try:
+            data = (await (await self.bucket()).get(key)).data
+        except (ObjectNotFoundError, NotFoundError):
+            raise PayloadMissing(f"payload {key} ({ref.get('size')} bytes) is no longer in {BUCKET}: objects are "
+                                 f"kept {self.retention_s:.0f} s (NOETL_PAYLOAD_RETENTION)") from None
         if hashlib.sha256(data).hexdigest() != key:
             raise ValueError(f"payload {key} does not match its checksum")
         value = loads(data)
@@ -104,3 +130,15 @@ class PayloadStore:
         if isinstance(value, list):
             return [await self.expand(v) for v in value]
         return value
+
+
+_FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+def _age_s(mtime: Any) -> float:
+    """Seconds since an object's ``mtime`` (RFC 3339 with nanoseconds); 0 when unreadable."""
+    try:
+        when = datetime.datetime.fromisoformat(_FRACTION.sub(r"\1", str(mtime)).replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    return (datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()
