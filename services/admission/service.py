@@ -18,6 +18,7 @@ MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 
 class AdmissionService(PartitionedService):
     name = "admission"
+    classes = decide.CONSUMES[name]
 
     async def start(self) -> None:
         await super().start()

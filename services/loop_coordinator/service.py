@@ -6,13 +6,13 @@ from typing import Any
 
 from noetl_mesh.core import decide
 from noetl_mesh.core.state import ExecutionState
-from noetl_mesh.infra.bus import CTL, DISPATCH, LOOP
+from noetl_mesh.infra.bus import DISPATCH
 from noetl_mesh.infra.control import PartitionedService
 
 
 class LoopCoordinatorService(PartitionedService):
     name = "loop-coordinator"
-    classes = (CTL, LOOP)
+    classes = decide.CONSUMES[name]
     rebuild_classes = (DISPATCH,)
 
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:

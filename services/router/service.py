@@ -12,6 +12,7 @@ from noetl_mesh.infra.control import PartitionedService
 
 class RouterService(PartitionedService):
     name = "router"
+    classes = decide.CONSUMES[name]
 
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
         return decide.router(state, event)

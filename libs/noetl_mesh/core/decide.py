@@ -28,11 +28,15 @@ from typing import Any
 
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, truthy
-from .events import ALIASES, TERMINAL_STEP_EVENTS, make_event, stable_id
+from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, Wait, apply, graph_of,
                     playbook_digest)
 
 DEFAULT_POOL = "default"
+# The event classes (events.event_class) each decider folds: a service consumes the messages of these
+# classes, every event of such a message included. The loop-coordinator's own ``dispatch`` events are
+# folded when it makes them (and read back on rebuilds).
+CONSUMES = {"admission": (CTL,), "router": (CTL,), "loop-coordinator": (CTL, LOOP)}
 DEFAULT_MAX_DEPTH = 10  # child executions nest at most this deep (a root execution is at depth 0)
 
 

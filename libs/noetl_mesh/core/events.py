@@ -42,6 +42,32 @@ ENTITY = {
 TERMINAL_STEP_EVENTS = ("step.done", "step.failed", "loop.done")  # D13
 ALIASES = {"call.done": "step.done", "call.error": "step.failed"}  # D13: accepted in `when`
 
+# Subject classes: which events a control-plane service must fold. ``ctl`` events change what
+# admission and the router decide; ``loop`` events only the loop-coordinator's; ``info`` events
+# (task progress, scheduling notes) no service decides on: only the recorder reads them.
+# ``dispatch`` events are the loop-coordinator's own bookkeeping: it folds them when it makes them and
+# reads them back only to rebuild a state, so they do not come back to it one by one.
+CTL, LOOP, DISPATCH, INFO = "ctl", "loop", "dispatch", "info"
+LOOP_EVENTS = frozenset({"loop.iteration.done", "loop.iteration.failed"})
+DISPATCH_EVENTS = frozenset({"loop.started", "loop.iteration.started"})
+INFO_EVENTS = frozenset({"task.started", "task.processed", "step.started", "step.scheduled", "playbook.processed"})
+_CLASS_RANK = {INFO: 0, DISPATCH: 1, LOOP: 2, CTL: 3}
+
+
+def event_class(name: str) -> str:
+    if name in LOOP_EVENTS:
+        return LOOP
+    if name in DISPATCH_EVENTS:
+        return DISPATCH
+    return INFO if name in INFO_EVENTS else CTL
+
+
+def batch_class(events: list[dict[str, Any]]) -> str:
+    """A message of events goes to the most demanding class among them (ctl > loop > dispatch > info):
+    a service that consumes a class folds every event of its messages."""
+    return max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
+
+
 CORRELATION_KEYS = (
     "workflow_run_id", "step_run_id", "task_run_id", "parent_id", "action_id", "attempt", "iteration",
 )

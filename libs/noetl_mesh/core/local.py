@@ -1,7 +1,9 @@
 """An in-process run of the whole control plane over one ordered event log: the reference semantics.
 
 Each service (admission, router, loop-coordinator) keeps its own state, folded from the log in
-order, exactly as the NATS services do; commands go to a queue that a worker drains. The scheduler
+order, exactly as the NATS services do: the log is a list of *messages* (a decision's events for one
+execution, or one event a worker reported), and a service reads only the messages of the classes it
+consumes (``decide.CONSUMES``), folding every event of each. Commands go to a queue that a worker drains. The scheduler
 picks which service or worker moves next — in order, or at random (``seed``) to explore the
 interleavings that replicas and a network produce. Tests use it to check the semantics without I/O;
 the distributed stack must produce the same outcomes.
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from . import decide
-from .events import make_event, new_execution_id
+from .events import batch_class, make_event, new_execution_id
 from .keychain import Resolver, dict_resolver
 from .state import ExecutionState, apply, fold
 from .worker import execute_command
@@ -32,6 +34,7 @@ class LocalRun:
 
     execution_id: str  # the root execution
     events: list[dict[str, Any]] = field(default_factory=list)  # every execution's events, in log order
+    messages: list[list[dict[str, Any]]] = field(default_factory=list)  # the same events as published
     states: dict[str, dict[str, ExecutionState]] = field(default_factory=dict)  # service -> execution -> state
     cursors: dict[str, int] = field(default_factory=dict)
     commands: list[dict[str, Any]] = field(default_factory=list)
@@ -90,9 +93,20 @@ async def run_local(
     for name in SERVICES:
         run.states[name] = {}
         run.cursors[name] = 0
-    run.events.append(make_event("playbook.execution.requested", run.execution_id,
-                                 event_id=f"req-{run.execution_id}", source="local",
-                                 data={"workload": dict(workload or {})}))
+
+    def send(events: list[dict[str, Any]]) -> None:
+        """Publish: consecutive events of one execution travel as one message (as bus.batches)."""
+        current: list[dict[str, Any]] | None = None
+        for e in events:
+            if current is None or current[0]["execution_id"] != e["execution_id"]:
+                current = [e]
+                run.messages.append(current)
+            else:
+                current.append(e)
+            run.events.append(e)
+
+    send([make_event("playbook.execution.requested", run.execution_id, event_id=f"req-{run.execution_id}",
+                     source="local", data={"workload": dict(workload or {})})])
 
     def resolve(event: dict[str, Any]) -> Any:
         if event["execution_id"] == run.execution_id:
@@ -103,11 +117,11 @@ async def run_local(
     async def no_sleep(_: float) -> None:
         return None
 
-    async def publish(event: dict[str, Any]) -> None:
-        run.events.append(event)
+    async def publish(event: dict[str, Any]) -> None:  # a worker's event: a message of its own
+        send([event])
 
     for _ in range(max_moves):
-        movers = [s for s in SERVICES if run.cursors[s] < len(run.events)]
+        movers = [s for s in SERVICES if run.cursors[s] < len(run.messages)]
         if run.commands:
             movers.append("worker")
         if not movers:
@@ -120,21 +134,26 @@ async def run_local(
                 await execute_command(command, tools, publish, sleep=sleep or no_sleep,
                                       keychain_resolver=keychain_resolver)
             continue
-        event = run.events[run.cursors[who]]
+        message = run.messages[run.cursors[who]]
         run.cursors[who] += 1
-        eid = event["execution_id"]
+        if batch_class(message) not in decide.CONSUMES[who]:
+            continue  # not on this service's subjects
+        eid = message[0]["execution_id"]
         state = run.states[who].get(eid)
         if state is None:
             state = run.states[who][eid] = ExecutionState(eid)
-        if not apply(state, event):
-            continue  # its own event coming back, already folded (D21)
-        if who == "admission" and event["name"] == "playbook.execution.requested":
-            decision = decide.admission(state, event, resolve(event))
-        else:
-            decision = _DECIDERS[who](state, event)
-        run.events.extend(decision.foreign)  # as the shell publishes them: other executions' first
-        run.events.extend(decision.events)
-        run.commands.extend(decision.commands)
+        foreign, own = [], []
+        for event in message:
+            if not apply(state, event):
+                continue  # its own event coming back, already folded (D21)
+            if who == "admission" and event["name"] == "playbook.execution.requested":
+                decision = decide.admission(state, event, resolve(event))
+            else:
+                decision = _DECIDERS[who](state, event)
+            foreign += decision.foreign
+            own += decision.events
+            run.commands.extend(decision.commands)
+        send(foreign + own)  # as the shell publishes them: other executions' first
     else:
         raise RuntimeError(f"execution did not settle within {max_moves} moves")
     return run

@@ -47,6 +47,8 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from . import tracing
+from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
+                           batch_class, event_class)
 from .payloads import DEFAULT_LIMIT, MARKER, PayloadStore
 
 log = logging.getLogger("noetl.bus")
@@ -54,15 +56,7 @@ log = logging.getLogger("noetl.bus")
 EVENTS = "NOETL_EVENTS"
 COMMANDS = "NOETL_COMMANDS"
 DEFAULT_PARTITIONS = 16
-# Subject classes: which events a control-plane service must fold. ``ctl`` events change what
-# admission and the router decide; ``loop`` events only the loop-coordinator's; ``info`` events
-# (task progress, scheduling notes) no service decides on: only the recorder reads them.
-# ``dispatch`` events are the loop-coordinator's own bookkeeping: it folds them when it makes them and
-# reads them back only to rebuild a state, so they do not come back to it one by one.
-CTL, LOOP, DISPATCH, INFO = "ctl", "loop", "dispatch", "info"
-LOOP_EVENTS = frozenset({"loop.iteration.done", "loop.iteration.failed"})
-DISPATCH_EVENTS = frozenset({"loop.started", "loop.iteration.started"})
-INFO_EVENTS = frozenset({"task.started", "task.processed", "step.started", "step.scheduled", "playbook.processed"})
+# Subject classes (which events each control-plane service folds) live in the core: core/events.py.
 
 
 # request/reply reads, answered by the event-recorder (queue group ``event-recorder``)
@@ -96,21 +90,9 @@ def log_seq(stream_seq: int, index: int) -> int:
     return stream_seq * BATCH_MAX + index
 
 
-_CLASS_RANK = {INFO: 0, DISPATCH: 1, LOOP: 2, CTL: 3}
-
-
-def event_class(name: str) -> str:
-    if name in LOOP_EVENTS:
-        return LOOP
-    if name in DISPATCH_EVENTS:
-        return DISPATCH
-    return INFO if name in INFO_EVENTS else CTL
-
-
 def batch_subject(events: list[dict[str, Any]]) -> str:
     """A message goes to the most demanding class among its events (ctl > loop > dispatch > info)."""
-    cls = max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
-    return f"noetl.evt.{cls}.{events[0]['execution_id']}"
+    return f"noetl.evt.{batch_class(events)}.{events[0]['execution_id']}"
 
 
 def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

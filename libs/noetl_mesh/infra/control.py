@@ -33,7 +33,7 @@ log = logging.getLogger("noetl.control")
 
 class PartitionedService:
     name = "control"
-    classes: tuple[str, ...] = (CTL,)  # the event classes this service consumes (see bus.event_class)
+    classes: tuple[str, ...] = (CTL,)  # the event classes this service consumes (decide.CONSUMES)
     rebuild_classes: tuple[str, ...] = ()  # classes it only reads back when rebuilding (its own)
     cache_size = 10_000
 
