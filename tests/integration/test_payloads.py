@@ -136,3 +136,26 @@ def test_a_command_whose_payload_expired_fails_its_run_clearly(fresh_nats):
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_a_command_of_several_large_fields_stays_under_the_message_limit(fresh_nats):
+    """Each field under the payload limit, together over the server's max payload (a resume command:
+    the child's result plus a continuation): the bus turns fields into references until it fits."""
+    from noetl_mesh.infra.bus import MAX_MESSAGE
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "big-command")
+        await bus.setup(1)
+        try:
+            fields = {k: "x" * 250_000 for k in ("args", "ctx", "steps", "resume")}
+            command = {"command_id": "c1", "pool": "default", "execution_id": "x1", "step": "s",
+                       "step_run_id": "r1", "iteration": None, "tasks": [], **fields}
+            await (await bus.send_command(command))
+            sub = await bus.js.pull_subscribe("noetl.cmd.default", "big", stream=COMMANDS)
+            [msg] = await sub.fetch(1, timeout=5)
+            assert len(msg.data) <= MAX_MESSAGE
+            assert await bus.expand(msg.data, orjson.loads(msg.data)) == command
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

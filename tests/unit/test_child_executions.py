@@ -320,3 +320,100 @@ def test_a_python_task_before_a_child_keeps_its_result_across_the_suspension():
 
     resumed, _ = asyncio.run(go())
     assert resumed.result == 42
+
+
+SLOW = book("t/slow", "\n".join(
+    f"- step: s{i}\n  tool: {{kind: noop}}\n  next: {{arcs: [{{step: s{i + 1}}}]}}" for i in range(8))
+    + "\n- step: s8\n  tool: {kind: noop}\n")
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2, 3, 4, 5, 6])
+def test_a_failing_fail_fast_loop_leaves_no_child_running(seed):
+    """Iteration 0 waits for a child while iteration 1 fails: the loop step fails (fail_fast) and the
+    child is cancelled; an iteration that suspends after the step failed gets no child at all."""
+    parent = book("t/p", """
+- step: start
+  loop: {in: "{{ [0, 1, 2] }}", iterator: x, spec: {mode: parallel, max_in_flight: 16}}
+  tool:
+    - {name: boom, kind: noop, result: "{{ nope.x if iter.x == 1 else 1 }}"}
+    - {name: call, kind: playbook, path: t/slow}
+""")
+    r = run(parent, [SLOW], seed=seed)
+    assert r.state.status == "FAILED"
+    children = [x for x in r.executions if x != r.execution_id]
+    statuses = [r.state_of(x).status for x in children]
+    assert all(s in ("COMPLETED", "CANCELLED") for s in statuses), statuses  # none left running
+    if seed is None:  # in order: iteration 0 suspends, iteration 1 fails, the waiting child is cancelled
+        assert statuses == ["CANCELLED"]
+        reason = next(e for e in r.log_of(children[0]) if e["name"] == "execution.cancelled")["data"]["reason"]
+        assert "loop step 'start' failed (iteration 1)" in reason
+
+
+def test_chunked_parallel_loop_with_suspending_iterations():
+    child = book("t/c", """
+- step: start
+  tool: {kind: noop, result: "{{ args.n * 10 }}"}
+""")
+    parent = book("t/p", """
+- step: start
+  loop: {in: "{{ range(40) | list }}", iterator: n, spec: {mode: parallel, max_in_flight: 64}}
+  tool:
+    - {name: call, kind: playbook, path: t/c, args: {n: "{{ iter.n }}"}}
+    - {name: out, kind: noop, result: "{{ call.result.steps.start.result }}"}
+""")
+    for seed in (None, 3):
+        r = run(parent, [child], seed=seed)
+        s = summary(r.state)
+        assert s["status"] == "COMPLETED" and s["steps"]["start"]["result"] == [n * 10 for n in range(40)]
+        assert len(s["children"]) == 40
+    # max_in_flight 64 ships 8 iterations per command (decide.chunk_size): each suspended iteration of
+    # a chunk came back as its own resume command
+    suspended = [e for e in r.log if e["name"] == "task.suspended"]
+    assert len({e["iteration"] for e in suspended}) == 40
+
+
+def test_a_child_cancelled_before_its_request_never_starts():
+    """The parent's router may cancel a child before the parent's admission's request reaches the
+    child's log: the child ends CANCELLED and the late request starts nothing."""
+    from noetl_mesh.core import decide
+    from noetl_mesh.core.events import make_event
+    from noetl_mesh.core.state import ExecutionState, apply
+
+    cancel = make_event("execution.cancelled", "c1", event_id="cancel", source="router", data={"reason": "parent ended"})
+    request = make_event("playbook.execution.requested", "c1", event_id="request", source="admission",
+                         data={"catalog": {"path": "t/child"}, "parent_execution_id": "p1", "depth": 1,
+                               "parent": {"execution_id": "p1", "step": "s", "step_run_id": "r"}})
+    router, admission = ExecutionState("c1"), ExecutionState("c1")
+    apply(router, cancel)
+    finished = decide.router(router, cancel).events
+    assert [e["data"]["status"] for e in finished if e["name"] == "workflow.finished"] == ["CANCELLED"]
+    for e in [cancel, *finished, request]:
+        apply(admission, e)
+    late = decide.admission(admission, request, CHILD)
+    assert late.events == [] and late.commands == [] and admission.status == "CANCELLED"
+    apply(router, request)
+    assert decide.router(router, request).events == []
+
+
+def test_keychain_values_inside_names_do_not_break_a_suspension():
+    """D24 masks every keychain value in what workers publish; the child's path and the task names a
+    continuation holds are not values: a keychain value that is part of them must not alter them."""
+    child = book("t/sales/report", """
+- step: start
+  tool: {kind: noop, result: 1}
+""")
+    parent = book("t/p", """
+- step: start
+  tool:
+    - {name: load_sales, kind: noop, result: "{{ keychain.wh.password | length }}"}
+    - {name: call, kind: playbook, path: t/sales/report, args: {pw: "{{ keychain.wh.password }}"}}
+    - {name: after, kind: noop, result: "{{ load_sales.result + call.result.steps.start.result }}"}
+""", keychain=[{"name": "wh", "kind": "static", "database": "sales", "password": "s3cr3t-pw"}])
+    r = run(parent, [child])
+    s = summary(r.state)
+    assert s["status"] == "COMPLETED" and s["steps"]["start"]["result"] == 10
+    suspended = next(e for e in r.log if e["name"] == "task.suspended")["data"]
+    assert suspended["child"]["path"] == "t/sales/report" and list(suspended["continuation"]["outcomes"]) == ["load_sales"]
+    assert suspended["child"]["args"] == {"pw": "***"}  # values are masked: the child gets ***
+    # (a static entry is part of the playbook, so of its evaluated event: only what workers publish is masked)
+    assert "s3cr3t-pw" not in str([e for e in r.events if e["source"].startswith("worker")])

@@ -90,10 +90,10 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     name = event["name"]
     if name == "playbook.execution.requested":
         _evaluate_request(out, playbook)
-    elif name == "task.suspended":
+    elif name == "task.suspended" and event.get("iteration") is None:  # an iteration's: the loop-coordinator's
         _start_child(out, event)
     elif name == "playbook.child.finished":
-        _child_finished(out, event, iterations=False)
+        _child_finished(out, event)
     if state.status == "RUNNING" and state.tokens and not state.halted:
         _admit_pending(out)
     return out.decision
@@ -103,8 +103,8 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
     from ..lang.validate import entry_step
 
     state = out.state
-    if state.playbook is not None:
-        return  # already evaluated (a redelivery)
+    if state.playbook is not None or state.cancel_requested or state.finished:
+        return  # already evaluated (a redelivery), or a child cancelled before its request arrived
     if isinstance(resolved, list):
         errors = [str(e) for e in resolved]
     elif resolved is None:
@@ -267,8 +267,7 @@ def _start_child(out: _Out, event: dict) -> None:
                                   "message": f"step {wait.step!r} task {wait.task!r}: calling playbook "
                                              f"{wait.path!r} would nest child executions {depth} deep; the limit "
                                              f"is {limit} (executor.spec.policy.limits.max_depth)"}})
-        if wait.iteration is None:  # an iteration's resume is the loop-coordinator's (it holds the loop)
-            _resume(out, wait)
+        _resume(out, wait)
         return
     out.foreign("playbook.execution.requested", wait.child, f"request:{wait.child}", status="in_progress", data={
         "catalog": {"path": wait.path, "version": child.get("version")},
@@ -301,13 +300,13 @@ def child_outcome(wait: Wait) -> dict[str, Any]:
         "retryable": bool(cause.get("retryable")), "child_execution_id": wait.child, "cause": cause or None}}
 
 
-def _child_finished(out: _Out, event: dict, *, iterations: bool) -> None:
-    """Resume the run that waited for this child: admission resumes step runs, the loop-coordinator
-    loop iterations (only it folds loop positions)."""
+def _child_finished(out: _Out, event: dict) -> None:
+    """Resume the run that waited for this child (admission: step runs; the loop-coordinator: loop
+    iterations, the only waits its fold records besides step runs')."""
     state = out.state
     wait = state.waits.get((event.get("data") or {}).get("child_execution_id"))
     if wait is not None and wait.finished is not None and not state.halted \
-            and (wait.iteration is not None) == iterations:
+            and (wait.iteration is not None) == (out.source == "loop-coordinator"):
         _resume(out, wait)
 
 
@@ -421,7 +420,8 @@ def _failure_mode(state: ExecutionState, sdef: dict) -> str:
 def _finish(out: _Out, status: str, error: Any = None) -> None:
     state = out.state
     cancelled = [r.id for r in state.runs.values() if r.active and not r.ended]
-    _cancel_children(out, list(state.waits.values()), f"parent execution {state.execution_id} ended {status}")
+    _cancel_children(out, [w for w in state.waits.values() if w.iteration is None],
+                     f"parent execution {state.execution_id} ended {status}")
     out.event("workflow.finished", status="success" if status == COMPLETED else "error",
               data={"status": status, "cancelled_runs": cancelled, "error": error})
     out.event("playbook.processed", status="success" if status == COMPLETED else "error",
@@ -454,10 +454,17 @@ class EventName(str):
 def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
     out = _Out(state, event, "loop-coordinator")
     if state.halted:
+        if event["name"] == "workflow.finished":  # the router cancels step runs' children, this iterations'
+            _cancel_children(out, [w for w in state.waits.values() if w.iteration is not None],
+                             f"parent execution {state.execution_id} ended {state.status}")
         return out.decision
     name = event["name"]
     if name == "playbook.child.finished":
-        _child_finished(out, event, iterations=True)
+        _child_finished(out, event)
+        return out.decision
+    if name == "task.suspended":
+        if event.get("iteration") is not None:
+            _start_child(out, event)  # recorded only while the iteration is in flight (state._suspended)
         return out.decision
     run = state.runs.get(event.get("step_run_id") or "")
     if run is None or run.ended:

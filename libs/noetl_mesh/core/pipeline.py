@@ -220,7 +220,7 @@ class _Run:
     __slots__ = (
         "tools", "emit", "sleep", "rng", "cancel", "execution_id", "step", "step_run_id", "iteration",
         "tasks", "layers", "max_steps", "ctx", "iter", "scope", "ctx_patch", "visits", "last", "specs",
-        "workbook", "resume",
+        "workbook", "resume", "last_task",
     )
 
     def __init__(
@@ -271,6 +271,7 @@ class _Run:
         self.ctx_patch: dict[str, Any] = {}
         self.visits = 0
         self.last: dict | None = None  # the last outcome (D11)
+        self.last_task: str | None = None  # the task that produced it
         self.specs: dict[str, dict] = {}  # effective task specs, once per task per run
         self.resume: Mapping[str, Any] | None = command.get("resume")
 
@@ -345,6 +346,7 @@ class _Run:
                     {"task": name, "attempt": attempt, "action_id": aid, "iteration": iteration, "outcome": outcome},
                 )
                 self.last = outcome
+                self.last_task = name
                 view = _view(outcome)
                 scope[name] = view  # D6: a finished task is readable by name
                 if cancel is not None and cancel.is_set() and (outcome["error"] or {}).get("kind") == "cancelled":
@@ -394,13 +396,19 @@ class _Run:
                    policies: Mapping[str, Any]) -> PipelineResult:
         """Stop at a ``playbook`` task: the child to start and how to go on when it ends."""
         scope = self.scope
+        # the outcomes of the tasks that ran (every visited task's name is a key of ``policies``), each
+        # once: without the ``data`` alias, and the last one (``_prev`` is its result) by name
+        outcomes = {n: {k: v for k, v in scope[n].items() if k != "data"}
+                    for n in policies if n != name and n in scope and n not in _RESERVED}
         continuation = {
             "pc": pc, "task": name, "action_id": aid, "attempt": attempt, "visits": self.visits,
-            "iter": self.iter, "ctx_patch": self.ctx_patch, "prev": scope["_prev"], "last": self.last,
-            # the outcomes of the tasks that ran (every visited task's name is a key of ``policies``)
-            "outcomes": {n: scope[n] for n in policies if n != name and n in scope and n not in _RESERVED},
-            "suspended_at": time.time(),
+            "iter": self.iter, "ctx_patch": self.ctx_patch, "outcomes": outcomes, "suspended_at": time.time(),
         }
+        if self.last is not None:
+            if self.last_task in outcomes:
+                continuation["last_task"] = self.last_task
+            else:  # the playbook task itself ran before (a jump back to it)
+                continuation["last"] = self.last
         result = self.finish("suspended", None)
         result.suspend = {"child": suspend.child, "continuation": continuation, "task": name,
                           "action_id": aid, "attempt": attempt}
@@ -419,13 +427,15 @@ class _Run:
         patch = cont.get("ctx_patch") or {}
         self.ctx.update(patch)  # D12: the run's own writes win over the ctx the command carries
         self.ctx_patch.update(patch)
-        self.last = cont.get("last")
         scope = self.scope
-        scope["_prev"] = cont.get("prev")
-        for task_name, view in (cont.get("outcomes") or {}).items():
+        outcomes = cont.get("outcomes") or {}
+        for task_name, outcome in outcomes.items():
             if task_name in index and task_name not in _RESERVED:
-                scope[task_name] = view
+                scope[task_name] = _view(outcome)
                 policies[task_name] = _compile_policy(self.tasks[index[task_name]])
+        self.last = outcomes.get(cont["last_task"]) if cont.get("last_task") else cont.get("last")
+        self.last_task = cont.get("last_task")
+        scope["_prev"] = self.last["result"] if self.last is not None else None
         outcome = resume["outcome"]
         if not isinstance(outcome, Mapping):
             raise TypeError("the resume outcome is not a mapping")

@@ -302,16 +302,21 @@ def _terminal(s: ExecutionState, e: dict, d: dict) -> None:
 
 
 def _suspended(s: ExecutionState, e: dict, d: dict) -> None:
+    """A run waits for a child. Every fold lists the child; the wait itself is recorded where it is
+    acted on: a step run's by every service, a loop iteration's only by a fold that tracks the loop
+    (the loop-coordinator's: it requests, resumes and cancels iterations' children)."""
+    child = d.get("child") if isinstance(d.get("child"), dict) else {}
+    cid = child.get("execution_id")
+    if not isinstance(cid, str) or cid in s.waits or cid in s.children:
+        return
+    s.children.append(cid)
     run = s.runs.get(e["step_run_id"])
     if run is None or run.ended:
         return
-    i = e.get("iteration")  # no loop check: only the loop-coordinator folds loop positions (D21 dedups reruns)
-    child = d.get("child") if isinstance(d.get("child"), dict) else {}
-    cid = child.get("execution_id")
-    if not isinstance(cid, str) or cid in s.waits:
-        return
+    i = e.get("iteration")
+    if i is not None and (run.loop is None or i not in run.loop.in_flight):
+        return  # not this fold's to act on, or a late report of an iteration that ended
     s.waits[cid] = Wait(cid, run.id, i, run.step, e.get("task"), child.get("path"), d.get("continuation") or {})
-    s.children.append(cid)
 
 
 def _child_finished(s: ExecutionState, e: dict, d: dict) -> None:

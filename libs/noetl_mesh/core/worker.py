@@ -67,8 +67,20 @@ async def execute_command(
 
 def _masked(event: dict[str, Any], secrets: list[str]) -> dict[str, Any]:
     """The event with its ``data`` (outcomes, results, errors, ctx patches) masked; the envelope holds
-    only ids and names from the playbook, which routing needs intact."""
-    return {**event, "data": mask(event.get("data"), secrets)} if event.get("data") is not None else event
+    only ids and names from the playbook, which routing needs intact. In ``task.suspended`` only the
+    values are masked: the child's id, path and version and the continuation's position and task names
+    are what the control plane acts on (a keychain value that happens to be part of a name must not
+    break it)."""
+    data = event.get("data")
+    if data is None:
+        return event
+    if event["name"] == "task.suspended":
+        child, cont = data.get("child") or {}, data.get("continuation") or {}
+        child = {**child, **{k: mask(child.get(k), secrets) for k in ("workload", "args", "iter_parent")}}
+        cont = {**cont, **{k: mask(cont.get(k), secrets) for k in ("iter", "ctx_patch", "last")},
+                "outcomes": {n: mask(v, secrets) for n, v in (cont.get("outcomes") or {}).items()}}
+        return {**event, "data": {**data, "child": child, "continuation": cont}}
+    return {**event, "data": mask(data, secrets)}
 
 
 async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *,

@@ -220,6 +220,10 @@ class Bus:
             command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, limit))
                        for k, v in command.items()}
             data = dumps(command)
+            if len(data) > MAX_MESSAGE:  # several fields each under the limit, together over the server's
+                command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, 1024))
+                           for k, v in command.items()}
+                data = dumps(command)
         return await self.js.publish_async(command_subject(command["pool"]), data, stream=COMMANDS,
                                            headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
 

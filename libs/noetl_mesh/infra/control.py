@@ -82,8 +82,11 @@ class PartitionedService:
         events = await self.bus.expand(msg.data, loads(msg.data))  # one decision's events, one execution
         eid = events[0]["execution_id"]
         state = self.cache.get(eid)
-        if state is None and events[0]["name"] == "playbook.execution.requested":
-            state = ExecutionState(eid)  # an execution's first event: nothing before it to fold
+        first = events[0]
+        if state is None and first["name"] == "playbook.execution.requested" and not (first.get("data") or {}).get("parent"):
+            # a request from the gateway is its execution's first event: nothing before it to fold (a
+            # child's request may follow its cancellation: the parent's router and admission race)
+            state = ExecutionState(eid)
         elif state is None:
             state = await self._rebuild(eid, p, seq.stream)
         self.cache[eid] = state
