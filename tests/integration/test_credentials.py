@@ -42,12 +42,34 @@ workflow:
         url: "{{ workload.api }}/echo"
         headers: {Authorization: "Bearer {{ keychain.db.password }}"}
         json: {token: "{{ keychain.db.password }}", user: "{{ keychain.db.user }}"}
+      - name: nested
+        kind: playbook
+        path: tests/keychain_child
+        args: {token: "{{ keychain.db.password }}"}
       - name: plain
         kind: noop
         result: "{{ keychain.db.password }}"
     next: {arcs: [{step: end}]}
   - step: end
     tool: {kind: noop, result: "{{ start.result }}"}
+"""
+
+# a child execution with its own keychain entry for the same stored secret (values passed in args
+# arrive masked: the child resolves the credential itself)
+CHILD = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: kc_child, path: tests/keychain_child}
+workload: {api: API}
+keychain:
+  - {name: db, kind: credential, credential: scan_db}
+workflow:
+  - step: start
+    tool:
+      kind: http
+      method: POST
+      url: "{{ workload.api }}/echo"
+      json: {token: "{{ keychain.db.password }}", passed: "{{ args.token }}"}
 """
 
 
@@ -181,8 +203,12 @@ def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
     with httpx.Client(base_url=kc_stack.url, trust_env=False) as gw:
         assert gw.post("/api/credentials", json={"name": "scan_db", "kind": "generic",
                                                  "data": {"user": "scanner", "password": SECRET}}).status_code == 201
+        assert gw.post("/api/catalog", json={"content": CHILD.replace("API", fixture_api.url)}).status_code == 201
     status, events = kc_stack.execute(PLAYBOOK.replace("API", fixture_api.url))
     assert status["status"] == "COMPLETED", status
+    nested = next(e for e in events if e["task"] == "nested" and e["name"] == "task.processed")["data"]["outcome"]
+    assert nested["result"]["steps"]["start"]["result"] == {"echo": {"token": "***", "passed": "***"}}
+    assert len(status["children"]) == 1
     # the tasks used the real secret (the echo answered it), but everything recorded shows ***
     assert status["steps"]["start"]["result"] == "***"
     call = [e for e in events if e["task"] == "call" and "outcome" in (e.get("data") or {})]
