@@ -213,10 +213,12 @@ async def main(args: argparse.Namespace) -> None:
         if which & {"chain", "burst", "loop", "child"}:
             dsn = pg.create_database("bench_stack")
             stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=dsn, concurrency=args.concurrency),
-                                 workers=args.workers, log_dir=args.log_dir)
+                                 workers=args.workers, replicas=args.replicas, log_dir=args.log_dir)
             if args.log_dir:
                 os.makedirs(args.log_dir, exist_ok=True)
             await stack.start()
+            if args.replicas > 1:
+                await asyncio.sleep(3)  # replicas share the partitions out (membership settles in ~2 s)
             sampler = RssSampler(stack.procs)
             sampler.start()
             try:
@@ -245,6 +247,7 @@ if __name__ == "__main__":
     parser.add_argument("which", nargs="*", choices=["chain", "burst", "loop", "child", "recorder", []], default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=1, help="replicas of admission, router, loop-coordinator")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--log-dir")
     asyncio.run(main(parser.parse_args()))

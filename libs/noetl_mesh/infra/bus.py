@@ -310,6 +310,10 @@ class Bus:
                     out += [(seq, e) for e in await self.expand(msg.data, loads(msg.data))]
         finally:
             await sub.unsubscribe()
+            try:  # gone now, not after inactive_threshold: rebuilds in a burst must not pile consumers up
+                await self.js.delete_consumer(EVENTS, sub._consumer)
+            except Exception:  # noqa: BLE001 - it expires anyway
+                pass
         return out
 
 

@@ -3,7 +3,8 @@
 Each service reads the ``ctl`` events of every partition through its own durable consumers (one per
 partition, ``max_ack_pending=1``): the server hands out one event of a partition at a time, to any
 replica, so the events of one execution are handled strictly in log order and never concurrently,
-however many replicas run.
+however many replicas run. Replicas share the partitions out through NATS KV membership
+(:mod:`.membership`), so normally one replica reads a partition and its cache stays valid.
 
 Each replica keeps the execution states it has folded (:mod:`noetl_mesh.core.state`) in a cache. The
 cache is valid while this replica saw every delivery of the partition: the consumer sequence of each
@@ -27,6 +28,7 @@ from ..core.decide import Decision
 from ..core.state import ExecutionState, apply
 from . import tracing
 from .bus import CTL, EVENTS, Bus, loads, partition_from_subject, pull_loop
+from .membership import Membership
 
 log = logging.getLogger("noetl.control")
 
@@ -44,7 +46,10 @@ class PartitionedService:
         self.partition_of: dict[str, int] = {}
         self.last_consumer_seq: dict[int, int] = {}
         self.stop_event = asyncio.Event()
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task] = []  # readers that are stopping (and, on stop, all of them)
+        self.subs: dict[int, Any] = {}  # partition -> its durable pull subscription
+        self.readers: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # owned partition -> reader
+        self.membership: Membership | None = None
         self.handled = 0
         self.rebuilds = 0
 
@@ -60,13 +65,40 @@ class PartitionedService:
         await self.bus.attach()
         for p in range(self.bus.partitions):
             subjects = [f"noetl.pevt.{p}.{c}.*" for c in self.classes]
-            sub = await self.bus.durable(EVENTS, f"{self.name}-p{p}", subjects,
-                                         max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
-            self.tasks.append(asyncio.create_task(pull_loop(sub, self.handle, self.stop_event, timeout=1.0),
-                                                  name=f"{self.name}-p{p}"))
+            self.subs[p] = await self.bus.durable(EVENTS, f"{self.name}-p{p}", subjects,
+                                                  max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
+        # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
+        # stays valid; until the group is known, or without it, a replica reads every partition
+        self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read)
+        await self.membership.start()
+        self._read(self.membership.owned)
+
+    def _read(self, owned: set[int]) -> None:
+        """Run a reader per owned partition; a partition no longer owned finishes its message and stops."""
+        for p in [p for p in self.readers if p not in owned]:
+            task, stop = self.readers.pop(p)
+            stop.set()
+            self.tasks.append(task)
+        for p in sorted(owned):
+            if p not in self.readers and not self.stop_event.is_set():
+                stop = asyncio.Event()
+                task = asyncio.create_task(pull_loop(self.subs[p], self.handle, stop, timeout=1.0),
+                                           name=f"{self.name}-p{p}")
+                self.readers[p] = (task, stop)
+        self.tasks = [t for t in self.tasks if not t.done()]
+
+    @property
+    def owned(self) -> set[int]:
+        return set(self.readers)
 
     async def stop(self) -> None:
         self.stop_event.set()
+        if self.membership is not None:
+            await self.membership.stop()
+        for task, stop in self.readers.values():
+            stop.set()
+            self.tasks.append(task)
+        self.readers.clear()
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,101 @@
+"""Which replica of a control-plane service reads which partitions: membership in NATS KV.
+
+Every replica puts ``<service>.<replica id>`` into the KV bucket ``noetl_members`` (bucket TTL
+``NOETL_MEMBERSHIP_TTL``, default 6 s) every third of the TTL and reads the group back; the sorted
+member list deals the partitions out (partition ``p`` to member ``p mod n``). A replica that stops
+deletes its key; one that dies drops out when its key expires. The others take its partitions at their
+next read. The group is read from the bucket's stream (its subjects, one per live key) rather than
+with a KV watcher, which can wait forever for a key that expired while it was listing.
+
+Ownership is an optimisation, never a correctness condition: the per-partition durables with
+``max_ack_pending=1`` keep one event of a partition in flight whatever reads it, and a replica's cache
+is checked by consumer-sequence continuity (control.py). So while membership changes — or when the KV
+cannot be read, when a replica owns every partition — two replicas may read one partition for a moment,
+which only costs cache rebuilds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from typing import Callable
+
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+log = logging.getLogger("noetl.membership")
+
+BUCKET = "noetl_members"
+STREAM = f"KV_{BUCKET}"  # the bucket's stream
+PREFIX = f"$KV.{BUCKET}."  # its subjects: one per key
+
+
+def assign(partitions: int, members: list[str], me: str) -> set[int]:
+    """The partitions ``me`` reads: every n-th of the sorted members' deal; all of them when ``me`` is
+    not (or not yet) a member, so a replica that cannot see the group still does the work."""
+    ordered = sorted(set(members))
+    if me not in ordered:
+        return set(range(partitions))
+    i, n = ordered.index(me), len(ordered)
+    return {p for p in range(partitions) if p % n == i}
+
+
+class Membership:
+    def __init__(self, js, group: str, partitions: int, on_change: Callable[[set[int]], None],
+                 ttl: float | None = None) -> None:
+        self.js, self.group, self.partitions, self.on_change = js, group, partitions, on_change
+        self.ttl = ttl or float(os.environ.get("NOETL_MEMBERSHIP_TTL", 6))
+        self.me = f"{group}.{uuid.uuid4().hex[:12]}"
+        self.owned: set[int] = set(range(partitions))
+        self.members: list[str] = []
+        self.kv = None
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        try:
+            self.kv = await self.js.key_value(BUCKET)
+        except (BucketNotFoundError, NotFoundError):
+            self.kv = await self.js.create_key_value(bucket=BUCKET, ttl=self.ttl, history=1,
+                                                     description="noetl control-plane replicas")
+        await self.beat()
+        self.task = asyncio.create_task(self._run(), name=f"membership-{self.group}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        try:  # leave at once (no delete marker left behind): the others take over at their next read
+            await self.js.purge_stream(STREAM, subject=f"{PREFIX}{self.me}")
+        except Exception:  # noqa: BLE001 - best effort: otherwise the key expires
+            pass
+
+    async def _run(self) -> None:
+        failing_since = None
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await asyncio.wait_for(self.beat(), self.ttl / 3)
+                failing_since = None
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - KV trouble: keep the share a while, then read everything
+                now = asyncio.get_running_loop().time()
+                failing_since = failing_since or now
+                if now - failing_since >= self.ttl:  # the others no longer count this replica
+                    log.exception("membership of %s: cannot reach the group; reading every partition", self.me)
+                    self._set(set(range(self.partitions)))
+
+    async def beat(self) -> None:
+        """Heartbeat, then read the group: the keys of the bucket's stream under ``<group>.`` (one
+        request; no watcher, so no race with keys expiring meanwhile)."""
+        await self.kv.put(self.me, b"1")
+        info = await self.js.stream_info(STREAM, subjects_filter=f"{PREFIX}{self.group}.>")
+        subjects = (info.state.subjects or {}) if info.state else {}
+        self.members = sorted(subject[len(PREFIX):] for subject in subjects)
+        self._set(assign(self.partitions, self.members, self.me))
+
+    def _set(self, owned: set[int]) -> None:
+        if owned != self.owned:
+            log.info("%s reads partitions %s (%d members)", self.me, sorted(owned), len(self.members))
+            self.owned = owned
+            self.on_change(owned)

@@ -1,0 +1,99 @@
+"""Replicas of a control-plane service share the partitions out through NATS KV membership: disjoint
+sets that cover every partition, handed over when a replica leaves or dies; and in a stack with two
+replicas of each service, executions run without cache rebuilds."""
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.infra.membership import BUCKET, Membership, assign
+
+from conftest import start_stack, stop_stack
+
+pytestmark = pytest.mark.integration
+
+
+def test_assign_deals_every_partition_to_exactly_one_member():
+    members = ["g.c", "g.a", "g.b"]
+    sets = [assign(16, members, m) for m in members]
+    assert set().union(*sets) == set(range(16)) and sum(len(s) for s in sets) == 16
+    assert assign(16, members, "g.a") == {0, 3, 6, 9, 12, 15}  # sorted order, p mod n
+    assert assign(4, [], "g.x") == {0, 1, 2, 3}  # not (yet) a member: read everything
+    assert assign(4, ["g.x"], "g.x") == {0, 1, 2, 3}
+
+
+async def _settled(groups, partitions, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        owned = [m.owned for m in groups]
+        if set().union(*owned) == set(range(partitions)) and sum(len(o) for o in owned) == partitions:
+            return owned
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not settled: {owned}")
+        await asyncio.sleep(0.1)
+
+
+def test_members_share_partitions_and_take_over_from_one_that_leaves_or_dies(fresh_nats):
+    async def main():
+        nc = await nats.connect(fresh_nats.url)
+        js = nc.jetstream()
+        changes: list[set[int]] = []
+        try:
+            a, b, c = (Membership(js, "svc", 12, changes.append, ttl=1.5) for _ in range(3))
+            other = Membership(js, "other", 12, lambda owned: None, ttl=1.5)  # another service's group
+            for m in (a, b, c, other):
+                await m.start()
+            owned = await _settled([a, b, c], 12)
+            assert all(len(o) == 4 for o in owned) and other.owned == set(range(12))
+            await c.stop()  # leaves: its key is deleted, the others take its partitions at their next read
+            await _settled([a, b], 12, timeout=3)
+            b.task.cancel()  # dies: no more heartbeats, its key expires after the TTL
+            await asyncio.gather(b.task, return_exceptions=True)
+            await asyncio.sleep(2.5)
+            await a.beat()
+            assert a.owned == set(range(12)) and a.members == [a.me]
+            assert changes  # owners were told of every change
+            kv = await js.key_value(BUCKET)
+            assert sorted(await kv.keys()) == sorted([a.me, other.me])  # the left one left no marker
+            await a.stop()
+            await other.stop()
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_two_replicas_of_each_service_run_without_rebuilds(module_pg):
+    nats_server, loop, stack = start_stack(module_pg, replicas=2)
+    try:
+        services = {name: stack.stack.services(name) for name in ("admission", "router", "loop-coordinator")}
+
+        async def go():
+            for replicas in services.values():  # both replicas have joined and split the partitions
+                await _settled([r.membership for r in replicas], stack.stack.running[0].bus.partitions)
+                for _ in range(100):  # and the readers of partitions handed over have finished
+                    if all(t.done() for r in replicas for t in r.tasks):
+                        break
+                    await asyncio.sleep(0.05)
+            for replicas in services.values():
+                for r in replicas:
+                    r.rebuilds = 0
+            async with GatewayClient(stack.url) as client:
+                doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "t/c"},
+                       "workflow": [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
+                                     **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < 4 else {})}
+                                    for i in range(5)]}
+                ids = await asyncio.gather(*(client.start(doc) for _ in range(20)))
+                return [await client.wait(eid, timeout=60) for eid in ids]
+
+        finals = stack.run(go(), 120)
+        assert all(f["status"] == "COMPLETED" for f in finals)
+        for name, replicas in services.items():
+            assert sum(r.handled for r in replicas) > 0
+            assert [r.rebuilds for r in replicas] == [0, 0], name  # each replica's cache stayed valid
+            assert not (replicas[0].owned & replicas[1].owned), name
+    finally:
+        stop_stack(nats_server, loop, stack)
