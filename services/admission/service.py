@@ -2,6 +2,7 @@
 admission (D17); fires joins (D16); creates step runs and sends their commands to worker pools."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -9,11 +10,12 @@ import yaml
 
 from noetl_mesh.core import decide
 from noetl_mesh.core.state import ExecutionState
-from noetl_mesh.infra.bus import COMMANDS, Q_CATALOG_GET, BusError, loads
+from nats.js.errors import NotFoundError
+
+from noetl_mesh.infra.bus import COMMANDS, LOST_COMMANDS, MAX_DELIVERIES, Q_CATALOG_GET, BusError, loads, pull_loop
 from noetl_mesh.infra.control import PartitionedService
 
 log = logging.getLogger("noetl.admission")
-MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 
 
 class AdmissionService(PartitionedService):
@@ -23,23 +25,26 @@ class AdmissionService(PartitionedService):
     async def start(self) -> None:
         await super().start()
         # Admission sent the command, so admission reports it lost: a command that ran out of
-        # deliveries ends its step runs failed instead of leaving the execution RUNNING forever.
-        self.advisories = await self.bus.nc.subscribe(MAX_DELIVERIES, queue=self.name, cb=self._on_max_deliveries)
-
-    async def stop(self) -> None:
-        await self.advisories.unsubscribe()
-        await super().stop()
+        # deliveries ends its step runs failed instead of leaving the execution RUNNING forever. The
+        # server's advisories are kept in a stream, so none is missed while no admission runs.
+        await self.bus.ensure_lost_commands()
+        sub = await self.bus.durable(LOST_COMMANDS, "admission", MAX_DELIVERIES, max_ack_pending=100,
+                                     ack_wait=30.0, max_deliver=20)
+        self.tasks.append(asyncio.create_task(pull_loop(sub, self._on_max_deliveries, self.stop_event),
+                                              name="admission-lost-commands"))
 
     async def _on_max_deliveries(self, msg) -> None:
         advisory = loads(msg.data)
         seq = advisory.get("stream_seq")
         try:
             stored = await self.bus.js.get_msg(COMMANDS, seq)
-            command = await self.bus.expand(stored.data, loads(stored.data))  # D23
-            await self.bus.publish_all(decide.lost_command(command, advisory.get("deliveries", 0)))
-            await self.bus.js.delete_msg(COMMANDS, seq)
-        except Exception:  # noqa: BLE001 - an advisory is best effort; log what could not be reported
-            log.exception("could not report the lost command at %s seq %s", COMMANDS, seq)
+        except NotFoundError:  # already reported (and deleted), or acknowledged after all
+            await msg.ack()
+            return
+        command = await self.bus.expand(stored.data, loads(stored.data))  # D23
+        await self.bus.publish_all(decide.lost_command(command, advisory.get("deliveries", 0)))
+        await self.bus.js.delete_msg(COMMANDS, seq)
+        await msg.ack()  # an error above leaves it to be retried (pull_loop naks with a delay)
 
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
         playbook = None

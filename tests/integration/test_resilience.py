@@ -201,12 +201,15 @@ def test_control_plane_killed_and_restarted_mid_execution(process_stack):
 
 
 # ------------------------------------------------------------------------------ lost commands
-def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn):
+@pytest.mark.parametrize("admission_down", [False, True], ids=["admission-up", "admission-down-meanwhile"])
+def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn, admission_down):
     """Workers that take a command and die (here: a consumer that never answers) until it runs out
-    of deliveries: admission reports the step run failed (`worker_lost`), the router applies D15."""
+    of deliveries: admission reports the step run failed (`worker_lost`), the router applies D15. The
+    server's advisory is kept in a stream, so it is reported also when no admission ran at that moment."""
     from nats.js.api import AckPolicy as Ack
 
-    from noetl_mesh.infra.bus import COMMANDS
+    from noetl_mesh.infra.bus import COMMANDS, LOST_COMMANDS
+    from noetl_mesh.stack import start_service, stop_service
 
     nats, loop, stack = start_stack(pg_dsn, workers=0)
     try:
@@ -214,13 +217,15 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
             bus = await Bus.connect(stack.stack.settings.nats_url, "black-hole")
             await bus.js.add_consumer(COMMANDS, ConsumerConfig(
                 durable_name="pool-default", filter_subject="noetl.cmd.default", ack_policy=Ack.EXPLICIT,
-                ack_wait=0.5, max_deliver=2, max_ack_pending=100))
+                ack_wait=1.0, max_deliver=2, max_ack_pending=100))
             sub = await bus.js.pull_subscribe_bind("pool-default", stream=COMMANDS)
+            taken = asyncio.Event()
 
             async def swallow():
                 while True:
                     try:
-                        await sub.fetch(10, timeout=0.5)  # take, never acknowledge
+                        if await sub.fetch(10, timeout=0.5):  # take, never acknowledge
+                            taken.set()
                     except asyncio.CancelledError:
                         raise
                     except Exception:  # noqa: BLE001 - empty fetches
@@ -238,6 +243,19 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
                                      # tool-less: admission finishes it, no worker needed
                                      {"step": "recover", "next": {"arcs": [{"step": "never", "when": "{{ false }}"}]}},
                                      {"step": "never", "tool": {"kind": "noop"}}]})
+                    if admission_down:
+                        await asyncio.wait_for(taken.wait(), 10)
+                        old = [r for r in stack.stack.running if r.name == "admission"]
+                        await asyncio.gather(*(stop_service(r) for r in old))
+                        for _ in range(100):  # the advisory (after 2 deliveries) is stored, unread
+                            if (await bus.js.stream_info(LOST_COMMANDS)).state.messages:
+                                break
+                            await asyncio.sleep(0.1)
+                        else:
+                            raise AssertionError("no advisory stored")
+                        assert (await client.status(eid, brief=True))["status"] == "RUNNING"
+                        fresh = await start_service("admission", stack.stack.settings)
+                        stack.stack.running = [r for r in stack.stack.running if r not in old] + [fresh]
                     final = await client.wait(eid, timeout=20)
                     return final, await client.all_events(eid)
             finally:

@@ -55,6 +55,8 @@ log = logging.getLogger("noetl.bus")
 
 EVENTS = "NOETL_EVENTS"
 COMMANDS = "NOETL_COMMANDS"
+LOST_COMMANDS = "NOETL_LOST_COMMANDS"  # the server's advisories of commands that ran out of deliveries
+MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 DEFAULT_PARTITIONS = 16
 # Subject classes (which events each control-plane service folds) live in the core: core/events.py.
 
@@ -169,6 +171,18 @@ class Bus:
             await self.js.add_stream(StreamConfig(
                 name=COMMANDS, subjects=["noetl.cmd.*"], storage=StorageType.FILE,
                 retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120,
+            ))
+        await self.ensure_lost_commands(max_age_s)
+
+    async def ensure_lost_commands(self, max_age_s: float = 7 * 24 * 3600) -> None:
+        """The server's MAX_DELIVERIES advisories for the commands stream, kept in a stream until
+        admission has handled them (a core-NATS advisory is lost when no admission is connected)."""
+        try:
+            await self.js.stream_info(LOST_COMMANDS)
+        except NotFoundError:
+            await self.js.add_stream(StreamConfig(
+                name=LOST_COMMANDS, subjects=[MAX_DELIVERIES], storage=StorageType.FILE,
+                retention=RetentionPolicy.WORK_QUEUE, max_age=max_age_s,
             ))
 
     async def attach(self) -> None:
