@@ -20,7 +20,9 @@ class RouterService(PartitionedService):
     async def after(self, state: ExecutionState, outputs: list[dict[str, Any]]) -> None:
         for out in outputs:
             if out["name"] == "workflow.finished":
-                # workers abort the execution's in-flight commands and drop queued ones (D15, D18)
+                # workers abort the execution's in-flight commands (D15, D18); its queued ones are purged
                 await self.bus.broadcast(cancel_subject(state.execution_id),
                                          {"execution_id": state.execution_id, "status": out["data"]["status"],
                                           "runs": out["data"]["cancelled_runs"]})
+                if out["data"]["status"] != "COMPLETED":  # a completed execution has nothing queued
+                    await self.bus.purge_commands(state.execution_id)

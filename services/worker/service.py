@@ -20,7 +20,7 @@ from noetl_mesh.core.keychain import bus_resolver
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
-from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, command_subject, loads
+from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.tools import close_tools, default_tools
 
@@ -95,7 +95,7 @@ class WorkerService:
     async def start(self) -> None:
         await self.bus.attach()
         self.tools = self.tools or default_tools()
-        self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", command_subject(self.pool),
+        self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
                                           max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")

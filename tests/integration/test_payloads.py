@@ -151,7 +151,7 @@ def test_a_command_of_several_large_fields_stays_under_the_message_limit(fresh_n
             command = {"command_id": "c1", "pool": "default", "execution_id": "x1", "step": "s",
                        "step_run_id": "r1", "iteration": None, "tasks": [], **fields}
             await (await bus.send_command(command))
-            sub = await bus.js.pull_subscribe("noetl.cmd.default", "big", stream=COMMANDS)
+            sub = await bus.js.pull_subscribe("noetl.cmd.default.>", "big", stream=COMMANDS)
             [msg] = await sub.fetch(1, timeout=5)
             assert len(msg.data) <= MAX_MESSAGE
             assert await bus.expand(msg.data, orjson.loads(msg.data)) == command

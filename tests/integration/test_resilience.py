@@ -121,6 +121,57 @@ def test_cancel_stops_a_running_execution(stack):
     assert "execution.cancelled" in names and names[-2:] == ["workflow.finished", "playbook.processed"]
 
 
+def test_cancel_purges_queued_commands_so_a_later_worker_runs_none(pg_dsn):
+    """Commands queued for an execution that ends (cancelled here) are purged from the work queue: a
+    worker that starts afterwards (it never got the cancel broadcast) runs none of them."""
+    from noetl_mesh.infra.bus import COMMANDS
+    from noetl_mesh.stack import start_service
+
+    nats, loop, stack = start_stack(pg_dsn, workers=0)
+    try:
+        async def go():
+            bus = await Bus.connect(stack.stack.settings.nats_url, "queue-probe")
+            try:
+                async with GatewayClient(stack.url) as client:
+                    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "q", "path": "t/q"},
+                           "workflow": [{"step": "start", "loop": {"in": "{{ range(40) | list }}", "iterator": "i",
+                                                                   "spec": {"mode": "parallel", "max_in_flight": 8}},
+                                         "tool": {"kind": "noop", "result": "{{ iter.i }}"}}]}
+                    eid = await client.start(doc)
+                    other = await client.start(doc)  # not cancelled: its commands stay queued
+
+                    async def queued():  # commands in the queue, by execution
+                        info = await bus.js.stream_info(COMMANDS, subjects_filter="noetl.cmd.*.*")
+                        return {x: (info.state.subjects or {}).get(f"noetl.cmd.default.{x}", 0) for x in (eid, other)}
+
+                    for _ in range(200):  # max_in_flight 8: eight one-iteration commands each
+                        before = await queued()
+                        if before == {eid: 8, other: 8}:
+                            break
+                        await asyncio.sleep(0.05)
+                    await client.cancel(eid, reason="test")
+                    assert (await client.wait(eid, timeout=20))["status"] == "CANCELLED"
+                    for _ in range(100):  # the router purges after workflow.finished
+                        left = await queued()
+                        if left[eid] == 0:
+                            break
+                        await asyncio.sleep(0.05)
+                    worker = await start_service("worker", stack.stack.settings)
+                    stack.stack.running.append(worker)
+                    final = await client.wait(other, timeout=30)
+                    events = await client.all_events(eid)
+                    return before, left, final, events, eid, other
+            finally:
+                await bus.close()
+
+        before, left, final, events, eid, other = stack.run(go(), timeout=90)
+        assert before == {eid: 8, other: 8} and left == {eid: 0, other: 8}  # only the cancelled one's are gone
+        assert final["status"] == "COMPLETED" and final["steps"]["start"]["result"] == list(range(40))
+        assert not [e for e in events if e["name"] in ("task.started", "loop.iteration.done")]
+    finally:
+        stop_stack(nats, loop, stack)
+
+
 async def _exists(client, eid):
     try:
         await client.status(eid)
@@ -216,7 +267,7 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
         async def go():
             bus = await Bus.connect(stack.stack.settings.nats_url, "black-hole")
             await bus.js.add_consumer(COMMANDS, ConsumerConfig(
-                durable_name="pool-default", filter_subject="noetl.cmd.default", ack_policy=Ack.EXPLICIT,
+                durable_name="pool-default", filter_subject="noetl.cmd.default.*", ack_policy=Ack.EXPLICIT,
                 ack_wait=1.0, max_deliver=2, max_ack_pending=100))
             sub = await bus.js.pull_subscribe_bind("pool-default", stream=COMMANDS)
             taken = asyncio.Event()

@@ -9,7 +9,7 @@ One module names every subject and stream (see docs/architecture.md):
   Control-plane services read ``ctl`` events through one durable consumer per partition with
   ``max_ack_pending=1`` (per-execution serialisation across any number of replicas); the
   event-recorder reads everything.
-- ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>``, one durable consumer per
+- ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>.<execution_id>``, one durable consumer per
   worker pool, shared by that pool's workers.
 - core NATS: ``noetl.q.<service>.<verb>`` request/reply reads (JSON in, JSON out, errors as
   ``{"error": {...}}``), and ``noetl.cancel.<execution_id>`` broadcasts.
@@ -55,6 +55,7 @@ log = logging.getLogger("noetl.bus")
 
 EVENTS = "NOETL_EVENTS"
 COMMANDS = "NOETL_COMMANDS"
+COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
 LOST_COMMANDS = "NOETL_LOST_COMMANDS"  # the server's advisories of commands that ran out of deliveries
 MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 DEFAULT_PARTITIONS = 16
@@ -112,8 +113,15 @@ def partition_from_subject(subject: str) -> int:
     return int(subject.split(".")[2])
 
 
-def command_subject(pool: str) -> str:
-    return f"noetl.cmd.{pool}"
+def command_subject(pool: str, execution_id: str) -> str:
+    """A command's subject: by pool (the workers' filter) and execution (so the queued commands of a
+    finished execution can be purged, :meth:`Bus.purge_commands`)."""
+    return f"noetl.cmd.{pool}.{execution_id}"
+
+
+def pool_filter(pool: str) -> list[str]:
+    """What a pool's workers read: its commands (and the per-pool subject of earlier versions)."""
+    return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
 
 
 def cancel_subject(execution_id: str) -> str:
@@ -166,10 +174,13 @@ class Bus:
             ))
             self.partitions = partitions
         try:
-            await self.js.stream_info(COMMANDS)
+            info = await self.js.stream_info(COMMANDS)
+            if set(info.config.subjects or ()) != set(COMMAND_SUBJECTS):  # an earlier version's stream
+                info.config.subjects = list(COMMAND_SUBJECTS)
+                await self.js.update_stream(info.config)
         except NotFoundError:
             await self.js.add_stream(StreamConfig(
-                name=COMMANDS, subjects=["noetl.cmd.*"], storage=StorageType.FILE,
+                name=COMMANDS, subjects=list(COMMAND_SUBJECTS), storage=StorageType.FILE,
                 retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120,
             ))
         await self.ensure_lost_commands(max_age_s)
@@ -238,7 +249,8 @@ class Bus:
                 command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, 1024))
                            for k, v in command.items()}
                 data = dumps(command)
-        return await self.js.publish_async(command_subject(command["pool"]), data, stream=COMMANDS,
+        return await self.js.publish_async(command_subject(command["pool"], command["execution_id"]), data,
+                                           stream=COMMANDS,
                                            headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
 
     async def _fit(self, events: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
@@ -250,6 +262,11 @@ class Bus:
     async def expand(self, raw: bytes, value: Any) -> Any:
         """A received message's value with its payload references resolved (D23)."""
         return await self.payloads.expand(value) if MARKER in raw else value
+
+    async def purge_commands(self, execution_id: str) -> None:
+        """Drop the execution's queued commands (all pools): a finished execution's work is never run,
+        also by workers that missed the cancel broadcast or start later."""
+        await self.js.purge_stream(COMMANDS, subject=f"noetl.cmd.*.{execution_id}")
 
     async def broadcast(self, subject: str, payload: dict[str, Any]) -> None:
         await self.nc.publish(subject, dumps(payload), headers=tracing.inject({}))
