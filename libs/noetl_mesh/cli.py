@@ -110,6 +110,17 @@ def _print_progress(event: dict) -> None:
         if name == "workflow.finished":
             extra = f" {(event.get('data') or {}).get('status')}"
         print(f"  {name:<18} {where}{extra}", flush=True)
+    elif name in ("task.suspended", "playbook.child.finished"):  # child executions (kind: playbook)
+        data = event.get("data") or {}
+        child = data.get("child") or {}
+        if name == "task.suspended":
+            extra = f"{event.get('task')} -> {child.get('path')} ({child.get('execution_id')})"
+        else:
+            extra = f"{data.get('child_execution_id')} {data.get('status')}"
+        where = event.get("step") or ""
+        if event.get("iteration") is not None:
+            where += f"[{event['iteration']}]"
+        print(f"  {'child.started' if name == 'task.suspended' else 'child.finished':<18} {where} {extra}", flush=True)
 
 
 async def _embedded_stack(quiet: bool, persistent: str | None = None, processes: bool = False):

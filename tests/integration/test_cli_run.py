@@ -91,3 +91,12 @@ def test_run_nested_without_the_child_registered_fails_clearly(tmp_path):
     assert proc.returncode == 1
     out = json.loads(proc.stdout)
     assert out["status"] == "FAILED"
+
+
+def test_run_progress_shows_child_executions():
+    proc = noetl("run", str(EXAMPLES / "nested.yaml"), "--register", str(EXAMPLES / "nested_child.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    started = [line for line in proc.stdout.splitlines() if "child.started" in line]
+    finished = [line for line in proc.stdout.splitlines() if "child.finished" in line]
+    assert len(started) == 2 and all("summarise -> examples/nested_child" in line for line in started)
+    assert len(finished) == 2 and all(line.endswith("COMPLETED") for line in finished)
