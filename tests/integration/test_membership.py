@@ -4,11 +4,15 @@ replicas of each service, executions run without cache rebuilds."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import nats
 import pytest
 
 from noetl_mesh.client import GatewayClient
+from noetl_mesh.infra.bus import EVENTS, Bus
+from noetl_mesh.infra.control import PartitionedService
 from noetl_mesh.infra.membership import BUCKET, Membership, assign
 
 from conftest import start_stack, stop_stack
@@ -52,8 +56,11 @@ def test_members_share_partitions_and_take_over_from_one_that_leaves_or_dies(fre
             await _settled([a, b], 12, timeout=3)
             b.task.cancel()  # dies: no more heartbeats, its key expires after the TTL
             await asyncio.gather(b.task, return_exceptions=True)
-            await asyncio.sleep(2.5)
-            await a.beat()
+            for _ in range(60):
+                await a.beat()
+                if a.members == [a.me]:
+                    break
+                await asyncio.sleep(0.1)
             assert a.owned == set(range(12)) and a.members == [a.me]
             assert changes  # owners were told of every change
             kv = await js.key_value(BUCKET)
@@ -97,3 +104,76 @@ def test_two_replicas_of_each_service_run_without_rebuilds(module_pg):
             assert not (replicas[0].owned & replicas[1].owned), name
     finally:
         stop_stack(nats_server, loop, stack)
+
+
+class Recorder(PartitionedService):
+    """A control-plane shell whose handler only records what it got (stream seq, time)."""
+
+    name = "probe"
+
+    def __init__(self, bus, slow: float = 0.0):
+        super().__init__(bus, ack_wait=10)
+        self.got: list[tuple[int, float]] = []
+        self.slow = slow
+
+    async def handle(self, msg):
+        self.got.append((msg.metadata.sequence.stream, time.monotonic()))
+        await asyncio.sleep(self.slow)
+        await msg.ack()
+
+
+def test_a_handover_never_strands_a_message_until_ack_wait(fresh_nats):
+    """A reader handed its partition away while its pull request is still open, and its event loop
+    busy past the request's deadline: the delivery that arrives late is given back at once (not held
+    for ack_wait, 10 s here), and a graceful stop hands over the message in hand the same way."""
+    async def main():
+        a_bus, b_bus = await Bus.connect(fresh_nats.url, "a"), await Bus.connect(fresh_nats.url, "b")
+        await a_bus.setup(1)
+        await b_bus.attach()
+        a, b = Recorder(a_bus), Recorder(b_bus, slow=0.3)
+        for svc, bus in ((a, a_bus), (b, b_bus)):
+            await bus.consumer(EVENTS, "probe-p0", ["noetl.pevt.0.ctl.*"], max_ack_pending=1, ack_wait=10)
+        try:
+            a._read({0})
+            await asyncio.sleep(0.3)  # a's reader waits in a fetch (1 s long poll)
+            a._read(set())  # handed away
+            publisher = threading.Thread(target=lambda: (time.sleep(0.3), asyncio.run(_publish(fresh_nats.url, 1))))
+            publisher.start()
+            time.sleep(1.2)  # a's loop is blocked past the fetch deadline: the delivery lands late
+            publisher.join()
+            t0 = time.monotonic()
+            b._read({0})
+            await _until(lambda: len(b.got) == 1, 5)
+            assert b.got[0][1] - t0 < 3 and a.got == []  # given back at once, and never handled by a
+            await _publish(fresh_nats.url, 5)
+            await _until(lambda: len(b.got) >= 2, 5)
+            t1 = time.monotonic()
+            await b.stop()  # graceful: finishes or gives back what it holds
+            a._read({0})
+            await _until(lambda: {seq for seq, _ in a.got + b.got} == {1, 2, 3, 4, 5, 6}, 8)
+            seqs = [seq for seq, _ in sorted(a.got + b.got, key=lambda g: g[1])]
+            assert seqs == sorted(seqs)  # in log order, across the handover
+            assert max(t for _, t in a.got) - t1 < 8  # no ack_wait (10 s) in between
+        finally:
+            await a.stop()
+            await a_bus.close()
+            await b_bus.close()
+
+    asyncio.run(main())
+
+
+async def _publish(url: str, n: int) -> None:
+    nc = await nats.connect(url)
+    try:
+        for _ in range(n):
+            await nc.jetstream().publish("noetl.evt.ctl.x1", b"[]")
+    finally:
+        await nc.close()
+
+
+async def _until(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.05)

@@ -306,6 +306,13 @@ class Bus:
     async def durable(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int,
                       ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT):
         """Create or update a durable pull consumer and bind to it."""
+        await self.consumer(stream, name, filter_subject, max_ack_pending=max_ack_pending, ack_wait=ack_wait,
+                            max_deliver=max_deliver, ack_policy=ack_policy)
+        return await self.js.pull_subscribe_bind(name, stream=stream)
+
+    async def consumer(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int,
+                       ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT):
+        """Create or update a durable pull consumer."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         await self.js.add_consumer(stream, ConsumerConfig(
             durable_name=name, ack_policy=ack_policy,
@@ -314,7 +321,6 @@ class Bus:
             max_ack_pending=max_ack_pending, ack_wait=ack_wait, max_deliver=max_deliver,
             deliver_policy=DeliverPolicy.ALL,
         ))
-        return await self.js.pull_subscribe_bind(name, stream=stream)
 
     async def execution_events(self, execution_id: str, partition: int,
                                classes: tuple[str, ...] = (CTL,)) -> list[tuple[int, dict]]:
@@ -387,6 +393,32 @@ def _partitions_of(config: StreamConfig) -> int:
         return DEFAULT_PARTITIONS
 
 
+async def release(sub, linger: float) -> None:
+    """Close a stopped reader's pull subscription without keeping a message from anyone: a pull
+    request still open at the server can deliver until it expires (``linger``), so what reaches the
+    subscription's queue now or until then is nak'ed (redelivered at once, to whoever reads next)."""
+    queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
+
+    async def drain() -> None:
+        while queue is not None and not queue.empty():
+            msg = queue.get_nowait()
+            if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status message
+                try:
+                    await msg.nak()
+                except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
+                    pass
+
+    try:
+        await drain()
+        await asyncio.sleep(linger)
+        await drain()
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 1,
                     timeout: float = 1.0) -> None:
     """Fetch and handle messages until ``stop`` is set. Handler errors are logged and the message is
@@ -405,6 +437,12 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
         for msg in msgs:
             try:
                 await handle(msg)
+            except asyncio.CancelledError:  # stopped mid-message: hand it back now, not after ack_wait
+                try:
+                    await asyncio.wait_for(msg.nak(), 1.0)
+                except BaseException:  # noqa: BLE001
+                    pass
+                raise
             except (ValueError, KeyError, TypeError, AttributeError):  # noqa: PERF203
                 # a message that cannot be decoded or folded will never succeed: retrying it would
                 # hold up its whole partition, so it is dropped, loudly

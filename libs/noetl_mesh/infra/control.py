@@ -27,10 +27,11 @@ from nats.aio.msg import Msg
 from ..core.decide import Decision
 from ..core.state import ExecutionState, apply
 from . import tracing
-from .bus import CTL, EVENTS, Bus, loads, partition_from_subject, pull_loop
+from .bus import CTL, EVENTS, Bus, loads, partition_from_subject, pull_loop, release
 from .membership import Membership
 
 log = logging.getLogger("noetl.control")
+FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
 
 
 class PartitionedService:
@@ -47,7 +48,6 @@ class PartitionedService:
         self.last_consumer_seq: dict[int, int] = {}
         self.stop_event = asyncio.Event()
         self.tasks: list[asyncio.Task] = []  # readers that are stopping (and, on stop, all of them)
-        self.subs: dict[int, Any] = {}  # partition -> its durable pull subscription
         self.readers: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # owned partition -> reader
         self.membership: Membership | None = None
         self.handled = 0
@@ -65,8 +65,8 @@ class PartitionedService:
         await self.bus.attach()
         for p in range(self.bus.partitions):
             subjects = [f"noetl.pevt.{p}.{c}.*" for c in self.classes]
-            self.subs[p] = await self.bus.durable(EVENTS, f"{self.name}-p{p}", subjects,
-                                                  max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
+            await self.bus.consumer(EVENTS, f"{self.name}-p{p}", subjects,
+                                    max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
         # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
         # stays valid; until the group is known, or without it, a replica reads every partition
         self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read)
@@ -74,7 +74,10 @@ class PartitionedService:
         self._read(self.membership.owned)
 
     def _read(self, owned: set[int]) -> None:
-        """Run a reader per owned partition; a partition no longer owned finishes its message and stops."""
+        """Run a reader per owned partition (again, if one ended); a partition no longer owned finishes
+        its message, gives back what arrived late, and its reader stops."""
+        for p in [p for p, (task, _) in self.readers.items() if task.done()]:
+            del self.readers[p]
         for p in [p for p in self.readers if p not in owned]:
             task, stop = self.readers.pop(p)
             stop.set()
@@ -82,27 +85,40 @@ class PartitionedService:
         for p in sorted(owned):
             if p not in self.readers and not self.stop_event.is_set():
                 stop = asyncio.Event()
-                task = asyncio.create_task(pull_loop(self.subs[p], self.handle, stop, timeout=1.0),
-                                           name=f"{self.name}-p{p}")
-                self.readers[p] = (task, stop)
+                self.readers[p] = (asyncio.create_task(self._reader(p, stop), name=f"{self.name}-p{p}"), stop)
         self.tasks = [t for t in self.tasks if not t.done()]
+
+    async def _reader(self, p: int, stop: asyncio.Event) -> None:
+        # a subscription (inbox) per reader: a delivery meant for an earlier reader of this partition
+        # can never reach this one's handler
+        sub = await self.bus.js.pull_subscribe_bind(f"{self.name}-p{p}", stream=EVENTS)
+        linger = FETCH_TIMEOUT + 0.2  # cancelled mid-fetch: the server may deliver until the request expires
+        try:
+            await pull_loop(sub, self.handle, stop, timeout=FETCH_TIMEOUT)
+            linger = 0.2  # the last fetch ended: only a delivery racing its deadline can still arrive
+        finally:
+            await release(sub, linger=linger)
 
     @property
     def owned(self) -> set[int]:
         return set(self.readers)
 
     async def stop(self) -> None:
+        """Finish the messages in hand and give back the rest, then leave the group, so the other
+        replicas take over without waiting out ``ack_wait``."""
         self.stop_event.set()
-        if self.membership is not None:
-            await self.membership.stop()
         for task, stop in self.readers.values():
             stop.set()
             self.tasks.append(task)
         self.readers.clear()
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.tasks:
+            _, late = await asyncio.wait(self.tasks, timeout=2 * FETCH_TIMEOUT + 2)
+            for t in late:  # stuck in a handler: cancelled, its message nak'ed (pull_loop)
+                t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks.clear()
+        if self.membership is not None:
+            await self.membership.stop()
 
     # --------------------------------------------------------------- one event
     async def handle(self, msg: Msg) -> None:

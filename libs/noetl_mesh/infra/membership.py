@@ -1,7 +1,7 @@
 """Which replica of a control-plane service reads which partitions: membership in NATS KV.
 
 Every replica puts ``<service>.<replica id>`` into the KV bucket ``noetl_members`` (bucket TTL
-``NOETL_MEMBERSHIP_TTL``, default 6 s) every third of the TTL and reads the group back; the sorted
+``NOETL_MEMBERSHIP_TTL``, default 6 s, fixed when the bucket is created) every third of the TTL and reads the group back; the sorted
 member list deals the partitions out (partition ``p`` to member ``p mod n``). A replica that stops
 deletes its key; one that dies drops out when its key expires. The others take its partitions at their
 next read. The group is read from the bucket's stream (its subjects, one per live key) rather than
@@ -21,7 +21,7 @@ import os
 import uuid
 from typing import Callable
 
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 log = logging.getLogger("noetl.membership")
 
@@ -52,20 +52,40 @@ class Membership:
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Join; a failure here only means reading every partition until a later beat succeeds."""
         try:
-            self.kv = await self.js.key_value(BUCKET)
-        except (BucketNotFoundError, NotFoundError):
-            self.kv = await self.js.create_key_value(bucket=BUCKET, ttl=self.ttl, history=1,
-                                                     description="noetl control-plane replicas")
-        await self.beat()
+            await asyncio.wait_for(self.beat(), 10)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("membership of %s: cannot join the group yet (%s); reading every partition", self.me, exc)
         self.task = asyncio.create_task(self._run(), name=f"membership-{self.group}")
+
+    async def _bucket(self):
+        """Open (or create) the bucket; its TTL, fixed when it was created, sets the heartbeat."""
+        if self.kv is None:
+            try:
+                kv = await self.js.key_value(BUCKET)
+            except (BucketNotFoundError, NotFoundError):
+                try:
+                    kv = await self.js.create_key_value(bucket=BUCKET, ttl=self.ttl, history=1,
+                                                        description="noetl control-plane replicas")
+                except BadRequestError:  # created meanwhile by a replica with another TTL: use it
+                    kv = await self.js.key_value(BUCKET)
+            ttl = (await kv.status()).ttl
+            if ttl:
+                self.ttl = float(ttl)
+            else:
+                log.warning("bucket %s has no TTL: replicas that die are never dropped; recreate it", BUCKET)
+            self.kv = kv
+        return self.kv
 
     async def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        if self.kv is None or self.js._nc.is_closed or not self.js._nc.is_connected:
+            return  # the key expires
         try:  # leave at once (no delete marker left behind): the others take over at their next read
-            await self.js.purge_stream(STREAM, subject=f"{PREFIX}{self.me}")
+            await asyncio.wait_for(self.js.purge_stream(STREAM, subject=f"{PREFIX}{self.me}"), 2)
         except Exception:  # noqa: BLE001 - best effort: otherwise the key expires
             pass
 
@@ -75,20 +95,24 @@ class Membership:
             await asyncio.sleep(self.ttl / 3)
             try:
                 await asyncio.wait_for(self.beat(), self.ttl / 3)
+                if failing_since is not None:
+                    log.info("membership of %s: the group is readable again", self.me)
                 failing_since = None
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - KV trouble: keep the share a while, then read everything
+            except Exception as exc:  # noqa: BLE001 - KV trouble: keep the share a while, then read everything
                 now = asyncio.get_running_loop().time()
-                failing_since = failing_since or now
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("membership of %s: cannot reach the group (%s)", self.me, exc)
                 if now - failing_since >= self.ttl:  # the others no longer count this replica
-                    log.exception("membership of %s: cannot reach the group; reading every partition", self.me)
                     self._set(set(range(self.partitions)))
 
     async def beat(self) -> None:
         """Heartbeat, then read the group: the keys of the bucket's stream under ``<group>.`` (one
         request; no watcher, so no race with keys expiring meanwhile)."""
-        await self.kv.put(self.me, b"1")
+        kv = await self._bucket()
+        await kv.put(self.me, b"1")
         info = await self.js.stream_info(STREAM, subjects_filter=f"{PREFIX}{self.group}.>")
         subjects = (info.state.subjects or {}) if info.state else {}
         self.members = sorted(subject[len(PREFIX):] for subject in subjects)
@@ -98,4 +122,4 @@ class Membership:
         if owned != self.owned:
             log.info("%s reads partitions %s (%d members)", self.me, sorted(owned), len(self.members))
             self.owned = owned
-            self.on_change(owned)
+        self.on_change(owned)  # every beat: the owner also restarts a reader that ended
