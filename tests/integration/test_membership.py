@@ -177,3 +177,25 @@ async def _until(predicate, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("timed out")
         await asyncio.sleep(0.05)
+
+
+def test_first_seq_finds_an_executions_first_message_of_any_class(fresh_nats):
+    """What tells a child's request whether a cancellation came before it (control.handle)."""
+    from noetl_mesh.core.events import make_event
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "first")
+        await bus.setup(1)
+        try:
+            assert await bus.first_seq("c1", 0) is None
+            other = await bus.publish_event(make_event("execution.cancelled", "c0", event_id="x0", source="t"))
+            cancel = await bus.publish_event(make_event("execution.cancelled", "c1", event_id="x1", source="t"))
+            request = await bus.publish_event(make_event("playbook.execution.requested", "c1", event_id="x2", source="t"))
+            info = await bus.publish_event(make_event("task.started", "c2", event_id="x3", source="t"))
+            seq = lambda log_seq: log_seq // 1024  # noqa: E731 - stream sequence of a log_seq
+            assert await bus.first_seq("c1", 0) == seq(cancel) < seq(request) and seq(other) < seq(cancel)
+            assert await bus.first_seq("c2", 0) == seq(info)  # an info-class message counts too
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

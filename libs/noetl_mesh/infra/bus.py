@@ -322,6 +322,14 @@ class Bus:
             deliver_policy=DeliverPolicy.ALL,
         ))
 
+    async def first_seq(self, execution_id: str, partition: int) -> int | None:
+        """The stream sequence of the execution's first message (any class), None when it has none."""
+        try:
+            return (await self.js.get_msg(EVENTS, seq=1, subject=f"noetl.pevt.{partition}.*.{execution_id}",
+                                          next=True)).seq
+        except NotFoundError:
+            return None
+
     async def execution_events(self, execution_id: str, partition: int,
                                classes: tuple[str, ...] = (CTL,)) -> list[tuple[int, dict]]:
         """The events of the given classes of one execution now in the stream, in order, with seqs."""

@@ -131,9 +131,11 @@ class PartitionedService:
         eid = events[0]["execution_id"]
         state = self.cache.get(eid)
         first = events[0]
-        if state is None and first["name"] == "playbook.execution.requested" and not (first.get("data") or {}).get("parent"):
-            # a request from the gateway is its execution's first event: nothing before it to fold (a
-            # child's request may follow its cancellation: the parent's router and admission race)
+        if state is None and first["name"] == "playbook.execution.requested" and (
+                not (first.get("data") or {}).get("parent")
+                or await self.bus.first_seq(eid, p) == seq.stream):
+            # a request is its execution's first event: nothing before it to fold. A child's request
+            # may follow its cancellation (the parent's router and admission race): one lookup says.
             state = ExecutionState(eid)
         elif state is None:
             state = await self._rebuild(eid, p, seq.stream)
