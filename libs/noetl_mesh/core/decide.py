@@ -93,7 +93,7 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     elif name == "task.suspended" and event.get("iteration") is None:  # an iteration's: the loop-coordinator's
         _start_child(out, event)
     elif name == "playbook.child.finished":
-        _child_finished(out, event)
+        _child_finished(out, event, iterations=False)
     if state.status == "RUNNING" and state.tokens and not state.halted:
         _admit_pending(out)
     return out.decision
@@ -300,13 +300,13 @@ def child_outcome(wait: Wait) -> dict[str, Any]:
         "retryable": bool(cause.get("retryable")), "child_execution_id": wait.child, "cause": cause or None}}
 
 
-def _child_finished(out: _Out, event: dict) -> None:
+def _child_finished(out: _Out, event: dict, *, iterations: bool) -> None:
     """Resume the run that waited for this child (admission: step runs; the loop-coordinator: loop
     iterations, the only waits its fold records besides step runs')."""
     state = out.state
     wait = state.waits.get((event.get("data") or {}).get("child_execution_id"))
     if wait is not None and wait.finished is not None and not state.halted \
-            and (wait.iteration is not None) == (out.source == "loop-coordinator"):
+            and (wait.iteration is not None) == iterations:
         _resume(out, wait)
 
 
@@ -460,7 +460,7 @@ def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
         return out.decision
     name = event["name"]
     if name == "playbook.child.finished":
-        _child_finished(out, event)
+        _child_finished(out, event, iterations=True)
         return out.decision
     if name == "task.suspended":
         if event.get("iteration") is not None:

@@ -111,7 +111,7 @@ class ExecutionState:
     cancel_requested: bool = False
     errors: list[Any] = field(default_factory=list)
     waits: dict[str, Wait] = field(default_factory=dict)  # suspended runs by child execution id
-    children: list[str] = field(default_factory=list)  # every child execution requested, in order
+    children: dict[str, None] = field(default_factory=dict)  # every child execution requested, in order
     seen: set[str] = field(default_factory=set)  # event ids applied (D21)
     token_seq: int = 0
     events: int = 0
@@ -307,9 +307,9 @@ def _suspended(s: ExecutionState, e: dict, d: dict) -> None:
     (the loop-coordinator's: it requests, resumes and cancels iterations' children)."""
     child = d.get("child") if isinstance(d.get("child"), dict) else {}
     cid = child.get("execution_id")
-    if not isinstance(cid, str) or cid in s.waits or cid in s.children:
+    if not isinstance(cid, str) or cid in s.children:
         return
-    s.children.append(cid)
+    s.children[cid] = None
     run = s.runs.get(e["step_run_id"])
     if run is None or run.ended:
         return
