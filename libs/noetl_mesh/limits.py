@@ -1,0 +1,168 @@
+"""Every limit and budget of the engine, in one place; docs/limits.md lists them for users.
+
+A limit bounds what one request, one playbook, one template or one task may cost, so that one careless
+or hostile input fails alone, with an error that names the limit, while every other execution keeps
+its latency. Each has a default a user would expect and an environment variable that changes it,
+``NOETL_LIMIT_<NAME>`` (read when the process starts; set it on every service that checks the limit).
+
+Code reads the current values as attributes: ``limits.current().max_body_bytes``. A breach raises (or
+reports) :class:`LimitExceeded`, whose message says what was too big, where, the limit, and how to
+raise it. Tests change values with :func:`override`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+ENV_PREFIX = "NOETL_LIMIT_"
+KIB, MIB = 1024, 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Limit:
+    name: str
+    default: int | float
+    unit: str  # bytes, characters, ms, levels, values, steps, items, seconds, ...
+    what: str  # what it bounds, in a few words, as the start of an error message ("the request body")
+    checked: str  # where it is checked (for docs/limits.md)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+# The table. Grouped by boundary; keep docs/limits.md in step (a test checks every entry is there).
+LIMITS: tuple[Limit, ...] = (
+    # ---- HTTP (gateway)
+    Limit("max_body_bytes", 16 * MIB, "bytes", "the request body",
+          "gateway, every request with a body (413)"),
+    Limit("max_json_depth", 64, "levels", "the nesting of a JSON request body",
+          "gateway, every JSON body (422)"),
+
+    # ---- documents (playbooks: files, catalog, inline)
+    Limit("max_document_bytes", 4 * MIB, "bytes", "the playbook text",
+          "validator (CLI, gateway, catalog, admission)"),
+    Limit("max_document_depth", 64, "levels", "the nesting of the playbook",
+          "validator"),
+    Limit("max_document_nodes", 500_000, "values", "the number of values in the playbook (YAML aliases expanded)",
+          "validator, before aliases are expanded"),
+    Limit("max_steps", 1_000, "steps", "the number of steps of the playbook",
+          "validator"),
+
+    # ---- executions
+    Limit("max_workload_bytes", 4 * MIB, "bytes", "the workload (JSON)",
+          "gateway (413) and admission (the request is refused)"),
+    Limit("max_loop_items", 1_000_000, "items", "the collection of a loop (loop.in)",
+          "loop-coordinator (the loop step fails)"),
+
+    # ---- templates (every render, in every service)
+    Limit("template_max_ms", 250, "ms", "the time one template render takes",
+          "every render: the task, arc or rule holding the template fails"),
+    Limit("template_max_output", 8 * MIB, "characters", "what one template builds (a string's characters, a list's items)",
+          "every render: the task, arc or rule holding the template fails"),
+
+    # ---- task results
+    Limit("max_result_bytes", 32 * MIB, "bytes", "a task's result",
+          "worker: the task ends with error kind result_too_large"),
+
+    # ---- replies over NATS (queries)
+    Limit("max_reply_bytes", 768 * KIB, "bytes", "a query's reply over NATS",
+          "event-recorder: pages are cut by bytes, bigger values go by reference (D23)"),
+
+    # ---- sessions and logins (access control)
+)
+
+_BY_NAME = {limit.name: limit for limit in LIMITS}
+
+
+class LimitExceeded(ValueError):
+    """A value over a limit. ``str()`` is the message for the user."""
+
+    def __init__(self, name: str, actual: int | float | None, where: str = "", what: str | None = None):
+        self.limit = _BY_NAME[name]
+        self.name, self.actual, self.where = name, actual, where
+        self.value = getattr(current(), name)
+        what = what or self.limit.what
+        size = f" is {_amount(actual, self.limit.unit)}" if actual is not None else ""
+        prefix = f"{where}: " if where else ""
+        super().__init__(
+            f"{prefix}{what}{size}, over the limit {name} = {_amount(self.value, self.limit.unit)} "
+            f"(set {self.limit.env} to change it)")
+
+    @property
+    def kind(self) -> str:
+        return "limit_exceeded"
+
+
+def _amount(value: int | float, unit: str) -> str:
+    if unit == "bytes" and isinstance(value, int) and value >= KIB:
+        for size, suffix in ((MIB, "MiB"), (KIB, "KiB")):
+            if value >= size:
+                n = value / size
+                return f"{n:.0f} {suffix}" if n == int(n) else f"{n:.1f} {suffix}"
+    if isinstance(value, int):
+        return f"{value:,} {unit}"
+    return f"{value:g} {unit}"
+
+
+class Limits:
+    """The current values, as attributes named like the limits."""
+
+    def __init__(self, values: dict[str, int | float]):
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for unknown names
+        raise AttributeError(f"no limit named {name!r}; known: {', '.join(_BY_NAME)}")
+
+    def as_dict(self) -> dict[str, int | float]:
+        return {name: getattr(self, name) for name in _BY_NAME}
+
+
+def _parse(limit: Limit, raw: str) -> int | float:
+    try:
+        value: int | float = int(raw) if isinstance(limit.default, int) else float(raw)
+    except ValueError:
+        raise ValueError(f"{limit.env}={raw!r}: expected a {type(limit.default).__name__}") from None
+    if value <= 0:
+        raise ValueError(f"{limit.env}={raw!r}: must be positive")
+    return value
+
+
+def from_environment(environ: dict[str, str] | None = None) -> Limits:
+    env = os.environ if environ is None else environ
+    values = {}
+    for limit in LIMITS:
+        raw = env.get(limit.env)
+        values[limit.name] = _parse(limit, raw) if raw not in (None, "") else limit.default
+    return Limits(values)
+
+
+_current = from_environment()
+
+
+def current() -> Limits:
+    return _current
+
+
+@contextlib.contextmanager
+def override(**values: int | float) -> Iterator[Limits]:
+    """Change limits inside a ``with`` block (tests)."""
+    global _current
+    unknown = set(values) - set(_BY_NAME)
+    if unknown:
+        raise AttributeError(f"no limit named {', '.join(sorted(unknown))}")
+    before = _current
+    _current = Limits({**before.as_dict(), **values})
+    try:
+        yield _current
+    finally:
+        _current = before
+
+
+def describe() -> list[dict[str, Any]]:
+    """Every limit with its default, current value and variable (``noetl limits``, docs)."""
+    now = current()
+    return [{"name": limit.name, "default": limit.default, "value": getattr(now, limit.name), "unit": limit.unit,
+             "env": limit.env, "what": limit.what, "checked": limit.checked} for limit in LIMITS]
