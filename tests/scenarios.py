@@ -116,7 +116,7 @@ def _fail_fast(s, ev):
 
 
 def _best_effort(s, ev):
-    assert s["status"] == "FAILED"
+    assert s["status"] == "COMPLETED"  # D18: a best_effort failure ends its branch, not the execution
     assert s["steps"]["other"]["status"] == "done" and s["steps"]["bad"]["status"] == "failed"
 
 

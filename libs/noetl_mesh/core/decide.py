@@ -26,6 +26,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from .. import limits
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, truthy
 from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
@@ -116,6 +119,11 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
         return
     overrides = state.request.get("workload") or {}
     workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
+    size = len(orjson.dumps(workload, default=str, option=orjson.OPT_NON_STR_KEYS))
+    if size > limits.current().max_workload_bytes:
+        out.event("playbook.request.evaluated", status="error",
+                  data={"errors": [str(limits.LimitExceeded("max_workload_bytes", size, "workload"))]})
+        return
     out.event(
         "playbook.request.evaluated",
         data={"playbook": doc, "digest": digest, "workload": workload, "keychain": _keychain_declarations(doc),
@@ -196,7 +204,12 @@ def _try_fire(out: _Out, step: str, token) -> bool:
 def _fire(out: _Out, step: str, token_ids: list[str], args: dict) -> None:
     state = out.state
     sdef = state.step_def(step)
-    allow, why = _admit(state, sdef, args)
+    try:
+        allow, why = _admit(state, sdef, args)
+    except TemplateError as exc:  # not a denial: the step run fails, and its arcs can route the error
+        _fail_admission(out, step, token_ids, args, sdef,
+                        {"kind": "template_error", "message": str(exc), "retryable": False})
+        return
     if not allow:
         out.event("step.skipped", step=step, data={"tokens": token_ids, "reason": why})
         return
@@ -215,22 +228,32 @@ def _fire(out: _Out, step: str, token_ids: list[str], args: dict) -> None:
     out.command(build_command(state, run, pool=pool))
 
 
+def _fail_admission(out: _Out, step: str, token_ids: list[str], args: dict, sdef: dict, error: dict) -> None:
+    """An admit rule that cannot be evaluated fails the step run (D17): admitted (marked, so that no
+    loop starts), started and failed at once; the router routes ``step.failed`` like any other."""
+    state = out.state
+    run_id = stable_id("run", state.execution_id, *sorted(token_ids))
+    out.event("step.admitted", step=step, step_run_id=run_id,
+              data={"run_id": run_id, "step": step, "tokens": token_ids, "args": args, "admit_error": error})
+    out.event("step.started", step=step, step_run_id=run_id, status="in_progress")
+    counts = {"total": 0, "done": 0, "failed": 0} if sdef.get("loop") else {}
+    out.event("step.failed", status="error", step=step, step_run_id=run_id, data={"error": error, **counts})
+
+
 def _admit(state: ExecutionState, sdef: dict, args: dict) -> tuple[bool, str]:
-    """D17: first matching rule wins; no rules, or no match and no else, -> allow."""
+    """D17: first matching rule wins; no rules, or no match and no else, -> allow. A rule whose
+    template fails raises TemplateError (the step run fails with it, it is not a denial)."""
     rules = (((sdef.get("spec") or {}).get("policy") or {}).get("admit") or {}).get("rules") or []
     if not rules:
         return True, ""
     context = {"workload": state.workload, "ctx": state.ctx, "args": args, "execution_id": state.execution_id,
                **_step_scope(state)}
     where = f"step={sdef['step']}.spec.policy.admit"
-    try:
-        for i, rule in enumerate(rules):
-            if "else" in rule:
-                return _allow(rule["else"]["then"], context, f"{where}.rules[{i}].else"), f"rules[{i}] (else)"
-            if truthy(rule["when"], context, f"{where}.rules[{i}].when"):
-                return _allow(rule["then"], context, f"{where}.rules[{i}]"), f"rules[{i}]"
-    except TemplateError as exc:
-        return False, f"admission error: {exc}"
+    for i, rule in enumerate(rules):
+        if "else" in rule:
+            return _allow(rule["else"]["then"], context, f"{where}.rules[{i}].else"), f"rules[{i}] (else)"
+        if truthy(rule["when"], context, f"{where}.rules[{i}].when"):
+            return _allow(rule["then"], context, f"{where}.rules[{i}]"), f"rules[{i}]"
     return True, "no rule matched"
 
 
@@ -360,8 +383,9 @@ def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
         _finish(out, FAILED, error=(state.failure or {}).get("error"))
     elif state.status == "RUNNING" and name in ("next.evaluated", "step.skipped", *TERMINAL_STEP_EVENTS) \
             and state.quiescent():  # only these end activity; between workflow.started and its token nothing does
-        _finish(out, FAILED if state.failed_unhandled else COMPLETED,
-                error=(state.failure or {}).get("error") if state.failed_unhandled else None)
+        # D18: only an unhandled failure under fail_fast fails the execution (and that halts it at once,
+        # above); a best_effort failure ended its branch, and the execution completes
+        _finish(out, COMPLETED)
     return out.decision
 
 
@@ -472,7 +496,7 @@ def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
     sdef = state.step_def(run.step)
     if not sdef.get("loop") or not sdef.get("tool"):
         return out.decision
-    if name == "step.admitted" and run.loop is None:
+    if name == "step.admitted" and run.loop is None and not (event.get("data") or {}).get("admit_error"):
         _start_loop(out, run, sdef)
     elif name in ("loop.iteration.done", "loop.iteration.failed") and run.loop is not None:
         _continue_loop(out, run, sdef)
@@ -494,9 +518,12 @@ def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
         if not isinstance(items, (list, tuple)):
             raise TemplateError(str(loop["in"]), f"step={run.step}.loop.in",
                                 f"loop.in must render to a list, got {type(items).__name__}")
-    except TemplateError as exc:
+        if len(items) > limits.current().max_loop_items:
+            raise limits.LimitExceeded("max_loop_items", len(items), f"step={run.step}.loop.in")
+    except (TemplateError, limits.LimitExceeded) as exc:
+        kind = "limit_exceeded" if isinstance(exc, limits.LimitExceeded) else "template_error"
         out.event("step.failed", status="error", step=run.step, step_run_id=run.id,
-                  data={"error": {"kind": "template_error", "message": str(exc), "retryable": False},
+                  data={"error": {"kind": kind, "message": str(exc), "retryable": False},
                         "total": 0, "done": 0, "failed": 0})
         return
     max_in_flight = int(lspec.get("max_in_flight", 16)) if mode == "parallel" else 1
