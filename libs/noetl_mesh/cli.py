@@ -135,7 +135,7 @@ async def _embedded_stack(quiet: bool, persistent: str | None = None, processes:
     pg = provision_postgres(data_dir=pg_dir, fast=not persistent)
     settings = Settings(nats_url=nats_server.url, pg_dsn=pg.dsn("postgres"))
     if processes:
-        stack = ProcessStack(settings, log_dir=persistent)
+        stack = ProcessStack(settings, log_dir=persistent, supervise=True)
     else:
         stack = InProcessStack(settings)
     inner_stop = stack.stop

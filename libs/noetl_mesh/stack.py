@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -14,6 +15,8 @@ from typing import Any
 
 from .infra.bus import DEFAULT_PARTITIONS, Bus
 from .infra import tracing
+
+log = logging.getLogger("noetl.stack")
 
 CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator")
 ALL_SERVICES = (*CONTROL_PLANE, "worker", "gateway")
@@ -70,11 +73,43 @@ class Running:
 async def start_service(name: str, settings: Settings, *, setup: bool = False) -> Running:
     tracing.setup(name)
     bus = await Bus.connect(settings.nats_url, f"noetl-{name}")
-    if setup:
-        await bus.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)))
-    service = make_service(name, bus, settings)
-    await service.start()
+    try:
+        if setup:
+            await bus.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)))
+        service = make_service(name, bus, settings)
+        try:
+            await service.start()
+        except BaseException:
+            await asyncio.shield(_quietly(service.stop()))  # whatever it had started
+            raise
+    except BaseException:
+        await _quietly(bus.close())
+        raise
     return Running(name, bus, service)
+
+
+async def start_service_retrying(name: str, settings: Settings, *, setup: bool = False,
+                                 max_delay: float = 10.0) -> Running:
+    """:func:`start_service` until it succeeds: a dependency that is not there yet (NATS restarting,
+    JetStream not ready, a stream not created yet) is waited for with a growing delay, each failure
+    logged in one line; a mistake in the settings (ValueError) is not retried."""
+    delay = 0.5
+    while True:
+        try:
+            return await start_service(name, settings, setup=setup)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything else may pass: retry
+            log.warning("%s could not start (%s: %s); retrying in %.1fs", name, type(exc).__name__, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+
+
+async def _quietly(awaitable) -> None:
+    try:
+        await awaitable
+    except Exception:  # noqa: BLE001 - best effort cleanup
+        pass
 
 
 async def stop_service(running: Running) -> None:
@@ -126,13 +161,19 @@ def free_port() -> int:
 
 @dataclass
 class ProcessStack:
-    """Every service in its own OS process (``noetl service NAME``), as in a deployment."""
+    """Every service in its own OS process (``noetl service NAME``), as in a deployment. With
+    ``supervise`` (``noetl up``), a service that exits is started again, with a growing delay when it
+    keeps exiting."""
 
     settings: Settings
     replicas: int = 1
     workers: int = 1
     log_dir: str | None = None
+    supervise: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    _specs: dict[str, tuple[str, dict]] = field(default_factory=dict)
+    _supervisor: asyncio.Task | None = None
 
     def spawn(self, name: str, key: str | None = None, **extra: Any) -> subprocess.Popen:
         s = self.settings
@@ -146,8 +187,38 @@ class ProcessStack:
         key = key or name
         out = open(os.path.join(self.log_dir, f"{key}.log"), "ab") if self.log_dir else subprocess.DEVNULL
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child has its own descriptor
         self.procs[key] = proc
+        self._specs[key] = (name, extra)
         return proc
+
+    async def _watch(self, poll: float = 0.5, max_delay: float = 30.0, stable: float = 60.0) -> None:
+        """Start again every service that exited. The delay doubles (up to ``max_delay``) while a service
+        keeps exiting within ``stable`` seconds of its start, and is back to ``poll`` once it stays up."""
+        delay: dict[str, float] = {}
+        due: dict[str, float] = {}
+        started: dict[str, float] = {key: time.monotonic() for key in self.procs}
+        while True:
+            await asyncio.sleep(poll)
+            now = time.monotonic()
+            for key, proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    if now - started.get(key, now) > stable:
+                        delay.pop(key, None)
+                    continue
+                if key not in due:
+                    wait = delay.get(key, 0.0)
+                    delay[key] = min(max(2 * wait, 1.0), max_delay)
+                    due[key] = now + wait
+                    log.warning("service %s exited with status %s; starting it again in %.1fs",
+                                key, proc.returncode, wait)
+                if now >= due[key]:
+                    del due[key]
+                    name, extra = self._specs[key]
+                    self.spawn(name, key, **extra)
+                    started[key] = time.monotonic()
+                    self.restarts[key] = self.restarts.get(key, 0) + 1
 
     async def start(self) -> "ProcessStack":
         setup = await Bus.connect(self.settings.nats_url, "noetl-setup")
@@ -161,7 +232,9 @@ class ProcessStack:
         for i in range(self.workers):
             self.spawn("worker", f"worker-{i}")
         self.spawn("gateway", port=self.port)
-        await wait_http(f"{self.gateway_url}/health", timeout=60, procs=self.procs)
+        await wait_http(f"{self.gateway_url}/health", timeout=60, procs=None if self.supervise else self.procs)
+        if self.supervise:
+            self._supervisor = asyncio.create_task(self._watch(), name="supervisor")
         return self
 
     @property
@@ -174,6 +247,10 @@ class ProcessStack:
         proc.wait(10)
 
     async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+            self._supervisor = None
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -205,12 +282,19 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
 
 
 async def serve_forever(name: str, settings: Settings) -> None:
-    """``noetl service NAME``: run one service until SIGTERM/SIGINT."""
-    running = await start_service(name, settings, setup=True)  # creates the streams when missing
+    """``noetl service NAME``: run one service until SIGTERM/SIGINT. Its dependencies are waited for
+    (retried with a growing delay), never a reason to exit."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(start_service_retrying(name, settings, setup=True))  # creates missing streams
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return
+    running = starting.result()
     if name == "gateway":
         print(f"gateway listening on {running.service.url}", flush=True)
     await stop.wait()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -146,7 +147,12 @@ class Bus:
     # ----------------------------------------------------------------- lifecycle
     @classmethod
     async def connect(cls, url: str, name: str) -> "Bus":
-        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        """Connect, retrying for as long as it takes (NATS may start after the service, or restart);
+        connection trouble is logged as one line at most every 10 s, never as a traceback."""
+        quiet = _QuietLog(name)
+        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                error_cb=quiet.error, disconnected_cb=quiet.disconnected,
+                                reconnected_cb=quiet.reconnected)
         bus = cls(nc, nc.jetstream(timeout=10), name)
         return bus
 
@@ -197,14 +203,23 @@ class Bus:
             ))
 
     async def attach(self) -> None:
-        """Read the partition count from the events stream (created by :meth:`setup`)."""
-        for _ in range(100):
+        """Read the partition count from the events stream (created by :meth:`setup`), waiting for it
+        (and for JetStream) as long as it takes."""
+        delay, waited, said = 0.1, 0.0, 0.0
+        while True:
             try:
                 self.partitions = _partitions_of((await self.js.stream_info(EVENTS)).config)
                 return
             except NotFoundError:
-                await asyncio.sleep(0.1)
-        raise RuntimeError(f"stream {EVENTS} does not exist: run setup first")
+                why = f"stream {EVENTS} does not exist yet (created by `noetl up` or `noetl service`)"
+            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+                why = f"JetStream does not answer ({type(exc).__name__}: {exc})"
+            if waited - said >= 10 or (waited and not said):
+                log.warning("%s: waiting: %s", self.name, why)
+                said = waited
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 2.0)
 
     # ----------------------------------------------------------------- publishing
     async def publish_event(self, event: dict[str, Any]) -> int:
@@ -385,6 +400,27 @@ def _msg_id(events: list[dict[str, Any]]) -> str:
     if len(events) == 1:
         return events[0]["event_id"]
     return f"{events[0]['event_id']}+{len(events)}-{events[-1]['event_id']}"
+
+
+class _QuietLog:
+    """nats-py's callbacks for one connection: a line per state change, and connection errors at most
+    once every 10 s (the client retries forever; its default callback prints a traceback each time)."""
+
+    def __init__(self, name: str):
+        self.name, self.last = name, 0.0
+
+    async def error(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self.last >= 10:
+            self.last = now
+            log.warning("%s: NATS: %s: %s (retrying)", self.name, type(exc).__name__, exc)
+
+    async def disconnected(self) -> None:  # also on a normal close
+        log.info("%s: disconnected from NATS", self.name)
+
+    async def reconnected(self) -> None:
+        self.last = 0.0
+        log.warning("%s: reconnected to NATS after losing the connection", self.name)
 
 
 class BusError(Exception):

@@ -1,0 +1,98 @@
+"""Supervision: services wait for their dependencies instead of exiting, and a supervised process
+stack (``noetl up``) starts again a service that exits."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.infra.bus import Bus
+from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.stack import ProcessStack, Settings, free_port
+
+pytestmark = pytest.mark.integration
+
+CHAIN = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "tests/c"},
+         "workflow": [{"step": "a", "tool": {"kind": "noop", "result": 1}, "next": {"arcs": [{"step": "b"}]}},
+                      {"step": "b", "tool": {"kind": "noop", "result": "{{ a.result + 1 }}"}}]}
+
+
+def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "admission.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "service", "admission",
+                                 "--nats-url", f"nats://127.0.0.1:{port}"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    nats = None
+    try:
+        time.sleep(4)
+        assert proc.poll() is None, log_path.read_text()
+        nats = EmbeddedNats(port=port).start()
+
+        async def consumers() -> set[str]:
+            bus = await Bus.connect(nats.url, "probe")
+            try:
+                for _ in range(200):
+                    try:
+                        names = {c.name async for c in _consumers(bus)}
+                        if "admission-p0" in names:
+                            return names
+                    except Exception:  # noqa: BLE001 - the stream may not exist yet
+                        pass
+                    await asyncio.sleep(0.1)
+                return set()
+            finally:
+                await bus.close()
+
+        assert "admission-p0" in asyncio.run(consumers()), log_path.read_text()
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        if nats is not None:
+            nats.stop()
+    text = log_path.read_text()
+    assert "Traceback" not in text, text  # waiting is logged in lines, not as tracebacks
+    assert "retrying" in text
+
+
+async def _consumers(bus):
+    for info in await bus.js.consumers_info("NOETL_EVENTS"):
+        yield info
+
+
+def test_supervised_stack_starts_a_killed_service_again(pg_dsn, tmp_path, monkeypatch):
+    monkeypatch.setenv("NOETL_CONTROL_ACK_WAIT", "2")
+    nats = EmbeddedNats().start()
+
+    async def go():
+        stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, ack_wait=2.0), log_dir=str(tmp_path),
+                             supervise=True)
+        await stack.start()
+        try:
+            for key in ("router-0", "worker-0"):
+                old = stack.procs[key].pid
+                os.kill(old, signal.SIGKILL)
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    if stack.procs[key].pid != old and stack.procs[key].poll() is None:
+                        break
+                assert stack.procs[key].pid != old and stack.restarts[key] == 1
+            async with GatewayClient(stack.gateway_url) as client:
+                eid = await client.start(CHAIN)
+                return await client.wait(eid, timeout=60)
+        finally:
+            await stack.stop()
+
+    try:
+        final = asyncio.run(go())
+    finally:
+        nats.stop()
+    assert final["status"] == "COMPLETED" and final["steps"]["b"]["result"] == 2
