@@ -237,6 +237,51 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return _gateway_call(args, lambda c: c.cancel(args.execution_id))
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``noetl verify ID...|--all``: check executions' event logs (core/verify.py); exit 0 when every
+    log is sound, 1 when any has a finding, 2 for bad arguments."""
+    import httpx
+
+    from .client import GatewayClient, GatewayError
+    from .core.verify import verify
+
+    if bool(args.execution_ids) == bool(args.all):
+        return _fail("give execution ids or --all (not both)")
+
+    async def main() -> int:
+        async with GatewayClient(args.gateway) as client:
+            ids = args.execution_ids or [x["execution_id"] for x in await client.list_executions(all_pages=True)]
+            reports = []
+            for xid in ids:
+                try:
+                    reports.append(verify(await client.all_events(xid), xid))
+                except GatewayError as exc:
+                    if exc.status != 404:
+                        raise
+                    reports.append(None)
+                    print(f"{xid}: not found", file=sys.stderr)
+        bad = [r for r in reports if r is None or not r.ok]
+        if args.json:
+            print(json.dumps([r.as_dict() for r in reports if r is not None], indent=2))
+        else:
+            for r in reports:
+                if r is None:
+                    continue
+                print(f"{r.execution_id}: {'ok' if r.ok else 'FINDINGS'} ({r.status}, {r.events} events)")
+                for f in r.findings:
+                    where = " ".join(f"{k}={v}" for k, v in f.as_dict().items() if k not in ("check", "message"))
+                    print(f"  {f.check}: {f.message}" + (f" [{where}]" if where else ""))
+            print(f"{len(reports) - len(bad)} of {len(reports)} execution(s) verified without findings")
+        return EXIT_FAILED if bad else EXIT_OK
+
+    try:
+        return asyncio.run(main())
+    except GatewayError as exc:
+        return _fail(str(exc), EXIT_FAILED)
+    except (OSError, httpx.TransportError) as exc:
+        return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
+
+
 def cmd_credential(args: argparse.Namespace) -> int:
     """``noetl credential add|list|delete`` against a gateway (D24)."""
     if args.action == "add":
@@ -302,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("execution_id")
         p.add_argument("--gateway", default=gateway_default)
         p.set_defaults(func=fn)
+
+    p = sub.add_parser("verify", help="check executions' event logs: finished, every step run ended once, "
+                                      "loops complete, nothing run after the end")
+    p.add_argument("execution_ids", nargs="*", metavar="ID")
+    p.add_argument("--all", action="store_true", help="every execution the gateway lists")
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.add_argument("--gateway", default=gateway_default)
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("credential", help="the credential store (add, list, delete)")
     csub = p.add_subparsers(dest="action", required=True)

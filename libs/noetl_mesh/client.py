@@ -57,6 +57,21 @@ class GatewayClient:
             if not page["events"] or len(out) >= page["total"]:
                 return out
 
+    async def list_executions(self, status: str | None = None, limit: int = 1000, all_pages: bool = False) -> list[dict]:
+        """Executions, newest first; ``all_pages`` follows the pages to the oldest."""
+        out: list[dict] = []
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status
+        seen: set[str] = set()
+        while True:
+            page = await self._call("GET", "/api/executions", params={**params, "offset": len(out)})
+            new = [x for x in page if x["execution_id"] not in seen]
+            seen.update(x["execution_id"] for x in new)
+            out += new
+            if not all_pages or len(page) < limit or not new:
+                return out
+
     async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
         return await self._call("POST", f"/api/executions/{execution_id}/cancel", json={"reason": reason})
 
