@@ -31,6 +31,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 0
     ack_wait: float = 30.0
+    replicas: int | None = None  # of streams, buckets, object stores when created (NOETL_REPLICAS, else 1)
 
 
 def make_service(name: str, bus: Bus, settings: Settings):
@@ -130,7 +131,7 @@ class InProcessStack:
 
     async def start(self) -> "InProcessStack":
         setup = await Bus.connect(self.settings.nats_url, "noetl-setup")
-        await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)))
+        await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=self.settings.replicas)
         await setup.close()
         names = ["event-recorder"] + [n for n in CONTROL_PLANE[1:] for _ in range(self.replicas)]
         names += ["worker"] * self.workers + ["gateway"]
@@ -222,7 +223,7 @@ class ProcessStack:
 
     async def start(self) -> "ProcessStack":
         setup = await Bus.connect(self.settings.nats_url, "noetl-setup")
-        await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)))
+        await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=self.settings.replicas)
         await setup.close()
         self.port = self.settings.port or free_port()
         self.spawn("event-recorder")

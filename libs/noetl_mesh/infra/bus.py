@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -135,13 +136,14 @@ class Bus:
     js: JetStreamContext
     name: str
     partitions: int = DEFAULT_PARTITIONS
+    replicas: int = 1  # of every stream, bucket and object store (the events stream's, once it exists)
     payload_limit: int = DEFAULT_LIMIT  # D23: bigger values travel as object-store references
     _payloads: PayloadStore | None = None
 
     @property
     def payloads(self) -> PayloadStore:
         if self._payloads is None:
-            self._payloads = PayloadStore(self.js)
+            self._payloads = PayloadStore(self.js, replicas=self.replicas)
         return self._payloads
 
     # ----------------------------------------------------------------- lifecycle
@@ -150,7 +152,8 @@ class Bus:
         """Connect, retrying for as long as it takes (NATS may start after the service, or restart);
         connection trouble is logged as one line at most every 10 s, never as a traceback."""
         quiet = _QuietLog(name)
-        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any node will do
+        nc = await nats.connect(servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                 error_cb=quiet.error, disconnected_cb=quiet.disconnected,
                                 reconnected_cb=quiet.reconnected)
         bus = cls(nc, nc.jetstream(timeout=10), name)
@@ -166,19 +169,23 @@ class Bus:
                 pass
             await self.nc.close()
 
-    async def setup(self, partitions: int = DEFAULT_PARTITIONS, max_age_s: float = 7 * 24 * 3600) -> None:
-        """Create the streams if missing; adopt the partition count of an existing events stream."""
+    async def setup(self, partitions: int = DEFAULT_PARTITIONS, max_age_s: float = 7 * 24 * 3600,
+                    replicas: int | None = None) -> None:
+        """Create the streams if missing, with ``replicas`` copies each (default ``NOETL_REPLICAS`` or 1;
+        3 on a 3-node cluster); adopt the partition and replica counts of an existing events stream."""
+        replicas = replicas or int(os.environ.get("NOETL_REPLICAS") or 1)
         try:
             info = await self.js.stream_info(EVENTS)
             self.partitions = _partitions_of(info.config)
+            self.replicas = info.config.num_replicas or 1
         except NotFoundError:
             dest = f"noetl.pevt.{{{{partition({partitions},2)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}"
             await self.js.add_stream(StreamConfig(
                 name=EVENTS, subjects=["noetl.evt.*.*"], storage=StorageType.FILE,
                 retention=RetentionPolicy.LIMITS, max_age=max_age_s, duplicate_window=120,
-                subject_transform=SubjectTransform(src="noetl.evt.*.*", dest=dest),
+                subject_transform=SubjectTransform(src="noetl.evt.*.*", dest=dest), num_replicas=replicas,
             ))
-            self.partitions = partitions
+            self.partitions, self.replicas = partitions, replicas
         try:
             info = await self.js.stream_info(COMMANDS)
             if set(info.config.subjects or ()) != set(COMMAND_SUBJECTS):  # an earlier version's stream
@@ -187,7 +194,7 @@ class Bus:
         except NotFoundError:
             await self.js.add_stream(StreamConfig(
                 name=COMMANDS, subjects=list(COMMAND_SUBJECTS), storage=StorageType.FILE,
-                retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120,
+                retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120, num_replicas=self.replicas,
             ))
         await self.ensure_lost_commands(max_age_s)
 
@@ -199,7 +206,7 @@ class Bus:
         except NotFoundError:
             await self.js.add_stream(StreamConfig(
                 name=LOST_COMMANDS, subjects=[MAX_DELIVERIES], storage=StorageType.FILE,
-                retention=RetentionPolicy.WORK_QUEUE, max_age=max_age_s,
+                retention=RetentionPolicy.WORK_QUEUE, max_age=max_age_s, num_replicas=self.replicas,
             ))
 
     async def attach(self) -> None:
@@ -208,7 +215,8 @@ class Bus:
         delay, waited, said = 0.1, 0.0, 0.0
         while True:
             try:
-                self.partitions = _partitions_of((await self.js.stream_info(EVENTS)).config)
+                config = (await self.js.stream_info(EVENTS)).config
+                self.partitions, self.replicas = _partitions_of(config), config.num_replicas or 1
                 return
             except NotFoundError:
                 why = f"stream {EVENTS} does not exist yet (created by `noetl up` or `noetl service`)"

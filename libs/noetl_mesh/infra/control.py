@@ -69,7 +69,8 @@ class PartitionedService:
                                     max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
         # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
         # stays valid; until the group is known, or without it, a replica reads every partition
-        self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read)
+        self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read,
+                                     replicas=self.bus.replicas)
         await self.membership.start()
         self._read(self.membership.owned)
 

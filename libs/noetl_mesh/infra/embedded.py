@@ -39,6 +39,7 @@ __all__ = [
     "ENV_PG_BIN",
     "ENV_PG_DSN",
     "EmbeddedNats",
+    "EmbeddedNatsCluster",
     "EmbeddedPostgres",
     "ExternalNats",
     "ExternalPostgres",
@@ -147,11 +148,13 @@ class EmbeddedNats:
         max_payload: int | None = None,
         log_path: str | Path | None = None,
         startup_timeout: float = 10.0,
+        config: str = "",
     ) -> None:
         self._requested_store = Path(store_dir) if store_dir is not None else None
         self._requested_port = port
         self._requested_log = Path(log_path) if log_path is not None else None
         self.max_payload = max_payload
+        self.config = config  # extra server configuration (a cluster node's name and routes)
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
@@ -217,9 +220,12 @@ class EmbeddedNats:
             "--ports_file_dir", str(workdir),
             "-sd", str(self.store_dir), "-l", str(self.log_path),
         ]  # fmt: skip
-        if self.max_payload is not None:
+        lines = [f"max_payload: {int(self.max_payload)}"] if self.max_payload is not None else []
+        if self.config:
+            lines.append(self.config)
+        if lines:
             conf = workdir / "nats.conf"
-            conf.write_text(f"max_payload: {int(self.max_payload)}\n")
+            conf.write_text("\n".join(lines) + "\n")
             cmd += ["-c", str(conf)]
         return cmd
 
@@ -283,6 +289,108 @@ class EmbeddedNats:
     def __repr__(self) -> str:
         where = self.url if self.port else "stopped"
         return f"EmbeddedNats({where}, pid={self.pid})"
+
+
+class EmbeddedNatsCluster:
+    """``nodes`` NATS servers with JetStream, clustered on loopback (one route per pair), each with its
+    own store. Streams, KV buckets and object stores created through it get ``nodes`` replicas when the
+    stack is told so (``Settings.replicas``): an acknowledged publish is then on a majority of nodes.
+    ``url`` lists every node, so clients fail over. A node can be killed and started again
+    (``kill(i)``, ``start_node(i)``) with its store."""
+
+    external = False
+
+    def __init__(self, nodes: int = 3, store_root: str | Path | None = None, *, startup_timeout: float = 30.0,
+                 name: str = "noetl") -> None:
+        self.size, self.name, self.startup_timeout = nodes, name, startup_timeout
+        self._root = Path(store_root) if store_root is not None else Path(tempfile.mkdtemp(prefix="noetl-nats-cluster-"))
+        self._own_root = store_root is None
+        self.ports = [_free_port() for _ in range(nodes)]
+        self.cluster_ports = [_free_port() for _ in range(nodes)]
+        self.nodes: list[EmbeddedNats] = []
+        for i in range(nodes):
+            routes = ", ".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.cluster_ports) if j != i)
+            config = (f"server_name: {name}-{i}\n"
+                      f"cluster {{ name: {name}, listen: 127.0.0.1:{self.cluster_ports[i]}, routes: [{routes}] }}")
+            self.nodes.append(EmbeddedNats(store_dir=self._root / f"n{i}", port=self.ports[i],
+                                           log_path=self._root / f"n{i}.log", config=config,
+                                           startup_timeout=startup_timeout))
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> Self:
+        """Start every node (together: a node waits for its peers); ready when each answers as
+        JetStream-enabled. Creating the first stream may still wait for the meta leader's election."""
+        import threading
+
+        errors: list[BaseException] = []
+
+        def boot(node: EmbeddedNats) -> None:
+            try:
+                node.start()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=boot, args=(n,)) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+        self.wait_for_leader()
+        return self
+
+    def wait_for_leader(self, timeout: float | None = None) -> str:
+        """Until every running node names the same JetStream meta leader (the API answers only then)."""
+        deadline = time.monotonic() + (timeout or self.startup_timeout)
+        while True:
+            leaders = set()
+            for node in self.nodes:
+                if node.port is None:
+                    continue
+                try:
+                    with _NO_PROXY.open(f"{node.monitor_url}/jsz", timeout=1) as r:
+                        leaders.add((json.loads(r.read()).get("meta_cluster") or {}).get("leader"))
+                except (urllib.error.URLError, OSError, ValueError):
+                    leaders.add(None)
+            if len(leaders) == 1 and None not in leaders:
+                return leaders.pop()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise InfraError(f"the NATS cluster elected no JetStream leader within the timeout (saw {leaders})")
+            time.sleep(0.05)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i`` (its store stays)."""
+        node = self.nodes[i]
+        if node._proc is not None:
+            node._proc.kill()
+            node._proc.wait(10)
+            node._proc = None
+        if node._finalizer is not None:
+            node._finalizer.detach()
+            node._finalizer = None
+        node.port = node.monitor_port = None
+        node._cleanup()
+
+    def start_node(self, i: int) -> None:
+        self.nodes[i].start()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self._own_root:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class _External:

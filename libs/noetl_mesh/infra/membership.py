@@ -42,8 +42,9 @@ def assign(partitions: int, members: list[str], me: str) -> set[int]:
 
 class Membership:
     def __init__(self, js, group: str, partitions: int, on_change: Callable[[set[int]], None],
-                 ttl: float | None = None) -> None:
+                 ttl: float | None = None, replicas: int = 1) -> None:
         self.js, self.group, self.partitions, self.on_change = js, group, partitions, on_change
+        self.replicas = replicas
         self.ttl = ttl or float(os.environ.get("NOETL_MEMBERSHIP_TTL", 6))
         self.me = f"{group}.{uuid.uuid4().hex[:12]}"
         self.owned: set[int] = set(range(partitions))
@@ -67,7 +68,8 @@ class Membership:
             except (BucketNotFoundError, NotFoundError):
                 try:
                     kv = await self.js.create_key_value(bucket=BUCKET, ttl=self.ttl, history=1,
-                                                        description="noetl control-plane replicas")
+                                                        description="noetl control-plane replicas",
+                                                        replicas=self.replicas)
                 except BadRequestError:  # created meanwhile by a replica with another TTL: use it
                     kv = await self.js.key_value(BUCKET)
             ttl = (await kv.status()).ttl

@@ -43,8 +43,8 @@ def is_ref(value: Any) -> bool:
 
 
 class PayloadStore:
-    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024, retention_s: float | None = None):
-        self.js = js
+    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024, retention_s: float | None = None, replicas: int = 1):
+        self.js, self.replicas = js, replicas
         self.retention_s = retention_s or float(os.environ.get("NOETL_PAYLOAD_RETENTION", DEFAULT_RETENTION_S))
         self._bucket = None
         self._cache: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
@@ -56,7 +56,7 @@ class PayloadStore:
                 self._bucket = await self.js.object_store(BUCKET)
             except NotFoundError:  # missing: create it
                 self._bucket = await self.js.create_object_store(BUCKET, config=ObjectStoreConfig(
-                    description="noetl payload references (D23)", ttl=self.retention_s))
+                    description="noetl payload references (D23)", ttl=self.retention_s, replicas=self.replicas))
         return self._bucket
 
     async def put(self, value: Any) -> dict[str, Any]:

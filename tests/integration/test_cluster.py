@@ -1,0 +1,71 @@
+"""A 3-node NATS cluster started by the embedded module: streams, KV bucket and object store get three
+replicas, and killing a node mid-run (the events stream's leader) loses nothing."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.core.verify import verify
+from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus
+from noetl_mesh.infra.embedded import EmbeddedNatsCluster
+from noetl_mesh.stack import InProcessStack, Settings
+
+from conftest import LoopThread
+
+pytestmark = pytest.mark.integration
+
+
+def chain(n: int, sleep: float) -> dict:
+    steps = []
+    for i in range(n):
+        step = {"step": f"s{i}", "tool": {"kind": "python", "args": {"i": i},
+                                          "code": f"import time\ntime.sleep({sleep})\nresult = i * 2"}}
+        if i < n - 1:
+            step["next"] = {"arcs": [{"step": f"s{i + 1}"}]}
+        steps.append(step)
+    steps.append({"step": "big", "tool": {"kind": "noop", "result": "{{ 'x' * 300000 }}"}})  # D23: object store
+    steps[-2]["next"] = {"arcs": [{"step": "big"}]}
+    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "tests/cluster"},
+            "workflow": steps}
+
+
+def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn):
+    cluster = EmbeddedNatsCluster(3).start()
+    loop = LoopThread()
+    stack = None
+    try:
+        stack = loop.run(InProcessStack(Settings(nats_url=cluster.url, pg_dsn=pg_dsn, replicas=3, ack_wait=5.0),
+                                        workers=2).start(), timeout=120)
+
+        async def go():
+            bus = await Bus.connect(cluster.url, "probe")
+            try:
+                async with GatewayClient(stack.gateway_url) as client:
+                    ids = [await client.start(chain(6, 0.3)) for _ in range(8)]
+                    await asyncio.sleep(1.0)
+                    leader = (await bus.js.stream_info(EVENTS)).cluster.leader
+                    cluster.kill(int(leader.rsplit("-", 1)[1]))  # mid-run, the events stream's leader
+                    finals = [await client.wait(x, timeout=120) for x in ids]
+                    reports = [verify(await client.all_events(x), x) for x in ids]
+                infos = {name: (await bus.js.stream_info(name)).config.num_replicas
+                         for name in (EVENTS, COMMANDS, "KV_noetl_members", "OBJ_noetl_payloads")}
+                new_leader = (await bus.js.stream_info(EVENTS)).cluster.leader
+                return finals, reports, infos, leader, new_leader
+            finally:
+                await bus.close()
+
+        finals, reports, infos, leader, new_leader = loop.run(go(), timeout=300)
+    finally:
+        if stack is not None:
+            loop.run(stack.stop(), timeout=60)
+        loop.close()
+        cluster.stop()
+    assert infos == {EVENTS: 3, COMMANDS: 3, "KV_noetl_members": 3, "OBJ_noetl_payloads": 3}
+    assert new_leader != leader
+    for final, report in zip(finals, reports):
+        assert final["status"] == "COMPLETED", final
+        assert [final["steps"][f"s{i}"]["result"] for i in range(6)] == [0, 2, 4, 6, 8, 10]
+        assert final["steps"]["big"]["result"] == "x" * 300000
+        assert report.ok, report.findings
