@@ -75,8 +75,8 @@ def permissions(roles: Iterable[str]) -> list[str]:
 # ------------------------------------------------------------------------------------------- tokens
 SESSION_PREFIX, API_PREFIX = "noetl_s_", "noetl_t_"
 TOKEN_KINDS = {SESSION_PREFIX: "session", API_PREFIX: "token"}
-_TOKEN = re.compile(r"^noetl_[st]_[A-Za-z0-9_-]{43}$")
-ID = re.compile(r"^[0-9a-f]{32}$")  # user, session and token ids
+_TOKEN = re.compile(r"^noetl_[st]_[A-Za-z0-9_-]{43}\Z")
+ID = re.compile(r"^[0-9a-f]{32}\Z")  # user, session and token ids
 
 
 def new_token(kind: str) -> str:
@@ -310,7 +310,7 @@ def oidc_identity(claims: dict[str, Any], roles_claim: str | None) -> dict[str, 
 
 
 # ---------------------------------------------------------------------------------------- audit
-ACTION = re.compile(r"^[a-z][a-z_]{0,31}\.[a-z][a-z_]{0,31}$")  # area.verb: one subject token each
+ACTION = re.compile(r"^[a-z][a-z_]{0,31}\.[a-z][a-z_]{0,31}\Z")  # area.verb: one subject token each
 AUDIT_ACTIONS = (
     "session.login", "session.login_failed", "session.logout", "session.revoked",
     "user.bootstrapped", "user.added", "user.disabled", "user.enabled", "user.roles_changed",
@@ -340,9 +340,9 @@ def audit_record(action: str, *, actor: dict[str, Any] | None, now: float, clien
 
 
 # ---------------------------------------------------------------------------------------- input rules
-USERNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}$")
-EMAIL = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,189}$")
-TOKEN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
+USERNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}\Z")
+EMAIL = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,189}\Z")
+TOKEN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
