@@ -106,6 +106,7 @@ class SessionsService:
         self._hashing = asyncio.Semaphore(hash_threads)
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
+        self.answered = 0  # requests answered (any outcome)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -176,6 +177,7 @@ class SessionsService:
             except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
                 log.exception("%s failed", subject)
                 reply = _error("internal", f"{type(exc).__name__}")
+        self.answered += 1
         await _respond(msg, reply)
 
     # ------------------------------------------------------------------ settings
