@@ -232,16 +232,15 @@ class SessionsService:
         if not isinstance(password, str) or not password or len(password.encode()) > limits.current().max_password_bytes:
             raise AccessError("bad_request", "password: a non-empty string of at most max_password_bytes "
                                              f"= {limits.current().max_password_bytes} bytes")
-        counters = self._counters(name, ip)
-        locks = await self._attempt(counters, ip, {"username": name})
         got = await self._user_by_name(name)
         user = got[0] if got else None
-        if not await self._verify(user.get("password_hash") if user else None, password):
+        verdict = await self._checked(self._counters(name, ip), user.get("password_hash") if user else None, password)
+        if verdict != "ok":
             await self._audit("session.login_failed", actor={"user_id": user and user["user_id"], "username": name},
                               client_ip=ip, outcome="failed",
-                              details={"method": "password", "reason": "wrong username or password", "locked": locks})
+                              details={"method": "password", "reason": "wrong username or password",
+                                       "locked": verdict == "locked"})
             raise AccessError("unauthenticated", "wrong username or password")
-        await self._succeeded(counters)
         if user.get("disabled"):
             await self._audit("session.login_failed", actor={"user_id": user["user_id"], "username": name},
                               client_ip=ip, outcome="failed", details={"method": "password", "reason": "disabled"})
@@ -255,15 +254,15 @@ class SessionsService:
         if self.verifier is None:
             raise AccessError("bad_request", "OIDC login is not configured (NOETL_OIDC_ISSUER)")
         counters = self._counters(None, ip)
-        await self._attempt(counters, ip, None)
+        await self._check(counters)
         try:
             claims = await self.verifier.verify(req.get("id_token"), req.get("nonce"))
         except AccessError as exc:
             if exc.kind == "unauthenticated":
+                locks = await self._failed(counters)
                 await self._audit("session.login_failed", actor=None, client_ip=ip, outcome="failed",
-                                  details={"method": "oidc", "reason": exc.message})
+                                  details={"method": "oidc", "reason": exc.message, "locked": locks})
             raise
-        await self._succeeded(counters)  # a token the issuer signed: not a guess
         identity = access.oidc_identity(claims, self.oidc_config.roles_claim)
         user = await self._oidc_user(identity)
         if user.get("disabled"):
@@ -323,46 +322,47 @@ class SessionsService:
                               details={"before": before, "after": user["roles"], "via": "oidc"})
         return user
 
-    async def _attempt(self, counters, ip: str | None, actor: dict | None) -> bool:
-        """Count this attempt as a failure before checking it (parallel guesses are throttled too);
-        refuse it when a counter says wait. True when a failure now locks."""
-        locks = False
+    async def _checked(self, counters, stored: str | None, password: str) -> str:
+        """Check a password under the failed-login counters: ``ok``, ``failed``, or ``locked`` (failed,
+        and this failure locked the user or the address). The counters are read and written inside the hashing
+        slot, so at most ``hash_threads`` attempts per replica are ever between the check and the
+        record: parallel guesses are throttled, parallel correct logins merely wait their turn."""
+        async with self._hashing:
+            await self._check(counters)
+            if await asyncio.to_thread(access.verify_password, stored, password, self.hasher):
+                for key, _, whom in counters:
+                    if whom == "this user":  # a success forgets the user's failures (not the address's)
+                        await self.logins.purge(key)
+                return "ok"
+            return "locked" if await self._failed(counters) else "failed"
+
+    async def _check(self, counters) -> None:
+        """Refuse (locked, with retry_after) while a counter says wait."""
         for key, policy, whom in counters:
+            got = await self.logins.get(key, fresh=True)
+            wait = policy.retry_after(got[0] if got else None, time.time())
+            if wait > 0:
+                what = "locked" if policy.locked(got[0]) else "slowed down"
+                raise AccessError("locked", f"too many failed logins for {whom}: {what}, try again in "
+                                            f"{math.ceil(wait)} s", retry_after=math.ceil(wait))
+
+    async def _failed(self, counters) -> bool:
+        """Count a failure on each counter; True when one is locked now."""
+        locks = False
+        for key, policy, _ in counters:
             for _ in range(CAS_TRIES):
                 got = await self.logins.get(key, fresh=True)
-                rec, rev = got if got else (None, 0)
-                now = time.time()
-                wait = policy.retry_after(rec, now)
-                if wait > 0:
-                    what = "locked" if policy.locked(rec) else "slowed down"
-                    raise AccessError("locked", f"too many failed logins for {whom}: {what}, try again in "
-                                                f"{math.ceil(wait)} s", retry_after=math.ceil(wait))
-                new = policy.failed(rec, now)
+                new = policy.failed(got[0] if got else None, time.time())
                 try:
-                    if rev:
-                        await self.logins.update(key, new, rev, ttl=policy.lock_seconds)
+                    if got:
+                        await self.logins.update(key, new, got[1], ttl=policy.lock_seconds)
                     else:
                         await self.logins.create(key, new, ttl=policy.lock_seconds)
                 except Conflict:
                     continue
                 locks = locks or policy.locked(new)
                 break
-            else:
-                raise AccessError("unavailable", f"too many logins at once for {whom}; try again")
         return locks
-
-    async def _succeeded(self, counters) -> None:
-        """Forget the user's failures; take this attempt back from the address's count."""
-        for key, policy, whom in counters:
-            if whom == "this user":
-                await self.logins.purge(key)
-            else:
-                await self._rewrite(self.logins, key, lambda rec: {**rec, "failures": max(0, int(rec["failures"]) - 1)},
-                                    lambda rec: policy.lock_seconds)
-
-    async def _verify(self, stored: str | None, password: str) -> bool:
-        async with self._hashing:
-            return await asyncio.to_thread(access.verify_password, stored, password, self.hasher)
 
     async def _hash(self, password: str) -> str:
         async with self._hashing:
@@ -710,13 +710,10 @@ class SessionsService:
             current = req.get("current_password")
             if not isinstance(current, str) or len(current.encode()) > limits.current().max_password_bytes:
                 raise AccessError("bad_request", "current_password is needed to change your own password")
-            counters = self._counters(target["username"], ip)
-            await self._attempt(counters, ip, caller)
-            if not await self._verify(target["password_hash"], current):
+            if await self._checked(self._counters(target["username"], ip), target["password_hash"], current) != "ok":
                 await self._audit("user.password_changed", actor=caller, client_ip=ip, outcome="failed",
                                   target={"user_id": uid}, details={"reason": "wrong current password"})
                 raise AccessError("unauthenticated", "the current password is wrong")
-            await self._succeeded(counters)
         new_hash = await self._hash(password)
         user = await self._update_user(uid, lambda u: {**u, "password_hash": new_hash})
         ended = await self._revoke_user_sessions(uid, "password_changed", keep=caller.get("session_id") if own else None)

@@ -484,7 +484,7 @@ def test_oidc_logins_against_a_local_issuer(fresh_nats):
                 "alg none": jwt.encode({"iss": idp.url, "aud": "noetl", "sub": "user-1", "exp": int(time.time()) + 60,
                                         "iat": int(time.time())}, None, algorithm="none", headers={"kid": "k1"}),
                 "hmac with the public key": jwt.encode({"iss": idp.url, "aud": "noetl", "sub": "user-1"},
-                                                       "secret", algorithm="HS256", headers={"kid": "k1"}),
+                                                       "a shared secret of at least 32 bytes!", algorithm="HS256", headers={"kid": "k1"}),
                 "garbage": "not.a.jwt",
             }
             messages = {}
@@ -547,6 +547,9 @@ def test_failed_logins_are_slowed_then_locked_then_forgotten(fresh_nats):
                 assert (await h.login("ops"))[1]["username"] == "ops"  # other users are not affected
                 await asyncio.sleep(3.2)
                 assert (await h.login("dev"))[1]["username"] == "dev"  # the window passed
+                # correct logins of one user at once are not mistaken for guesses
+                many = await asyncio.gather(*(h.login("dev") for _ in range(6)))
+                assert len({p["session_id"] for _, p in many}) == 6
 
                 # parallel guesses are counted before they are checked: no burst gets through
                 results = await asyncio.gather(*(h.call(S.Q_LOGIN, bad) for _ in range(10)), return_exceptions=True)

@@ -255,9 +255,7 @@ def token_roles(requested: Any, caller_roles: list[str]) -> list[str]:
 class LockoutPolicy:
     """Failed logins of one user (or one address): the first ``slow_after`` are free, each later one
     makes the next attempt wait twice as long (1 s, 2 s, 4 s, ...), and ``lock_after`` lock it for
-    ``lock_seconds``. Failures are forgotten ``lock_seconds`` after the last one. An attempt is counted
-    before its password is checked (so parallel guesses are throttled too) and uncounted when it
-    succeeds."""
+    ``lock_seconds``. Failures are forgotten ``lock_seconds`` after the last one."""
 
     slow_after: int
     lock_after: int
@@ -278,11 +276,6 @@ class LockoutPolicy:
 
     def failed(self, rec: dict[str, Any] | None, now: float) -> dict[str, Any]:
         return {"failures": (int(rec["failures"]) if rec else 0) + 1, "last_failure_at": iso(now)}
-
-    def undo(self, rec: dict[str, Any]) -> dict[str, Any] | None:
-        """The record without one failure (None: nothing left)."""
-        n = int(rec["failures"]) - 1
-        return {**rec, "failures": n} if n > 0 else None
 
     def locked(self, rec: dict[str, Any] | None) -> bool:
         return bool(rec) and int(rec["failures"]) >= self.lock_after
