@@ -95,10 +95,11 @@ ENV = object()  # OIDC configuration from the environment
 class SessionsService:
     name = "sessions"
 
-    def __init__(self, bus, *, oidc: Any = ENV, hasher=None, hash_threads: int = 2):
+    def __init__(self, bus, *, oidc: Any = ENV, hasher=None, hash_threads: int = 1):
         """``oidc``: an :class:`OidcConfig`, None (no OIDC logins) or, by default, the environment's
-        (``NOETL_OIDC_*``). ``hasher``: an argon2 ``PasswordHasher`` (default parameters if None);
-        ``hash_threads`` bounds the password hashes computed at once (each takes 64 MiB)."""
+        (``NOETL_OIDC_*``). ``hasher``: an argon2 ``PasswordHasher`` (:data:`access.HASHER` if None);
+        ``hash_threads`` bounds the password hashes computed at once (each one core and 19 MiB), so
+        logins never take every core from validations; more login throughput is more replicas."""
         self.bus = bus
         self.oidc_config: OidcConfig | None = OidcConfig.from_environment() if oidc is ENV else oidc
         self.verifier: OidcVerifier | None = None

@@ -105,9 +105,11 @@ def new_id() -> str:
 
 # ---------------------------------------------------------------------------------------- passwords
 MIN_PASSWORD_CHARS = 8
-# argon2id with the library's defaults: RFC 9106's second recommended profile (t=3, m=64 MiB, p=4). The
-# parameters travel inside each hash, so changing them later only rehashes at the next login.
-HASHER = PasswordHasher()
+# argon2id with OWASP's recommended minimum (t=2, m=19 MiB, p=1: one thread per hash, ~45 ms of CPU),
+# not RFC 9106's 64 MiB / 4 lanes profile (six times the CPU, four threads): on a small host that profile
+# made every validation wait while logins hashed (bench/bench_auth.py). The parameters travel inside each
+# hash, so changing them later only rehashes at the next login.
+HASHER = PasswordHasher(time_cost=2, memory_cost=19 * 1024, parallelism=1)
 _dummy_hash: str | None = None
 
 
