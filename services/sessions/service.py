@@ -246,7 +246,7 @@ class SessionsService:
             await self._audit("session.login_failed", actor={"user_id": user["user_id"], "username": name},
                               client_ip=ip, outcome="failed", details={"method": "password", "reason": "disabled"})
             raise AccessError("unauthenticated", "the user is disabled")
-        if access.needs_rehash(user["password_hash"]):  # hashed with older parameters
+        if access.needs_rehash(user["password_hash"], self.hasher):  # hashed with other parameters
             new_hash = await self._hash(password)
             user = await self._update_user(user["user_id"], lambda u: {**u, "password_hash": new_hash}) or user
         return await self._logged_in(user, ip, "password")

@@ -714,3 +714,21 @@ def test_no_secret_in_logs_kv_audit_notices_or_replies(fresh_nats, caplog):
     found += [(what, where) for where, text in places.items() if where != "users bucket"
               for what, secret in hashes.items() if secret in text]
     assert found == []
+
+
+def test_password_hashes_follow_the_service_parameters(fresh_nats):
+    other = PasswordHasher(time_cost=1, memory_cost=2048, parallelism=1)
+
+    async def main():
+        async with running(fresh_nats.url) as h:  # hashes made with CHEAP
+            _, admin = await h.bootstrap()
+            dev = await h.add(admin, "dev", ["developer"])
+        async with running(fresh_nats.url, hasher=other) as h:  # the parameters changed
+            before, _ = await h.raw(USERS, f"user.{dev['user_id']}")
+            await h.login("dev")
+            after, rev = await h.raw(USERS, f"user.{dev['user_id']}")
+            assert "m=1024" in before["password_hash"] and "m=2048" in after["password_hash"]  # rehashed at login
+            await h.login("dev")
+            assert (await h.raw(USERS, f"user.{dev['user_id']}"))[1] == rev  # once: no write per login
+
+    run(main())
