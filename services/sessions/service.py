@@ -44,6 +44,7 @@ without either id, every cached validation of ``user_id``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -86,6 +87,7 @@ REVOKED = "noetl.sessions.revoked"  # core NATS notice: drop cached validations
 QUEUE = "sessions"
 
 MAX_IN_FLIGHT = 1024  # requests handled at once per replica; more are answered "unavailable"
+MAX_HASH_QUEUE = 32  # password checks waiting for the hashing slot per replica; more are answered "unavailable"
 BOOTSTRAP_TTL = 30  # seconds the bootstrap claim lives: a replica that dies mid-bootstrap blocks nobody
 MAX_TOKEN_SECONDS = 10 * 365 * 24 * 3600
 CAS_TRIES = 20
@@ -105,6 +107,7 @@ class SessionsService:
         self.verifier: OidcVerifier | None = None
         self.hasher = hasher or access.HASHER
         self._hashing = asyncio.Semaphore(hash_threads)
+        self._hash_waiting = 0
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
         self.answered = 0  # requests answered (any outcome)
@@ -328,7 +331,7 @@ class SessionsService:
         and this failure locked the user or the address). The counters are read and written inside the hashing
         slot, so at most ``hash_threads`` attempts per replica are ever between the check and the
         record: parallel guesses are throttled, parallel correct logins merely wait their turn."""
-        async with self._hashing:
+        async with self._hash_slot():
             await self._check(counters)
             if await asyncio.to_thread(access.verify_password, stored, password, self.hasher):
                 for key, _, whom in counters:
@@ -366,8 +369,25 @@ class SessionsService:
         return locks
 
     async def _hash(self, password: str) -> str:
-        async with self._hashing:
+        async with self._hash_slot():
             return await asyncio.to_thread(access.hash_password, password, self.hasher)
+
+    @contextlib.asynccontextmanager
+    async def _hash_slot(self):
+        """The hashing slot; a flood of logins is refused at once instead of queueing hashes whose
+        callers will have given up."""
+        if self._hash_waiting >= MAX_HASH_QUEUE:
+            raise AccessError("unavailable", f"busy: {MAX_HASH_QUEUE} password checks are waiting; try again",
+                              retry_after=1)
+        self._hash_waiting += 1
+        try:
+            await self._hashing.acquire()
+        finally:
+            self._hash_waiting -= 1
+        try:
+            yield
+        finally:
+            self._hashing.release()
 
     @staticmethod
     def _check_new_password(password: Any) -> None:

@@ -9,7 +9,9 @@ carry a per-message TTL (nats-server 2.11+: the buckets' streams allow ``Nats-TT
 
 A key's TTL belongs to the message that carries it, so every write of an expiring key states its TTL
 again (a write without one would make the key permanent). NATS removes the key when it runs out; no
-process sweeps. A revocation purges the key, leaving a purge marker that itself expires after
+process sweeps. The buckets set no ``subject_delete_marker_ttl``, so an expired key leaves no delete
+marker (nothing watches these buckets: gateways hear of revocations by notice, and an expiry needs no
+notice because every read checks the times). A revocation purges the key, leaving a purge marker that itself expires after
 ``MARKER_TTL``; a compare-and-set write against a purged or expired key fails (its last sequence is
 the marker's, or 0), so nothing brings a removed key back.
 """
@@ -170,9 +172,11 @@ class Bucket:
         return sorted(s[len(self.prefix):] for s in subjects)
 
     async def values(self, pattern: str) -> list[tuple[str, dict[str, Any], int]]:
-        """(key, value, revision) of every live key matching ``pattern``."""
+        """(key, value, revision) of every live key matching ``pattern`` (64 gets at a time)."""
         keys = await self.keys(pattern)
-        got = await asyncio.gather(*(self.get(k) for k in keys))
+        got: list = []
+        for i in range(0, len(keys), 64):
+            got += await asyncio.gather(*(self.get(k) for k in keys[i:i + 64]))
         return [(k, g[0], g[1]) for k, g in zip(keys, got) if g is not None]
 
 

@@ -732,3 +732,22 @@ def test_password_hashes_follow_the_service_parameters(fresh_nats):
             assert (await h.raw(USERS, f"user.{dev['user_id']}"))[1] == rev  # once: no write per login
 
     run(main())
+
+
+def test_a_login_flood_is_refused_at_once_and_validations_go_on(fresh_nats, monkeypatch):
+    monkeypatch.setattr(S, "MAX_HASH_QUEUE", 2)
+
+    async def main():
+        async with running(fresh_nats.url, hasher=None) as h:  # default parameters: each check takes a while
+            _, admin = await h.bootstrap()
+            await h.add(admin, "dev", ["developer"])
+            token, _ = await h.login("dev")
+            flood = asyncio.gather(*(h.login("dev") for _ in range(8)), return_exceptions=True)
+            await asyncio.sleep(0.01)
+            assert (await h.call(S.Q_VALIDATE, {"token": token}))["username"] == "dev"  # not behind the flood
+            results = await flood
+            busy = [r for r in results if isinstance(r, BusError)]
+            assert len(results) - len(busy) >= 3 and busy  # one hashing, two waiting; the rest refused
+            assert all(b.kind == "unavailable" and b.details == {"retry_after": 1} for b in busy)
+
+    run(main())
