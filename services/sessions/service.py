@@ -295,7 +295,7 @@ class SessionsService:
             user = found[0] if found else None
         if user is None and identity["email_verified"]:
             found = await self._user_by_name(identity["email"].lower())
-            if found and not found[0].get("oidc"):
+            if found and found[0].get("oidc") in (None, oidc):  # never one linked to another identity
                 user = found[0]
                 try:
                     await self.users.create(link, {"user_id": user["user_id"]})
@@ -306,11 +306,18 @@ class SessionsService:
             name = identity["email"].lower() if identity["email_verified"] else None
             if name is None or not access.USERNAME.match(name) or await self.users.get(name_key(name)):
                 name = "oidc-" + link.split(".", 1)[1][:16]
-            user = await self._add_user(name, None, identity["roles"] or [cfg.default_role],
-                                        email=identity["email"], display_name=identity["display_name"], oidc=oidc)
+            try:
+                user = await self._add_user(name, None, identity["roles"] or [cfg.default_role],
+                                            email=identity["email"], display_name=identity["display_name"], oidc=oidc)
+            except AccessError as exc:  # the same identity provisioned at the same moment elsewhere?
+                got = await self.users.get(link, fresh=True) if exc.kind == "conflict" else None
+                found = await self._user(got[0].get("user_id", "")) if got else None
+                if not found:
+                    raise
+                return found[0]
             try:
                 await self.users.create(link, {"user_id": user["user_id"]})
-            except Conflict:  # another replica provisioned the same identity at the same moment
+            except Conflict:
                 pass
             await self._audit("user.added", actor=None, target={"user_id": user["user_id"], "username": name,
                                                                   "roles": user["roles"]}, details={"via": "oidc"})
@@ -332,23 +339,26 @@ class SessionsService:
         slot, so at most ``hash_threads`` attempts per replica are ever between the check and the
         record: parallel guesses are throttled, parallel correct logins merely wait their turn."""
         async with self._hash_slot():
-            await self._check(counters)
+            seen = await self._check(counters)
             if await asyncio.to_thread(access.verify_password, stored, password, self.hasher):
                 for key, _, whom in counters:
-                    if whom == "this user":  # a success forgets the user's failures (not the address's)
+                    if whom == "this user" and seen[key]:  # a success forgets the user's failures
                         await self.logins.purge(key)
                 return "ok"
             return "locked" if await self._failed(counters) else "failed"
 
-    async def _check(self, counters) -> None:
-        """Refuse (locked, with retry_after) while a counter says wait."""
+    async def _check(self, counters) -> dict[str, bool]:
+        """Refuse (locked, with retry_after) while a counter says wait; which counters hold failures."""
+        seen = {}
         for key, policy, whom in counters:
             got = await self.logins.get(key, fresh=True)
+            seen[key] = got is not None
             wait = policy.retry_after(got[0] if got else None, time.time())
             if wait > 0:
                 what = "locked" if policy.locked(got[0]) else "slowed down"
                 raise AccessError("locked", f"too many failed logins for {whom}: {what}, try again in "
                                             f"{math.ceil(wait)} s", retry_after=math.ceil(wait))
+        return seen
 
     async def _failed(self, counters) -> bool:
         """Count a failure on each counter; True when one is locked now."""

@@ -115,13 +115,15 @@ def test_password_rules(password, problem):
 # ---------------------------------------------------------------------------- sessions
 def test_session_ends_at_idle_or_absolute_expiry_whichever_first():
     policy = SessionPolicy(lifetime=3600, idle=600, refresh_interval=60)
-    user = {"user_id": "u" * 32, "username": "ann", "roles": ["viewer"]}
-    rec = access.session_record("s" * 32, user, T0, policy.lifetime, "10.0.0.1")
+    user = {"user_id": "1" * 32, "username": "ann", "roles": ["viewer"]}
+    rec = access.session_record("5" * 32, user, T0, policy.lifetime, "10.0.0.1")
     assert policy.ttl(rec, T0) == 600 and policy.live(rec, T0 + 599.9) and not policy.live(rec, T0 + 600)
     assert not policy.refresh_due(rec, T0 + 59) and policy.refresh_due(rec, T0 + 60)
     slid = {**rec, "last_activity_at": iso(T0 + 3300)}  # active near the end: the absolute expiry wins
     assert policy.ttl(slid, T0 + 3300) == 300 and not policy.live(slid, T0 + 3600)
     assert policy.ttl(slid, T0 + 3599.5) == 1  # never 0: NATS refuses a zero TTL; live() decides
+    for broken in ({}, {**rec, "expires_at": "tomorrow"}, {**rec, "last_activity_at": None}, {**rec, "session_id": 7}):
+        assert not policy.live(broken, T0)  # a damaged record grants nothing (and does not raise)
 
 
 def test_session_record_and_principal_hold_no_token():
@@ -138,11 +140,12 @@ def test_session_record_and_principal_hold_no_token():
 
 
 def test_api_token_expiry():
-    rec = access.token_record("t" * 32, "ci", {"user_id": "a" * 32, "username": "ann"}, ["viewer"], T0, T0 + 60)
+    rec = access.token_record("7" * 32, "ci", {"user_id": "a" * 32, "username": "ann"}, ["viewer"], T0, T0 + 60)
     assert access.token_live(rec, T0 + 59) and not access.token_live(rec, T0 + 60)
-    forever = access.token_record("t" * 32, "ci", {"user_id": "a" * 32, "username": "ann"}, ["viewer"], T0, None)
+    forever = access.token_record("7" * 32, "ci", {"user_id": "a" * 32, "username": "ann"}, ["viewer"], T0, None)
     assert forever["expires_at"] is None and access.token_live(forever, T0 + 1e9)
     assert access.principal(forever, "token")["token_name"] == "ci"
+    assert not access.token_live({**rec, "expires_at": 12}, T0) and not access.token_live({}, T0)
 
 
 # ---------------------------------------------------------------------------- lockout

@@ -173,7 +173,11 @@ class SessionPolicy:
         return min(epoch(rec["last_activity_at"]) + self.idle, epoch(rec["expires_at"]))
 
     def live(self, rec: dict[str, Any], now: float) -> bool:
-        return now < self.ends_at(rec)
+        """Whether the session still grants access (a malformed record does not)."""
+        try:
+            return now < self.ends_at(rec) and ID.match(rec["session_id"]) is not None
+        except (KeyError, TypeError, ValueError):
+            return False
 
     def ttl(self, rec: dict[str, Any], now: float) -> int:
         """The key's TTL in whole seconds (NATS counts seconds), at least 1: ``live`` is checked on
@@ -231,8 +235,12 @@ def token_record(tid: str, name: str, user: dict[str, Any], roles: list[str], no
 
 
 def token_live(rec: dict[str, Any], now: float) -> bool:
-    ends = epoch(rec.get("expires_at"))
-    return ends is None or now < ends
+    """Whether the API token still grants access (a malformed record does not)."""
+    try:
+        ends = epoch(rec.get("expires_at"))
+        return ID.match(rec["token_id"]) is not None and (ends is None or now < ends)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def within(roles: Iterable[str], holder_roles: Iterable[str]) -> list[str]:
