@@ -654,8 +654,9 @@ def test_no_secret_in_logs_kv_audit_notices_or_replies(fresh_nats, caplog):
             await h.call(S.Q_USERS_PASSWORD, {"principal": p, "password": passwords[2], "current_password": DEV_PW})
             t2, p2 = await h.login("dev", passwords[2])
             tokens.append(t2)
-            oidc = await h.call(S.Q_LOGIN, {"id_token": idp.token()})
-            tokens.append(oidc["token"])
+            id_token = idp.token()
+            oidc = await h.call(S.Q_LOGIN, {"id_token": id_token})
+            tokens += [oidc["token"], id_token]
             await h.call(S.Q_USERS_LIST, {"principal": admin})
             await h.call(S.Q_USERS_GET, {"principal": admin, "user_id": dev["user_id"]})
             await h.call(S.Q_USERS_ROLES, {"principal": admin, "user_id": dev["user_id"], "roles": ["operator"]})
