@@ -224,7 +224,7 @@ class SessionsService:
                  rec["token_id"])
         await self._audit("user.bootstrapped", actor=principal(rec, "token"), client_ip=ip,
                           target={"user_id": user["user_id"], "username": name})
-        return {"created": True, "user": public_user(user), "token": token, "token_id": rec["token_id"]}
+        return {"created": True, "user": access.public_user(user), "token": token, "token_id": rec["token_id"]}
 
     # ------------------------------------------------------------------ login
     async def login(self, req: dict) -> dict:
@@ -422,7 +422,7 @@ class SessionsService:
         if got is None or got[0].get("disabled"):
             await self._remove_session(uid, sid)
             raise AccessError("unauthenticated", "the user is disabled")
-        if _differs(rec, got[0]):
+        if access.stale(rec, got[0]):
             rec = await self._rewrite_session(sid, got[0]) or rec
         return token, rec
 
@@ -523,13 +523,13 @@ class SessionsService:
             if got is None:
                 raise AccessError("not_found", f"no session {sid}")
             owner = got[0]["user_id"]
-            await self._require(caller, _own(caller, owner, "session"), ip, {"session_id": sid})
+            await self._require(caller, access.scope(caller, owner, "session"), ip, {"session_id": sid})
             await self._revoke_session(sid, owner, "revoked")
             await self._audit("session.revoked", actor=caller, client_ip=ip, target={"session_id": sid, "user_id": owner})
             return {"revoked": [{"session_id": sid}]}
         if req.get("user_id") is not None:
             uid = access.an_id(req["user_id"], "user_id")
-            await self._require(caller, _own(caller, uid, "session"), ip, {"user_id": uid})
+            await self._require(caller, access.scope(caller, uid, "session"), ip, {"user_id": uid})
             sids = await self._revoke_user_sessions(uid, "revoked")
             await self._audit("session.revoked", actor=caller, client_ip=ip, target={"user_id": uid},
                               details={"sessions": len(sids)})
@@ -539,11 +539,11 @@ class SessionsService:
     async def list_sessions(self, req: dict) -> dict:
         caller = await self._caller(req)
         uid = access.an_id(req.get("user_id") or caller["user_id"], "user_id")
-        await self._require(caller, _own(caller, uid, "session"), req.get("client_ip"), {"user_id": uid})
+        await self._require(caller, access.scope(caller, uid, "session"), req.get("client_ip"), {"user_id": uid})
         policy, now = self._policy(), time.time()
         entries = await self.sessions.values(session_index(uid))
         got = await asyncio.gather(*(self.sessions.get(session_key(k.rsplit(".", 1)[1])) for k, _, _ in entries))
-        out = [public_session(g[0], policy, caller) for g in got if g and policy.live(g[0], now)]
+        out = [access.public_session(g[0], policy, caller) for g in got if g and policy.live(g[0], now)]
         return {"sessions": sorted(out, key=lambda s: s["created_at"], reverse=True)}
 
     async def _revoke_session(self, sid: str, uid: str, reason: str) -> None:
@@ -638,7 +638,7 @@ class SessionsService:
             if not kept:
                 await self._revoke_token(got[0], "roles_changed")
                 continue
-            await self._rewrite(self.users, token_key(tid), lambda rec: access.with_user(rec, user, kept), _token_ttl)
+            await self._rewrite(self.users, token_key(tid), lambda rec: access.with_user(rec, user, kept), lambda rec: access.token_ttl(rec, time.time()))
         await self._notify({"user_id": uid, "reason": "roles_changed"})
         return user
 
@@ -666,12 +666,12 @@ class SessionsService:
                                     access.display_name(req.get("display_name")))
         await self._audit("user.added", actor=caller, client_ip=ip,
                           target={"user_id": user["user_id"], "username": name, "roles": roles})
-        return {"user": public_user(user)}
+        return {"user": access.public_user(user)}
 
     async def users_list(self, req: dict) -> dict:
         caller = await self._caller(req)
         await self._require(caller, "user.admin", req.get("client_ip"))
-        users = [public_user(u) for _, u, _ in await self.users.values(user_key())]
+        users = [access.public_user(u) for _, u, _ in await self.users.values(user_key())]
         return {"users": sorted(users, key=lambda u: u["username"])}
 
     async def users_get(self, req: dict) -> dict:
@@ -680,7 +680,7 @@ class SessionsService:
             await self._target_user({"user_id": caller["user_id"]})
         if user["user_id"] != caller["user_id"]:
             await self._require(caller, "user.admin", req.get("client_ip"), {"user_id": user["user_id"]})
-        return {"user": public_user(user)}
+        return {"user": access.public_user(user)}
 
     async def users_disable(self, req: dict) -> dict:
         caller = await self._caller(req)
@@ -701,7 +701,7 @@ class SessionsService:
                 await self.users.purge(token_index(uid, entry["token_id"]))
         await self._audit("user.disabled", actor=caller, client_ip=ip, target={"user_id": uid, "username": user["username"]},
                           details={"sessions": len(sids), "tokens": len(tokens)})
-        return {"user": public_user(user), "revoked": {"sessions": len(sids), "tokens": len(tokens)}}
+        return {"user": access.public_user(user), "revoked": {"sessions": len(sids), "tokens": len(tokens)}}
 
     async def users_enable(self, req: dict) -> dict:
         caller = await self._caller(req)
@@ -710,7 +710,7 @@ class SessionsService:
         uid = (await self._target_user(req))["user_id"]
         user = await self._update_user(uid, lambda u: {**u, "disabled": False})
         await self._audit("user.enabled", actor=caller, client_ip=ip, target={"user_id": uid, "username": user["username"]})
-        return {"user": public_user(user)}
+        return {"user": access.public_user(user)}
 
     async def users_roles(self, req: dict) -> dict:
         caller = await self._caller(req)
@@ -724,7 +724,7 @@ class SessionsService:
         await self._audit("user.roles_changed", actor=caller, client_ip=ip,
                           target={"user_id": user["user_id"], "username": user["username"]},
                           details={"before": before["roles"], "after": roles})
-        return {"user": public_user(user)}
+        return {"user": access.public_user(user)}
 
     async def users_password(self, req: dict) -> dict:
         caller = await self._caller(req)
@@ -750,7 +750,7 @@ class SessionsService:
         ended = await self._revoke_user_sessions(uid, "password_changed", keep=caller.get("session_id") if own else None)
         await self._audit("user.password_changed", actor=caller, client_ip=ip, target={"user_id": uid},
                           details={"sessions_ended": len(ended)})
-        return {"user": public_user(user)}
+        return {"user": access.public_user(user)}
 
     # ------------------------------------------------------------------ API tokens
     async def _new_api_token(self, user: dict, name: str, roles: list[str], expires_at: float | None) -> tuple[str, dict]:
@@ -768,12 +768,12 @@ class SessionsService:
             await self._revoke_token(rec, "user_disabled")
             raise AccessError("unauthenticated", "the user is disabled")
         kept = access.within(roles, got[0]["roles"])
-        if kept != roles or _differs(rec, got[0], kept):
+        if kept != roles or access.stale(rec, got[0], kept):
             if not kept:
                 await self._revoke_token(rec, "roles_changed")
                 raise AccessError("forbidden", "the user no longer has these roles")
             rec = await self._rewrite(self.users, token_key(tid), lambda r: access.with_user(r, got[0], kept),
-                                      _token_ttl) or rec
+                                      lambda rec: access.token_ttl(rec, time.time())) or rec
         return token, rec
 
     async def _revoke_token(self, rec: dict, reason: str) -> None:
@@ -817,7 +817,7 @@ class SessionsService:
     async def tokens_list(self, req: dict) -> dict:
         caller = await self._caller(req)
         uid = access.an_id(req.get("user_id") or caller["user_id"], "user_id")
-        await self._require(caller, _own(caller, uid, "token"), req.get("client_ip"), {"user_id": uid})
+        await self._require(caller, access.scope(caller, uid, "token"), req.get("client_ip"), {"user_id": uid})
         now = time.time()
         entries = await self.users.values(token_index(uid))
         got = await asyncio.gather(*(self.users.get(token_key(rec["token_id"])) for _, rec, _ in entries))
@@ -831,7 +831,7 @@ class SessionsService:
         got = await self.users.get(token_key(tid), fresh=True)
         if got is None:
             raise AccessError("not_found", f"no API token {tid}")
-        await self._require(caller, _own(caller, got[0]["user_id"], "token"), ip, {"token_id": tid})
+        await self._require(caller, access.scope(caller, got[0]["user_id"], "token"), ip, {"token_id": tid})
         await self._revoke_token(got[0], "revoked")
         await self._audit("token.revoked", actor=caller, client_ip=ip,
                           target={"token_id": tid, "name": got[0].get("name"), "user_id": got[0]["user_id"]})
@@ -874,32 +874,6 @@ class SessionsService:
             await self.bus.broadcast(REVOKED, notice)
         except Exception as exc:  # noqa: BLE001 - gateways' caches expire within a second anyway
             log.warning("revocation notice not sent (%s)", type(exc).__name__)
-
-
-def _own(caller: dict, owner: str, area: str) -> str:
-    return f"{area}.own" if owner == caller["user_id"] else f"{area}.any"
-
-
-def _differs(rec: dict, user: dict, roles: list[str] | None = None) -> bool:
-    return any(rec.get(k) != user.get(k) for k in ("username", "email", "display_name")) or \
-        rec.get("roles") != (roles if roles is not None else user["roles"])
-
-
-def _token_ttl(rec: dict) -> float | None:
-    ends = access.epoch(rec.get("expires_at"))
-    return None if ends is None else ends - time.time()
-
-
-def public_user(user: dict) -> dict:
-    """A user as replies show it: never the password hash."""
-    out = {k: v for k, v in user.items() if k != "password_hash"}
-    out["has_password"] = bool(user.get("password_hash"))
-    return out
-
-
-def public_session(rec: dict, policy: access.SessionPolicy, caller: dict) -> dict:
-    return {**rec, "idle_expires_at": iso(access.epoch(rec["last_activity_at"]) + policy.idle),
-            "current": rec["session_id"] == caller.get("session_id")}
 
 
 def _error(kind: str, message: str, retry_after: float | None = None) -> dict:

@@ -224,3 +224,20 @@ def test_input_rules():
     assert access.email("ann@example.com") == "ann@example.com" and access.email(None) is None
     with pytest.raises(AccessError):
         access.email("not an email")
+
+
+def test_public_views_and_ownership():
+    user = {"user_id": "1" * 32, "username": "ann", "roles": ["viewer"], "password_hash": "$argon2id$..."}
+    shown = access.public_user(user)
+    assert "password_hash" not in shown and shown["has_password"] is True
+    assert access.public_user({**user, "password_hash": None})["has_password"] is False
+    caller = {"user_id": "1" * 32, "session_id": "5" * 32}
+    assert access.scope(caller, "1" * 32, "session") == "session.own"
+    assert access.scope(caller, "2" * 32, "token") == "token.any"
+    rec = access.session_record("5" * 32, user, T0, 3600, None)
+    assert not access.stale(rec, user) and access.stale(rec, {**user, "roles": ["admin"]})
+    assert access.stale(rec, {**user, "email": "new@example.com"})
+    listed = access.public_session(rec, SessionPolicy(3600, 600, 60), caller)
+    assert listed["current"] and listed["idle_expires_at"] == iso(T0 + 600)
+    assert access.token_ttl({"expires_at": iso(T0 + 60)}, T0) == pytest.approx(60)
+    assert access.token_ttl({"expires_at": None}, T0) is None

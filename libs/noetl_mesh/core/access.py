@@ -260,6 +260,36 @@ def token_roles(requested: Any, caller_roles: list[str]) -> list[str]:
     return roles
 
 
+def token_ttl(rec: dict[str, Any], now: float) -> float | None:
+    """Seconds an API token's key has left (None: no expiry)."""
+    ends = epoch(rec.get("expires_at"))
+    return None if ends is None else ends - now
+
+
+def stale(rec: dict[str, Any], user: dict[str, Any], roles: list[str] | None = None) -> bool:
+    """Whether a session or token record no longer shows its user (names, or ``roles``: the user's)."""
+    return any(rec.get(k) != user.get(k) for k in ("username", "email", "display_name")) or \
+        rec.get("roles") != (roles if roles is not None else user["roles"])
+
+
+def scope(caller: dict[str, Any], owner: str, area: str) -> str:
+    """The permission to act on ``area`` (session, token) of ``owner``: ``<area>.own`` for one's own."""
+    return f"{area}.own" if owner == caller["user_id"] else f"{area}.any"
+
+
+def public_user(user: dict[str, Any]) -> dict[str, Any]:
+    """A user as replies show it: never the password hash."""
+    out = {k: v for k, v in user.items() if k != "password_hash"}
+    out["has_password"] = bool(user.get("password_hash"))
+    return out
+
+
+def public_session(rec: dict[str, Any], policy: SessionPolicy, caller: dict[str, Any]) -> dict[str, Any]:
+    """A session as a list shows it: with its idle expiry, and whether it is the caller's."""
+    return {**rec, "idle_expires_at": iso(epoch(rec["last_activity_at"]) + policy.idle),
+            "current": rec["session_id"] == caller.get("session_id")}
+
+
 # ---------------------------------------------------------------------------------------- lockout
 @dataclass(frozen=True)
 class LockoutPolicy:
