@@ -71,7 +71,37 @@ LIMITS: tuple[Limit, ...] = (
     Limit("max_reply_bytes", 768 * KIB, "bytes", "a query's reply over NATS",
           "event-recorder: pages are cut by bytes, bigger values go by reference (D23)"),
 
-    # ---- sessions and logins (access control)
+    # ---- sessions and logins (access control): read by the sessions service
+    Limit("session_lifetime", 24 * 3600, "seconds", "the absolute lifetime of a login session",
+          "sessions: a session ends this long after its login, however active"),
+    Limit("session_idle", 30 * 60, "seconds", "the idle time of a login session",
+          "sessions: a session without activity for this long ends"),
+    Limit("session_refresh_interval", 60, "seconds", "the time between two activity writes of a session",
+          "sessions: a validation writes the session's activity at most once per interval"),
+    Limit("max_sessions_per_user", 100, "sessions", "the live sessions of one user",
+          "sessions: a login past it ends the user's oldest session"),
+    Limit("max_tokens_per_user", 100, "tokens", "the API tokens of one user",
+          "sessions: creating one more is refused"),
+    Limit("max_password_bytes", 1 * KIB, "bytes", "a password",
+          "sessions: login and password changes (bad_request)"),
+    Limit("login_slow_after", 3, "failures", "failed logins of a user before each next attempt waits",
+          "sessions: the next attempt waits 1 s, 2 s, 4 s, ... (locked, with retry_after)"),
+    Limit("login_lock_after", 10, "failures", "failed logins of a user before it is locked",
+          "sessions: logins of the user are refused for login_lock_seconds (locked)"),
+    Limit("login_address_slow_after", 20, "failures", "failed logins from one address before each next attempt waits",
+          "sessions: as login_slow_after, per client address"),
+    Limit("login_address_lock_after", 100, "failures", "failed logins from one address before it is locked",
+          "sessions: as login_lock_after, per client address"),
+    Limit("login_lock_seconds", 15 * 60, "seconds", "how long a lock lasts and failures are remembered",
+          "sessions: a user or address is locked this long; failures are forgotten this long after the last"),
+    Limit("oidc_max_bytes", 1 * MIB, "bytes", "an OIDC discovery document, key set or ID token",
+          "sessions: OIDC login (unauthenticated; unavailable for the provider's documents)"),
+    Limit("oidc_jwks_max_age", 3600, "seconds", "how long an identity provider's key set is cached",
+          "sessions: the key set is fetched again after this"),
+    Limit("oidc_jwks_min_interval", 30, "seconds", "the time between two key set fetches for unknown key ids",
+          "sessions: an ID token with an unknown kid fetches the key set at most once per interval"),
+    Limit("audit_retention", 90 * 24 * 3600, "seconds", "the age of an audit record",
+          "sessions: the NOETL_AUDIT stream's max age, set when the stream is created"),
 )
 
 _BY_NAME = {limit.name: limit for limit in LIMITS}
