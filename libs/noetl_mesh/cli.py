@@ -134,10 +134,11 @@ async def _embedded_stack(quiet: bool, persistent: str | None = None, processes:
     nats_server = provision_nats(store_dir=nats_dir)
     pg = provision_postgres(data_dir=pg_dir, fast=not persistent)
     settings = Settings(nats_url=nats_server.url, pg_dsn=pg.dsn("postgres"))
+    token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
-        stack = ProcessStack(settings, log_dir=persistent, supervise=True)
+        stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file)
     else:
-        stack = InProcessStack(settings)
+        stack = InProcessStack(settings, token_file=token_file)
     inner_stop = stack.stop
 
     async def stop() -> None:
@@ -330,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("service", help="run one service")
-    p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder", "worker"])
+    p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
+                                    "sessions", "worker"])
     p.add_argument("--nats-url")
     p.add_argument("--pg-dsn")
     p.add_argument("--pool", default="default")

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .infra.bus import DEFAULT_PARTITIONS, Bus
+from .infra.bus import DEFAULT_PARTITIONS, Bus, BusError
 from .infra import tracing
 
 log = logging.getLogger("noetl.stack")
 
 CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator")
-ALL_SERVICES = (*CONTROL_PLANE, "worker", "gateway")
+ALL_SERVICES = (*CONTROL_PLANE, "sessions", "worker", "gateway")
 
 
 @dataclass
@@ -61,6 +61,10 @@ def make_service(name: str, bus: Bus, settings: Settings):
         from .services.gateway.app import GatewayService
 
         return GatewayService(bus, host=settings.host, port=settings.port)
+    if name == "sessions":
+        from .services.sessions.service import SessionsService
+
+        return SessionsService(bus)
     raise ValueError(f"unknown service {name!r}; known: {', '.join(ALL_SERVICES)}")
 
 
@@ -127,15 +131,18 @@ class InProcessStack:
     settings: Settings
     replicas: int = 1
     workers: int = 1
+    token_file: str | None = None  # where the first admin's API token is kept (see bootstrap)
     running: list[Running] = field(default_factory=list)
+    token: str | None = None
 
     async def start(self) -> "InProcessStack":
         setup = await Bus.connect(self.settings.nats_url, "noetl-setup")
         await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=self.settings.replicas)
         await setup.close()
-        names = ["event-recorder"] + [n for n in CONTROL_PLANE[1:] for _ in range(self.replicas)]
+        names = ["event-recorder", "sessions"] + [n for n in CONTROL_PLANE[1:] for _ in range(self.replicas)]
         names += ["worker"] * self.workers + ["gateway"]
         self.running = list(await asyncio.gather(*(start_service(n, self.settings) for n in names)))
+        self.token = await bootstrap(self.settings.nats_url, self.token_file)
         return self
 
     @property
@@ -147,11 +154,44 @@ class InProcessStack:
 
     async def stop(self) -> None:
         # workers and gateway first, then the control plane, the recorder last (it drains the log)
-        order = {"gateway": 0, "worker": 1, "admission": 2, "router": 2, "loop-coordinator": 2, "event-recorder": 3}
+        order = {"gateway": 0, "worker": 1, "sessions": 2, "admission": 2, "router": 2, "loop-coordinator": 2,
+                 "event-recorder": 3}
         for rank in range(4):
             await asyncio.gather(*(stop_service(r) for r in self.running if order[r.name] == rank),
                                  return_exceptions=True)
         self.running.clear()
+
+
+async def bootstrap(nats_url: str, token_file: str | None = None, username: str = "admin",
+                    timeout: float = 60.0) -> str | None:
+    """The first admin of a new stack: the sessions service creates it (only while no user exists) and
+    answers with an API token for it, kept in ``token_file`` (mode 0600) when given. A stack that has
+    users already answers with the token kept there, or None (log in)."""
+    from .services.sessions.service import Q_BOOTSTRAP
+
+    bus = await Bus.connect(nats_url, "noetl-setup")
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = await bus.request(Q_BOOTSTRAP, {"username": username}, timeout=10)
+                break
+            except BusError as exc:  # the sessions service is still starting
+                if exc.kind not in ("unavailable", "timeout") or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+    finally:
+        await bus.close()
+    if reply.get("created"):
+        if token_file:
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(reply["token"] + "\n")
+        return reply["token"]
+    if token_file and os.path.exists(token_file):
+        with open(token_file) as f:
+            return f.read().strip() or None
+    return None
 
 
 def free_port() -> int:
@@ -171,6 +211,8 @@ class ProcessStack:
     workers: int = 1
     log_dir: str | None = None
     supervise: bool = False
+    token_file: str | None = None  # where the first admin's API token is kept (see bootstrap)
+    token: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     _specs: dict[str, tuple[str, dict]] = field(default_factory=dict)
@@ -227,6 +269,7 @@ class ProcessStack:
         await setup.close()
         self.port = self.settings.port or free_port()
         self.spawn("event-recorder")
+        self.spawn("sessions")
         for name in CONTROL_PLANE[1:]:
             for i in range(self.replicas):
                 self.spawn(name, f"{name}-{i}")
@@ -236,6 +279,7 @@ class ProcessStack:
         await wait_http(f"{self.gateway_url}/health", timeout=60, procs=None if self.supervise else self.procs)
         if self.supervise:
             self._supervisor = asyncio.create_task(self._watch(), name="supervisor")
+        self.token = await bootstrap(self.settings.nats_url, self.token_file)
         return self
 
     @property
