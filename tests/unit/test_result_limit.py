@@ -214,3 +214,18 @@ def test_duckdb_stops_fetching_rows_past_the_limit():
     assert seconds < 30
     assert under["status"] == "ok" and under["result"]["row_count"] == 1000
     assert dml["status"] == "ok" and dml["result"]["row_count"] == 10
+
+
+class Circular:
+    async def run(self, task, spec, ctx):
+        value: list = []
+        value.append(value)
+        return {"status": "ok", "result": value}
+
+
+def test_a_result_that_cannot_be_json_is_an_error_not_a_crash():
+    _, (out,) = pipeline([{"name": "loop", "kind": "circular"}], {"circular": Circular()})
+    assert out["status"] == "error" and out["error"]["kind"] == "tool_error"
+    assert "not JSON-serialisable" in out["error"]["message"]
+    _, (big_int,) = pipeline([{"name": "n", "kind": "returns", "value": 10 ** 4000}])
+    assert big_int["status"] == "ok"  # a big number is a few KiB at most

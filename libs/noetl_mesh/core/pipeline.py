@@ -46,7 +46,7 @@ _ARGS_KEYS = ("args", "input", "with")  # a workbook call's args and their alias
 _RESERVED = frozenset({"workload", "ctx", "iter", "args", "execution_id", "keychain", "_prev", "_task",
                        "_attempt", "outcome", "output"})
 
-_SCALARS = frozenset({bool, float})  # results whose JSON is a few bytes
+_SCALARS = frozenset({bool, int, float})  # results whose JSON is a few bytes (ints: at most 4,300 digits)
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
 _NO_MATCH_DIRECTIVE = {"do": "continue"}  # D9: a policy with no match and no else
@@ -403,7 +403,11 @@ class _Run:
         result, limit = outcome["result"], limits.current().max_result_bytes
         if result.__class__ in _SCALARS or (result.__class__ is str and 6 * len(result) + 2 <= limit):
             return outcome  # cannot be over (a character is at most 6 bytes of JSON)
-        size = json_size(result)
+        try:
+            size = json_size(result)
+        except (TypeError, ValueError, RecursionError) as e:  # it could not be published either
+            return {**outcome, "status": "error", "result": None,
+                    "error": _err("tool_error", f"task {name!r}: the result is not JSON-serialisable: {e}")}
         if size <= limit:
             return outcome
         return {**outcome, **result_too_large(self.step, name, size)}

@@ -11,13 +11,15 @@ kind ``result_too_large`` (:func:`result_too_large`). The pipeline checks every 
 (:func:`json_size`); a tool that reads its result in parts stops as soon as the parts pass the limit
 (:class:`ResultBudget`), so an oversized value is never held whole.
 
-Kept free of heavy imports: the python tool's child process imports this package.
+Kept free of heavy imports (orjson only): the python tool's child process imports this package.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
 
 if TYPE_CHECKING:  # pragma: no cover
     import asyncio
@@ -92,8 +94,6 @@ def timeout_seconds(value: Any, default: float | None) -> float | None:
 
 def json_size(value: Any) -> int:
     """The size in bytes of ``value`` as JSON (as the bus serialises it: compact, UTF-8)."""
-    import orjson
-
     try:
         return len(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))
     except (TypeError, ValueError):  # e.g. an integer past 64 bits
