@@ -368,3 +368,34 @@ def test_http_url_query_secret_reaches_neither_events_nor_logs(monkeypatch, capl
     for form in [SECRET, *_encodings(SECRET).values()]:
         assert form not in published
         assert form not in logged
+
+
+def test_worker_events_mask_url_encoded_and_base64_forms():
+    """A tool that hands back the secret in every encoded form, in its result, its error message and a
+    ctx patch: the published events and the terminal event hold none of them."""
+    import json
+
+    forms = _encodings(SECRET)
+
+    class Encodes:
+        async def run(self, task, spec, ctx):
+            if task.get("fail"):
+                return {"status": "error", "error": {"kind": "tool_error", "message": " ".join(forms.values())}}
+            return {"status": "ok", "result": {name: f"<{form}>" for name, form in forms.items()}}
+
+    events = []
+
+    async def publish(e):
+        events.append(e)
+
+    tasks = [{"name": "enc", "kind": "enc", "spec": {"policy": {"rules": [
+                 {"else": {"then": {"do": "continue", "set_ctx": {"seen": "{{ outcome.result.b64 }}"}}}}]}}},
+             {"name": "boom", "kind": "enc", "fail": True}]
+    # a resolved credential with a user and a password (the basic-auth form needs both)
+    terminals = arun(execute_command(
+        command(tasks, {"db": {"user": "svc-user", "password": SECRET}}), {"enc": Encodes()}, publish))
+    result = next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["result"]
+    assert result == {name: "<***>" for name in forms}
+    text = json.dumps(events + terminals, ensure_ascii=False) + json.dumps(events + terminals)
+    for form in [SECRET, *forms.values()]:
+        assert form not in text
