@@ -227,6 +227,7 @@ def _encodings(secret: str, user: str = "svc-user") -> dict[str, str]:
     return {
         "quote": quote(secret, safe=""), "quote_path": quote(secret), "quote_plus": quote_plus(secret),
         "quote_lower_hex": re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quote(secret, safe="")),
+        "java_url_encoder": quote_plus(secret, safe="*").replace("~", "%7E"),
         "b64": b64, "b64_unpadded": b64.rstrip("="), "b64_url": url64, "b64_url_unpadded": url64.rstrip("="),
         "json_ascii": json.dumps(secret)[1:-1], "json_utf8": json.dumps(secret, ensure_ascii=False)[1:-1],
         "basic_auth": base64.b64encode(f"{user}:{secret}".encode()).decode(),

@@ -202,7 +202,8 @@ def secrets_of(resolved: Any) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+# characters no URL encoder changes (``~`` is left alone by Python and browsers, not by Java's URLEncoder)
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._")
 _B64_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 
 
