@@ -169,23 +169,26 @@ def test_python_huge_result_is_refused_on_the_pipe_and_the_pool_recovers():
     async def main():
         try:
             with limits.override(max_result_bytes=LIMIT):
-                big = await tool.run({"code": "result = ['x' * 1000] * 20000"}, {}, ctx())  # ~20 MB
+                tracemalloc.start()
+                try:
+                    big = await tool.run({"code": "result = ['x' * 1000] * 20000"}, {}, ctx())  # ~20 MB
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
                 small = await tool.run({"code": "result = 'y' * 1000"}, {}, ctx("small"))
                 edge = await tool.run({"code": f"result = 'z' * {LIMIT - 2}"}, {}, ctx("edge"))
-            return big, small, edge
+            # under the default limit: an answer of several of the pipe reader's 1 MiB parts
+            whole = await tool.run({"code": "result = ['ab' * 50] * 50000"}, {}, ctx("whole"))
+            return big, peak, small, edge, whole
         finally:
             await tool.close()
 
-    tracemalloc.start()
-    try:
-        big, small, edge = asyncio.run(main())
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    big, peak, small, edge, whole = asyncio.run(main())
     assert_too_large(big)
     assert peak < 16 * MIB  # the worker did not read the child's 20 MB answer
     assert small["status"] == "ok" and small["result"] == "y" * 1000
     assert edge["status"] == "ok" and len(edge["result"]) == LIMIT - 2
+    assert whole["status"] == "ok" and whole["result"] == ["ab" * 50] * 50000
 
 
 # ============================================================================================ duckdb
