@@ -5,7 +5,10 @@ Prints:
   * the engine overhead per task of a 10-task noop pipeline (events go to a no-op sink), plain and
     with a templated ``result:`` and a policy rule on every task;
   * the python tool's per-call latency on the warm pool vs a cold ``python -c`` per call;
-  * the duckdb tool's per-call latency (fresh in-memory database per task).
+  * the duckdb tool's per-call latency (fresh in-memory database per task);
+  * the worker's masking (D24): one 10-task command through ``execute_command`` with and without a
+    keychain (3 secrets), and ``mask`` alone on one ``task.processed`` event's data (without and with
+    a secret in it).
 No assertions.
 """
 from __future__ import annotations
@@ -89,6 +92,57 @@ async def bench_duckdb(tools: dict, calls: int) -> list[float]:
     return times
 
 
+async def bench_masking(rounds: int) -> tuple[float, float, float, float]:
+    """Per command without and with a keychain of 3 secrets, and per event for ``mask`` alone (an
+    event without a secret, and one holding a secret)."""
+    from noetl_mesh.core.keychain import mask, secrets_of
+    from noetl_mesh.core.worker import execute_command
+    from noetl_mesh.tools.noop import NoopTool
+
+    keychain = [{"name": "api", "kind": "static", "token": "tok-9f8e7d6c5b4a", "user": "svc-user"},
+                {"name": "db", "kind": "static", "password": "pg/pass word+1"}]
+    tasks = [{"name": f"t{i}", "kind": "noop", "result": {"i": i, "msg": "fetched rows from the api", "rows": [
+        {"id": j, "name": f"row {j}", "note": "nothing secret here"} for j in range(5)]}} for i in range(10)]
+    tools = {"noop": NoopTool()}
+
+    async def sink(event: dict) -> None:
+        return None
+
+    def cmd(kc: list) -> dict:
+        return {**command(tasks), "command_id": "c-bench", "pool": "default", "chunk": None, "workbook": [],
+                "keychain": kc}
+
+    async def per_command(kc: list) -> float:
+        c = cmd(kc)
+        for _ in range(20):
+            await execute_command(c, tools, sink)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                await execute_command(c, tools, sink)
+            best = min(best, (time.perf_counter() - t0) / rounds)
+        return best
+
+    plain = await per_command([])
+    masked = await per_command(keychain)
+    secrets = secrets_of({d["name"]: d for d in keychain})
+    data = {"outcome": {"status": "ok", "result": tasks[3]["result"], "error": None,
+                        "meta": {"attempt": 1, "duration_ms": 0.1, "action_id": "a" * 32}}}
+    holding = {"outcome": {**data["outcome"], "result": {**tasks[3]["result"], "msg": "token=tok-9f8e7d6c5b4a"}}}
+    n = rounds * 20
+    per_event = []
+    for value in (data, holding):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                mask(value, secrets)
+            best = min(best, (time.perf_counter() - t0) / n)
+        per_event.append(best)
+    return plain, masked, per_event[0], per_event[1]
+
+
 def cold_python(calls: int) -> list[float]:
     times = []
     for i in range(calls):
@@ -136,6 +190,13 @@ async def main(quick: bool) -> None:
               f"p95 {ms(sorted(warm[1:])[int(len(warm[1:]) * 0.95) - 1])}")
         cold = cold_python(10 if quick else 30)
         print(f"cold `python -c` per call (for comparison)   : median {ms(statistics.median(cold))}")
+
+        plain, masked, clean, holding = await bench_masking(50 if quick else 300)
+        print(f"worker command, 10 noop tasks, no keychain   : {us(plain)} per command")
+        print(f"worker command, 10 noop tasks, 3 secrets     : {us(masked)} per command "
+              f"(masking {us((masked - plain) / 22)} per event)")
+        print(f"mask() of one task.processed event's data    : {us(clean)} without a secret, "
+              f"{us(holding)} holding one")
 
         dd = await bench_duckdb(tools, 20 if quick else 60)
         print(f"duckdb tool, in-memory db per task, 1 query  : median {ms(statistics.median(dd))}, "

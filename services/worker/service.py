@@ -4,19 +4,21 @@ A command is acknowledged only after its terminal event is stored, so a worker t
 leaves it to be redelivered (after ``ack_wait``) to another worker; the rerun reproduces the event
 ids of what was already reported (D21). Long tasks keep their lease with in-progress acks. A
 ``noetl.cancel.<execution>`` broadcast aborts the execution's running commands and drops its queued
-ones (D15, D18).
+ones (D15, D18). While a command runs, its secrets are masked in every log record of the process
+(D24: ``keychain.install_log_masking``; httpx and httpcore, which log request URLs, stay at WARNING).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from typing import Any
 
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
-from noetl_mesh.core.keychain import bus_resolver
+from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
@@ -85,6 +87,7 @@ class WorkerService:
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
         self.tools = tools
         self.keychain = bus_resolver(self.bus.request, Q_CREDENTIAL_RESOLVE)  # D24: per-execution TTL cache
+        self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
         self.running: dict[asyncio.Task, str] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
         self.stop_event = asyncio.Event()
@@ -155,7 +158,8 @@ class WorkerService:
                 command = await self.bus.expand(msg.data, command)  # D23: references -> values
                 batcher = EventBatcher(self.bus, limit=payload_limit(command))
                 await execute_command(command, self.tools, batcher.add, source=f"worker:{self.pool}",
-                                      keychain_resolver=self.keychain)
+                                      keychain_resolver=self.keychain,
+                                      on_secrets=functools.partial(self.log_masking.track, asyncio.current_task()))
                 await batcher.close()
             self.done += 1
             await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)
@@ -172,6 +176,7 @@ class WorkerService:
             log.exception("command %s failed", command.get("command_id"))
             await msg.nak(delay=2.0)
         finally:
+            self.log_masking.forget(asyncio.current_task())
             heartbeat.cancel()
             if batcher is not None:
                 batcher.abandon()

@@ -212,3 +212,191 @@ workflow:
     s = summary(run.state)
     assert s["status"] == "COMPLETED" and s["steps"]["start"]["result"] == "***"
     assert s["steps"]["second"]["result"] == 2
+
+
+# ------------------------------------------------------------------------------ encodings and logs
+def _encodings(secret: str, user: str = "svc-user") -> dict[str, str]:
+    """The forms a secret takes on its way out: URL-encoded, base64, JSON-escaped, HTTP basic auth."""
+    import base64
+    import json
+    import re
+    from urllib.parse import quote, quote_plus
+
+    raw = secret.encode()
+    b64, url64 = base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw).decode()
+    return {
+        "quote": quote(secret, safe=""), "quote_path": quote(secret), "quote_plus": quote_plus(secret),
+        "quote_lower_hex": re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quote(secret, safe="")),
+        "java_url_encoder": quote_plus(secret, safe="*").replace("~", "%7E"),
+        "b64": b64, "b64_unpadded": b64.rstrip("="), "b64_url": url64, "b64_url_unpadded": url64.rstrip("="),
+        "json_ascii": json.dumps(secret)[1:-1], "json_utf8": json.dumps(secret, ensure_ascii=False)[1:-1],
+        "basic_auth": base64.b64encode(f"{user}:{secret}".encode()).decode(),
+    }
+
+
+SECRET = 'pg/pass word+1"é~?'  # every family of characters that encoders treat differently
+
+
+def test_mask_covers_url_base64_json_and_basic_auth_forms():
+    secrets = secrets_of({"db": {"user": "svc-user", "password": SECRET}})
+    forms = _encodings(SECRET)
+    assert forms["quote"] != forms["quote_plus"] != forms["b64"]  # the forms really differ
+    for name, form in forms.items():
+        text = f"GET /x?token={form}&page=2 -> Authorization: Basic {form}."
+        masked = mask({"m": text, "l": [text]}, secrets)
+        for out in (masked["m"], masked["l"][0]):
+            assert form not in out, (name, out)
+            assert out.startswith("GET /x?token=***") and "&page=2" in out, (name, out)
+
+
+def test_mask_json_text_and_unrelated_text_untouched():
+    import json
+
+    secrets = secrets_of({"api": {"token": SECRET}})
+    body = json.dumps({"token": SECRET, "note": "ok"})
+    assert mask(body, secrets) == '{"token": "***", "note": "ok"}'
+    assert mask({"rows": [{"id": 1, "name": "pg pass word 1"}]}, secrets) == {"rows": [{"id": 1, "name": "pg pass word 1"}]}
+    plain = {"rows": [{"id": 1, "name": "alice"}], "n": 3}
+    assert mask(plain, secrets) is plain  # nothing to mask: the value itself, not a copy
+
+
+def test_log_records_are_masked_in_every_logger(caplog):
+    import logging
+
+    from noetl_mesh.core.keychain import LOG_MASKING, install_log_masking
+
+    install_log_masking()
+    caplog.set_level(logging.DEBUG)
+    forms = _encodings(SECRET)
+    LOG_MASKING.track("cmd-1", secrets_of({"db": {"user": "svc-user", "password": SECRET}}))
+    try:
+        for name in ("httpx", "httpcore.http11", "psycopg", "noetl.worker", "some.library"):
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.DEBUG)
+            logger.debug("request %s", f"http://h/x?t={forms['quote_plus']}")
+            logger.info('HTTP Request: GET http://h/x?t=%s "HTTP/1.1 200 OK"', forms["quote"])
+            logger.warning("auth %(h)s", {"h": f"Basic {forms['basic_auth']}"})
+            try:
+                raise ValueError(f"bad password {SECRET} ({forms['b64']})")
+            except ValueError:
+                logger.exception("failed")
+            logger.setLevel(logging.NOTSET)
+    finally:
+        LOG_MASKING.forget("cmd-1")
+    text = caplog.text + "".join(str(r.msg) + str(r.args) for r in caplog.records)
+    assert text.count("***") >= 5 * 5
+    for form in [SECRET, *forms.values()]:
+        assert form not in text
+    logging.getLogger("some.library").warning("after %s", SECRET)  # the command ended: nothing to mask
+    assert caplog.records[-1].getMessage() == f"after {SECRET}"
+
+
+def test_installing_quiets_httpx_request_lines():
+    import logging
+
+    from noetl_mesh.core.keychain import install_log_masking
+
+    install_log_masking()
+    for name in ("httpx", "httpcore"):
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO)
+
+
+def test_http_url_query_secret_reaches_neither_events_nor_logs(monkeypatch, caplog):
+    """The reproduction: a keychain secret in an http task's URL query string and params. httpx logs
+    every request line (URL included) at INFO; the worker's events carry the URL in results and errors."""
+    import json
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler
+
+    from noetl_mesh.core.keychain import LOG_MASKING, install_log_masking
+    from noetl_mesh.testing.fixture_api import QuietHTTPServer
+    from noetl_mesh.tools.http import HttpTool
+
+    class Echo(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"path": self.path}).encode()
+            self.send_response(200 if "fail" not in self.path else 500)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = QuietHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    monkeypatch.setenv("KC_HTTP_SECRET", SECRET)
+    install_log_masking()
+    caplog.set_level(logging.DEBUG)
+    for name in ("httpx", "httpcore"):
+        caplog.set_level(logging.DEBUG, logger=name)  # as verbose as anyone could make it
+    tasks = [
+        {"name": "url", "kind": "http", "url": base + "/a?token={{ keychain.api.value }}"},
+        {"name": "params", "kind": "http", "url": base + "/b", "params": {"token": "{{ keychain.api.value }}"}},
+        {"name": "fail", "kind": "http", "url": base + "/fail?token={{ keychain.api.value }}"},
+    ]
+    events = []
+
+    async def publish(e):
+        events.append(e)
+
+    async def main():
+        tool = HttpTool(trust_env=False)
+        try:
+            return await execute_command(
+                command(tasks, [{"name": "api", "kind": "env", "var": "KC_HTTP_SECRET"}]), {"http": tool}, publish,
+                on_secrets=lambda s: LOG_MASKING.track("c1", s))
+        finally:
+            LOG_MASKING.forget("c1")
+            await tool.close()
+
+    try:
+        terminals = arun(main())
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    processed = [e for e in events if e["name"] == "task.processed"]
+    assert [e["data"]["outcome"]["status"] for e in processed] == ["ok", "ok", "error"]
+    assert processed[0]["data"]["outcome"]["result"] == {"path": "/a?token=***"}
+    assert "***" in processed[2]["data"]["outcome"]["error"]["message"]
+    assert terminals[0]["name"] == "step.failed"
+    published = json.dumps(events + terminals, ensure_ascii=False) + json.dumps(events + terminals)
+    logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
+    assert any(r.name.startswith("httpx") for r in caplog.records)  # the request lines were logged, masked
+    for form in [SECRET, *_encodings(SECRET).values()]:
+        assert form not in published
+        assert form not in logged
+
+
+def test_worker_events_mask_url_encoded_and_base64_forms():
+    """A tool that hands back the secret in every encoded form, in its result, its error message and a
+    ctx patch: the published events and the terminal event hold none of them."""
+    import json
+
+    forms = _encodings(SECRET)
+
+    class Encodes:
+        async def run(self, task, spec, ctx):
+            if task.get("fail"):
+                return {"status": "error", "error": {"kind": "tool_error", "message": " ".join(forms.values())}}
+            return {"status": "ok", "result": {name: f"<{form}>" for name, form in forms.items()}}
+
+    events = []
+
+    async def publish(e):
+        events.append(e)
+
+    tasks = [{"name": "enc", "kind": "enc", "spec": {"policy": {"rules": [
+                 {"else": {"then": {"do": "continue", "set_ctx": {"seen": "{{ outcome.result.b64 }}"}}}}]}}},
+             {"name": "boom", "kind": "enc", "fail": True}]
+    # a resolved credential with a user and a password (the basic-auth form needs both)
+    terminals = arun(execute_command(
+        command(tasks, {"db": {"user": "svc-user", "password": SECRET}}), {"enc": Encodes()}, publish))
+    result = next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["result"]
+    assert result == {name: "<***>" for name in forms}
+    text = json.dumps(events + terminals, ensure_ascii=False) + json.dumps(events + terminals)
+    for form in [SECRET, *forms.values()]:
+        assert form not in text

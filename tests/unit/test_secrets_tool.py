@@ -130,7 +130,7 @@ def test_plain_resolver_and_sink():
     sink: set[str] = set()
     out = arun(SecretsTool(resolver, sink=sink).run({"secret": "api"}, {}, ctx()))
     assert out["status"] == "ok" and out["result"]["token"] == SECRET
-    assert sink == {SECRET, "svc-account"}
+    assert sink == {SECRET, "svc-account", f"svc-account:{SECRET}"}  # the last: what basic auth encodes
 
 
 def test_later_commands_of_the_execution_mask_fetched_values():
@@ -145,7 +145,7 @@ def test_later_commands_of_the_execution_mask_fetched_values():
 
     arun(execute_command(command("c1", [{"name": "get", "kind": "secrets", "secret": "api"}]),
                          {"noop": NoopTool()}, publish, keychain_resolver=cache))
-    assert set(cache.known_secrets("e9")) == {SECRET, "svc-account"} and cache.known_secrets("other") == []
+    assert set(cache.known_secrets("e9")) == {SECRET, "svc-account", f"svc-account:{SECRET}"} and cache.known_secrets("other") == []
     # a later command printing the value (e.g. from its input) is masked too
     terminals = arun(execute_command(command("c2", [{"name": "p", "kind": "noop", "result": f"x-{SECRET}"}]),
                                      {"noop": NoopTool()}, publish, keychain_resolver=cache))

@@ -11,7 +11,9 @@ are, never the secrets. The worker resolves them when a command starts into ``{n
   per execution for ``ttl`` seconds (:class:`KeychainCache`). A credential that is not stored: no entry.
 
 Everything the worker publishes goes through :func:`mask`: each resolved string value of at least
-``MIN_SECRET`` characters is replaced by ``***`` wherever it occurs.
+``MIN_SECRET`` characters is replaced by ``***`` wherever it occurs, as it is or encoded (URL-encoded,
+JSON-escaped, base64, HTTP basic auth: :class:`Masker`). While a command runs, its secrets are also
+masked in every log record of the worker process (:class:`LogMasking`, :func:`install_log_masking`).
 
 The ``secrets`` tool fetches one stored credential by name (:meth:`KeychainCache.credential`); its
 values are remembered per execution (:meth:`KeychainCache.known_secrets`) and masked in every event the
@@ -20,9 +22,16 @@ worker runs. A different worker only masks the values it has itself fetched or r
 """
 from __future__ import annotations
 
+import base64
+import json
+import logging
 import os
+import re
+import threading
 import time
 from typing import Any, Awaitable, Callable, Iterable, Mapping
+
+import orjson
 
 
 MASK = "***"
@@ -164,8 +173,15 @@ def dict_resolver(store: Mapping[str, Any], ttl: float = DEFAULT_TTL) -> Keychai
 
 
 # ------------------------------------------------------------------------------------------ masking
+_USER_KEYS = ("username", "user", "login")
+_PASSWORD_KEYS = frozenset({"password", "passwd", "pass", "secret", "token", "api_key", "apikey", "key",
+                            "client_secret"})
+
+
 def secrets_of(resolved: Any) -> list[str]:
-    """Every string value (at any depth) of resolved entries that is long enough to mask, longest first."""
+    """Every string value (at any depth) of resolved entries that is long enough to mask, longest first;
+    and, for an entry holding a user (``username``/``user``/``login``) and a password (``password``,
+    ``token``, ``secret``...), ``"<user>:<password>"``: what HTTP basic auth encodes."""
     found: set[str] = set()
 
     def walk(value: Any) -> None:
@@ -173,7 +189,10 @@ def secrets_of(resolved: Any) -> list[str]:
             if len(value) >= MIN_SECRET:
                 found.add(value)
         elif isinstance(value, Mapping):
-            for v in value.values():
+            user = next((value[k] for k in _USER_KEYS if isinstance(value.get(k), str) and value[k]), None)
+            for k, v in value.items():
+                if user is not None and k in _PASSWORD_KEYS and isinstance(v, str) and v:
+                    found.add(f"{user}:{v}")
                 walk(v)
         elif isinstance(value, (list, tuple, set)):
             for v in value:
@@ -183,33 +202,220 @@ def secrets_of(resolved: Any) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-def mask(value: Any, secrets: Iterable[str]) -> Any:
-    """``value`` with every occurrence of each secret in its strings (keys included) replaced by
-    ``***``; returns new containers, leaves the input alone."""
-    secrets = [s for s in secrets if isinstance(s, str) and len(s) >= MIN_SECRET]
-    if not secrets:
-        return value
-    secrets.sort(key=len, reverse=True)
+# characters no URL encoder changes (``~`` is left alone by Python and browsers, not by Java's URLEncoder)
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._")
+_B64_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 
-    def text(s: str) -> str:
-        for secret in secrets:
-            if secret in s:
-                s = s.replace(secret, MASK)
+
+def _hex_any_case(text: str) -> str:
+    """A regex for ``text`` (``%2F``, ``\\u00e9``) whose hex digits match in either case."""
+    return re.sub(r"[A-Fa-f]", lambda m: f"[{m.group(0).upper()}{m.group(0).lower()}]", re.escape(text))
+
+
+def _char_pattern(c: str) -> str:
+    """Every form one character of a secret takes in text: itself; percent-encoded (``%XX`` per UTF-8
+    byte, hex in either case; ``+`` for a space, as in query strings and forms); JSON-escaped
+    (``\\"``, ``\\\\``, ``\\n``, ``\\u00e9``, ``\\/``)."""
+    if c in _UNRESERVED:
+        return re.escape(c)  # no encoder changes these
+    forms = {re.escape(c), _hex_any_case("".join(f"%{b:02X}" for b in c.encode()))}
+    if c == " ":
+        forms.add(re.escape("+"))
+    escaped = json.dumps(c)[1:-1]
+    if escaped != c:
+        forms.add(_hex_any_case(escaped))
+    if c == "/":
+        forms.add(re.escape("\\/"))
+    return "(?:" + "|".join(sorted(forms, key=len, reverse=True)) + ")"
+
+
+def _base64_pattern(secret: str) -> str:
+    """Base64 of the secret alone: standard or URL-safe alphabet, padded or not (the padding and the
+    ``+``/``/`` also percent-encoded or JSON-escaped, as inside a query string or a JSON text)."""
+    encoded = base64.b64encode(secret.encode()).decode().rstrip("=")
+    out = []
+    for c in encoded:
+        if c == "+":
+            out.append("(?:[+\\-]|%2[Bb])")
+        elif c == "/":
+            out.append("(?:[/_]|%2[Ff]|\\\\/)")
+        else:
+            out.append(c)
+    return "".join(out) + "(?:=|%3[Dd]){0,2}"
+
+
+def _anchor(text: str, plain: frozenset[str]) -> str:
+    """The longest run of ``plain`` characters of ``text``: present in every encoded form."""
+    best = run = ""
+    for c in text:
+        run = run + c if c in plain else ""
+        if len(run) > len(best):
+            best = run
+    return best
+
+
+class Masker:
+    """Masks one set of secrets (D24) in one pass: every form of each secret (as it is, URL-encoded,
+    JSON-escaped, base64, HTTP basic auth: see :func:`_char_pattern` and :func:`_base64_pattern`) is one
+    alternative of a single compiled regex, built once per set of secrets (:func:`masker`).
+
+    Most values hold no secret at all, so a value is first serialised (orjson, C speed) and searched
+    for *anchors* (for each secret the longest run of characters that no encoding changes): a value
+    without any anchor is returned as it is, without a walk."""
+
+    __slots__ = ("secrets", "_regex", "_anchors", "_byte_anchors")
+
+    def __init__(self, secrets: Iterable[str]):
+        self.secrets = tuple(sorted({s for s in secrets if isinstance(s, str) and len(s) >= MIN_SECRET},
+                                    key=len, reverse=True))
+        alternatives: list[str] = []
+        anchors: set[str] = set()
+        for secret in self.secrets:
+            alternatives.append("".join(_char_pattern(c) for c in secret))
+            alternatives.append(_base64_pattern(secret))
+            anchors.add(_anchor(secret, _UNRESERVED))
+            anchors.add(_anchor(base64.b64encode(secret.encode()).decode(), _B64_PLAIN))
+        # an anchor that contains another is implied by it
+        kept = sorted(anchors, key=len)
+        kept = [a for i, a in enumerate(kept) if not any(b in a for b in kept[:i])]
+        self._anchors = tuple(kept)
+        self._byte_anchors = tuple(a.encode() for a in kept)
+        self._regex = re.compile("|".join(alternatives)) if alternatives else None
+
+    def __bool__(self) -> bool:
+        return self._regex is not None
+
+    def text(self, s: str) -> str:
+        """``s`` with every form of every secret replaced by ``***``."""
+        if self._regex is None:
+            return s
+        for anchor in self._anchors:
+            if anchor in s:
+                return self._regex.sub(MASK, s)
         return s
 
-    def walk(v: Any) -> Any:
+    def __call__(self, value: Any) -> Any:
+        """``value`` with its strings (keys included) masked; new containers where something was
+        masked, the value itself when nothing was."""
+        if self._regex is None or value is None:
+            return value
+        try:
+            blob = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+        except (TypeError, ValueError):  # not plain JSON (e.g. a tool's own objects): walk it all
+            return self._walk(value)
+        for anchor in self._byte_anchors:
+            if anchor in blob:
+                return self._walk(value)
+        return value
+
+    def _walk(self, v: Any) -> Any:
         if isinstance(v, str):
-            return text(v)
+            return self.text(v)
         if isinstance(v, Mapping):
-            return {(text(k) if isinstance(k, str) else k): walk(x) for k, x in v.items()}
+            return {(self.text(k) if isinstance(k, str) else k): self._walk(x) for k, x in v.items()}
         if isinstance(v, list):
-            return [walk(x) for x in v]
+            return [self._walk(x) for x in v]
         if isinstance(v, tuple):
-            return tuple(walk(x) for x in v)
+            return tuple(self._walk(x) for x in v)
         return v
 
-    return walk(value)
+
+_MASKERS: dict[frozenset[str], Masker] = {}
+_MASKERS_MAX = 256
 
 
-__all__ = ["KeychainCache", "Resolver", "resolve", "mask", "secrets_of", "bus_resolver", "dict_resolver",
-           "declarations_of", "stored_name", "MASK"]
+def masker(secrets: Iterable[str]) -> Masker:
+    """The :class:`Masker` of a set of secrets, built once (the last few hundred sets are kept)."""
+    key = frozenset(secrets)
+    found = _MASKERS.get(key)
+    if found is None:
+        if len(_MASKERS) >= _MASKERS_MAX:
+            _MASKERS.clear()
+        found = _MASKERS[key] = Masker(key)
+    return found
+
+
+def mask(value: Any, secrets: Iterable[str]) -> Any:
+    """``value`` with every occurrence of each secret, in any of its encoded forms, in its strings (keys
+    included) replaced by ``***``; returns new containers, leaves the input alone."""
+    return masker(secrets)(value)
+
+
+# ---------------------------------------------------------------------------------------------- logs
+class LogMasking(logging.Filter):
+    """Masks the secrets of the commands running in this process in every log record — the message
+    with its arguments, and the text of an exception — whatever the logger (the worker's own, httpx,
+    httpcore, psycopg...). :func:`install_log_masking` applies it to every record as it is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._running: dict[Any, frozenset[str]] = {}
+        self._masker = Masker(())
+
+    def track(self, key: Any, secrets: Iterable[str]) -> None:
+        """The command ``key`` runs with ``secrets`` (called again when they change)."""
+        secrets = frozenset(secrets)
+        with self._lock:
+            if self._running.get(key) == secrets:
+                return
+            self._running[key] = secrets
+            self._masker = masker(frozenset().union(*self._running.values()))
+
+    def forget(self, key: Any) -> None:
+        """The command ``key`` ended."""
+        with self._lock:
+            if self._running.pop(key, None) is not None:
+                self._masker = masker(frozenset().union(*self._running.values()))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = self._masker
+        if not m:
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken format is logging's to report
+            return True
+        masked = m.text(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        if record.exc_info and not record.exc_text:
+            text = logging.Formatter().formatException(record.exc_info)
+            masked = m.text(text)
+            if masked != text:
+                record.exc_text = masked
+        if record.stack_info:
+            record.stack_info = m.text(record.stack_info)
+        return True
+
+
+LOG_MASKING = LogMasking()
+_installed = False
+
+
+def install_log_masking() -> LogMasking:
+    """Mask :data:`LOG_MASKING`'s secrets in every log record of this process (through the record
+    factory, so records of every logger and for every handler are masked when made), and keep httpx
+    and httpcore, which log each request's URL with its query string, at WARNING unless they were set.
+    Idempotent."""
+    global _installed
+    if not _installed:
+        _installed = True
+        make = logging.getLogRecordFactory()
+
+        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = make(*args, **kwargs)
+            LOG_MASKING.filter(record)
+            return record
+
+        logging.setLogRecordFactory(factory)
+    for name in ("httpx", "httpcore"):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+    return LOG_MASKING
+
+
+__all__ = ["KeychainCache", "Resolver", "resolve", "mask", "masker", "Masker", "secrets_of", "bus_resolver",
+           "dict_resolver", "declarations_of", "stored_name", "MASK", "LOG_MASKING", "LogMasking",
+           "install_log_masking"]

@@ -8,7 +8,8 @@ One call of :func:`run_pipeline` runs one pipeline run: a step run outside loops
 loop step (D9: ``max_steps`` counts per pipeline run). It emits ``task.started`` / ``task.processed``
 around every attempt and ``ctx.patched`` whenever a rule's ``set_ctx`` applies; the worker shell wraps
 them into event envelopes (D20) and turns the returned :class:`PipelineResult` into the terminal step
-or iteration event.
+or iteration event. Every task's result is bounded by ``limits.max_result_bytes`` (its JSON size): a
+bigger one makes the outcome an error of kind ``result_too_large`` that the task's policy routes (D9).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import limits
 from ..lang.model import KIND_DEFAULTS
 from ..lang.normalize import effective_spec, normalize_workbook
 from ..lang.templates import TemplateError, render, truthy
-from ..tools.base import ToolContext
+from ..tools.base import ToolContext, json_size, result_too_large
 from ..tools.noop import NoopTool
 from .events import action_id as _action_id
 from .events import stable_id
@@ -44,6 +46,7 @@ _ARGS_KEYS = ("args", "input", "with")  # a workbook call's args and their alias
 _RESERVED = frozenset({"workload", "ctx", "iter", "args", "execution_id", "keychain", "_prev", "_task",
                        "_attempt", "outcome", "output"})
 
+_SCALARS = frozenset({bool, int, float})  # results whose JSON is a few bytes (ints: at most 4,300 digits)
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
 _NO_MATCH_DIRECTIVE = {"do": "continue"}  # D9: a policy with no match and no else
@@ -335,6 +338,8 @@ class _Run:
                         outcome = await self._call_tool(task, kind, tool, name, attempt, aid)
                     if outcome.__class__ is _Suspend:
                         return self._suspended(outcome, pc, name, aid, attempt, policies)
+                    if outcome["result"] is not None:
+                        outcome = self._bounded(outcome, name)
                     duration = time.perf_counter() - t0
                 outcome["meta"] = {
                     "attempt": attempt,
@@ -391,6 +396,21 @@ class _Run:
             else:
                 return self.finish("error", _err("policy_error", f"task {name!r}: unknown directive {do!r}"))
         return self.finish("ok", None)
+
+    def _bounded(self, outcome: dict, name: str) -> dict:
+        """The outcome, or a ``result_too_large`` error in its place (the tool's own details kept) when
+        its result's JSON is over ``max_result_bytes``: for every kind, whatever the tool checked."""
+        result, limit = outcome["result"], limits.current().max_result_bytes
+        if result.__class__ in _SCALARS or (result.__class__ is str and 6 * len(result) + 2 <= limit):
+            return outcome  # cannot be over (a character is at most 6 bytes of JSON)
+        try:
+            size = json_size(result)
+        except (TypeError, ValueError, RecursionError) as e:  # it could not be published either
+            return {**outcome, "status": "error", "result": None,
+                    "error": _err("tool_error", f"task {name!r}: the result is not JSON-serialisable: {e}")}
+        if size <= limit:
+            return outcome
+        return {**outcome, **result_too_large(self.step, name, size)}
 
     def _suspended(self, suspend: _Suspend, pc: int, name: str, aid: str, attempt: int,
                    policies: Mapping[str, Any]) -> PipelineResult:

@@ -7,8 +7,10 @@ worker crash reproduces the ids of what was already reported and the log keeps e
 
 Keychain (D24): the command carries the playbook's keychain *declarations*; they are resolved here when
 the command starts (``keychain_resolver`` fetches the stored credentials) and every event published is
-masked with the resolved secret values, so no secret reaches a stream or the event log. Secrets that
-the ``secrets`` tool fetches mid-command are masked from then on.
+masked with the resolved secret values (in every encoded form, see ``keychain.Masker``), so no secret
+reaches a stream or the event log. Secrets that the ``secrets`` tool fetches mid-command are masked from
+then on. ``on_secrets`` hears the command's secrets whenever they change (the service masks its logs
+with them).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from ..tools.secrets import SecretsTool
 from .events import make_event, stable_id
-from .keychain import Resolver, mask, resolve, secrets_of
+from .keychain import Masker, Resolver, masker, resolve, secrets_of
 from .pipeline import run_pipeline
 
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
@@ -31,6 +33,7 @@ async def execute_command(
     source: str = "worker",
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     keychain_resolver: Resolver | None = None,
+    on_secrets: Callable[[list[str]], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run a command: one step run or iteration, or a chunk of loop iterations run concurrently
     (each exactly as if it had come alone, with its own ids).
@@ -40,7 +43,8 @@ async def execute_command(
     credential entries stay unresolved. Every event is published masked (D24): with the keychain's
     values, and with the values the ``secrets`` tool fetches, from the fetch on (a ``secrets`` tool over
     the resolver is provided when ``tools`` has none), and those the resolver fetched by name earlier in
-    the execution (``known_secrets``: this worker only)."""
+    the execution (``known_secrets``: this worker only). ``on_secrets(secrets)`` is called with the
+    command's secrets when it starts and whenever they change."""
     execution_id = command["execution_id"]
     keychain = await resolve(command.get("keychain"), execution_id, keychain_resolver)
     secrets = secrets_of(keychain)
@@ -54,18 +58,28 @@ async def execute_command(
         extra = fetched.union(known(execution_id)) if known is not None else fetched
         return secrets + [s for s in extra if s not in secrets] if extra else secrets
 
+    heard: list[list[str]] = [[]]
+
+    def current_masker() -> Masker:
+        now = current()
+        if on_secrets is not None and now != heard[0]:
+            heard[0] = now
+            on_secrets(now)
+        return masker(now)
+
     if secrets or keychain_resolver is not None:
+        current_masker()
         raw_publish = publish
 
         async def publish(event: dict[str, Any]) -> None:  # noqa: F811 - the masking wrapper
-            await raw_publish(_masked(event, current()))
+            await raw_publish(_masked(event, current_masker()))
 
     terminals = await _execute_all(command, tools, publish, source=source, sleep=sleep)
-    final = current()
+    final = current_masker()
     return [_masked(t, final) for t in terminals] if final else terminals
 
 
-def _masked(event: dict[str, Any], secrets: list[str]) -> dict[str, Any]:
+def _masked(event: dict[str, Any], mask: Masker) -> dict[str, Any]:
     """The event with its ``data`` (outcomes, results, errors, ctx patches) masked; the envelope holds
     only ids and names from the playbook, which routing needs intact. In ``task.suspended`` only the
     values are masked: the child's id, path and version and the continuation's position and task names
@@ -76,11 +90,12 @@ def _masked(event: dict[str, Any], secrets: list[str]) -> dict[str, Any]:
         return event
     if event["name"] == "task.suspended":
         child, cont = data.get("child") or {}, data.get("continuation") or {}
-        child = {**child, **{k: mask(child.get(k), secrets) for k in ("workload", "args", "iter_parent")}}
-        cont = {**cont, **{k: mask(cont.get(k), secrets) for k in ("iter", "ctx_patch", "last")},
-                "outcomes": {n: mask(v, secrets) for n, v in (cont.get("outcomes") or {}).items()}}
+        child = {**child, **{k: mask(child.get(k)) for k in ("workload", "args", "iter_parent")}}
+        cont = {**cont, **{k: mask(cont.get(k)) for k in ("iter", "ctx_patch", "last")},
+                "outcomes": {n: mask(v) for n, v in (cont.get("outcomes") or {}).items()}}
         return {**event, "data": {**data, "child": child, "continuation": cont}}
-    return {**event, "data": mask(data, secrets)}
+    masked = mask(data)
+    return event if masked is data else {**event, "data": masked}
 
 
 async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *,

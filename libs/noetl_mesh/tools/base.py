@@ -6,7 +6,12 @@ outcome: ``status``, ``result``, ``error`` (``{kind, message, retryable}``) and 
 (``http``, ``pg``, ``py``). The pipeline adds ``meta`` and turns an exception escaping a tool into an
 error outcome of kind ``tool_error``.
 
-Kept free of heavy imports: the python tool's child process imports this package.
+Result limit: a result whose JSON is bigger than ``limits.current().max_result_bytes`` is an error of
+kind ``result_too_large`` (:func:`result_too_large`). The pipeline checks every outcome's result
+(:func:`json_size`); a tool that reads its result in parts stops as soon as the parts pass the limit
+(:class:`ResultBudget`), so an oversized value is never held whole.
+
+Kept free of heavy imports (orjson only): the python tool's child process imports this package.
 """
 from __future__ import annotations
 
@@ -14,10 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 if TYPE_CHECKING:  # pragma: no cover
     import asyncio
 
-__all__ = ["Tool", "ToolContext", "ok", "error", "timeout_seconds"]
+__all__ = ["Tool", "ToolContext", "ok", "error", "timeout_seconds", "json_size", "result_too_large",
+           "ResultTooLarge", "ResultBudget"]
 
 
 @dataclass(slots=True)
@@ -79,3 +87,66 @@ def timeout_seconds(value: Any, default: float | None) -> float | None:
         parts = [p for p in parts if p is not None]
         return max(parts) if parts else default
     return default
+
+
+# ------------------------------------------------------------------------------------- result limit
+
+
+def json_size(value: Any) -> int:
+    """The size in bytes of ``value`` as JSON (as the bus serialises it: compact, UTF-8)."""
+    try:
+        return len(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))
+    except (TypeError, ValueError):  # e.g. an integer past 64 bits
+        import json
+
+        return len(json.dumps(value, default=str, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def result_too_large(step: str, task: str, size: int | None, *, read: str | None = None, **helpers: Any) -> dict:
+    """The error outcome of a result over ``max_result_bytes``: ``size`` its JSON size, or None when
+    reading stopped past the limit (``read`` says what was being read)."""
+    from .. import limits
+
+    if size is None:
+        limit = limits.current().max_result_bytes
+        what = f"the result of task {task!r} is more than {limits._amount(limit, 'bytes')}" + (
+            f" ({read}; reading stopped there)" if read else "")
+    else:
+        what = f"the result of task {task!r}" + (f" ({read})" if read else "")
+    message = str(limits.LimitExceeded("max_result_bytes", size, f"step {step!r}", what=what))
+    return error("result_too_large", message, False, **helpers)
+
+
+class ResultTooLarge(Exception):
+    """Raised by a tool's reader when the result passes the limit: ``size`` its JSON size when known,
+    else None (reading stopped); ``read`` what was being read."""
+
+    def __init__(self, size: int | None = None, read: str | None = None):
+        super().__init__(f"result over the limit ({size if size is not None else 'reading stopped'})")
+        self.size, self.read = size, read
+
+    def outcome(self, ctx: ToolContext, **helpers: Any) -> dict:
+        return result_too_large(ctx.step, ctx.task_name, self.size, read=self.read, **helpers)
+
+
+class ResultBudget:
+    """The running size of a result read in parts (rows, chunks of a body) against
+    ``max_result_bytes``: :meth:`add` raises :class:`ResultTooLarge` once the parts pass it."""
+
+    __slots__ = ("limit", "size", "read")
+
+    def __init__(self, read: str | None = None, limit: int | None = None):
+        if limit is None:
+            from .. import limits
+
+            limit = limits.current().max_result_bytes
+        self.limit, self.size, self.read = limit, 0, read
+
+    def add_bytes(self, n: int) -> None:
+        self.size += n
+        if self.size > self.limit:
+            raise ResultTooLarge(None, self.read)
+
+    def add(self, part: Any) -> None:
+        """Count ``part`` at its JSON size."""
+        self.add_bytes(json_size(part))

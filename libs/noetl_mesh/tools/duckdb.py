@@ -10,8 +10,10 @@ Result, of the last statement: ``{rows: [{column: value}], columns: [...], row_c
 statement without a result set (DDL, INSERT/UPDATE/DELETE without RETURNING...) ``rows`` and
 ``columns`` are empty and ``row_count`` is the number of rows affected. Values are JSON-ready: dates and
 times ISO-8601 strings, intervals ISO-8601 durations, decimals numbers (int when integral), UUIDs
-strings, blobs base64, NaN and infinities null. Errors: ``duckdb_error`` (not retryable) with DuckDB's message; ``timeout``
-(retryable) when ``spec.timeout`` runs out (the query is interrupted).
+strings, blobs base64, NaN and infinities null. Rows are fetched in chunks; once their JSON passes
+``limits.max_result_bytes`` fetching stops and the task fails with ``result_too_large`` (not retryable).
+Errors: ``duckdb_error`` (not retryable) with DuckDB's message; ``timeout`` (retryable) when
+``spec.timeout`` runs out (the query is interrupted).
 
 Work runs in a thread so the event loop is never blocked. A fresh in-memory database costs ~10 ms to
 open; the tool keeps one unused one ready (opened in the background), so a task rarely waits for it.
@@ -31,11 +33,12 @@ from typing import Any
 
 import duckdb
 
-from .base import ToolContext, error, ok, timeout_seconds
+from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
 
 __all__ = ["DuckdbTool", "to_json_value"]
 
 DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["duckdb"]["timeout"]
+FETCH_ROWS = 1024  # rows fetched (and measured against max_result_bytes) at a time
 _PLAIN = frozenset({int, str, bool, type(None)})  # floats are checked for NaN / infinity
 _TSTZ = "TIMESTAMP WITH TIME ZONE"
 _UTC = _dt.timezone.utc
@@ -119,12 +122,15 @@ def _tstz(us: Any) -> Any:
         return "infinity" if us > 0 else "-infinity"
 
 
-def _fetch_select(con: Any, stmt: Any, params: Any) -> dict:
-    """A SELECT through the relation API, so TIMESTAMP WITH TIME ZONE can be converted without pytz."""
+def _fetch_select(con: Any, stmt: Any, params: Any, state: dict) -> dict:
+    """A SELECT: its types are bound first (a relation, not run), so TIMESTAMP WITH TIME ZONE can be
+    converted without pytz by a projection around the query; then it runs once and its rows are
+    fetched in chunks (:func:`_fetch`)."""
     rel = con.sql(stmt.query, params=params) if params is not None else con.sql(stmt.query)
     columns = list(rel.columns)
     type_names = [str(t) for t in rel.types]
     post: dict[int, Any] = {}
+    query = stmt
     if any(_TSTZ in tn for tn in type_names):
         exprs = []
         for i, (c, tn) in enumerate(zip(columns, type_names)):
@@ -137,9 +143,12 @@ def _fetch_select(con: Any, stmt: Any, params: Any) -> dict:
                 post[i] = _json_loads
             else:
                 exprs.append(q)
-        rel = rel.project(", ".join(exprs))
-    raw = rel.fetchall()
-    return _shape(columns, raw, post)
+        query = f"SELECT {', '.join(exprs)} FROM ({stmt.query}) AS _noetl_query"
+    if params is not None:
+        con.execute(query, params)
+    else:
+        con.execute(query)
+    return _fetch(con, columns, state, post)
 
 
 def _json_loads(s: Any) -> Any:
@@ -148,14 +157,30 @@ def _json_loads(s: Any) -> Any:
     return None if s is None else json.loads(s)
 
 
-def _shape(columns: list[str], raw: list[tuple], post: dict[int, Any] | None = None) -> dict:
+def _shape_rows(columns: list[str], raw: list[tuple], post: dict[int, Any] | None = None) -> list[dict]:
     rows = []
     plain = _PLAIN
     for r in raw:
         if post:
             r = tuple(post[i](v) if i in post else v for i, v in enumerate(r))
         rows.append({c: (v if type(v) in plain else to_json_value(v)) for c, v in zip(columns, r)})
-    return {"rows": rows, "columns": columns, "row_count": len(rows)}
+    return rows
+
+
+def _fetch(con: Any, columns: list[str], state: dict, post: dict[int, Any] | None = None) -> dict:
+    """The current result's rows, fetched ``FETCH_ROWS`` at a time (DuckDB streams them) while their
+    JSON size stays under ``max_result_bytes``: past it, fetching stops (:class:`ResultTooLarge`)."""
+    budget = ResultBudget("the rows fetched")
+    rows: list[dict] = []
+    while True:
+        if state.get("interrupted"):
+            raise _Interrupted()
+        raw = con.fetchmany(FETCH_ROWS)
+        if not raw:
+            return {"rows": rows, "columns": columns, "row_count": len(rows)}
+        chunk = _shape_rows(columns, raw, post)
+        budget.add(chunk)
+        rows.extend(chunk)
 
 
 def _run_statements(con: Any, sql: str, params: Any, state: dict) -> dict:
@@ -172,7 +197,7 @@ def _run_statements(con: Any, sql: str, params: Any, state: dict) -> dict:
             raise _Interrupted()
         p = _bind(params, stmt) if i in declaring else None
         if i == last and stmt.type == duckdb.StatementType.SELECT:
-            return _fetch_select(con, stmt, p)
+            return _fetch_select(con, stmt, p, state)
         if p is not None:
             con.execute(stmt, p)
         else:
@@ -185,8 +210,7 @@ def _run_statements(con: Any, sql: str, params: Any, state: dict) -> dict:
         # DML reports the rows it changed as one `Count` column; DDL/SET report nothing useful.
         count = raw[0][0] if (raw and desc[0][0] == "Count" and isinstance(raw[0][0], int)) else 0
         return {"rows": [], "columns": [], "row_count": count}
-    columns = [d[0] for d in desc]
-    return _shape(columns, con.fetchall())
+    return _fetch(con, [d[0] for d in desc], state)
 
 
 class DuckdbTool:
@@ -293,6 +317,8 @@ class DuckdbTool:
             return error("timeout", f"duckdb task exceeded its timeout of {timeout:g}s (query interrupted)", True)
         try:
             return ok(fut.result())
+        except ResultTooLarge as e:
+            return e.outcome(ctx)
         except _Interrupted:
             return error("timeout", "duckdb task interrupted", True)
         except duckdb.Error as e:

@@ -10,7 +10,9 @@ Outcome: ``result`` is the body, parsed when the content type is ``application/j
 else text; ``http: {status, headers}`` always. Status >= 400 is an error (``http_error``, retryable
 for 408, 429 and 5xx) with the body still in ``result``. Transport failures: ``http_connect_error``
 (cannot connect), ``timeout``, ``http_transport_error`` (the connection broke), all retryable; a bad
-URL or auth is ``invalid_task`` (not retryable).
+URL or auth is ``invalid_task`` (not retryable). A body over ``limits.max_result_bytes`` is
+``result_too_large`` (not retryable): refused from its ``Content-Length``, else read in chunks and
+abandoned as soon as it passes the limit.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from .base import ToolContext, error, ok, timeout_seconds
+from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
 
 __all__ = ["HttpTool"]
 
@@ -195,7 +197,10 @@ class HttpTool:
             if headers:
                 kwargs["headers"] = headers
             client = self._get_client()
-            resp = await client.request(method, url, **kwargs)
+            async with client.stream(method, url, **kwargs) as resp:
+                content = await _read(resp)
+        except ResultTooLarge as e:
+            return e.outcome(ctx, http=_http(resp.status_code, dict(resp.headers)))
         except _BadTask as e:
             return error("invalid_task", str(e), False, http=_http(None, {}))
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
@@ -209,7 +214,7 @@ class HttpTool:
             return error("http_transport_error", f"{method} {url}: {type(e).__name__}: {e}", True,
                          http=_http(None, {}))
         headers_out = dict(resp.headers)
-        result = _body(resp)
+        result = _body(resp, content)
         http = _http(resp.status_code, headers_out)
         status = resp.status_code
         if status >= 400:
@@ -228,15 +233,29 @@ class HttpTool:
                 pass
 
 
-def _body(resp: httpx.Response) -> Any:
+async def _read(resp: httpx.Response) -> bytes:
+    """The response body (decoded from its content encoding), refused from its ``Content-Length`` when
+    that is over ``max_result_bytes``, else read in chunks and abandoned as soon as it passes it."""
+    budget = ResultBudget("the response body")
+    length = resp.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > budget.limit:
+        raise ResultTooLarge(int(length), "its Content-Length")
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        budget.add_bytes(len(chunk))
+        body += chunk
+    return bytes(body)
+
+
+def _body(resp: httpx.Response, content: bytes) -> Any:
     if _is_json(resp.headers.get("content-type")):
-        if not resp.content:
+        if not content:
             return None
         try:
-            return resp.json()
+            return json.loads(content)
         except ValueError:
-            return resp.text
-    return resp.text
+            pass
+    return content.decode(resp.encoding or "utf-8", errors="replace")
 
 
 def _http(status: int | None, headers: dict) -> dict:

@@ -14,7 +14,10 @@ statements, the list is dealt out in order when its length is the total number o
 Result, of the last statement: ``{rows: [{column: value}], columns: [...], row_count: N}``; without a
 result set ``rows`` and ``columns`` are empty and ``row_count`` is the number of rows affected. Values
 are converted as the duckdb tool does (dates ISO-8601, decimals numbers, UUIDs strings, bytea base64);
-json/jsonb arrive parsed.
+json/jsonb arrive parsed. Rows are fetched in chunks; once their JSON passes ``limits.max_result_bytes``
+fetching stops and the task fails with ``result_too_large`` (not retryable). When the last statement is
+a plain query (:func:`_is_query`) it is read through a server-side cursor, so the rows past the limit
+are never sent; otherwise (``INSERT ... RETURNING``...) libpq receives the whole result first.
 
 Errors: ``postgres_error`` with the server's message (primary + detail) and ``pg: {code, sqlstate}``,
 retryable for serialization failures, deadlocks, connection trouble, admin shutdown and too many
@@ -37,8 +40,9 @@ import psycopg
 from psycopg import conninfo as _conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .base import ToolContext, error, ok, timeout_seconds
-from .duckdb import _PLAIN, to_json_value
+from ..core.keychain import masker
+from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
+from .duckdb import FETCH_ROWS, _shape_rows
 
 __all__ = ["PostgresTool", "split_statements", "RETRYABLE_SQLSTATES"]
 
@@ -145,9 +149,27 @@ def _placeholders(stmt: str) -> tuple[int, set[str]]:
     return count, names
 
 
+_NOT_WORDS = re.compile(r"""[eE]'(?:[^'\\]|\\.|'')*'|'(?:[^']|'')*'|"(?:[^"]|"")*"|--[^\n]*|/\*.*?\*/"""
+                        r"|\$((?:[A-Za-z_][A-Za-z0-9_]*)?)\$.*?\$\1\$", re.S)
+_WORD = re.compile(r"[A-Za-z_]+")
+_QUERY_FIRST = frozenset({"SELECT", "WITH", "VALUES", "TABLE"})
+_NOT_IN_QUERY = frozenset({"INTO", "INSERT", "UPDATE", "DELETE", "MERGE"})
+
+
+def _is_query(stmt: str) -> bool:
+    """Whether one statement is a plain query (its rows can be read through a cursor): it starts with
+    SELECT, WITH, VALUES or TABLE and has none of INTO, INSERT, UPDATE, DELETE, MERGE (outside literals
+    and comments). A doubtful statement is not one: it runs as usual."""
+    words = [w.upper() for w in _WORD.findall(_NOT_WORDS.sub(" ", stmt))]
+    return bool(words) and words[0] in _QUERY_FIRST and _NOT_IN_QUERY.isdisjoint(words)
+
+
 def _plan(sql: str, params: Any) -> list[tuple[str, Any]]:
     """``[(statement, params or None)]`` to execute in order."""
     if params is None or (isinstance(params, (list, tuple, Mapping)) and len(params) == 0):
+        stmts = split_statements(sql)
+        if len(stmts) > 1 and _is_query(stmts[-1]):  # the last one alone, so that its rows can be streamed
+            return [(";\n".join(stmts[:-1]), None), (stmts[-1], None)]
         return [(sql, None)]  # as written: the server splits it
     stmts = split_statements(sql)
     if not stmts:
@@ -224,37 +246,53 @@ def _secrets(conninfo: str) -> list[str]:
 
 
 def _mask(message: str, secrets: list[str]) -> str:
-    for s in secrets:
-        if s and s in message:
-            message = message.replace(s, "***")
-    return message
+    return masker(secrets).text(message)
 
 
 # --------------------------------------------------------------------------------------- results
-
-
-def _shape(columns: list[str], raw: list[tuple]) -> dict:
-    plain = _PLAIN
-    rows = [{c: (v if type(v) in plain else to_json_value(v)) for c, v in zip(columns, r)} for r in raw]
-    return {"rows": rows, "columns": columns, "row_count": len(rows)}
 
 
 async def _run_plan(conn: Any, plan: list[tuple[str, Any]], timeout_ms: int | None) -> dict:
     async with conn.cursor() as cur:
         if timeout_ms:
             await cur.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),))
-        for stmt, params in plan:
-            if params is None:
-                await cur.execute(stmt, prepare=False)
-            else:
-                await cur.execute(stmt, params)
+        *before, (last, last_params) = plan
+        for stmt, params in before:
+            await _execute(cur, stmt, params)
+        if len(split_statements(last)) == 1 and _is_query(last):
+            # a query: its rows come through a server-side cursor, a chunk at a time, so that reading
+            # stops at the result limit without the server sending (or libpq holding) the rest
+            async with conn.cursor(name="noetl_result") as rows:
+                await rows.execute(last, last_params)
+                return await _fetch(rows)
+        await _execute(cur, last, last_params)
         while cur.nextset():  # several statements in one text: the last result counts
             pass
-        desc = cur.description
-        if not desc:
+        if not cur.description:
             return {"rows": [], "columns": [], "row_count": max(cur.rowcount, 0)}
-        columns = [d.name for d in desc]
-        return _shape(columns, await cur.fetchall())
+        return await _fetch(cur)
+
+
+async def _execute(cur: Any, stmt: str, params: Any) -> None:
+    if params is None:
+        await cur.execute(stmt, prepare=False)
+    else:
+        await cur.execute(stmt, params)
+
+
+async def _fetch(cur: Any) -> dict:
+    """The rows of the cursor's result, fetched ``FETCH_ROWS`` at a time while their JSON size stays
+    under ``max_result_bytes`` (past it: :class:`ResultTooLarge`)."""
+    columns = [d.name for d in cur.description]
+    budget = ResultBudget("the rows fetched")
+    rows: list[dict] = []
+    while True:
+        raw = await cur.fetchmany(FETCH_ROWS)
+        if not raw:
+            return {"rows": rows, "columns": columns, "row_count": len(rows)}
+        chunk = _shape_rows(columns, raw)
+        budget.add(chunk)
+        rows.extend(chunk)
 
 
 def _pg_error(e: psycopg.Error, secrets: list[str]) -> dict:
@@ -375,6 +413,8 @@ class PostgresTool:
             return error("timeout", f"postgres task exceeded its timeout of {timeout:g}s", True)
         try:
             return ok(work.result())
+        except ResultTooLarge as e:
+            return e.outcome(ctx)
         except _ConnectError as e:
             return error("postgres_connect_error", _mask(f"cannot connect to postgres: {e}", secrets), True)
         except psycopg.Error as e:

@@ -9,7 +9,9 @@ therefore never takes the worker down.
 
 Outcome (D8): ``result`` is ``main(...)``'s return value or the variable ``result``; ``py`` carries
 ``exception_type`` (bare class name, None on success) and ``stdout`` (what the code printed, at most
-64 KiB; ``stdout_truncated`` says when more was printed).
+64 KiB; ``stdout_truncated`` says when more was printed). The child's answer is read from the pipe in
+parts: past ``limits.max_result_bytes`` (plus room for stdout) reading stops, the child is replaced and
+the task fails with ``result_too_large``.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .base import ToolContext, error, ok, timeout_seconds
+from .. import limits
+from .base import ResultTooLarge, ToolContext, error, ok, timeout_seconds
 
 __all__ = ["PythonTool", "PythonPool"]
 
@@ -30,7 +33,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["python"]["timeout"]
 MAX_STDOUT = 64 * 1024
-_STREAM_LIMIT = 1 << 30  # longest response line accepted from a child
+_STREAM_LIMIT = 1 << 20  # a child's answer is read in parts of at most this (the pipe's buffer in between)
+_ANSWER_SLACK = 64 * 1024  # an answer's envelope, error message and traceback, beyond result and stdout
 _START_TIMEOUT = 60.0  # a child that does not say "ready" within this is broken
 
 
@@ -224,10 +228,12 @@ class PythonPool:
 
     # -------------------------------------------------------------------------------------- execute
 
-    async def execute(self, request: dict, timeout: float | None) -> tuple[dict, int]:
+    async def execute(self, request: dict, timeout: float | None, max_answer: int | None = None) -> tuple[dict, int]:
         """Send one request to a warm child; ``(response, pid)``.
 
-        Raises ``asyncio.TimeoutError`` (the child was killed) or :class:`_ChildCrashed`.
+        Raises ``asyncio.TimeoutError`` (the child was killed), :class:`_ChildCrashed`, or
+        :class:`ResultTooLarge` when the answer passes ``max_answer`` bytes (the child is killed: reading
+        stops there).
         """
         self._bind()
         payload = json.dumps(request, ensure_ascii=False, separators=(",", ":"), default=str).encode() + b"\n"
@@ -242,11 +248,9 @@ class PythonPool:
                     proc.stdin.write(payload)  # type: ignore[union-attr]
                     async with asyncio.timeout(timeout):
                         await proc.stdin.drain()  # type: ignore[union-attr]
-                        line = await proc.stdout.readline()  # type: ignore[union-attr]
+                        line = await _read_answer(proc.stdout, max_answer)  # type: ignore[arg-type]
                 except (BrokenPipeError, ConnectionResetError):
                     line = b""
-                except ValueError as e:  # response longer than the stream limit
-                    raise _ChildCrashed(f"python child sent an unreadable response: {e}") from None
                 if not line:
                     try:
                         await asyncio.wait_for(proc.wait(), 2.0)
@@ -273,6 +277,28 @@ class PythonPool:
                     await asyncio.shield(self._discard(child))
                 if not self._closed:
                     self._top_up()
+
+
+async def _read_answer(stream: asyncio.StreamReader, max_answer: int | None) -> bytes:
+    """One answer line, read in parts; :class:`ResultTooLarge` as soon as it passes ``max_answer``
+    bytes (so a huge result is never held); ``b""`` when the child closed its output first."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            part = await stream.readuntil(b"\n")
+            done = True
+        except asyncio.LimitOverrunError as e:  # no newline within the stream's limit yet
+            part = await stream.readexactly(e.consumed)
+            done = False
+        except asyncio.IncompleteReadError:  # the child died mid-answer (or before it)
+            return b""
+        size += len(part)
+        if max_answer is not None and size > max_answer:
+            raise ResultTooLarge(None, "the python process's answer")
+        parts.append(part)
+        if done:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _hard_kill(child: _Child) -> None:
@@ -317,8 +343,11 @@ class PythonTool:
             "filename": f"<{ctx.step}.{ctx.task_name}>",
             "max_stdout": self.max_stdout,
         }
+        max_answer = limits.current().max_result_bytes + 6 * self.max_stdout + _ANSWER_SLACK
         try:
-            resp, pid = await self.pool.execute(request, timeout)
+            resp, pid = await self.pool.execute(request, timeout, max_answer)
+        except ResultTooLarge as e:
+            return e.outcome(ctx, py=_py(None))
         except asyncio.TimeoutError:
             return error(
                 "timeout", f"python task exceeded its timeout of {timeout:g}s (process killed)", True, py=_py(None)

@@ -1,0 +1,234 @@
+"""The task result limit (``limits.max_result_bytes``): a task whose result is bigger ends with error kind
+``result_too_large`` (not retryable, routable by its policy), and each tool stops reading a result as
+soon as it passes the limit: http (Content-Length, then the streamed body), python (the child's answer
+on the pipe), duckdb (rows fetched in chunks). Postgres: tests/integration/test_worker_limits.py."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from noetl_mesh import limits
+from noetl_mesh.core.pipeline import run_pipeline
+from noetl_mesh.tools.base import ToolContext
+from noetl_mesh.tools.duckdb import DuckdbTool
+from noetl_mesh.tools.http import HttpTool
+from noetl_mesh.tools.python import PythonTool
+from streams import MIB, StreamServer
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMIT = 256 * 1024
+
+
+def ctx(task: str = "big", timeout: Any = None) -> ToolContext:
+    return ToolContext(execution_id="e1", step="s", task_name=task, timeout=timeout)
+
+
+def assert_too_large(out: dict, task: str = "big") -> None:
+    assert out["status"] == "error", out.get("error")
+    assert out["result"] is None
+    err = out["error"]
+    assert err["kind"] == "result_too_large" and err["retryable"] is False, err
+    message = err["message"]
+    for part in (f"task {task!r}", "max_result_bytes = 256 KiB", "NOETL_LIMIT_MAX_RESULT_BYTES"):
+        assert part in message, message
+
+
+# ========================================================================== the pipeline's own check
+
+
+class Returns:
+    """A tool that returns what the task's ``value`` says (no limit of its own)."""
+
+    async def run(self, task, spec, ctx):
+        return {"status": "ok", "result": task["value"], "extra": {"kept": True}}
+
+
+def command(tasks: list[dict]) -> dict:
+    return {"execution_id": "e1", "step": "s", "step_run_id": "r1", "iteration": None, "tasks": tasks,
+            "spec_layers": {}, "workload": {}, "ctx": {}, "args": {}, "iter": None, "steps": {}, "keychain": {}}
+
+
+def pipeline(tasks: list[dict], tools: dict | None = None):
+    events: list[tuple[str, dict]] = []
+
+    async def emit(name, fields):
+        events.append((name, fields))
+
+    with limits.override(max_result_bytes=LIMIT):
+        result = asyncio.run(run_pipeline(command(tasks), tools or {"returns": Returns()}, emit))
+    return result, [f["outcome"] for n, f in events if n == "task.processed"]
+
+
+def test_a_result_over_the_limit_is_an_error_outcome_of_any_tool():
+    big = {"rows": [{"id": i, "text": "x" * 1000} for i in range(400)]}  # ~400 KiB of JSON
+    result, (out,) = pipeline([{"name": "big", "kind": "returns", "value": big}])
+    assert_too_large(out)
+    assert re.search(r"is \d+\.\d KiB", out["error"]["message"])  # its size (~400 KiB)
+    assert out["extra"] == {"kept": True}  # the tool's own details stay
+    assert result.status == "error" and result.error["kind"] == "result_too_large"
+
+
+def test_the_limit_is_the_json_size_and_a_result_at_the_limit_passes():
+    exact = "y" * (LIMIT - 2)  # a JSON string: two quotes more
+    result, (a, b) = pipeline([{"name": "a", "kind": "returns", "value": exact},
+                               {"name": "big", "kind": "returns", "value": exact + "y"}])
+    assert a["status"] == "ok" and a["result"] == exact
+    assert_too_large(b)
+    escaped = "\n" * (LIMIT // 2)  # each character is two bytes of JSON
+    _, (c,) = pipeline([{"name": "big", "kind": "returns", "value": escaped}])
+    assert_too_large(c)
+
+
+def test_noop_results_are_checked_too():
+    _, (out,) = pipeline([{"name": "big", "kind": "noop", "result": "{{ 'z' * 300000 }}"}])
+    assert_too_large(out)
+
+
+def test_the_policy_routes_result_too_large_like_any_error():
+    tasks = [
+        {"name": "big", "kind": "returns", "value": "x" * (LIMIT + 1),
+         "spec": {"policy": {"rules": [
+             {"when": "{{ outcome.error.kind == 'result_too_large' }}",
+              "then": {"do": "jump", "to": "small", "set_ctx": {"why": "{{ outcome.error.kind }}"}}},
+             {"else": {"then": {"do": "continue"}}}]}}},
+        {"name": "never", "kind": "returns", "value": 1},
+        {"name": "small", "kind": "returns", "value": "a summary"},
+    ]
+    result, outs = pipeline(tasks)
+    assert result.status == "ok" and result.result == "a summary"
+    assert result.ctx_patch == {"why": "result_too_large"}
+    assert [o["status"] for o in outs] == ["error", "ok"]
+
+
+# ============================================================================================== http
+
+
+@pytest.fixture(scope="module")
+def streams():
+    srv = StreamServer()
+    yield srv.url
+    srv.stop()
+
+
+def http(url: str) -> tuple[dict, float, int]:
+    """(outcome, seconds, peak bytes allocated by Python meanwhile)."""
+    tool = HttpTool(trust_env=False)
+
+    async def main():
+        try:
+            return await tool.run({"url": url}, {}, ctx())
+        finally:
+            await tool.close()
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with limits.override(max_result_bytes=LIMIT):
+            out = asyncio.run(main())
+        return out, time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_http_streamed_body_stops_at_the_limit(streams):
+    out, seconds, peak = http(f"{streams}/stream/{300 * MIB}")
+    assert_too_large(out)
+    assert "more than 256 KiB" in out["error"]["message"]
+    assert out["http"]["status"] == 200
+    assert seconds < 30  # reading everything would take far longer
+    assert peak < 16 * MIB  # the 300 MiB were never held
+    assert StreamServer.sent[f"/stream/{300 * MIB}"] < 100 * MIB
+
+
+def test_http_content_length_over_the_limit_is_refused_before_reading(streams):
+    out, seconds, peak = http(f"{streams}/announce/{300 * MIB}")
+    assert_too_large(out)
+    assert "is 300 MiB" in out["error"]["message"]
+    assert peak < 16 * MIB and seconds < 30
+
+
+def test_http_body_under_the_limit_is_read_and_parsed(streams):
+    out, _, _ = http(f"{streams}/json/{LIMIT - 1000}")
+    assert out["status"] == "ok" and out["result"] == "j" * (LIMIT - 1000)
+    out, _, _ = http(f"{streams}/stream/{LIMIT - 10}")
+    assert out["status"] == "ok" and len(out["result"]) == LIMIT - 10
+
+
+# ============================================================================================ python
+
+
+def test_python_huge_result_is_refused_on_the_pipe_and_the_pool_recovers():
+    tool = PythonTool(pool_size=1)
+
+    async def main():
+        try:
+            with limits.override(max_result_bytes=LIMIT):
+                tracemalloc.start()
+                try:
+                    big = await tool.run({"code": "result = ['x' * 1000] * 20000"}, {}, ctx())  # ~20 MB
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+                small = await tool.run({"code": "result = 'y' * 1000"}, {}, ctx("small"))
+                edge = await tool.run({"code": f"result = 'z' * {LIMIT - 2}"}, {}, ctx("edge"))
+            # under the default limit: an answer of several of the pipe reader's 1 MiB parts
+            whole = await tool.run({"code": "result = ['ab' * 50] * 50000"}, {}, ctx("whole"))
+            return big, peak, small, edge, whole
+        finally:
+            await tool.close()
+
+    big, peak, small, edge, whole = asyncio.run(main())
+    assert_too_large(big)
+    assert peak < 16 * MIB  # the worker did not read the child's 20 MB answer
+    assert small["status"] == "ok" and small["result"] == "y" * 1000
+    assert edge["status"] == "ok" and len(edge["result"]) == LIMIT - 2
+    assert whole["status"] == "ok" and whole["result"] == ["ab" * 50] * 50000
+
+
+# ============================================================================================ duckdb
+
+
+def test_duckdb_stops_fetching_rows_past_the_limit():
+    tool = DuckdbTool()
+
+    async def main():
+        try:
+            with limits.override(max_result_bytes=LIMIT):
+                t0 = time.perf_counter()
+                # 100 GB if it were all fetched
+                big = await tool.run({"command": "select repeat('x', 1000) as s from range(100000000)"}, {}, ctx())
+                seconds = time.perf_counter() - t0
+                under = await tool.run({"command": "select repeat('x', 100) as s from range(1000)"}, {}, ctx("u"))
+                dml = await tool.run({"command": "create table t as select range as i from range(100000);"
+                                                 "insert into t select * from range(10) returning i"}, {}, ctx("d"))
+            return big, seconds, under, dml
+        finally:
+            await tool.close()
+
+    big, seconds, under, dml = asyncio.run(main())
+    assert_too_large(big)
+    assert "more than 256 KiB" in big["error"]["message"]
+    assert seconds < 30
+    assert under["status"] == "ok" and under["result"]["row_count"] == 1000
+    assert dml["status"] == "ok" and dml["result"]["row_count"] == 10
+
+
+class Circular:
+    async def run(self, task, spec, ctx):
+        value: list = []
+        value.append(value)
+        return {"status": "ok", "result": value}
+
+
+def test_a_result_that_cannot_be_json_is_an_error_not_a_crash():
+    _, (out,) = pipeline([{"name": "loop", "kind": "circular"}], {"circular": Circular()})
+    assert out["status"] == "error" and out["error"]["kind"] == "tool_error"
+    assert "not JSON-serialisable" in out["error"]["message"]
+    _, (big_int,) = pipeline([{"name": "n", "kind": "returns", "value": 10 ** 4000}])
+    assert big_int["status"] == "ok"  # a big number is a few KiB at most
