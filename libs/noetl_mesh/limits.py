@@ -115,10 +115,10 @@ class LimitExceeded(ValueError):
         self.name, self.actual, self.where = name, actual, where
         self.value = getattr(current(), name)
         what = what or self.limit.what
-        size = f" is {_amount(actual, self.limit.unit)}" if actual is not None else ""
+        size = f" is {amount(actual, self.limit.unit)}" if actual is not None else ""
         prefix = f"{where}: " if where else ""
         super().__init__(
-            f"{prefix}{what}{size}, over the limit {name} = {_amount(self.value, self.limit.unit)} "
+            f"{prefix}{what}{size}, over the limit {name} = {amount(self.value, self.limit.unit)} "
             f"(set {self.limit.env} to change it)")
 
     @property
@@ -126,7 +126,7 @@ class LimitExceeded(ValueError):
         return "limit_exceeded"
 
 
-def _amount(value: int | float, unit: str) -> str:
+def amount(value: int | float, unit: str) -> str:
     if unit == "bytes" and isinstance(value, int) and value >= KIB:
         for size, suffix in ((MIB, "MiB"), (KIB, "KiB")):
             if value >= size:

@@ -109,7 +109,7 @@ def result_too_large(step: str, task: str, size: int | None, *, read: str | None
 
     if size is None:
         limit = limits.current().max_result_bytes
-        what = f"the result of task {task!r} is more than {limits._amount(limit, 'bytes')}" + (
+        what = f"the result of task {task!r} is more than {limits.amount(limit, 'bytes')}" + (
             f" ({read}; reading stopped there)" if read else "")
     else:
         what = f"the result of task {task!r}" + (f" ({read})" if read else "")
