@@ -369,8 +369,12 @@ def _check_charset(charset: str | None) -> None:
         raise problem(415, f"charset={charset}: bodies are UTF-8", "body")
 
 
-async def read_json(request: Request, optional: bool = False) -> Any:
-    """The strictly parsed JSON body (``None`` for an empty body when ``optional``)."""
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_model(request: Request, model: type[M], optional: bool = False) -> M | None:
+    """The body as ``model``: strict JSON (:func:`body.parse_json`), then pydantic, in a thread for a
+    big body; errors in the API's shape. ``None`` for an empty body when ``optional``."""
     media, charset = _media_type(request)
     if not _is_json(media):
         raise problem(415, f"the body is {media}: send JSON (application/json)", "body")
@@ -381,24 +385,16 @@ async def read_json(request: Request, optional: bool = False) -> Any:
         return None
     try:
         if len(raw) >= HEAVY_BYTES:
-            return await request.app.state.offload(parse_json, raw, limits.current().max_json_depth)
-        return parse_json(raw, limits.current().max_json_depth)
+            return await request.app.state.offload(_parse_model, raw, model)
+        return _parse_model(raw, model)
     except BodyError as exc:
         raise _body_problem(exc) from None
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-async def read_model(request: Request, model: type[M], optional: bool = False) -> M | None:
-    """The body as ``model``: strict JSON first, then pydantic (its errors in the API's shape)."""
-    value = await read_json(request, optional)
-    if value is None and optional:
-        return None
-    try:
-        return model.model_validate(value)
     except ValidationError as exc:
         raise _pydantic_problem(exc.errors(include_url=False), "body") from None
+
+
+def _parse_model(raw: bytes, model: type[M]) -> M:
+    return model.model_validate(parse_json(raw, limits.current().max_json_depth))
 
 
 def json_body(model: type[M], optional: bool = False) -> Any:

@@ -3,19 +3,43 @@ Postgres): each is answered with a 4xx that says what is wrong and where (never 
 execution submitted right after still completes within its usual time."""
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
+import logging
+import os
+import threading
 import time
 from typing import Any, Iterator
 
 import httpx
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+from conftest import LoopThread, StackHandle, stop_stack
 from noetl_mesh import limits
+from noetl_mesh.infra.bus import Bus
+from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.services.gateway.app import create_app
+from noetl_mesh.stack import InProcessStack, Settings
 from scenarios import TINY
 
 pytestmark = pytest.mark.integration
 
 USUAL = 30.0  # seconds; a tiny execution normally takes well under one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def credential_key() -> Iterator[None]:
+    """Credentials written by these tests are encrypted with a throw-away key (no key file)."""
+    old = os.environ.get("NOETL_CREDENTIAL_KEY")
+    os.environ["NOETL_CREDENTIAL_KEY"] = base64.b64encode(os.urandom(32)).decode()
+    yield
+    if old is None:
+        del os.environ["NOETL_CREDENTIAL_KEY"]
+    else:
+        os.environ["NOETL_CREDENTIAL_KEY"] = old
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +195,201 @@ def test_every_error_has_one_shape_and_a_request_id(stack, http):
         assert len(resp.headers["x-request-id"]) >= 16
     fields = detail(http.post("/api/executions", json={"path": "x", "colour": 1}))
     assert fields["location"] == "body.colour" and fields["errors"][0]["type"] == "extra_forbidden"
+
+
+# ------------------------------------------------------------------------------ heavy playbooks
+def big_invalid_playbook(steps: int) -> dict[str, Any]:
+    """A long chain whose last step names an unknown tool kind: validated in full, then refused."""
+    workflow = [{"step": f"s{i}", "tool": {"kind": "noop", "result": i}, "next": {"arcs": [{"step": f"s{i + 1}"}]}}
+                for i in range(steps)]
+    workflow.append({"step": f"s{steps}", "tool": {"kind": "nosuchtool"}})
+    workflow[0]["step"] = "start"
+    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "big", "path": "tests/big"},
+            "workflow": workflow}
+
+
+def test_validating_a_big_playbook_does_not_stop_the_gateway(stack, http):
+    big = big_invalid_playbook(2_000)
+    answers: dict[str, httpx.Response] = {}
+
+    def submit(name: str, body: dict[str, Any]) -> None:
+        with httpx.Client(base_url=stack.url, trust_env=False, timeout=300) as client:
+            answers[name] = client.post("/api/executions", json=body)
+
+    workers = [threading.Thread(target=submit, args=("mapping", {"playbook": big})),
+               threading.Thread(target=submit, args=("text", {"playbook": yaml.safe_dump(big)}))]
+    begun = time.monotonic()
+    for w in workers:
+        w.start()
+    slowest = 0.0
+    while any(w.is_alive() for w in workers):
+        started = time.monotonic()
+        assert http.get("/health").status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.02)
+    for w in workers:
+        w.join()
+    took = time.monotonic() - begun
+    for name, resp in answers.items():
+        assert resp.status_code == 422, (name, resp.text[:300])
+        assert any("nosuchtool" in e["message"] for e in detail(resp)["errors"])
+    # the event loop kept answering while 2,000 steps were parsed and validated (on it, /health waited
+    # as long as the validation took: 9 s here)
+    assert slowest < max(2.0, took / 3), (slowest, took)
+    still_normal(stack)
+
+
+BOMB = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: laughs, path: tests/laughs}\nworkload:\n" + "".join(
+    f"  {name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else ', '.join(['lolololol'] * 9)}]\n"
+    for prev, name in zip(["", *[f"lol{i}" for i in range(1, 10)]], [f"lol{i}" for i in range(1, 11)])
+) + "workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ workload }}'}\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_and_the_gateway_keeps_answering(stack, http):
+    assert 1000 < len(BOMB) < 1400  # about 1.3 KB; fully expanded, 10^9 strings
+    answer: dict[str, httpx.Response] = {}
+
+    def submit() -> None:
+        with httpx.Client(base_url=stack.url, trust_env=False, timeout=USUAL) as client:
+            answer["bomb"] = client.post("/api/executions", json={"playbook": BOMB})
+
+    bomb = threading.Thread(target=submit)
+    bomb.start()
+    still_normal(stack)  # submitted while the bomb is being looked at
+    bomb.join(USUAL)
+    resp = answer["bomb"]
+    assert resp.status_code == 422, resp.text[:300]
+    assert "max_document_nodes" in json.dumps(detail(resp))
+
+
+# ------------------------------------------------------------------------------ NATS and bugs
+def test_a_submission_while_nats_is_down_is_503_with_retry_after(pg_dsn, tmp_path):
+    nats = EmbeddedNats(store_dir=tmp_path / "js").start()
+    port, loop = nats.port, LoopThread()
+    handle = StackHandle(loop, loop.run(InProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn)).start()))
+    try:
+        with httpx.Client(base_url=handle.url, trust_env=False, timeout=60) as http:
+            assert http.get("/ready").status_code == 200
+            nats.stop()
+            started = time.monotonic()
+            resp = http.post("/api/executions", json={"playbook": TINY})  # as NATS goes away
+            assert resp.status_code == 503, resp.text
+            assert resp.headers["retry-after"] == "1" and "NATS" in detail(resp)["message"]
+            assert time.monotonic() - started < USUAL
+            ready = http.get("/ready")
+            assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+            assert ready.json()["nats"]["ok"] is False and ready.json()["recorder"]["ok"] is False
+            down = http.post("/api/executions", json={"playbook": TINY})  # while NATS is known to be down
+            assert down.status_code == 503 and "NATS is reconnecting" in detail(down)["message"]
+            assert http.get("/api/executions").status_code == 503
+
+            nats = EmbeddedNats(store_dir=tmp_path / "js", port=port).start()
+            deadline = time.monotonic() + USUAL
+            while http.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline, http.get("/ready").text
+                time.sleep(0.1)
+            still_normal(handle)
+    finally:
+        stop_stack(nats, loop, handle)
+
+
+def test_an_unexpected_exception_is_500_with_a_logged_request_id(nats_url, caplog):
+    async def main() -> httpx.Response:
+        bus = await Bus.connect(nats_url, "test-gateway-bug")
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise ZeroDivisionError("a bug in the shell")
+
+        bus.request = broken  # a defect in the code, not in the request
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(bus)), base_url="http://gw") as gw:
+                return await gw.get("/api/executions")
+        finally:
+            await bus.close()
+
+    with caplog.at_level(logging.ERROR, logger="noetl.gateway"):
+        resp = asyncio.run(main())
+    assert resp.status_code == 500
+    d = detail(resp)
+    assert d["request_id"] == resp.headers["x-request-id"] and d["request_id"] in d["message"]
+    assert "ZeroDivisionError" not in resp.text  # the details are in the log, not in the answer
+    [record] = [r for r in caplog.records if d["request_id"] in r.getMessage()]
+    assert record.exc_info[0] is ZeroDivisionError and "GET /api/executions" in record.getMessage()
+
+
+# ------------------------------------------------------------------------------ arbitrary bodies
+def write_routes(stack) -> list[tuple[str, str]]:
+    """Every (method, path) of the gateway that takes a body, read from the app itself."""
+    app = stack.stack.services("gateway")[0].app
+    out = [(method, route.path) for route in app.routes for method in sorted(getattr(route, "methods", ()) or ())
+           if method in ("POST", "PUT", "PATCH", "DELETE")]
+    assert len(out) >= 5, out
+    return out
+
+
+text = st.lists(st.characters() | st.sampled_from(["\x00", "\ud800", "\udfff", "\u00e9", "😀", '"', "\\"]),
+                max_size=12).map("".join)
+numbers = (st.integers(-(2**70), 2**70) | st.floats() | st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**30]))
+values = st.recursive(st.none() | st.booleans() | numbers | text,
+                      lambda inner: st.lists(inner, max_size=5) | st.dictionaries(text, inner, max_size=5),
+                      max_leaves=25)
+VALID = [{"playbook": TINY, "workload": {"n": 3}}, {"path": "tests/tiny", "version": 1}, {"catalog_id": 1},
+         {"content": TINY}, {"name": "fuzz", "kind": "generic", "data": {"user": "u"}}, {"reason": "enough"}]
+
+
+@st.composite
+def mutated(draw) -> Any:
+    body = dict(draw(st.sampled_from(VALID)))
+    for _ in range(draw(st.integers(1, 3))):
+        action = draw(st.sampled_from(["replace", "delete", "add"]))
+        if action == "replace" and body:
+            body[draw(st.sampled_from(sorted(body)))] = draw(values)
+        elif action == "delete" and body:
+            body.pop(draw(st.sampled_from(sorted(body))))
+        else:
+            body[draw(text)] = draw(values)
+    return body
+
+
+def encode(value: Any, ascii_only: bool) -> bytes:
+    return json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+bodies = st.one_of(
+    st.binary(max_size=300),
+    st.builds(encode, values, st.booleans()),
+    st.builds(encode, mutated(), st.booleans()),
+    st.integers(1, 5_000).map(lambda n: b'{"path": "p", "workload": {"a": ' + b"[" * n + b"]" * n + b"}}"),
+    st.integers(1, 3_000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+    st.integers(15, 6_000).map(lambda n: b'{"path": "p", "workload": {"x": -' + b"9" * n + b"}}"),
+    st.sampled_from([b"NaN", b'{"path": "p", "workload": {"x": Infinity}}', b'{"content": "a\\u0000"}',
+                     b'{"playbook": "a: \\"\\ud800\\""}', b'{"reason": "\\udc00"}', b"\xef\xbb\xbf{}", b""]),
+)
+content_types = st.sampled_from([None, "application/json", "application/json; charset=utf-8",
+                                 "application/json; charset=latin-1", "application/merge-patch+json", "text/yaml",
+                                 "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                                 "application/octet-stream", "image/png", ";;;=", "application/json; charset"])
+ids = st.sampled_from(["x", "0" * 32, "a b", "%00", "%ff", "..", "9" * 30, "é"])
+
+
+def test_arbitrary_bodies_to_every_write_endpoint_never_get_a_5xx(stack, http):
+    routes = write_routes(stack)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(routes), bodies, content_types, ids)
+    def one(route: tuple[str, str], body: bytes, ctype: str | None, some_id: str) -> None:
+        method, path = route
+        url = path.replace("{execution_id}", some_id).replace("{name}", some_id).replace("{catalog_id}", some_id)
+        headers = {"content-type": ctype} if ctype is not None else {}
+        resp = http.request(method, url, content=body, headers=headers)
+        seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+        assert resp.status_code < 500, (method, url, ctype, body[:200], resp.status_code, resp.text[:500])
+        if resp.status_code >= 400:
+            detail(resp)
+
+    started = time.monotonic()
+    one()
+    assert {400, 415, 422} <= set(seen) and any(s < 300 for s in seen), seen  # every kind of answer was reached
+    assert time.monotonic() - started < 120
+    still_normal(stack)
