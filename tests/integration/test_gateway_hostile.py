@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import LoopThread, StackHandle, stop_stack
 from noetl_mesh import limits
+from noetl_mesh.client import GatewayClient, GatewayError, retry_after
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.services.gateway.app import create_app
@@ -195,6 +196,47 @@ def test_every_error_has_one_shape_and_a_request_id(stack, http):
         assert len(resp.headers["x-request-id"]) >= 16
     fields = detail(http.post("/api/executions", json={"path": "x", "colour": 1}))
     assert fields["location"] == "body.colour" and fields["errors"][0]["type"] == "extra_forbidden"
+
+
+# ------------------------------------------------------------------------------ the client
+def test_the_client_reports_the_gateways_message_and_waits_out_a_503(stack):
+    answers: list[int] = []
+
+    async def go() -> None:
+        async with GatewayClient(stack.url) as client:
+            client.http.event_hooks["response"].append(lambda resp: _count(resp, answers))
+            with pytest.raises(GatewayError) as big:
+                await client.start(TINY, workload={"blob": "x" * 5_000_000})
+            assert big.value.status == 413 and "max_workload_bytes" in big.value.message
+            assert str(big.value).startswith("gateway answered 413: body.workload: the workload (JSON) is 4.8 MiB")
+            with pytest.raises(GatewayError) as invalid:
+                await client.start(TINY.replace("kind: noop", "kind: nosuchtool"))
+            assert invalid.value.status == 422 and invalid.value.message == "invalid playbook"
+            assert "nosuchtool" in str(invalid.value) and len(invalid.value.errors) == 3
+
+            recorder = stack.stack.services("event-recorder")[0]
+            await recorder.stop()  # reads answer 503 (Retry-After: 1) until it is back
+            try:
+                execution_id = await client.start(TINY)  # published: recorded once the recorder is back
+                waiting = asyncio.create_task(client.wait(execution_id, timeout=USUAL))
+                await asyncio.sleep(2.5)
+                assert not waiting.done()
+            finally:
+                await recorder.start()
+            assert (await waiting)["status"] == "COMPLETED"
+
+    stack.run(go())
+    assert 1 <= answers.count(503) <= 6  # one poll a second, as Retry-After asked (not one every 20 ms)
+
+
+async def _count(resp: httpx.Response, answers: list[int]) -> None:
+    answers.append(resp.status_code)
+
+
+def test_retry_after_reads_seconds_and_dates():
+    assert retry_after("2") == 2.0 and retry_after("0.5") == 0.5 and retry_after(None) is None
+    assert retry_after("soon") is None and retry_after("-3") == 0.0
+    assert 50 < retry_after(time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 60))) <= 60
 
 
 # ------------------------------------------------------------------------------ heavy playbooks
