@@ -13,8 +13,9 @@ HTTP status, a message that says what is wrong, and the location in the body (``
   character and cannot be encoded as UTF-8, and silently changing a value (an identifier, a
   workload key) would run something other than what was sent.
 
-The common case costs one C-level parse plus a few C-level scans of the text; the value is walked
-only when a scan shows that it may hold a refused string or nest too deep.
+The common case costs one parse (the standard library's C scanner) plus a few C-level scans of the
+text (numbers long enough to be out of range, ``\\u0000`` and surrogate escapes, brackets); the value
+is walked (to say where) only when a scan finds something that may have to be refused.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ from noetl_mesh.limits import LimitExceeded
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# digits -> 0, e/E -> e, signs -> s, anything else -> space: number shapes found by substring search
+_NUMBER_SHAPES = bytes(ord("0") if chr(c).isdigit() and c < 128 else ord("e") if c in b"eE"
+                       else ord("s") if c in b"+-" else ord(" ") for c in range(256))
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PREVIEW = 40  # characters of a refused number or key shown in a message
 
@@ -80,8 +84,6 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
     refused: list[_Refused] = []
 
     def on_int(t: str) -> int | _Refused:
-        if len(t) < 19:  # at most 18 digits (and a sign): always in range
-            return int(t)
         if len(t) <= 20 and INT64_MIN <= (value := int(t)) <= INT64_MAX:
             return value
         refused.append(_Refused(t, "is outside the signed 64-bit integer range (-2^63 .. 2^63-1)"))
@@ -93,63 +95,80 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
         refused.append(_Refused(t, "is not a finite number (it overflows a double)"))
         return refused[-1]
 
-    def on_constant(t: str) -> _Refused:
+    def on_constant(t: str) -> _Refused:  # NaN, Infinity, -Infinity: only ever called for those
         refused.append(_Refused(t, "is not a JSON number (JSON has no NaN or Infinity)"))
         return refused[-1]
 
+    # a number can only be out of range with a run of 19 digits or a 3-digit exponent: only then are
+    # the (per-number) hooks needed
+    shapes = raw.translate(_NUMBER_SHAPES)
+    long_numbers = b"0" * 19 in shapes or b"e000" in shapes or b"es000" in shapes
+    hooks = {"parse_int": on_int, "parse_float": on_float} if long_numbers else {}
     try:
-        value = json.loads(text, parse_int=on_int, parse_float=on_float, parse_constant=on_constant)
+        value = json.loads(text, parse_constant=on_constant, **hooks)
     except json.JSONDecodeError as exc:
         raise BodyError(400, "json_invalid", f"malformed JSON: {exc.msg} at line {exc.lineno}, column {exc.colno} "
                                              f"(character {exc.pos})") from None
     except RecursionError:
         raise BodyError(422, "json_depth", str(LimitExceeded("max_json_depth", None, where="body"))) from None
-    if (refused or "\\u0000" in text or _SURROGATE_ESCAPE.search(text)
-            or text.count("[") + text.count("{") > max_depth):
-        check(value, max_depth)
+    if (refused or b"\\u0000" in raw or _SURROGATE_ESCAPE.search(raw)
+            or raw.count(b"[") + raw.count(b"{") > max_depth):
+        check(value, max_depth)  # maybe something to refuse: find it, and where
     return value
 
 
 def check(value: Any, max_depth: int, root: str = "body") -> None:
     """Walk a parsed value (iteratively: any depth) and raise :class:`BodyError` at the first refused
     number, string or key, or where the nesting passes ``max_depth``."""
+    # a path is linked, (parent, key), so that descending costs no copy; unwound only for a message
     stack: list[tuple[Any, int, tuple]] = [(value, 0, ())]
     while stack:
         node, depth, path = stack.pop()
-        if isinstance(node, dict):
+        kind = type(node)
+        if kind is dict:
             items: Any = node.items()
-        elif isinstance(node, list):
+        elif kind is list:
             items = enumerate(node)
         else:
             _leaf(node, path, root)
             continue
-        if depth + 1 > max_depth:
-            raise BodyError(422, "json_depth", str(LimitExceeded("max_json_depth", depth + 1,
-                                                                 where=location(path, root))), location(path, root))
+        if depth >= max_depth:
+            where = location(_unwind(path), root)
+            raise BodyError(422, "json_depth", str(LimitExceeded("max_json_depth", depth + 1, where)), where)
         for key, child in items:
-            if type(key) is str:
-                _string(key, (*path, key), root, "key")
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1, (*path, key)))
-            elif type(child) is not int:  # ints are checked by the parser
-                _leaf(child, (*path, key), root)
+            if type(key) is str and ("\x00" in key or not key.isascii()):
+                _string(key, (path, key), root, "key")
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append((child, depth + 1, (path, key)))
+            elif (kind is str and ("\x00" in child or not child.isascii())) or kind is _Refused:
+                _leaf(child, (path, key), root)
+
+
+def _unwind(path: tuple) -> tuple:
+    keys = []
+    while path:
+        path, key = path
+        keys.append(key)
+    return tuple(reversed(keys))
 
 
 def _leaf(node: Any, path: tuple, root: str) -> None:
     if type(node) is str:
         _string(node, path, root, "string")
     elif isinstance(node, _Refused):
+        where = location(_unwind(path), root)
         shown = node.text if len(node.text) <= _PREVIEW else f"{node.text[:_PREVIEW]}… ({len(node.text)} characters)"
-        raise BodyError(422, "json_number", f"{location(path, root)}: {shown} {node.why}", location(path, root))
+        raise BodyError(422, "json_number", f"{where}: {shown} {node.why}", where)
 
 
 def _string(text: str, path: tuple, root: str, what: str) -> None:
     if "\x00" in text:
-        where = location(path, root)
+        where = location(_unwind(path), root)
         raise BodyError(422, "json_nul", f"{where}: a NUL character (\\u0000) in a {what}; NUL cannot be stored "
                                          f"(Postgres text and jsonb refuse it) and is refused rather than removed",
                         where)
     if not text.isascii() and _SURROGATE.search(text):
-        where = location(path, root)
+        where = location(_unwind(path), root)
         raise BodyError(422, "json_surrogate", f"{where}: an unpaired UTF-16 surrogate in a {what}; it is not a "
                                                f"character and cannot be encoded as UTF-8", where)
