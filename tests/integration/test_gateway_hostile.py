@@ -186,6 +186,23 @@ def test_undecodable_yaml_is_400(stack, http):
     assert "UTF-8" in detail(resp)["message"] and "byte 20" in detail(resp)["message"]
 
 
+def test_hostile_urls_and_numbers_that_pydantic_would_coerce(stack, http):
+    nul_path = http.get("/api/executions/a%00b")
+    assert nul_path.status_code == 400 and detail(nul_path)["location"] == "path"
+    nul_query = http.get("/api/catalog", params={"path": "a\x00"})
+    assert nul_query.status_code == 400 and detail(nul_query)["location"] == "query"
+    for url in ("/api/catalog/99999999999999999999999", "/api/executions/x/events?offset=99999999999999999999",
+                "/api/catalog/by-path/a?version=99999999999999999999"):
+        resp = http.get(url)
+        assert resp.status_code == 422, (url, resp.text)
+        assert detail(resp)["location"].startswith(("path.", "query."))
+    coerced = http.post("/api/executions", json={"catalog_id": "99999999999999999999999"})
+    assert coerced.status_code == 422 and detail(coerced)["location"] == "body.catalog_id"
+    long_id = http.post("/api/executions", json={"path": "tests/tiny", "parent_execution_id": "x" * 10_000})
+    assert long_id.status_code == 422 and detail(long_id)["location"] == "body.parent_execution_id"
+    still_normal(stack)
+
+
 # ------------------------------------------------------------------------------ every error has the shape
 def test_every_error_has_one_shape_and_a_request_id(stack, http):
     for resp in (http.get("/api/executions/nope"), http.get("/no/such/route"), http.delete("/api/catalog"),
