@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
+import resource
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -23,7 +27,7 @@ from noetl_mesh.client import GatewayClient, GatewayError, retry_after
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.services.gateway.app import create_app
-from noetl_mesh.stack import InProcessStack, Settings
+from noetl_mesh.stack import InProcessStack, Settings, free_port, wait_http
 from scenarios import TINY
 
 pytestmark = pytest.mark.integration
@@ -300,26 +304,63 @@ def test_validating_a_big_playbook_does_not_stop_the_gateway(stack, http):
 
 
 BOMB = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: laughs, path: tests/laughs}\nworkload:\n" + "".join(
-    f"  {name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else ', '.join(['lolololol'] * 9)}]\n"
+    f"  {name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else ', '.join(['lol' * 16] * 9)}]\n"
     for prev, name in zip(["", *[f"lol{i}" for i in range(1, 10)]], [f"lol{i}" for i in range(1, 11)])
 ) + "workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ workload }}'}\n"
 
 
-def test_a_yaml_alias_bomb_is_refused_quickly_and_the_gateway_keeps_answering(stack, http):
-    assert 1000 < len(BOMB) < 1400  # about 1.3 KB; fully expanded, 10^9 strings
-    answer: dict[str, httpx.Response] = {}
+@contextlib.contextmanager
+def gateway_process(nats_url: str, max_memory: int = 3 * 2**30) -> Iterator[str]:
+    """A gateway of its own (``noetl service gateway``) whose address space is capped: should a
+    document ever be expanded again, that process fails, not the shared machine."""
+    port = free_port()
 
-    def submit() -> None:
-        with httpx.Client(base_url=stack.url, trust_env=False, timeout=USUAL) as client:
-            answer["bomb"] = client.post("/api/executions", json={"playbook": BOMB})
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
 
-    bomb = threading.Thread(target=submit)
-    bomb.start()
-    still_normal(stack)  # submitted while the bomb is being looked at
-    bomb.join(USUAL)
-    resp = answer["bomb"]
-    assert resp.status_code == 422, resp.text[:300]
-    assert "max_document_nodes" in json.dumps(detail(resp))
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "service", "gateway", "--nats-url", nats_url,
+                             "--host", "127.0.0.1", "--port", str(port)], preexec_fn=cap,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_http(f"{url}/health", timeout=60, procs={"gateway": proc}))
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_and_the_gateway_keeps_answering(stack):
+    assert 1200 < len(BOMB) < 1400  # about 1.3 KB; expanded, 9^10 (3.5 billion) strings
+    with gateway_process(stack.stack.settings.nats_url) as url:
+        answer: dict[str, Any] = {}
+
+        def submit() -> None:
+            with httpx.Client(base_url=url, trust_env=False, timeout=USUAL) as client:
+                try:
+                    answer["bomb"] = client.post("/api/executions", json={"playbook": BOMB})
+                except httpx.HTTPError as exc:  # the gateway died
+                    answer["bomb"] = exc
+
+        bomb = threading.Thread(target=submit)
+        bomb.start()
+
+        async def normal() -> dict:  # submitted through the same gateway while the bomb is looked at
+            async with GatewayClient(url) as client:
+                return await client.wait(await client.start(TINY), timeout=USUAL)
+
+        started = time.monotonic()
+        assert asyncio.run(normal())["status"] == "COMPLETED"
+        assert time.monotonic() - started < USUAL
+        bomb.join(USUAL)
+        resp = answer["bomb"]
+        assert isinstance(resp, httpx.Response), resp
+        assert resp.status_code == 422, resp.text[:300]
+        assert "max_document_nodes" in json.dumps(detail(resp))
 
 
 # ------------------------------------------------------------------------------ NATS and bugs
