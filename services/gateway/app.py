@@ -277,7 +277,8 @@ def _nats_state(nc: Any) -> str:
 
 # --------------------------------------------------------------------------------- the guard
 class _Guard:
-    """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer), NUL in
+    """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
+    ``request.state.request_id`` for handlers and, later, access control and audit), NUL in
     the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
     the request id for an exception nothing else handled (a bug: logged with the id)."""
 
@@ -543,7 +544,9 @@ def create_app(bus: Bus) -> FastAPI:
                     "path": body.path, "version": body.version}
                 entry = await shell.ask(Q_CATALOG_GET, ref)
                 catalog = {"path": entry["path"], "version": entry["version"]}
-                doc = yaml.safe_load(entry["content"])
+                content = entry["content"]  # validated when registered; a big one is parsed in a thread
+                doc = (await offload(yaml.safe_load, content) if len(content) >= HEAVY_BYTES
+                       else yaml.safe_load(content))
             execution_id = new_execution_id()
             span.set_attribute("noetl.execution_id", execution_id)
             await shell.publish(make_event(
