@@ -2,18 +2,45 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 from typing import Any, Callable
 
 import httpx
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+MAX_RETRY_AFTER = 30.0  # seconds: the longest wait a 503's Retry-After can ask of wait()
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, body: Any):
-        super().__init__(f"gateway answered {status}: {body}")
-        self.status, self.body = status, body
+    """An answer of 400 or more: ``status``, ``body`` (the parsed JSON, or the text), ``message`` (the
+    gateway's ``detail.message``), ``errors`` (``detail.errors``) and, on a 503, ``retry_after`` seconds."""
+
+    def __init__(self, status: int, body: Any, retry_after: float | None = None):
+        detail = body.get("detail") if isinstance(body, dict) else None
+        if isinstance(detail, dict):
+            self.message = str(detail.get("message") or detail)
+            self.errors = [e for e in detail.get("errors") or [] if isinstance(e, dict)]
+        else:
+            self.message, self.errors = str(detail if detail is not None else body), []
+        lines = [f"{e.get('location')}: {e.get('message')}" if e.get("location") else str(e.get("message"))
+                 for e in self.errors if e.get("message") != self.message]
+        super().__init__(f"gateway answered {status}: {self.message}" + "".join(f"\n  {line}" for line in lines))
+        self.status, self.body, self.retry_after = status, body, retry_after
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delay-seconds or an HTTP date); None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 class GatewayClient:
@@ -28,9 +55,14 @@ class GatewayClient:
 
     async def _call(self, method: str, url: str, **kw: Any) -> Any:
         resp = await self.http.request(method, url, **kw)
-        body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
+        body: Any = resp.text
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            try:
+                body = resp.json()
+            except ValueError:  # not what it says: keep the text
+                pass
         if resp.status_code >= 400:
-            raise GatewayError(resp.status_code, body)
+            raise GatewayError(resp.status_code, body, retry_after(resp.headers.get("retry-after")))
         return body
 
     async def register(self, content: str) -> dict:
@@ -97,23 +129,28 @@ class GatewayClient:
                    on_event: Callable[[dict], None] | None = None) -> dict:
         """Poll until the execution is final. The recorder stores a message's events and the projection
         in one transaction, so a final status means ``workflow.finished`` and the ``playbook.processed``
-        published with it are recorded (events may still follow: a child's notice, a late report)."""
+        published with it are recorded (events may still follow: a child's notice, a late report).
+        Not recorded yet (404) polls on; unavailable (503) waits as its Retry-After asks (at most
+        30 s) and tries again, until ``timeout``."""
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
-            status = None
+            delay = poll
             try:
                 status = await self.status(execution_id, brief=True)
+                if on_event is not None:
+                    page = await self.events(execution_id, offset=seen)
+                    for event in page["events"]:
+                        on_event(event)
+                    seen += len(page["events"])
+                if status["status"] in FINAL:
+                    return await self.status(execution_id)
             except GatewayError as exc:
-                if exc.status != 404:
+                if exc.status == 503:
+                    delay = min(MAX_RETRY_AFTER, exc.retry_after if exc.retry_after is not None else 1.0)
+                elif exc.status != 404:
                     raise
-            if on_event is not None and status is not None:
-                page = await self.events(execution_id, offset=seen)
-                for event in page["events"]:
-                    on_event(event)
-                seen += len(page["events"])
-            if status is not None and status["status"] in FINAL:
-                return await self.status(execution_id)
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"execution {execution_id} did not finish within {timeout}s")
-            await asyncio.sleep(poll)
+            await asyncio.sleep(min(max(delay, poll), left))

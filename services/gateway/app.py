@@ -4,24 +4,56 @@ Reads are request/reply calls to the event-recorder (``noetl.q.*``); commands ar
 JetStream (``playbook.execution.requested``, ``execution.cancelled``). The gateway keeps no state and
 owns no database: any number of replicas can run behind a load balancer.
 
-Error mapping: a recorder ``not_found`` is 404, ``invalid_playbook`` 422, ``bad_request`` 400; NATS
-unreachable or a service not answering (``unavailable``/``timeout``) is 503; anything else 502.
+Hostile input. Every request passes :class:`_Guard` first: a request id (``X-Request-ID``), NUL in
+the URL refused, and the body bounded by ``max_body_bytes`` (Content-Length checked before anything is
+read, then a running count while a chunked body arrives: 413 naming the limit). A JSON body is parsed
+strictly by :func:`body.parse_json` before pydantic sees it (depth, 64-bit integers, NaN, NUL and
+unpaired surrogates refused with their location), through the dependency :func:`json_body`: a route
+takes its body as ``body: Model = json_body(Model)``. CPU-heavy work (a big body, a playbook's parse
+and validation) runs in a thread, two at a time, so the event loop keeps answering.
+
+Errors have one shape, ``{"detail": {"message": str, "location": str | null, "errors": [...]}}``
+(``errors``: one item per problem found in the input, each with ``location`` and ``message``), and a
+client's mistake is never a 5xx:
+
+| cause | status |
+|---|---|
+| malformed JSON, undecodable bytes, NUL in the URL; recorder ``bad_request`` | 400 |
+| recorder ``unauthenticated`` / ``forbidden`` | 401 / 403 |
+| recorder ``not_found`` | 404 |
+| recorder ``conflict``; cancelling a finished execution | 409 |
+| a payload reference past its retention | 410 |
+| body over ``max_body_bytes``, workload over ``max_workload_bytes``; recorder ``too_large`` | 413 |
+| a body that is not JSON (or not YAML where YAML is allowed) | 415 |
+| invalid fields, depth, numbers, NUL, surrogates; an invalid playbook | 422 |
+| NATS disconnected or reconnecting; recorder ``unavailable`` / ``timeout`` | 503 + ``Retry-After`` |
+| another recorder error kind | 502 |
+| anything else: a bug | 500 with ``request_id`` (logged with it) |
+
+Access control is not built here yet: every route is a plain FastAPI route, so a per-route
+dependency (``dependencies=[Depends(...)]``) or a router-wide one can be added without touching the
+handlers.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Any, Literal
+import secrets
+from typing import Any, Callable, Literal, TypeVar
 
 import nats.errors
+import orjson
 import uvicorn
 import yaml
-from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from noetl_mesh import limits
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import tracing
@@ -43,14 +75,21 @@ from noetl_mesh.infra.bus import (
     dumps,
 )
 from noetl_mesh.lang.validate import parse_yaml, validate_cached
+from noetl_mesh.limits import LimitExceeded
+from noetl_mesh.services.gateway.body import INT64_MAX, BodyError, decode_utf8, location, parse_json
 
 
 log = logging.getLogger("noetl.gateway")
 
 YAML_TYPES = ("application/x-yaml", "application/yaml", "text/yaml", "text/x-yaml", "text/plain")
-STATUS_OF_KIND = {"not_found": 404, "invalid_playbook": 422, "bad_request": 400, "conflict": 409,
-                  "unavailable": 503, "timeout": 503}
+STATUS_OF_KIND = {"bad_request": 400, "unauthenticated": 401, "forbidden": 403, "not_found": 404,
+                  "conflict": 409, "too_large": 413, "invalid_playbook": 422, "unavailable": 503, "timeout": 503}
 SOURCES = ("path", "catalog_id", "playbook")
+RETRY_AFTER = {"Retry-After": "1"}  # seconds: NATS reconnects every 0.5 s
+CLOSE = {"Connection": "close"}  # after a 413: the server closes instead of reading the rest of the body
+NATS_TIMEOUT = 10.0  # seconds for a query's reply or a publish's acknowledgement
+HEAVY_BYTES = 64 * 1024  # bodies from this size are parsed and validated in a thread
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------- request bodies
@@ -64,12 +103,12 @@ class ExecutionRequest(BaseModel):
     ``catalog_id``, or an inline ``playbook`` (YAML text or the parsed mapping)."""
 
     model_config = ConfigDict(extra="forbid")
-    path: str | None = None
-    version: int | None = None
-    catalog_id: int | None = None
+    path: str | None = Field(None, max_length=1024)
+    version: int | None = Field(None, ge=1, le=INT64_MAX)
+    catalog_id: int | None = Field(None, ge=0, le=INT64_MAX)
     playbook: str | dict[str, Any] | None = None
     workload: dict[str, Any] | None = None
-    parent_execution_id: str | None = None
+    parent_execution_id: str | None = Field(None, max_length=128)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -127,12 +166,12 @@ class CredentialBody(BaseModel):
     kind: str = Field("generic", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$",
                       description="what it is for: postgres, http, generic, ...")
     data: dict[str, Any] = Field(min_length=1, description="the secret fields")
-    description: str | None = None
+    description: str | None = Field(None, max_length=4096)
 
 
 class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str | None = None
+    reason: str | None = Field(None, max_length=4096)
 
 
 class Accepted(BaseModel):
@@ -141,82 +180,325 @@ class Accepted(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]
-    nats: bool
-    recorder: bool
+    status: Literal["ok"]
+
+
+class NatsCheck(BaseModel):
+    ok: bool
+    state: Literal["connected", "connecting", "reconnecting", "disconnected", "closed"]
+
+
+class RecorderCheck(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    ok: bool = Field(description="answers noetl.q.recorder.ping with ok")
+    error: str | None = None
+    database: bool | None = Field(None, description="as the recorder reports it, when it does")
+    consumer: bool | None = Field(None, description="as the recorder reports it, when it does")
+    lag: int | None = None
+
+
+class Ready(BaseModel):
+    status: Literal["ready", "not_ready"]
+    nats: NatsCheck
+    recorder: RecorderCheck
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    location: str | None = Field(description="where in the request: body.workload.a[3], query.limit, ...")
+    errors: list[dict[str, Any]] = Field(description="one item per problem in the input: location, message, type")
+    request_id: str | None = Field(None, description="only on a 500: the id the gateway's log has")
+
+
+class ErrorBody(BaseModel):
+    detail: ErrorDetail
+
+
+# --------------------------------------------------------------------------------- errors
+def problem(status: int, message: str, location: str | None = None, errors: list[dict[str, Any]] | None = None,
+            headers: dict[str, str] | None = None) -> HTTPException:
+    """An error answer in the API's one shape."""
+    return HTTPException(status, {"message": message, "location": location, "errors": errors or []}, headers)
+
+
+def _detail(detail: Any) -> dict[str, Any]:
+    if isinstance(detail, dict) and "message" in detail:
+        return {"location": None, "errors": [], **detail}
+    return {"message": str(detail), "location": None, "errors": []}
+
+
+def _pydantic_problem(errors: list[dict[str, Any]], root: str | None = None) -> HTTPException:
+    """pydantic's errors in the API's shape (without their ``input``: it may be large, or a secret)."""
+    items = []
+    for err in errors:
+        loc = tuple(p if isinstance(p, int) else str(p) for p in ((root, *err["loc"]) if root else err["loc"]))
+        where = location(loc[1:], str(loc[0])) if loc else "body"
+        items.append({"location": where, "message": err["msg"], "type": err["type"]})
+    first = items[0] if items else {"location": None, "message": "invalid request"}
+    more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+    return problem(422, f"{first['location']}: {first['message']}{more}", first["location"], items)
+
+
+def _body_problem(exc: BodyError) -> HTTPException:
+    return problem(exc.status, exc.message, exc.location,
+                   [{"location": exc.location, "message": exc.message, "type": exc.type}])
+
+
+def _http_error(exc: BusError, where: str | None = None) -> HTTPException:
+    status = STATUS_OF_KIND.get(exc.kind)
+    if exc.kind == "invalid_playbook":
+        return problem(422, "invalid playbook", where, _diagnostics(exc.details))
+    if status == 503:
+        return problem(503, f"service unavailable: {exc.message}", headers=RETRY_AFTER)
+    if status is None:
+        return problem(502, f"upstream error ({exc.kind}): {exc.message}")
+    return problem(status, exc.message, where if status in (400, 413) else None)
+
+
+def _diagnostics(items: Any) -> list[dict[str, Any]]:
+    """The errors among a validator's diagnostics (objects here, dicts from the recorder)."""
+    out = []
+    for d in items if isinstance(items, list) else []:
+        get = d.get if isinstance(d, dict) else (lambda key, default=None, d=d: getattr(d, key, default))
+        if get("severity", "error") == "error":
+            out.append({"location": get("location"), "message": get("message"), "severity": "error"})
+    return out
+
+
+def _nats_state(nc: Any) -> str:
+    if nc.is_connected:
+        return "connected"
+    if nc.is_closed:
+        return "closed"
+    if nc.is_reconnecting:
+        return "reconnecting"
+    return "connecting" if nc.is_connecting else "disconnected"
+
+
+# --------------------------------------------------------------------------------- the guard
+class _Guard:
+    """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
+    ``request.state.request_id`` for handlers and, later, access control and audit), NUL in
+    the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
+    the request id for an exception nothing else handled (a bug: logged with the id)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = secrets.token_hex(8)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        where = f"{scope['method']} {scope['path']}"
+        if "\x00" in scope["path"] or b"%00" in scope.get("query_string", b""):
+            part = "path" if "\x00" in scope["path"] else "query"
+            return await _answer(send_with_id, 400, {"message": f"a NUL character (%00) in the URL's {part}",
+                                                     "location": part, "errors": []})
+        limit = limits.current().max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            return await _answer(send_with_id, 413, {"message": str(LimitExceeded("max_body_bytes", declared, where)),
+                                                     "location": "body", "errors": []}, close=True)
+        received = 0
+
+        async def receive_bounded() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise problem(413, str(LimitExceeded("max_body_bytes", None, where,
+                                                         what="the request body (sent in chunks)")), "body",
+                                  headers=CLOSE)
+            return message
+
+        try:
+            await self.app(scope, receive_bounded, send_with_id)
+        except Exception:
+            log.exception("request %s (%s) failed", request_id, where)
+            if started:
+                raise  # too late for an answer: the server closes the connection
+            await _answer(send_with_id, 500, {
+                "message": f"internal error: the gateway's log has the details under request id {request_id}",
+                "location": None, "errors": [], "request_id": request_id})
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+async def _answer(send: Callable, status: int, detail: dict[str, Any], close: bool = False) -> None:
+    body = orjson.dumps({"detail": detail})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status,
+                "headers": headers + [(b"connection", b"close")] if close else headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# --------------------------------------------------------------------------------- bodies
+def _media_type(request: Request) -> tuple[str, str | None]:
+    """``(type, charset)`` of the request's Content-Type, lower case; ``("", None)`` when absent."""
+    value = request.headers.get("content-type", "")
+    media, _, params = value.partition(";")
+    charset = None
+    for param in params.split(";"):
+        key, _, val = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = val.strip().strip('"').lower()
+    return media.strip().lower(), charset
+
+
+def _is_json(media: str) -> bool:
+    return media in ("", "application/json") or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _check_charset(charset: str | None) -> None:
+    if charset not in (None, "utf-8", "utf8"):
+        raise problem(415, f"charset={charset}: bodies are UTF-8", "body")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_model(request: Request, model: type[M], optional: bool = False) -> M | None:
+    """The body as ``model``: strict JSON (:func:`body.parse_json`), then pydantic, in a thread for a
+    big body; errors in the API's shape. ``None`` for an empty body when ``optional``."""
+    media, charset = _media_type(request)
+    if not _is_json(media):
+        raise problem(415, f"the body is {media}: send JSON (application/json)", "body")
+    _check_charset(charset)
+    raw = await request.body()
+    request.state.body_bytes = len(raw)
+    if optional and not raw.strip():
+        return None
+    try:
+        if len(raw) >= HEAVY_BYTES:
+            return await request.app.state.offload(_parse_model, raw, model)
+        return _parse_model(raw, model)
+    except BodyError as exc:
+        raise _body_problem(exc) from None
+    except ValidationError as exc:
+        raise _pydantic_problem(exc.errors(include_url=False), "body") from None
+
+
+def _parse_model(raw: bytes, model: type[M]) -> M:
+    return model.model_validate(parse_json(raw, limits.current().max_json_depth))
+
+
+def json_body(model: type[M], optional: bool = False) -> Any:
+    """The dependency giving a route its body: ``body: Model = json_body(Model)``. Declare the body in
+    the route's OpenAPI with ``openapi_extra=_json_request(Model)``."""
+
+    async def body(request: Request) -> M | None:
+        return await read_model(request, model, optional)
+
+    return Depends(body)
+
+
+def _json_request(model: type[BaseModel], required: bool = True, **other: Any) -> dict[str, Any]:
+    return {"requestBody": {"required": required, "content": {
+        "application/json": {"schema": model.model_json_schema()}, **other}}}
+
+
+def _parse_and_validate(playbook: str | dict[str, Any]) -> tuple[Any, list[Any]]:
+    doc, diags = parse_yaml(playbook) if isinstance(playbook, str) else (playbook, [])
+    return doc, (diags or validate_cached(doc).diagnostics)
 
 
 # --------------------------------------------------------------------------------- the app
 class _Shell:
-    """The NATS side of the gateway: one request or publish per call, each inside a span."""
+    """The NATS side of the gateway: one request or publish per call, answered with a 503 (and
+    ``Retry-After``) at once while NATS is not connected."""
 
     def __init__(self, bus: Bus):
         self.bus = bus
 
-    async def ask(self, subject: str, payload: dict[str, Any], timeout: float = 10.0) -> Any:
+    def _connected(self, what: str) -> None:
+        state = _nats_state(self.bus.nc)
+        if state != "connected":
+            raise problem(503, f"NATS is {state}: {what} cannot be sent now; retry shortly", headers=RETRY_AFTER)
+
+    async def ask(self, subject: str, payload: dict[str, Any], where: str | None = None) -> Any:
+        self._connected(f"the query {subject}")
         try:
-            return await self.bus.request(subject, payload, timeout=timeout)
+            return await self.bus.request(subject, payload, timeout=NATS_TIMEOUT)
         except BusError as exc:
-            raise _http_error(exc) from exc
-        except nats.errors.Error as exc:
-            raise HTTPException(503, f"NATS is unavailable: {type(exc).__name__}: {exc}") from exc
+            raise _http_error(exc, where) from exc
+        except nats.errors.MaxPayloadError as exc:
+            raise problem(413, f"the request to {subject} is {len(dumps(payload)):,} bytes, over the NATS server's "
+                               f"max_payload ({self.bus.nc.max_payload:,} bytes)", where) from exc
+        except (nats.errors.Error, TimeoutError) as exc:  # the connection went away meanwhile
+            raise problem(503, f"NATS is unavailable: {type(exc).__name__}: {exc}", headers=RETRY_AFTER) from exc
 
-    async def publish(self, event: dict[str, Any]) -> None:
+    async def publish(self, event: dict[str, Any], where: str) -> None:
+        self._connected(event["name"])
         try:
-            await self.bus.publish_event(event)
-        except nats.errors.Error as exc:
-            raise HTTPException(503, f"could not publish {event['name']}: {type(exc).__name__}: {exc}") from exc
-
-
-def _http_error(exc: BusError) -> HTTPException:
-    status = STATUS_OF_KIND.get(exc.kind, 502)
-    if exc.kind == "invalid_playbook":
-        return HTTPException(422, {"message": "invalid playbook", "errors": exc.details or []})
-    if status == 503:
-        return HTTPException(503, f"service unavailable: {exc.message}")
-    if status == 502:
-        return HTTPException(502, f"upstream error ({exc.kind}): {exc.message}")
-    return HTTPException(status, exc.message)
-
-
-def _invalid(diagnostics: list[Any]) -> HTTPException:
-    errors = [{"location": d.location, "message": d.message, "severity": d.severity}
-              for d in diagnostics if d.severity == "error"]
-    return HTTPException(422, {"message": "invalid playbook", "errors": errors})
+            await asyncio.wait_for(self.bus.publish_event(event), NATS_TIMEOUT)
+        except orjson.JSONEncodeError as exc:  # e.g. a YAML playbook's integer past 64 bits
+            raise problem(422, f"{where}: cannot be stored as JSON: {exc}", where) from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise problem(503, f"could not publish {event['name']}: {type(exc).__name__}: {exc}",
+                          headers=RETRY_AFTER) from exc
 
 
 def create_app(bus: Bus) -> FastAPI:
     tracing.setup("gateway")  # spans need a real provider for trace context to propagate
     shell = _Shell(bus)
     app = FastAPI(title="NoETL mesh gateway", version="0.1.0",
-                  description="Playbook catalog and executions, over the NATS event log.")
+                  description="Playbook catalog and executions, over the NATS event log.",
+                  responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}})
     app.state.bus = bus
+    heavy = asyncio.Semaphore(2)
+
+    async def offload(fn: Callable[..., T], *args: Any) -> T:
+        async with heavy:
+            return await asyncio.to_thread(fn, *args)
+
+    app.state.offload = offload
+    app.add_middleware(_Guard)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse({"detail": _detail(exc.detail)}, exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        err = _pydantic_problem(list(exc.errors()))
+        return JSONResponse({"detail": err.detail}, 422)
 
     # ------------------------------------------------------------------ catalog
-    @app.post("/api/catalog", status_code=201, tags=["catalog"], openapi_extra={"requestBody": {
-        "required": True, "content": {
-            "application/json": {"schema": CatalogRegistration.model_json_schema()},
-            "application/x-yaml": {"schema": {"type": "string"}},
-            "text/plain": {"schema": {"type": "string"}}}}})
+    @app.post("/api/catalog", status_code=201, tags=["catalog"], openapi_extra=_json_request(
+        CatalogRegistration, **{t: {"schema": {"type": "string"}} for t in ("application/x-yaml", "text/plain")}))
     async def register_playbook(request: Request) -> dict[str, Any]:
         """Register a playbook: JSON ``{"content": "<yaml>"}`` or the raw YAML text as the body.
         Each registration of a path gets the next version."""
-        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-        raw = await request.body()
-        if ctype in YAML_TYPES:
+        media, charset = _media_type(request)
+        if media in YAML_TYPES:
+            _check_charset(charset)
             try:
-                content = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise HTTPException(400, f"the body is not UTF-8: {exc}") from exc
-        elif ctype == "application/json" or ctype.endswith("+json"):
-            try:
-                content = CatalogRegistration.model_validate_json(raw or b"null").content
-            except ValidationError as exc:
-                raise HTTPException(422, exc.errors(include_url=False, include_context=False)) from exc
+                content, where = decode_utf8(await request.body()), "body"
+            except BodyError as exc:
+                raise _body_problem(exc) from None
+        elif _is_json(media):
+            content, where = (await read_model(request, CatalogRegistration)).content, "body.content"
         else:
-            raise HTTPException(415, f"send application/json {{content}} or YAML ({', '.join(YAML_TYPES)})")
+            raise problem(415, f"the body is {media}: send application/json {{content}} or YAML "
+                               f"({', '.join(YAML_TYPES)})", "body")
         with tracing.span("gateway POST /api/catalog"):
-            reply = await shell.ask(Q_CATALOG_REGISTER, {"content": content})
+            reply = await shell.ask(Q_CATALOG_REGISTER, {"content": content}, where)
         reply.setdefault("warnings", [])
         return reply
 
@@ -227,42 +509,51 @@ def create_app(bus: Bus) -> FastAPI:
             return await shell.ask(Q_CATALOG_LIST, {"path": path} if path else {})
 
     @app.get("/api/catalog/by-path/{path:path}", tags=["catalog"])
-    async def get_catalog_by_path(path: str, version: int | None = None) -> dict[str, Any]:
+    async def get_catalog_by_path(path: str, version: int | None = Query(None, ge=1, le=INT64_MAX)) -> dict[str, Any]:
         """One playbook by path: the latest version, or ``version``."""
         with tracing.span("gateway GET /api/catalog/by-path"):
             return await shell.ask(Q_CATALOG_GET, {"path": path, "version": version})
 
     @app.get("/api/catalog/{catalog_id}", tags=["catalog"])
-    async def get_catalog(catalog_id: int) -> dict[str, Any]:
+    async def get_catalog(catalog_id: int = Path(ge=0, le=INT64_MAX)) -> dict[str, Any]:
         with tracing.span("gateway GET /api/catalog/{id}"):
             return await shell.ask(Q_CATALOG_GET, {"id": catalog_id})
 
     # ------------------------------------------------------------------ executions
-    @app.post("/api/executions", status_code=202, response_model=Accepted, tags=["executions"])
-    async def start_execution(body: ExecutionRequest) -> dict[str, Any]:
+    @app.post("/api/executions", status_code=202, response_model=Accepted, tags=["executions"],
+              openapi_extra=_json_request(ExecutionRequest))
+    async def start_execution(request: Request, body: ExecutionRequest = json_body(ExecutionRequest)) -> dict[str, Any]:
         """Start an execution. The playbook is resolved and validated here, so a bad reference (404)
         or an invalid playbook (422, every error listed) is reported at once."""
         with tracing.span("gateway POST /api/executions") as span:
+            workload = body.workload or {}
+            size = len(dumps(workload))
+            if size > limits.current().max_workload_bytes:
+                raise problem(413, str(LimitExceeded("max_workload_bytes", size, "body.workload")), "body.workload")
             catalog: dict[str, Any] | None = None
             if body.playbook is not None:
-                doc, diags = (parse_yaml(body.playbook) if isinstance(body.playbook, str)
-                              else (body.playbook, []))
-                diags = diags or validate_cached(doc).diagnostics
+                # YAML text may hold aliases that expand; a big mapping is long to walk: both in a thread
+                if isinstance(body.playbook, str) or request.state.body_bytes >= HEAVY_BYTES:
+                    doc, diags = await offload(_parse_and_validate, body.playbook)
+                else:
+                    doc, diags = _parse_and_validate(body.playbook)
                 if any(d.severity == "error" for d in diags):
-                    raise _invalid(diags)
+                    raise problem(422, "invalid playbook", "body.playbook", _diagnostics(diags))
             else:
                 ref = {"id": body.catalog_id} if body.catalog_id is not None else {
                     "path": body.path, "version": body.version}
                 entry = await shell.ask(Q_CATALOG_GET, ref)
                 catalog = {"path": entry["path"], "version": entry["version"]}
-                doc = yaml.safe_load(entry["content"])
+                content = entry["content"]  # validated when registered; a big one is parsed in a thread
+                doc = (await offload(yaml.safe_load, content) if len(content) >= HEAVY_BYTES
+                       else yaml.safe_load(content))
             execution_id = new_execution_id()
             span.set_attribute("noetl.execution_id", execution_id)
             await shell.publish(make_event(
                 "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
                 source="gateway", status="in_progress",
-                data={"playbook": doc, "catalog": catalog, "workload": body.workload or {},
-                      "parent_execution_id": body.parent_execution_id}))
+                data={"playbook": doc, "catalog": catalog, "workload": workload,
+                      "parent_execution_id": body.parent_execution_id}), "body.playbook")
         return {"execution_id": execution_id, "status": "PENDING"}
 
     @app.get("/api/executions", tags=["executions"])
@@ -283,10 +574,10 @@ def create_app(bus: Bus) -> FastAPI:
             try:
                 return await bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
             except PayloadMissing as exc:  # the object outlived its retention
-                raise HTTPException(410, f"execution {execution_id}: {exc}") from None
+                raise problem(410, f"execution {execution_id}: {exc}") from None
 
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
-    async def get_execution_events(execution_id: str, offset: int = Query(0, ge=0),
+    async def get_execution_events(execution_id: str, offset: int = Query(0, ge=0, le=INT64_MAX),
                                    limit: int = Query(100, ge=0, le=1000)) -> dict[str, Any]:
         """The execution's events in log order, a page at a time."""
         with tracing.span("gateway GET /api/executions/{id}/events"):
@@ -294,24 +585,25 @@ def create_app(bus: Bus) -> FastAPI:
                                    {"execution_id": execution_id, "offset": offset, "limit": limit})
 
     @app.post("/api/executions/{execution_id}/cancel", status_code=202, response_model=Accepted,
-              tags=["executions"])
-    async def cancel_execution(execution_id: str, body: CancelRequest | None = Body(None)) -> dict[str, Any]:
+              tags=["executions"], openapi_extra=_json_request(CancelRequest, required=False))
+    async def cancel_execution(execution_id: str,
+                               body: CancelRequest | None = json_body(CancelRequest, optional=True)) -> dict[str, Any]:
         """Ask for cancellation (409 when the execution has already finished)."""
         with tracing.span("gateway POST /api/executions/{id}/cancel"):
             current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
             if current["status"] in FINAL:
-                raise HTTPException(409, f"execution {execution_id} is already {current['status']}")
+                raise problem(409, f"execution {execution_id} is already {current['status']}")
             await shell.publish(make_event(
                 "execution.cancelled", execution_id, event_id=stable_id("cancel", execution_id),
-                source="gateway", data={"reason": body.reason if body else None}))
+                source="gateway", data={"reason": body.reason if body else None}), "body")
         return {"execution_id": execution_id, "status": "CANCELLING"}
 
     # ------------------------------------------------------------------ credentials (D24)
-    @app.post("/api/credentials", status_code=201, tags=["credentials"])
-    async def put_credential(body: CredentialBody) -> dict[str, Any]:
+    @app.post("/api/credentials", status_code=201, tags=["credentials"], openapi_extra=_json_request(CredentialBody))
+    async def put_credential(body: CredentialBody = json_body(CredentialBody)) -> dict[str, Any]:
         """Create or replace a credential; the answer has no data."""
         with tracing.span("gateway POST /api/credentials"):
-            return await shell.ask(Q_CREDENTIAL_PUT, body.model_dump())
+            return await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
 
     @app.get("/api/credentials", tags=["credentials"])
     async def list_credentials() -> list[dict[str, Any]]:
@@ -332,18 +624,35 @@ def create_app(bus: Bus) -> FastAPI:
         return Response(status_code=204)
 
     # ------------------------------------------------------------------ health
-    @app.get("/health", response_model=Health, tags=["health"],
-             responses={503: {"model": Health, "description": "NATS is unreachable"}})
-    async def health() -> Any:
-        connected = bus.nc.is_connected
-        recorder = False
-        if connected:
+    @app.get("/health", response_model=Health, tags=["health"])
+    async def health() -> dict[str, Any]:
+        """Liveness: the process is up and answers HTTP. Asks nothing of NATS or the recorder (a
+        restart would not cure them); readiness is ``/ready``."""
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=Ready, tags=["health"],
+             responses={503: {"model": Ready, "description": "not ready: each part shows why"}})
+    async def ready() -> Any:
+        """Readiness: NATS connected and the event-recorder answering its ping with ok (with the
+        ``database`` and ``consumer`` states when it reports them); 503 with ``Retry-After`` when not."""
+        state = _nats_state(bus.nc)
+        recorder: dict[str, Any] = {"ok": False, "error": f"NATS is {state}"}
+        if state == "connected":
             try:
-                recorder = bool((await bus.request(Q_RECORDER_PING, {}, timeout=1.0)).get("ok"))
-            except Exception:  # noqa: BLE001 - any failure means "not answering"
-                recorder = False
-        body = {"status": "ok" if connected and recorder else "degraded", "nats": connected, "recorder": recorder}
-        return body if connected else JSONResponse(body, status_code=503)
+                ping = await bus.request(Q_RECORDER_PING, {}, timeout=1.0)
+                ping = ping if isinstance(ping, dict) else {}
+                recorder = {"ok": ping.get("ok") is True,
+                            **{k: ping[k] for k in ("database", "consumer", "lag", "recorded") if k in ping}}
+                if not recorder["ok"]:
+                    recorder["error"] = str(ping.get("error") or "the recorder reports it is not ok")
+            except BusError as exc:
+                recorder = {"ok": False, "error": exc.message}
+            except (nats.errors.Error, TimeoutError) as exc:
+                recorder = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        ok = state == "connected" and recorder["ok"]
+        body = {"status": "ready" if ok else "not_ready", "nats": {"ok": state == "connected", "state": state},
+                "recorder": recorder}
+        return body if ok else JSONResponse(body, 503, headers=RETRY_AFTER)
 
     return app
 

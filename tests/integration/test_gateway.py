@@ -127,19 +127,23 @@ def test_bad_execution_requests(nats_url: str, pg_dsn: str) -> None:
         async with stack(nats_url, pg_dsn) as (_, _, gw):
             unknown = await gw.post("/api/executions", json={"path": "tests/tiny", "colour": "red"})
             assert unknown.status_code == 422
-            assert [e["loc"] for e in unknown.json()["detail"]] == [["body", "colour"]]
+            assert [e["location"] for e in unknown.json()["detail"]["errors"]] == ["body.colour"]
+            assert unknown.json()["detail"]["message"] == "body.colour: Extra inputs are not permitted"
             none = await gw.post("/api/executions", json={"workload": {}})
-            assert none.status_code == 422 and "exactly one" in none.json()["detail"][0]["msg"]
+            assert none.status_code == 422 and "exactly one" in none.json()["detail"]["errors"][0]["message"]
             two = await gw.post("/api/executions", json={"path": "a", "catalog_id": 1})
-            assert two.status_code == 422 and "path, catalog_id" in two.json()["detail"][0]["msg"]
+            assert two.status_code == 422 and "path, catalog_id" in two.json()["detail"]["message"]
             everything = await gw.post("/api/executions", json={"workload": [1], "extra": 1, "version": "x"})
-            kinds = {e["type"] for e in everything.json()["detail"]}
+            kinds = {e["type"] for e in everything.json()["detail"]["errors"]}
             assert {"dict_type", "extra_forbidden", "int_parsing", "exactly_one_source"} <= kinds
-            assert (await gw.post("/api/executions", content=b"{not json",
-                                  headers={"content-type": "application/json"})).status_code == 422
+            assert everything.json()["detail"]["message"].endswith(f"(and {len(everything.json()['detail']['errors']) - 1} more)")
+            malformed = await gw.post("/api/executions", content=b"{not json", headers={"content-type": "application/json"})
+            assert malformed.status_code == 400 and "line 1, column 2" in malformed.json()["detail"]["message"]
 
             inline = await gw.post("/api/executions", json={"playbook": INVALID})
             assert inline.status_code == 422 and len(inline.json()["detail"]["errors"]) >= 3
+            assert inline.json()["detail"]["location"] == "body.playbook"
+            assert all(set(e) == {"location", "message", "severity"} for e in inline.json()["detail"]["errors"])
             as_mapping = await gw.post("/api/executions", json={"playbook": yaml.safe_load(INVALID)})
             assert as_mapping.json()["detail"] == inline.json()["detail"]
             assert (await gw.post("/api/executions", json={"playbook": "a: [b"})).status_code == 422
@@ -231,26 +235,35 @@ def test_execution_state_events_and_cancel(nats_url: str, pg_dsn: str) -> None:
 def test_health_docs_and_outages(nats_url: str, pg_dsn: str) -> None:
     async def main() -> None:
         async with stack(nats_url, pg_dsn) as (bus, rec, gw):
-            health = await gw.get("/health")
-            assert health.status_code == 200 and health.json() == {"status": "ok", "nats": True, "recorder": True}
+            assert (await gw.get("/health")).json() == {"status": "ok"}
+            ready = await gw.get("/ready")
+            assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
+            assert ready.json()["nats"] == {"ok": True, "state": "connected"} and ready.json()["recorder"]["ok"] is True
             docs = await gw.get("/docs")
             assert docs.status_code == 200 and "swagger" in docs.text.lower()
             spec = (await gw.get("/openapi.json")).json()
             assert {"/api/catalog", "/api/executions", "/api/executions/{execution_id}/cancel",
-                    "/health"} <= set(spec["paths"])
+                    "/health", "/ready"} <= set(spec["paths"])
+            body = spec["paths"]["/api/executions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            assert set(body["properties"]) >= {"path", "playbook", "workload"}
 
             await rec.stop()  # nobody answers the queries now
-            health = await gw.get("/health")
-            assert health.status_code == 200
-            assert health.json() == {"status": "degraded", "nats": True, "recorder": False}
+            assert (await gw.get("/health")).json() == {"status": "ok"}  # alive, but not ready
+            ready = await gw.get("/ready")
+            assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+            assert ready.json()["nats"]["ok"] is True and ready.json()["recorder"]["ok"] is False
+            assert "no service answers" in ready.json()["recorder"]["error"]
             missing = await gw.get("/api/executions/whatever")
-            assert missing.status_code == 503 and "unavailable" in missing.json()["detail"]
+            assert missing.status_code == 503 and "unavailable" in missing.json()["detail"]["message"]
+            assert missing.headers["retry-after"] == "1"
 
             await bus.close()  # NATS gone
-            health = await gw.get("/health")
-            assert health.status_code == 503 and health.json()["nats"] is False
-            assert (await gw.get("/api/executions")).status_code == 503
-            assert (await gw.post("/api/executions", json={"playbook": VALID})).status_code == 503
+            assert (await gw.get("/health")).status_code == 200
+            ready = await gw.get("/ready")
+            assert ready.status_code == 503 and ready.json()["nats"] == {"ok": False, "state": "closed"}
+            for resp in (await gw.get("/api/executions"), await gw.post("/api/executions", json={"playbook": VALID})):
+                assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+                assert "NATS is closed" in resp.json()["detail"]["message"]
 
     asyncio.run(main())
 
