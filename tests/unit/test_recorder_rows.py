@@ -231,3 +231,10 @@ def test_page_is_cut_by_bytes_and_a_lone_big_event_goes_by_reference() -> None:
     assert n == 1 + len(rest) and first["event_id"] == "h" and is_ref(first["data"]["outcome"]["result"])
     assert store.expand(first) == huge[0]
     assert rest == events[:len(rest)]  # then what fits, as it is
+
+
+def test_lookups_use_the_stored_form_of_an_id() -> None:
+    from noetl_mesh.services.event_recorder.service import _execution_id
+
+    stored = schema.event_row(1, {"event_id": "e", "execution_id": "a\x00b", "name": "n"})
+    assert _execution_id({"execution_id": "a\x00b"}) == dict(zip(schema.STAGE_COLUMNS, stored))["execution_id"]
