@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 import psycopg
 import pytest
 import yaml
@@ -260,6 +261,13 @@ def test_catalog_and_credential_writes_postgres_cannot_store_are_bad_requests(
                 await bus.request("noetl.q.credential.put", {"name": "c", "kind": "generic", "data": {"a": 1},
                                                              "description": "a\x00b"})
             assert bad.value.kind == "bad_request" and "description" in bad.value.message
+            # an unpaired surrogate in the request itself (orjson refuses it): the requester's fault
+            for subject, body in (("noetl.q.catalog.register", {"content": CATALOG.replace("NAME", SURROGATE)}),
+                                  ("noetl.q.credential.put", {"name": "c", "kind": "generic", "data": {"a": 1},
+                                                              "description": SURROGATE})):
+                msg = await bus.nc.request(subject, raw([body], b"\\ud800")[1:-1], timeout=10)
+                error = orjson.loads(msg.data)["error"]
+                assert error["kind"] == "bad_request" and "not valid JSON" in error["message"], error
             stored = await bus.request("noetl.q.credential.put", {"name": "c", "kind": "generic",
                                                                   "data": {"pw": "a\x00b"}, "description": "ok"})
             assert stored["name"] == "c"  # data is encrypted bytes: a NUL in it is fine
@@ -339,7 +347,7 @@ def test_replies_stay_within_max_reply_bytes(nats_url: str, pg_dsn: str) -> None
 async def _request_bytes(bus: Bus, subject: str, payload: dict[str, Any], budget: int) -> Any:
     msg = await bus.nc.request(subject, dumps(payload), timeout=10)
     assert len(msg.data) <= budget, (subject, len(msg.data))
-    reply = __import__("orjson").loads(msg.data)
+    reply = orjson.loads(msg.data)
     assert not (isinstance(reply, dict) and "error" in reply and len(reply) == 1), reply
     return reply
 
