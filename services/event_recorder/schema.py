@@ -245,10 +245,13 @@ def event_row(seq: int, event: dict[str, Any]) -> tuple:
     row: list[Any] = [seq]
     for key in _TEXT:
         value = event.get(key)
-        if value is not None and not isinstance(value, str):
-            extra[key] = value  # odd type: the column stays null, the value is kept as sent
-            value = None
-        row.append(text(value) if value is not None else None)
+        if value is not None:
+            if not isinstance(value, str):
+                extra[key] = value  # odd type: the column stays null, the value is kept as sent
+                value = None
+            elif "\x00" in value or not value.isascii():  # (the test inline: this loop is the hot path)
+                value = text(value)
+        row.append(value)
     ts = event.get("timestamp")
     if ts is not None and timestamp(ts) is None:
         extra["timestamp"], ts = ts, None
