@@ -13,9 +13,10 @@ Events are written by users (workloads, playbooks, task results), so a value may
 refuses. Rows and projection parameters are made storable here, so the batch path never fails on
 them (:func:`text`, :func:`json_text`): NUL becomes the six characters ``\\u0000`` (text and jsonb
 refuse it), an unpaired surrogate ``\\udXXX`` (not UTF-8), NaN and infinities the strings ``"NaN"``,
-``"Infinity"``, ``"-Infinity"`` (not JSON), an integer beyond 64 bits its digits, a timestamp Postgres cannot hold moves to ``extra``. What
-Postgres refuses anyway is recorded as :func:`rejected`. :func:`transient` tells a failure worth
-retrying (the database) from one that retrying cannot fix (the row).
+``"Infinity"``, ``"-Infinity"`` (not JSON), an integer beyond 64 bits its digits, and a timestamp
+Postgres cannot hold moves to ``extra``. What Postgres refuses anyway is recorded as :func:`rejected`.
+:func:`transient` tells a failure worth retrying (the database) from one that retrying cannot fix
+(the row).
 
 The ``execution`` projection's statements (:func:`projection`) are here too: one mapping from events
 to what Postgres stores.
