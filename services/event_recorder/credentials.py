@@ -162,7 +162,14 @@ class CredentialStore:
         description = req.get("description")
         if description is not None and not isinstance(description, str):
             raise BusError("bad_request", "description must be a string")
-        blob, nonce = encrypt(self.key(create=True), name, data)
+        from .schema import unstorable  # (schema imports this module)
+
+        if description is not None and (reason := unstorable(description)):
+            raise BusError("bad_request", f"description {reason}: Postgres cannot store it")
+        try:
+            blob, nonce = encrypt(self.key(create=True), name, data)
+        except TypeError as exc:  # orjson: an unpaired surrogate, an integer over 64 bits
+            raise BusError("bad_request", f"data cannot be stored: {exc}") from None
         async with self.recorder._connection() as conn:
             cur = await conn.execute(
                 """INSERT INTO credential (name, kind, description, data, nonce) VALUES (%s, %s, %s, %s, %s)

@@ -8,15 +8,35 @@ advisory lock so that replicas starting together do not race; every statement is
 any other top-level key in ``extra``) and ``seq``, the event's place in the log: ``bus.log_seq`` (stream sequence x 1024 + index in its message).
 :func:`event_row` and :func:`row_event` are inverse: a row rebuilds the envelope that was published
 (``timestamp`` back as a float epoch, to the microsecond Postgres keeps) plus ``seq``.
+
+Events are written by users (workloads, playbooks, task results), so a value may be one Postgres
+refuses. Rows and projection parameters are made storable here, so the batch path never fails on
+them (:func:`text`, :func:`json_text`): NUL becomes the six characters ``\\u0000`` (text and jsonb
+refuse it), an unpaired surrogate ``\\udXXX`` (not UTF-8), NaN and infinities the strings ``"NaN"``,
+``"Infinity"``, ``"-Infinity"`` (not JSON), an integer beyond 64 bits its digits, and a timestamp
+Postgres cannot hold moves to ``extra``. What Postgres refuses anyway is recorded as :func:`rejected`.
+:func:`transient` tells a failure worth retrying (the database) from one that retrying cannot fix
+(the row).
+
+The ``execution`` projection's statements (:func:`projection`) are here too: one mapping from events
+to what Postgres stores.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import re
+import time
 from typing import Any, Sequence
 
 import orjson
+import psycopg
 from psycopg import AsyncConnection
+from psycopg_pool import PoolTimeout
 
 from noetl_mesh.core.events import CORRELATION_KEYS
+from noetl_mesh.core.state import FINAL
 
 from . import credentials as _credentials
 
@@ -93,6 +113,107 @@ async def migrate(conn: AsyncConnection) -> int:
     return current
 
 
+# ------------------------------------------------------------------------ values Postgres can store
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # NUL; surrogates (in a str, always unpaired)
+
+
+def _escape(match: re.Match) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def text(value: str) -> str:
+    """``value`` as a text column can hold it: NUL and unpaired surrogates escaped (``\\u0000``)."""
+    if "\x00" in value or (not value.isascii() and _UNSTORABLE.search(value)):
+        return _UNSTORABLE.sub(_escape, value)
+    return value
+
+
+def unstorable(value: str) -> str | None:
+    """Why Postgres cannot store ``value`` as text, or None."""
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000)"
+    if not value.isascii() and (m := _UNSTORABLE.search(value)):
+        return f"contains an unpaired surrogate (\\u{ord(m.group()):04x}), which is not UTF-8"
+    return None
+
+
+def clean(value: Any) -> Any:
+    """``value`` with every string (keys too) as :func:`text` makes it, every NaN or infinity as a
+    string, every integer beyond 64 bits as its digits: a JSON value jsonb accepts and every service
+    (orjson) can carry."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, int) and not -2**63 <= value < 2**64:
+        return str(value)
+    if isinstance(value, dict):
+        return {text(k) if isinstance(k, str) else k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text a jsonb column accepts."""
+    try:
+        data = orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # an unpaired surrogate, an integer over 64 bits, nesting deeper than orjson goes
+        return json.dumps(clean(value), default=str, ensure_ascii=False)
+    if b"\\u0000" in data:  # jsonb refuses NUL even escaped
+        return orjson.dumps(clean(value), default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+    return data.decode()
+
+
+def decode(data: bytes) -> Any:
+    """A message's JSON. What orjson refuses but the standard library reads (unpaired surrogates, NaN,
+    Infinity, bytes that are not UTF-8) is read and cleaned (:func:`clean`): such an event is recorded, not
+    lost. Raises ``ValueError`` for what is not JSON at all."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        try:
+            decoded = data.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            decoded = data.decode("utf-8", "surrogateescape")
+        return clean(json.loads(decoded))
+
+
+_TS_RANGE = 1e11  # seconds around 1970 (years -1200 to 5100): inside what timestamptz holds
+
+
+def timestamp(value: Any) -> float | None:
+    """An epoch ``to_timestamp`` accepts, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and -_TS_RANGE < value < _TS_RANGE:
+        return value
+    return None
+
+
+# --------------------------------------------------------------------------------- failures
+# SQLSTATE classes of a database that is down, busy or being changed by its operator: retry the same
+# batch. Anything else (data exceptions 22, integrity 23, program limits 54, a trigger's exception,
+# a value the driver cannot send) is the row's: retrying cannot fix it.
+_TRANSIENT_CLASSES = ("08", "40", "53", "55", "57", "58")
+_TRANSIENT_STATES = frozenset({
+    "42P01", "42703", "42501",  # undefined table or column, no privilege: the schema or grants are being changed
+    "3D000", "28000", "28P01",  # database missing, authentication: the operator's to fix
+    "25006",  # read-only transaction: a standby being promoted
+})
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a failure to write is the database's (retry) rather than the data's (split, reject)."""
+    if isinstance(exc, (PoolTimeout, OSError)):  # OSError: connections, timeouts
+        return True
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate
+        if state:
+            return state[:2] in _TRANSIENT_CLASSES or state in _TRANSIENT_STATES
+        return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))  # connection lost
+    return False
+
+
 # ------------------------------------------------------------------------------------ event rows
 ENVELOPE = ("event_id", "execution_id", "timestamp", "source", "name", "entity", "entity_id", "status",
             "step", "task", "data", *CORRELATION_KEYS)
@@ -110,69 +231,146 @@ _EVENT_COLUMNS = ", ".join(c if c != "ts" else '"timestamp"' for c in STAGE_COLU
 _STAGE_SELECT = ", ".join(c if c != "ts" else "to_timestamp(ts)" for c in STAGE_COLUMNS)
 INSERT_FROM_STAGE = f"""INSERT INTO event ({_EVENT_COLUMNS})
     SELECT {_STAGE_SELECT} FROM event_in ORDER BY seq ON CONFLICT (event_id) DO NOTHING"""
-INSERT_EVENT = f"""INSERT INTO event ({_EVENT_COLUMNS})
-    VALUES ({', '.join('to_timestamp(%s)' if c == 'ts' else '%s' for c in STAGE_COLUMNS)})
-    ON CONFLICT (event_id) DO NOTHING"""
 
 SELECT_EVENT = f"""SELECT seq, {', '.join(_TEXT)}, extract(epoch FROM "timestamp")::float8,
     attempt, iteration, data, extra FROM event"""
 
 
-def _json(value: Any) -> str:
-    text = orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
-    if b"\\u0000" in text:  # jsonb cannot hold NUL in a string: keep the event, lose the NULs
-        text = orjson.dumps(_without_nul(orjson.loads(text)))
-    return text.decode()
-
-
-def _without_nul(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.replace("\x00", "\ufffd")
-    if isinstance(value, list):
-        return [_without_nul(v) for v in value]
-    if isinstance(value, dict):
-        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
-    return value
+def _small_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**31 else None
 
 
 def event_row(seq: int, event: dict[str, Any]) -> tuple:
-    """The staging row of one event (``STAGE_COLUMNS`` order; json as text)."""
+    """The staging row of one event (``STAGE_COLUMNS`` order; json as text), every value storable."""
     extra = {k: v for k, v in event.items() if k not in ENVELOPE}
     row: list[Any] = [seq]
     for key in _TEXT:
         value = event.get(key)
-        if value is not None and not isinstance(value, str):
-            extra[key] = value  # odd type: the column stays null, the value is kept as sent
-            value = None
-        row.append(value.replace("\x00", "\ufffd") if value is not None else None)
+        if value is not None:
+            if not isinstance(value, str):
+                extra[key] = value  # odd type: the column stays null, the value is kept as sent
+                value = None
+            elif "\x00" in value or not value.isascii():  # (the test inline: this loop is the hot path)
+                value = text(value)
+        row.append(value)
     ts = event.get("timestamp")
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+    if ts is not None and timestamp(ts) is None:
         extra["timestamp"], ts = ts, None
     row.append(ts)
     for key in _INT:
         value = event.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**31):
+        if value is not None and _small_int(value) is None:
             extra[key], value = value, None
         row.append(value)
-    row.append(_json(event.get("data") if event.get("data") is not None else {}))
-    row.append(_json(extra) if extra else None)
+    row.append(json_text(event.get("data") if event.get("data") is not None else {}))
+    row.append(json_text(extra) if extra else None)
     return tuple(row)
 
 
 def row_event(row: Sequence[Any]) -> dict[str, Any]:
     """Rebuild the envelope (plus ``seq``) from a ``SELECT_EVENT`` row."""
     seq, *rest = row
-    text = dict(zip(_TEXT, rest[: len(_TEXT)]))
+    text_ = dict(zip(_TEXT, rest[: len(_TEXT)]))
     ts, attempt, iteration, data, extra = rest[len(_TEXT):]
     event = {
-        "event_id": text["event_id"], "execution_id": text["execution_id"], "timestamp": ts,
-        "source": text["source"], "name": text["name"], "entity": text["entity"],
-        "entity_id": text["entity_id"], "status": text["status"], "step": text["step"],
-        "task": text["task"], "data": data,
+        "event_id": text_["event_id"], "execution_id": text_["execution_id"], "timestamp": ts,
+        "source": text_["source"], "name": text_["name"], "entity": text_["entity"],
+        "entity_id": text_["entity_id"], "status": text_["status"], "step": text_["step"],
+        "task": text_["task"], "data": data,
     }
     for key in CORRELATION_KEYS:
-        event[key] = attempt if key == "attempt" else iteration if key == "iteration" else text[key]
+        event[key] = attempt if key == "attempt" else iteration if key == "iteration" else text_[key]
     if extra:
         event.update(extra)
     event["seq"] = seq
     return event
+
+
+_KEEP = 256  # a rejected event's strings are cut to about this many characters
+
+
+def _cut(value: str) -> str:
+    value = text(value)
+    if len(value) <= _KEEP:
+        return value
+    return f"{value[:_KEEP - 40]}...sha256:{hashlib.sha256(value.encode()).hexdigest()[:24]}"
+
+
+def rejected(event: dict[str, Any], reason: str) -> dict[str, Any]:
+    """The event as recorded when Postgres refuses it even made storable: its name and ids (strings
+    only; a long one cut, with a digest of the whole, so a redelivery makes the same id), its
+    timestamp and numbers, and ``data = {"unrecordable": reason}``; nothing else."""
+    out: dict[str, Any] = {key: _cut(event[key]) for key in _TEXT if isinstance(event.get(key), str)}
+    out.update({key: event[key] for key in _INT if _small_int(event.get(key)) is not None})
+    if timestamp(event.get("timestamp")) is not None:
+        out["timestamp"] = event["timestamp"]
+    out["data"] = {"unrecordable": text(reason)[:2000]}
+    return out
+
+
+def is_rejected(event: dict[str, Any]) -> bool:
+    data = event.get("data")
+    return isinstance(data, dict) and set(data) == {"unrecordable"}
+
+
+# ------------------------------------------------------------------------ the execution projection
+UPSERT_REQUESTED = """
+INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at)
+VALUES (%(id)s, coalesce(%(path)s, (SELECT path FROM catalog WHERE id = %(catalog_id)s)),
+        coalesce(%(version)s, (SELECT version FROM catalog WHERE id = %(catalog_id)s)),
+        'PENDING', %(parent)s, to_timestamp(%(ts)s))
+ON CONFLICT (execution_id) DO UPDATE SET
+    path = coalesce(x.path, excluded.path), version = coalesce(x.version, excluded.version),
+    parent_execution_id = coalesce(x.parent_execution_id, excluded.parent_execution_id),
+    created_at = least(x.created_at, excluded.created_at)"""
+UPDATE_EVALUATED = """
+UPDATE execution SET path = coalesce(path, %(path)s), version = coalesce(version, %(version)s)
+WHERE execution_id = %(id)s"""
+UPSERT_STARTED = """
+INSERT INTO execution AS x (execution_id, status, created_at, started_at)
+VALUES (%(id)s, 'RUNNING', to_timestamp(%(ts)s), to_timestamp(%(ts)s))
+ON CONFLICT (execution_id) DO UPDATE SET
+    status = CASE WHEN x.status = 'PENDING' THEN 'RUNNING' ELSE x.status END,
+    started_at = coalesce(x.started_at, excluded.started_at)"""
+UPSERT_FINISHED = """
+INSERT INTO execution AS x (execution_id, status, created_at, finished_at, error)
+VALUES (%(id)s, %(status)s, to_timestamp(%(ts)s), to_timestamp(%(ts)s), %(error)s::jsonb)
+ON CONFLICT (execution_id) DO UPDATE SET
+    status = excluded.status, finished_at = excluded.finished_at, error = excluded.error"""
+
+
+def _str(value: Any) -> str | None:
+    return text(value) if isinstance(value, str) else None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The projection updates a batch of events implies, by statement, in log order; every parameter
+    storable."""
+    out: dict[str, list[dict[str, Any]]] = {
+        UPSERT_REQUESTED: [], UPDATE_EVALUATED: [], UPSERT_STARTED: [], UPSERT_FINISHED: []}
+    for e in events:
+        name, data = e.get("name"), _dict(e.get("data"))
+        ts = timestamp(e.get("timestamp"))
+        ts = time.time() if ts is None else ts
+        xid = text(e["execution_id"])
+        if name == "playbook.execution.requested":
+            catalog, meta = _dict(data.get("catalog")), _dict(_dict(data.get("playbook")).get("metadata"))
+            out[UPSERT_REQUESTED].append({
+                "id": xid, "path": _str(catalog.get("path")) or _str(meta.get("path")),
+                "version": _small_int(catalog.get("version")), "catalog_id": _small_int(catalog.get("id")),
+                "parent": _str(data.get("parent_execution_id")), "ts": ts})
+        elif name == "playbook.request.evaluated" and e.get("status") != "error":
+            out[UPDATE_EVALUATED].append({"id": xid, "path": _str(data.get("path")),
+                                          "version": _small_int(data.get("version"))})
+        elif name == "workflow.started":
+            out[UPSERT_STARTED].append({"id": xid, "ts": ts})
+        elif name == "workflow.finished":
+            status = data.get("status") if data.get("status") in FINAL else "FAILED"
+            error = data.get("error")
+            out[UPSERT_FINISHED].append({"id": xid, "status": status, "ts": ts,
+                                         "error": json_text(error) if error is not None else None})
+    return {sql: params for sql, params in out.items() if params}

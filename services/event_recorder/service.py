@@ -5,16 +5,28 @@ It reads every event of ``NOETL_EVENTS`` through one durable pull consumer and w
 once it is committed. It also keeps the playbook catalog, and answers the read queries of the gateway
 over NATS request/reply (``noetl.q.catalog.*``, ``noetl.q.execution.*``, ``noetl.q.recorder.ping``).
 
+Starting. Queries are answered at once; the database is tried once at start and then, while it is
+unreachable, again and again in the background (backoff up to 5 s, each attempt logged), queries
+meanwhile answering ``unavailable``. Once it is up and migrated the consumer is bound and recording
+starts.
+
 Consumption and acknowledgement. The consumer uses ``AckPolicy.ALL``: acking a message acks every
 message of a lower stream sequence. That is only safe when nothing below it is still unrecorded, which
 is not the case when a previous recorder died holding a fetched batch (its messages stay pending until
 ``ack_wait`` runs out). So the recorder acks the highest sequence it holds only when every sequence
 between the consumer's ack floor and it has been recorded by this process, or the server confirms
 that the only outstanding messages are ours; otherwise it keeps recording and waits for the
-redelivery. A batch that cannot be written (database down) is retried in place, with backoff, before
-anything newer is fetched: a ``nak`` followed by further fetches would let a later cumulative ack
-cover the nak'ed messages. Recording is idempotent (``ON CONFLICT (event_id) DO NOTHING``, D21), so
-redeliveries are harmless. Run one recorder per events stream.
+redelivery. A batch that cannot be written because of the database (down, busy: ``schema.transient``)
+is retried in place, with backoff, before anything newer is fetched: a ``nak`` followed by further
+fetches would let a later cumulative ack cover the nak'ed messages. A batch Postgres refuses because of
+a row is split until the row is alone, and that row is recorded as rejected (``schema.rejected``):
+nothing loops forever on a value. Recording is idempotent (``ON CONFLICT (event_id) DO NOTHING``,
+D21), so redeliveries are harmless. Run one recorder per events stream.
+
+Replies. Every reply is at most ``limits.max_reply_bytes``: pages of events are cut by bytes, and what
+is still too big has its biggest values replaced by D23 references (``replies.py``), or is a
+``too_large`` error. Error kinds answered: ``bad_request``, ``not_found``, ``invalid_playbook``,
+``conflict``, ``too_large``, ``unavailable`` (and ``internal`` for a defect).
 
 Execution state for ``noetl.q.execution.get`` is rebuilt from the recorded events with the engine's
 own fold (D22); the ``execution`` table is only a projection for lists and filters.
@@ -22,16 +34,19 @@ own fold (D22); the ``execution`` table is only a projection for lists and filte
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
+import orjson
 import psycopg
 from nats.js.api import AckPolicy
-from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg.types.json import set_json_loads
+from psycopg_pool import AsyncConnectionPool
 
-from noetl_mesh.core.state import FINAL, fold, summary
+from noetl_mesh import limits
+from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra.bus import (
     DISPATCH_EVENTS,
     EVENTS,
@@ -46,12 +61,13 @@ from noetl_mesh.infra.bus import (
     Q_RECORDER_PING,
     Bus,
     BusError,
-    loads,
+    dumps,
     log_seq,
 )
 from noetl_mesh.lang.validate import validate_text
+from noetl_mesh.limits import LimitExceeded
 
-from . import credentials, schema
+from . import credentials, replies, schema
 
 log = logging.getLogger("noetl.event-recorder")
 
@@ -63,72 +79,11 @@ FILTER = "noetl.pevt.>"
 
 STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 MAX_PAGE = 1000
-
-# --------------------------------------------------------------------------- projection statements
-_UPSERT_REQUESTED = """
-INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at)
-VALUES (%(id)s, coalesce(%(path)s, (SELECT path FROM catalog WHERE id = %(catalog_id)s)),
-        coalesce(%(version)s, (SELECT version FROM catalog WHERE id = %(catalog_id)s)),
-        'PENDING', %(parent)s, to_timestamp(%(ts)s))
-ON CONFLICT (execution_id) DO UPDATE SET
-    path = coalesce(x.path, excluded.path), version = coalesce(x.version, excluded.version),
-    parent_execution_id = coalesce(x.parent_execution_id, excluded.parent_execution_id),
-    created_at = least(x.created_at, excluded.created_at)"""
-_UPDATE_EVALUATED = """
-UPDATE execution SET path = coalesce(path, %(path)s), version = coalesce(version, %(version)s)
-WHERE execution_id = %(id)s"""
-_UPSERT_STARTED = """
-INSERT INTO execution AS x (execution_id, status, created_at, started_at)
-VALUES (%(id)s, 'RUNNING', to_timestamp(%(ts)s), to_timestamp(%(ts)s))
-ON CONFLICT (execution_id) DO UPDATE SET
-    status = CASE WHEN x.status = 'PENDING' THEN 'RUNNING' ELSE x.status END,
-    started_at = coalesce(x.started_at, excluded.started_at)"""
-_UPSERT_FINISHED = """
-INSERT INTO execution AS x (execution_id, status, created_at, finished_at, error)
-VALUES (%(id)s, %(status)s, to_timestamp(%(ts)s), to_timestamp(%(ts)s), %(error)s)
-ON CONFLICT (execution_id) DO UPDATE SET
-    status = excluded.status, finished_at = excluded.finished_at, error = excluded.error"""
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
                       "started_at", "finished_at", "error")
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**31 else None
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The projection updates a batch of events implies, by statement, in log order."""
-    out: dict[str, list[dict[str, Any]]] = {
-        _UPSERT_REQUESTED: [], _UPDATE_EVALUATED: [], _UPSERT_STARTED: [], _UPSERT_FINISHED: []}
-    for e in events:
-        name, data, ts = e.get("name"), e.get("data"), e.get("timestamp")
-        data = data if isinstance(data, dict) else {}
-        ts = ts if isinstance(ts, (int, float)) and not isinstance(ts, bool) else time.time()
-        xid = e["execution_id"]
-        if name == "playbook.execution.requested":
-            catalog = data.get("catalog") if isinstance(data.get("catalog"), dict) else {}
-            playbook = data.get("playbook") if isinstance(data.get("playbook"), dict) else {}
-            meta = playbook.get("metadata") if isinstance(playbook.get("metadata"), dict) else {}
-            out[_UPSERT_REQUESTED].append({
-                "id": xid, "path": _str(catalog.get("path")) or _str(meta.get("path")),
-                "version": _int(catalog.get("version")), "catalog_id": _int(catalog.get("id")),
-                "parent": _str(data.get("parent_execution_id")), "ts": ts})
-        elif name == "playbook.request.evaluated" and e.get("status") != "error":
-            out[_UPDATE_EVALUATED].append({"id": xid, "path": _str(data.get("path")),
-                                           "version": _int(data.get("version"))})
-        elif name == "workflow.started":
-            out[_UPSERT_STARTED].append({"id": xid, "ts": ts})
-        elif name == "workflow.finished":
-            status = data.get("status") if data.get("status") in FINAL else "FAILED"
-            error = data.get("error")
-            out[_UPSERT_FINISHED].append({"id": xid, "status": status, "ts": ts,
-                                          "error": Jsonb(error) if error is not None else None})
-    return {sql: params for sql, params in out.items() if params}
+SECRET_SUBJECTS = "noetl.q.credential."  # replies with secret data: never moved to the object store
+RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
 
 
 def _iso(value: Any) -> Any:
@@ -156,7 +111,9 @@ class RecorderService:
         self.pool_size = pool_size
         self.drain_timeout = drain_timeout
         self.recorded = 0  # events written by this instance (duplicates included)
+        self.rejected = 0  # of which recorded as rejected (schema.rejected)
         self._pool: AsyncConnectionPool | None = None
+        self._db_error = "not tried yet"  # why the database could not be opened, while it cannot
         self._sub = None
         self._subs: list[Any] = []
         self._task: asyncio.Task | None = None
@@ -166,19 +123,10 @@ class RecorderService:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Answer queries; open the database now, or keep trying in the background; then consume."""
         self._stopping.clear()
-        self._pool = AsyncConnectionPool(self.pg_dsn, min_size=1, max_size=self.pool_size, open=False,
-                                         configure=_configure, name="event-recorder")
-        await self._pool.open(wait=True, timeout=30)
-        async with self._pool.connection() as conn:
-            await schema.migrate(conn)
-        await self.bus.attach()
-        self._sub = await self.bus.durable(
-            EVENTS, DURABLE, FILTER, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
-            max_deliver=50, ack_policy=AckPolicy.ALL)
-        info = await self.bus.js.consumer_info(EVENTS, DURABLE)
-        self._floor = info.ack_floor.stream_seq if info.ack_floor else 0
         self._held.clear()
+        await self.bus.attach()
         for subject, handler in (
             (Q_CATALOG_REGISTER, self.catalog_register), (Q_CATALOG_GET, self.catalog_get),
             (Q_CATALOG_LIST, self.catalog_list), (Q_EXECUTION_GET, self.execution_get),
@@ -186,17 +134,74 @@ class RecorderService:
             (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
+        if await self._open_database():  # the usual case: up, so everything is bound when start returns
+            await self._bind()
+            self._task = asyncio.create_task(self._consume(), name="event-recorder consume")
+        else:
+            self._task = asyncio.create_task(self._wait_for_database(), name="event-recorder database")
+
+    async def _open_database(self) -> bool:
+        """One attempt to connect, migrate and open the pool; False (the reason in ``_db_error``) when
+        the database cannot be reached or migrated."""
+        pool = None
+        try:
+            conn = await asyncio.wait_for(psycopg.AsyncConnection.connect(self.pg_dsn), 10)
+            async with conn:
+                await schema.migrate(conn)
+            pool = AsyncConnectionPool(self.pg_dsn, min_size=1, max_size=self.pool_size, open=False,
+                                       configure=_configure, name="event-recorder")
+            await pool.open(wait=True, timeout=10)
+        except Exception as exc:  # noqa: BLE001 - down, refusing, not migratable: reported and retried
+            self._db_error = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+            if pool is not None:
+                await pool.close()
+            return False
+        self._pool = pool
+        return True
+
+    async def _wait_for_database(self) -> None:
+        delay, attempt = 0.5, 1
+        while True:
+            log.warning("the event database is unreachable (attempt %d: %s); next attempt in %.1fs",
+                        attempt, self._db_error, delay)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+                return
+            except asyncio.TimeoutError:
+                pass
+            attempt += 1
+            if await self._open_database():
+                break
+            delay = min(delay * 2, RETRY_CAP)
+        if self._stopping.is_set():
+            return
+        log.warning("the event database is up (attempt %d): recording", attempt)
+        try:
+            await self._bind()
+        except Exception:  # noqa: BLE001 - NATS failed us: ping says consumer false
+            log.exception("could not bind the events consumer")
+            return
+        await self._consume()
+
+    async def _migrate(self) -> None:
+        try:
+            async with self._connection() as conn:
+                await schema.migrate(conn)
+        except Exception as exc:  # noqa: BLE001 - the next retry tries again
+            log.warning("could not migrate the event database: %s", exc)
+
+    async def _bind(self) -> None:
+        """The credential subjects (their rotation needs the database) and the events consumer."""
         await credentials.serve(self)  # D24: the credential store's subjects
-        self._task = asyncio.create_task(self._consume(), name="event-recorder consume")
+        self._sub = await self.bus.durable(
+            EVENTS, DURABLE, FILTER, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
+            max_deliver=50, ack_policy=AckPolicy.ALL)
+        info = await self.bus.js.consumer_info(EVENTS, DURABLE)
+        self._floor = info.ack_floor.stream_seq if info.ack_floor else 0
 
     async def stop(self) -> None:
         """Stop answering, record what is already in the stream (up to ``drain_timeout``), close."""
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone already
-                pass
-        self._subs.clear()
+        await self._unsubscribe()
         self._stopping.set()
         if self._task is not None:
             try:
@@ -207,6 +212,7 @@ class RecorderService:
             except Exception:  # noqa: BLE001
                 log.exception("consumer loop failed")
             self._task = None
+        await self._unsubscribe()  # what a late start of the database subscribed meanwhile
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -217,16 +223,51 @@ class RecorderService:
             await self._pool.close()
             self._pool = None
 
+    async def _unsubscribe(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be gone already
+                pass
+        self._subs.clear()
+
+    # ------------------------------------------------------------------ answering
     async def _serve(self, subject: str, handler) -> None:
+        by_reference = not subject.startswith(SECRET_SUBJECTS)
+
         async def guarded(req: Any) -> Any:
             try:
-                return await handler(req if isinstance(req, dict) else {})
-            except (psycopg.OperationalError, PoolTimeout) as exc:
-                raise BusError("unavailable", f"the event database is unavailable: {exc}") from exc
+                reply = await handler(req if isinstance(req, dict) else {})
+            except BusError:
+                raise
+            except Exception as exc:
+                if schema.transient(exc):
+                    raise BusError("unavailable", f"the event database is unavailable: {exc}") from exc
+                if isinstance(exc, UnicodeError) or (isinstance(exc, psycopg.Error) and (
+                        isinstance(exc, psycopg.DataError) or (exc.sqlstate or "")[:2] in ("22", "23", "54"))):
+                    raise BusError("bad_request", f"{subject}: Postgres refuses a value of the request: {exc}") from exc
+                raise
+            return await self._bounded(subject, reply, by_reference)
 
         # stop() removes the subscription: a stopped recorder must not stay in the queue group
         # answering with a closed pool.
         self._subs.append(await self.bus.serve(subject, guarded, queue=QUEUE))
+
+    async def _bounded(self, subject: str, reply: Any, by_reference: bool) -> orjson.Fragment:
+        """The reply's JSON within ``max_reply_bytes``: as it is, with its biggest values as D23
+        references, or a ``too_large`` error naming the limit."""
+        budget = limits.current().max_reply_bytes
+        data = dumps(reply)
+        size = len(data)
+        if size > budget and by_reference:
+            try:
+                data = dumps(await replies.fit(reply, budget, self.bus.payloads.put))
+            except Exception as exc:  # noqa: BLE001 - the object store
+                raise BusError("unavailable", f"{subject}: the reply is {size:,} bytes, over max_reply_bytes, "
+                                              f"and the payload store cannot take its values: {exc}") from exc
+        if len(data) > budget:
+            raise BusError("too_large", str(LimitExceeded("max_reply_bytes", size, where=subject)))
+        return orjson.Fragment(data)
 
     # ------------------------------------------------------------------ consuming
     async def _consume(self) -> None:
@@ -267,13 +308,13 @@ class RecorderService:
         await batches.put(None)
 
     async def _record(self, msgs: list) -> bool:
-        """Write one fetched batch (retrying until it is written), then ack what is safe to ack.
+        """Write one fetched batch (retrying while the database fails), then ack what is safe to ack.
         False when the service is stopping and the batch was handed back instead."""
         records: list[tuple[int, dict[str, Any]]] = []
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             try:
-                events = loads(msg.data)  # one message holds the events of one decision (bus.batches)
+                events = schema.decode(msg.data)  # one message holds the events of one decision (bus.batches)
                 if not isinstance(events, list) or not all(isinstance(e, dict) and all(
                         isinstance(e.get(k), str) for k in ("event_id", "execution_id", "name")) for e in events):
                     raise ValueError("not a list of event envelopes")
@@ -286,7 +327,7 @@ class RecorderService:
             try:
                 await self.store(records)
                 break
-            except Exception as exc:  # noqa: BLE001 - database trouble: retry in place
+            except Exception as exc:  # noqa: BLE001 - only the database's failures reach here: retry in place
                 if self._stopping.is_set():
                     log.error("stopping with %d unrecorded events (%s): handing them back", len(msgs), exc)
                     for msg in msgs:
@@ -294,8 +335,10 @@ class RecorderService:
                     return False
                 log.warning("recording %d events failed (%s: %s); retrying in %.1fs",
                             len(records), type(exc).__name__, exc, delay)
+                if isinstance(exc, psycopg.errors.UndefinedTable):  # a database recreated empty: migrate it
+                    await self._migrate()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, RETRY_CAP)
         self.recorded += len(records)
         await self._ack(msgs)
         return True
@@ -333,62 +376,79 @@ class RecorderService:
         self._held.clear()
 
     async def store(self, records: list[tuple[int, dict[str, Any]]]) -> None:
-        """Record ``(stream sequence, event)`` pairs and update the projection, in one transaction.
-        Idempotent: an event id already recorded is skipped (D21)."""
+        """Record ``(log_seq, event)`` pairs and update the projection, in one transaction. Idempotent:
+        an event id already recorded is skipped (D21). A batch Postgres refuses because of its data is
+        recorded in parts, the refused events as rejected; only a failure of the database itself
+        (``schema.transient``) is raised, for the caller to retry."""
         if not records:
             return
+        try:
+            await self._write(records)
+        except Exception as exc:  # noqa: BLE001 - classified: the database's failures go up
+            if schema.transient(exc):
+                raise
+            log.error("Postgres refused a batch of %d events (%s: %s): recording it in parts",
+                      len(records), type(exc).__name__, exc)
+            await self._store_parts(records, exc)
+
+    async def _store_parts(self, records: list[tuple[int, dict[str, Any]]], exc: Exception) -> None:
+        """Halve the refused batch until each refused event is alone, and record it as rejected."""
+        if len(records) == 1:
+            await self._reject(records[0], exc)
+            return
+        half = len(records) // 2
+        for part in (records[:half], records[half:]):
+            try:
+                await self._write(part)
+            except Exception as part_exc:  # noqa: BLE001
+                if schema.transient(part_exc):
+                    raise
+                await self._store_parts(part, part_exc)
+
+    async def _reject(self, record: tuple[int, dict[str, Any]], exc: Exception) -> None:
+        seq, event = record
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("event %.200r of execution %.200r (%.100r) cannot be recorded as sent: %s; recorded as rejected",
+                  event.get("event_id"), event.get("execution_id"), event.get("name"), reason)
+        try:
+            await self._write([(seq, schema.rejected(event, reason))])
+        except Exception as again:  # noqa: BLE001
+            if schema.transient(again):
+                raise
+            log.error("event %.200r cannot be recorded even as rejected (%s: %s): skipped",
+                      event.get("event_id"), type(again).__name__, again)
+            return
+        self.rejected += 1
+
+    async def _write(self, records: list[tuple[int, dict[str, Any]]]) -> None:
+        """One transaction: COPY the rows into the staging table, insert them, update the projection."""
+        if self._pool is None:
+            raise psycopg.OperationalError("the event-recorder's connection pool is closed")
         rows = [schema.event_row(seq, event) for seq, event in records]
-        events = [event for _, event in records]
         async with self._pool.connection() as conn:
-            try:
-                async with conn.transaction():
-                    await self._insert(conn, rows)
-                    await self._project(conn, events)
-            except psycopg.DataError as exc:
-                # one bad value must not block the log: store row by row, the bad ones without data
-                log.error("batch rejected (%s); recording event by event", exc)
-                async with conn.transaction():
-                    await self._insert_one_by_one(conn, rows)
-                    await self._project(conn, events)
-
-    @staticmethod
-    async def _insert(conn, rows: list[tuple]) -> None:
-        async with conn.cursor() as cur:
-            async with cur.copy(schema.COPY_STAGE) as copy:
-                for row in rows:
-                    await copy.write_row(row)
-            await cur.execute(schema.INSERT_FROM_STAGE)
-
-    @staticmethod
-    async def _insert_one_by_one(conn, rows: list[tuple]) -> None:
-        data_at = schema.STAGE_COLUMNS.index("data")
-        for row in rows:
-            try:
-                async with conn.transaction():
-                    await conn.execute(schema.INSERT_EVENT, row)
-            except psycopg.DataError as exc:
-                log.error("event %s: %s; recorded without its data", row[1], exc)
-                bad = list(row)
-                bad[data_at] = schema._json({"unrecordable": str(exc)})
-                async with conn.transaction():
-                    await conn.execute(schema.INSERT_EVENT, tuple(bad))
-
-    @staticmethod
-    async def _project(conn, events: list[dict[str, Any]]) -> None:
-        async with conn.cursor() as cur:
-            for sql, params in projection(events).items():
-                await cur.executemany(sql, params)
+            async with conn.transaction():
+                async with conn.cursor() as cur:
+                    async with cur.copy(schema.COPY_STAGE) as copy:
+                        for row in rows:
+                            await copy.write_row(row)
+                    await cur.execute(schema.INSERT_FROM_STAGE)
+                    for sql, params in schema.projection([event for _, event in records]).items():
+                        await cur.executemany(sql, params)
 
     # ------------------------------------------------------------------ catalog
     async def catalog_register(self, req: dict[str, Any]) -> dict[str, Any]:
         content = req.get("content")
         if not isinstance(content, str) or not content.strip():
             raise BusError("bad_request", "content (the playbook's YAML text) is required")
+        _storable("content", content)
         result = validate_text(content)
         if not result.ok:
             raise BusError("invalid_playbook", f"invalid playbook: {len(result.errors)} error(s)",
                            details=[_diagnostic(d) for d in result.errors])
         meta = result.document["metadata"]
+        for key in ("path", "name"):  # YAML escapes ("\0", "\ud800") make them without one in the text
+            if isinstance(meta.get(key), str):
+                _storable(f"metadata.{key}", meta[key])
         for _ in range(20):
             try:
                 async with self._connection() as conn:
@@ -414,14 +474,15 @@ class RecorderService:
                 raise BusError("bad_request", "id must be an integer")
             query, params, what = f"{select} WHERE id = %s", (req["id"],), f"catalog entry {req['id']}"
         elif isinstance(req.get("path"), str):
+            path = schema.text(req["path"])  # as stored: a path Postgres cannot hold is in no entry
             if req.get("version") is not None:
                 if _int(req["version"]) is None:
                     raise BusError("bad_request", "version must be an integer")
                 query = f"{select} WHERE path = %s AND version = %s"
-                params, what = (req["path"], req["version"]), f"{req['path']} version {req['version']}"
+                params, what = (path, req["version"]), f"{path} version {req['version']}"
             else:
                 query = f"{select} WHERE path = %s ORDER BY version DESC LIMIT 1"
-                params, what = (req["path"],), f"playbook {req['path']}"
+                params, what = (path,), f"playbook {path}"
         else:
             raise BusError("bad_request", "give id, or path (and optionally version)")
         async with self._connection() as conn:
@@ -432,7 +493,8 @@ class RecorderService:
 
     async def catalog_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         limit = min(max(_int(req.get("limit")) or 1000, 1), 10_000)
-        where, params = ("WHERE path = %s", [req["path"]]) if req.get("path") else ("", [])
+        path = req.get("path")
+        where, params = ("WHERE path = %s", [schema.text(path)]) if isinstance(path, str) and path else ("", [])
         async with self._connection() as conn:
             cur = await conn.execute(
                 f"""SELECT id, path, version, name, created_at FROM catalog {where}
@@ -459,12 +521,20 @@ class RecorderService:
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
         events = [schema.row_event(r) for r in rows]
-        out = summary(fold(events, xid))
-        finished = [e for e in events if e["name"] == "workflow.finished"]
+        state = ExecutionState(xid)
+        for event in events:  # what no writer of the engine sends (rejected, odd data) folds to nothing
+            if isinstance(event["data"], dict) and not schema.is_rejected(event):
+                try:
+                    apply(state, event)
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    log.warning("execution %s: event %s (%s) does not fold: %s", xid, event["event_id"],
+                                event["name"], exc)
+        out = summary(state)
+        finished = [e["data"] for e in events if e["name"] == "workflow.finished" and isinstance(e["data"], dict)]
         p = _execution_row(proj) if proj else {}
         out.update({
             "path": p.get("path"), "version": p.get("version"),
-            "error": (finished[-1]["data"] or {}).get("error") if finished else None,
+            "error": finished[-1].get("error") if finished else None,
             "parent_execution_id": p.get("parent_execution_id"), "created_at": p.get("created_at"),
             "started_at": p.get("started_at"), "finished_at": p.get("finished_at"),
             "event_count": count,
@@ -472,6 +542,8 @@ class RecorderService:
         return out
 
     async def execution_events(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A page of the execution's events: at most ``limit`` and at most what fits in the reply
+        budget; ``next_offset`` is where the next page starts (None after the last event)."""
         xid = _execution_id(req)
         offset = max(_int(req.get("offset")) or 0, 0)
         limit = min(max(_int(req.get("limit")) if req.get("limit") is not None else 100, 0), MAX_PAGE)
@@ -484,7 +556,11 @@ class RecorderService:
             rows = await cur.fetchall()
         if not total:
             raise BusError("not_found", f"execution {xid} is not known")
-        return {"events": [schema.row_event(r) for r in rows], "total": total, "offset": offset, "limit": limit}
+        events, n = await replies.page([schema.row_event(r) for r in rows], limits.current().max_reply_bytes,
+                                       self.bus.payloads.put)
+        end = offset + n
+        return {"events": events, "total": total, "offset": offset, "limit": limit,
+                "next_offset": end if end < total else None}
 
     async def execution_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         limit = min(max(_int(req.get("limit")) or 50, 1), MAX_PAGE)
@@ -500,26 +576,55 @@ class RecorderService:
         return [_execution_row(r) for r in rows]
 
     async def ping(self, req: dict[str, Any]) -> dict[str, Any]:
-        lag = None
-        try:
-            info = await self.bus.js.consumer_info(EVENTS, DURABLE, timeout=1)
-            lag = (info.num_pending or 0) + (info.num_ack_pending or 0)
-        except Exception:  # noqa: BLE001 - lag is best effort
-            pass
-        return {"ok": True, "lag": lag, "recorded": self.recorded}
+        """The real state: ``ok`` when the database answers and the consumer is bound."""
+
+        async def database() -> bool:
+            if self._pool is None:
+                return False
+            try:
+                async with self._pool.connection(timeout=0.5) as conn:
+                    await asyncio.wait_for(conn.execute("SELECT 1"), 0.5)
+                return True
+            except Exception:  # noqa: BLE001 - any failure means "not reachable"
+                return False
+
+        async def lag() -> int | None:
+            try:
+                info = await self.bus.js.consumer_info(EVENTS, DURABLE, timeout=0.8)
+                return (info.num_pending or 0) + (info.num_ack_pending or 0)
+            except Exception:  # noqa: BLE001 - lag is best effort
+                return None
+
+        db, pending = await asyncio.gather(database(), lag())
+        consumer = self._sub is not None and self._task is not None and not self._task.done()
+        return {"ok": db and consumer, "database": db, "consumer": consumer, "lag": pending,
+                "recorded": self.recorded, "rejected": self.rejected}
 
     # ------------------------------------------------------------------ helpers
     def _connection(self):
         if self._pool is None:
-            raise BusError("unavailable", "the event-recorder is stopping")
-        return self._pool.connection(timeout=10)
+            if self._stopping.is_set():
+                raise BusError("unavailable", "the event-recorder is stopping")
+            raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
+                                          "the event-recorder keeps trying")
+        return self._pool.connection(timeout=5)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**31 else None
+
+
+def _storable(what: str, value: str) -> None:
+    reason = schema.unstorable(value)
+    if reason:
+        raise BusError("bad_request", f"{what} {reason}: Postgres cannot store it")
 
 
 def _execution_id(req: dict[str, Any]) -> str:
     xid = req.get("execution_id")
     if not isinstance(xid, str) or not xid:
         raise BusError("bad_request", "execution_id is required")
-    return xid
+    return schema.text(xid)  # as stored
 
 
 async def _quietly(awaitable) -> None:
@@ -529,9 +634,17 @@ async def _quietly(awaitable) -> None:
         pass
 
 
+def _json_loads(data: bytes | str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:  # a number orjson cannot hold (jsonb keeps numerics of any size)
+        return json.loads(data)
+
+
 async def _configure(conn) -> None:
+    set_json_loads(_json_loads, conn)
     await conn.execute(schema.CREATE_STAGE)
     await conn.commit()
 
 
-__all__ = ["RecorderService", "DURABLE", "FILTER", "QUEUE", "projection"]
+__all__ = ["RecorderService", "DURABLE", "FILTER", "QUEUE"]

@@ -315,7 +315,11 @@ class Bus:
         async def on_msg(msg: Msg) -> None:
             with tracing.consume_span(f"{self.name} {subject}", msg.headers):
                 try:
-                    reply = await handler(loads(msg.data) if msg.data else {})
+                    try:
+                        request = loads(msg.data) if msg.data else {}
+                    except ValueError as exc:  # e.g. an unpaired surrogate: the requester's, not ours
+                        raise BusError("bad_request", f"{subject}: the request is not valid JSON: {exc}") from None
+                    reply = await handler(request)
                 except BusError as exc:
                     reply = {"error": {"kind": exc.kind, "message": exc.message, "details": exc.details}}
                 except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
