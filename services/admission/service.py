@@ -67,7 +67,7 @@ class AdmissionService(PartitionedService):
         if not ref:
             return ["the request names no playbook (inline, catalog path or catalog id)"]
         try:
-            entry = await self.bus.request(Q_CATALOG_GET, ref)
+            entry = await self.bus.request(Q_CATALOG_GET, ref, expand=True)  # a big entry's text is a reference
         except BusError as exc:
             if exc.kind in ("unavailable", "timeout"):
                 raise  # transient: the message is retried later, nothing is decided

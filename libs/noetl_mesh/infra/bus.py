@@ -51,7 +51,7 @@ from nats.js.errors import NotFoundError
 from . import tracing
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class)
-from .payloads import DEFAULT_LIMIT, MARKER, PayloadStore
+from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
 
@@ -295,7 +295,13 @@ class Bus:
         await self.nc.publish(subject, dumps(payload), headers=tracing.inject({}))
 
     # ----------------------------------------------------------------- request/reply
-    async def request(self, subject: str, payload: dict[str, Any], timeout: float = 10.0) -> Any:
+    async def request(self, subject: str, payload: dict[str, Any], timeout: float = 10.0,
+                      expand: bool = False) -> Any:
+        """Ask and wait for the answer; an error answer raises :class:`BusError`. A reply over the
+        reply budget carries its biggest values as D23 references: ``expand`` resolves them (for
+        values the caller needs whole and that are bounded, such as a catalog entry's text; never for
+        pages of events, whose references may stand for many large results). A reference whose object
+        is gone is ``BusError("payload_missing")``."""
         try:
             msg = await self.nc.request(subject, dumps(payload), timeout=timeout, headers=tracing.inject({}))
         except nats.errors.NoRespondersError as exc:
@@ -306,6 +312,11 @@ class Bus:
         if isinstance(reply, dict) and "error" in reply and set(reply) <= {"error"}:
             err = reply["error"]
             raise BusError(err.get("kind", "error"), err.get("message", ""), err.get("details"))
+        if expand and MARKER in msg.data:
+            try:
+                reply = await self.payloads.expand(reply)
+            except PayloadMissing as exc:
+                raise BusError("payload_missing", str(exc)) from exc
         return reply
 
     async def serve(self, subject: str, handler: Callable[[Any], Awaitable[Any]], queue: str):
