@@ -243,3 +243,35 @@ def test_the_gateway_cannot_publish_a_command_purge_or_bootstrap_sessions(secure
         assert logged(secured, "gateway", f"$JS.API.STREAM.PURGE.{EVENTS}")
 
     secured.run(main())
+
+
+def test_setup_moves_an_events_stream_of_the_earlier_layout(fresh_nats, caplog):
+    """A stream made by an earlier version (``noetl.evt.<class>.<execution>``, no writer) takes the
+    writer layout in place: same partitions, earlier messages kept; a stream noetl did not make is refused."""
+    from nats.js.api import StreamConfig, SubjectTransform
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "upgrade")
+        try:
+            old = "noetl.pevt.{{partition(4,2)}}.{{wildcard(1)}}.{{wildcard(2)}}"
+            await bus.js.add_stream(StreamConfig(name=EVENTS, subjects=["noetl.evt.*.*"],
+                                                 subject_transform=SubjectTransform(src="noetl.evt.*.*", dest=old)))
+            await bus.js.publish("noetl.evt.ctl.x1", b"[]", stream=EVENTS)
+            with caplog.at_level(logging.WARNING, logger="noetl.bus"):
+                await bus.setup(partitions=16)
+            assert bus.partitions == 4  # the stream's, not the argument
+            assert any("subject layout of an earlier version" in r.getMessage() for r in caplog.records)
+            await bus.publish_event(make_event("execution.cancelled", "x1", event_id="c1", source="gateway"))
+            first, second = [await bus.js.get_msg(EVENTS, seq) for seq in (1, 2)]
+            assert first.subject.rsplit(".", 1)[0] == second.subject.rsplit(".", 2)[0]  # same partition
+            assert second.subject.endswith(".ctl.x1.gateway")
+            assert await bus.first_seq("x1", int(second.subject.split(".")[2])) == 2  # the control plane's view
+            await bus.setup()  # again: nothing to do
+            await bus.js.delete_stream(EVENTS)
+            await bus.js.add_stream(StreamConfig(name=EVENTS, subjects=["elsewhere.>"]))
+            with pytest.raises(ValueError, match="it was not made by noetl"):
+                await bus.setup()
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
