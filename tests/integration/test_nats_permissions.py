@@ -112,29 +112,40 @@ def test_a_control_plane_event_on_a_workers_own_subject_is_stored_and_dropped(se
                          "next": {"arcs": [{"step": "end"}]}},
                         {"step": "end", "tool": {"kind": "noop", "result": "done"}}]}
 
+    phase = ["submitting"]
+
     async def main():
         async with GatewayClient(secured.url) as client:
             xid = await client.start(doc)
+        phase[0] = "waiting for the step to start"
         async with Conn(secured, "admin") as admin:
-            events = await _events(admin, xid, lambda evs: any(e["name"] == "step.started" for e in evs))
+            events = await _events(admin, xid, lambda evs: any(e["name"] == "step.started" for e in evs), timeout=60)
             run = next(e for e in events if e["name"] == "step.started")["step_run_id"]
         forged = [make_event("workflow.finished", xid, event_id="forged-2", source="worker:default", status="error",
                              data={"status": "FAILED", "cancelled_runs": [], "error": {"kind": "forged"}}),
                   make_event("step.done", xid, event_id="forged-3", source="router", step="slow", step_run_id=run,
                              data={"result": "forged"})]
+        phase[0] = "publishing the forged events"
         async with Conn(secured, "worker-default") as worker:
             ack = await worker.js.publish(f"noetl.evt.worker.ctl.{xid}", dumps(forged), stream=EVENTS)
         assert ack.seq and not worker.errors
+        phase[0] = "waiting for the router's workflow.finished"
         async with Conn(secured, "admin") as admin:
             events = await _events(admin, xid, lambda evs: any(e["name"] == "workflow.finished" and e["source"] == "router"
-                                                               for e in evs), timeout=30)
+                                                               for e in evs), timeout=60)
         real = next(e for e in events if e["name"] == "workflow.finished" and e["source"] == "router")
         assert real["data"]["status"] == "COMPLETED"
         assert any(e["name"] == "step.done" and e["step"] == "end" for e in events)  # it ran on
         assert secured.stack.services("router")[0].cache[xid].status == "COMPLETED"
 
+    async def bounded():
+        try:
+            await asyncio.wait_for(main(), 140)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"stuck {phase[0]}") from None
+
     with caplog.at_level(logging.ERROR, logger="noetl.bus"):
-        secured.run(main(), timeout=60)
+        secured.run(bounded(), timeout=150)
     dropped = [r.getMessage() for r in caplog.records if "dropped 2 of 2 events" in r.getMessage()]
     assert dropped and "worker may not write 'workflow.finished'" in dropped[0]
     assert "source 'router' is not the writer 'worker'" in dropped[0]
