@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
@@ -21,6 +23,7 @@ from noetl_mesh.client import GatewayClient
 from noetl_mesh.core.events import make_event, new_execution_id
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.embedded import EmbeddedNats, provision_postgres
+from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import ProcessStack, Settings
 
 
@@ -162,15 +165,15 @@ async def bench_child(url: str, calls: int, fanout: int) -> list[tuple]:
             ("child", f"{fanout} children from a parallel loop (max_in_flight 64)", f"{fanout / elapsed:.0f} children/s")]
 
 
-async def bench_recorder(nats_url: str, pg_dsn: str, n: int) -> list[tuple]:
+async def bench_recorder(nats_url: str, pg_dsn: str, n: int, auth: NatsAuth) -> list[tuple]:
     from noetl_mesh.services.event_recorder.service import RecorderService
 
-    bus = await Bus.connect(nats_url, "bench")
+    bus = await Bus.connect(nats_url, "bench", auth.admin)
     await bus.setup()
     eids = [new_execution_id() for _ in range(max(1, n // 100))]
     for start in range(0, n, 1000):  # one event per message, as a worst case for the recorder
         futures = [await bus.send_events([make_event("task.processed", eids[i % len(eids)], event_id=f"bench-{i}",
-                                                      source="bench", data={"outcome": {"status": "ok", "result": i}})])
+                                                      source="worker:bench", data={"outcome": {"status": "ok", "result": i}})])
                    for i in range(start, min(n, start + 1000))]
         await asyncio.gather(*futures)
     import psycopg
@@ -179,7 +182,7 @@ async def bench_recorder(nats_url: str, pg_dsn: str, n: int) -> list[tuple]:
     t0 = time.perf_counter()
     await recorder.start()
     async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-        while (await (await conn.execute("select count(*) from event where source = 'bench'")).fetchone())[0] < n:
+        while (await (await conn.execute("select count(*) from event where source = 'worker:bench'")).fetchone())[0] < n:
             await asyncio.sleep(0.05)
     elapsed = time.perf_counter() - t0
     await recorder.stop()
@@ -207,12 +210,14 @@ async def main(args: argparse.Namespace) -> None:
     which = set(args.which or ["chain", "burst", "loop", "child", "recorder"])
     quick = args.quick
     rows = Rows()
-    nats = EmbeddedNats().start()
+    creds = tempfile.mkdtemp(prefix="noetl-bench-creds-")
+    auth = NatsAuth(creds).ensure()  # one NATS user per service, as deployed: permissions are on the hot path
+    nats = EmbeddedNats(auth=auth).start()
     pg = provision_postgres(fast=True)
     try:
         if which & {"chain", "burst", "loop", "child"}:
             dsn = pg.create_database("bench_stack")
-            stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=dsn, concurrency=args.concurrency),
+            stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=dsn, concurrency=args.concurrency, nats_creds=creds),
                                  workers=args.workers, replicas=args.replicas, log_dir=args.log_dir)
             if args.log_dir:
                 os.makedirs(args.log_dir, exist_ok=True)
@@ -235,10 +240,15 @@ async def main(args: argparse.Namespace) -> None:
                 sampler.stop_flag = True
                 await stack.stop()
         if "recorder" in which:
-            rows += await bench_recorder(nats.url, pg.create_database("bench_recorder"), 5000 if quick else 100_000)
+            rows += await bench_recorder(nats.url, pg.create_database("bench_recorder"), 5000 if quick else 100_000,
+                                         auth)
     finally:
+        violations = nats.violations()
         nats.stop()
         pg.stop()
+        shutil.rmtree(creds, ignore_errors=True)
+    if violations:
+        print("NATS permission violations:", *violations, sep="\n  ")
     rows.table()
 
 

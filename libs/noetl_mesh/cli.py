@@ -125,15 +125,29 @@ def _print_progress(event: dict) -> None:
 
 async def _embedded_stack(quiet: bool, persistent: str | None = None, processes: bool = False):
     """NATS and Postgres as local processes (or the ones NOETL_NATS_URL / NOETL_PG_DSN name) and every
-    service; stopped with the stack."""
-    from .infra.embedded import provision_nats, provision_postgres
+    service; stopped with the stack. The embedded NATS runs with one user per service: credentials in
+    ``<home>/nats-creds`` (kept and reused), or a temporary directory; an external NATS with those of
+    NOETL_NATS_CREDS (a directory or one file), if set."""
+    import shutil
+    import tempfile
+
+    from .infra.embedded import ENV_NATS_URL, provision_nats, provision_postgres
+    from .infra.nats_auth import NatsAuth
     from .stack import InProcessStack, ProcessStack, Settings
 
     nats_dir = os.path.join(persistent, "nats") if persistent else None
     pg_dir = os.path.join(persistent, "pg") if persistent else None
-    nats_server = provision_nats(store_dir=nats_dir)
+    creds_dir = os.path.join(persistent, "nats-creds") if persistent else tempfile.mkdtemp(prefix="noetl-creds-")
+    auth = None if os.environ.get(ENV_NATS_URL) else NatsAuth(creds_dir).ensure()
+    try:
+        nats_server = provision_nats(store_dir=nats_dir, auth=auth)
+    except BaseException:
+        if not persistent:
+            shutil.rmtree(creds_dir, ignore_errors=True)
+        raise
     pg = provision_postgres(data_dir=pg_dir, fast=not persistent)
-    settings = Settings(nats_url=nats_server.url, pg_dsn=pg.dsn("postgres"))
+    creds = str(auth.directory) if auth else os.environ.get("NOETL_NATS_CREDS")
+    settings = Settings(nats_url=nats_server.url, pg_dsn=pg.dsn("postgres"), nats_creds=creds)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file)
@@ -147,6 +161,8 @@ async def _embedded_stack(quiet: bool, persistent: str | None = None, processes:
         finally:
             nats_server.stop()
             pg.stop()
+            if not persistent:
+                shutil.rmtree(creds_dir, ignore_errors=True)
 
     stack.stop = stop  # type: ignore[method-assign]
     try:
@@ -164,6 +180,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack = await _embedded_stack(quiet=False, persistent=home, processes=not args.in_process)
         print(f"noetl stack up; gateway: {stack.gateway_url} (OpenAPI docs at {stack.gateway_url}/docs)", flush=True)
         print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
+        if stack.settings.nats_creds:
+            print(f"NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -176,18 +194,65 @@ def cmd_up(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_service(args: argparse.Namespace) -> int:
-    from .stack import Settings, serve_forever
+def _nats_settings(args: argparse.Namespace):
+    """``--nats-url``/``NOETL_NATS_URL`` and ``--nats-creds``/``NOETL_NATS_CREDS`` (an nkey seed file, or
+    a directory of them: the service's own is taken), checked before anything starts."""
+    from .infra.nats_auth import read_seed
+    from .stack import Settings
 
     nats_url = args.nats_url or os.environ.get("NOETL_NATS_URL")
     if not nats_url:
-        return _fail("--nats-url (or NOETL_NATS_URL) is required")
-    settings = Settings(nats_url=nats_url, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"),
-                        pool=args.pool, concurrency=args.concurrency, host=args.host, port=args.port,
-                        ack_wait=args.ack_wait)
+        raise ValueError("--nats-url (or NOETL_NATS_URL) is required")
+    creds = args.nats_creds or os.environ.get("NOETL_NATS_CREDS") or None
+    settings = Settings(nats_url=nats_url, pool=getattr(args, "pool", "default"), nats_creds=creds)
+    if creds:
+        read_seed(settings.creds_for(args.name))
+    return settings
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .stack import serve_forever
+
+    try:
+        settings = _nats_settings(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    settings = replace(settings, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"), concurrency=args.concurrency,
+                       host=args.host, port=args.port, ack_wait=args.ack_wait)
     logging.basicConfig(level=os.environ.get("NOETL_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve_forever(args.name, settings))
+    return EXIT_OK
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    """``noetl setup``: create the streams, the membership bucket and the payload store (as the admin)."""
+    from .stack import setup
+
+    args.name = "admin"
+    try:
+        settings = _nats_settings(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    asyncio.run(setup(settings))
+    print(f"streams, bucket and object store ready at {settings.nats_url}")
+    return EXIT_OK
+
+
+def cmd_nats_credentials(args: argparse.Namespace) -> int:
+    """``noetl nats-credentials --out DIR``: one nkey seed per service (kept if present) and the server's
+    ``authorization`` block (public keys and permissions), for deploy/nats.conf to include."""
+    from .infra.nats_auth import NatsAuth
+
+    try:
+        auth = NatsAuth(args.out, pools=args.pool or ["default"], partitions=args.partitions).ensure()
+    except ValueError as exc:
+        return _fail(str(exc))
+    print(f"{auth.config_file}: the server's users ({auth.partitions} partitions, pools {', '.join(auth.pools)})")
+    for user in auth.users:
+        print(f"{auth.file(user)}: the seed of {user} (keep it secret; NOETL_NATS_CREDS or --nats-creds)")
     return EXIT_OK
 
 
@@ -334,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
                                     "sessions", "worker"])
     p.add_argument("--nats-url")
+    p.add_argument("--nats-creds", metavar="FILE",
+                   help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
     p.add_argument("--pg-dsn")
     p.add_argument("--pool", default="default")
     p.add_argument("--concurrency", type=int, default=8)
@@ -341,6 +408,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8082)
     p.set_defaults(func=cmd_service)
+
+    p = sub.add_parser("setup", help="create the streams, bucket and object store (as the NATS admin user)")
+    p.add_argument("--nats-url")
+    p.add_argument("--nats-creds", metavar="FILE", help="the admin's credentials (NOETL_NATS_CREDS)")
+    p.set_defaults(func=cmd_setup)
+
+    p = sub.add_parser("nats-credentials", help="generate one NATS user per service and the server's users")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the seeds and nats-auth.conf (0700)")
+    p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
+    p.add_argument("--partitions", type=int, help="of the events stream (NOETL_PARTITIONS, default 16)")
+    p.set_defaults(func=cmd_nats_credentials)
 
     for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
                             ("events", cmd_events, "an execution's events"),

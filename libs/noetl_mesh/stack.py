@@ -32,6 +32,17 @@ class Settings:
     port: int = 0
     ack_wait: float = 30.0
     replicas: int | None = None  # of streams, buckets, object stores when created (NOETL_REPLICAS, else 1)
+    # NATS credentials (infra/nats_auth.py): a directory holds one file per user (each service takes its
+    # own, the stack's setup the admin's); a file is used by every service; None connects without
+    nats_creds: str | None = None
+
+    def creds_for(self, service: str) -> str | None:
+        """The credentials file of ``service`` (``admin`` for the stack's setup)."""
+        if not self.nats_creds or not os.path.isdir(self.nats_creds):
+            return self.nats_creds
+        from .infra.nats_auth import NatsAuth
+
+        return NatsAuth(self.nats_creds).for_service(service, self.pool)
 
 
 def make_service(name: str, bus: Bus, settings: Settings):
@@ -75,12 +86,12 @@ class Running:
     service: Any
 
 
-async def start_service(name: str, settings: Settings, *, setup: bool = False) -> Running:
+async def start_service(name: str, settings: Settings) -> Running:
+    """Connect as the service's NATS user and start it; the streams it needs are made by :func:`setup`
+    (the service waits for them)."""
     tracing.setup(name)
-    bus = await Bus.connect(settings.nats_url, f"noetl-{name}")
+    bus = await Bus.connect(settings.nats_url, f"noetl-{name}", settings.creds_for(name))
     try:
-        if setup:
-            await bus.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)))
         service = make_service(name, bus, settings)
         try:
             await service.start()
@@ -93,21 +104,30 @@ async def start_service(name: str, settings: Settings, *, setup: bool = False) -
     return Running(name, bus, service)
 
 
-async def start_service_retrying(name: str, settings: Settings, *, setup: bool = False,
-                                 max_delay: float = 10.0) -> Running:
+async def start_service_retrying(name: str, settings: Settings, *, max_delay: float = 10.0) -> Running:
     """:func:`start_service` until it succeeds: a dependency that is not there yet (NATS restarting,
     JetStream not ready, a stream not created yet) is waited for with a growing delay, each failure
     logged in one line; a mistake in the settings (ValueError) is not retried."""
     delay = 0.5
     while True:
         try:
-            return await start_service(name, settings, setup=setup)
+            return await start_service(name, settings)
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - anything else may pass: retry
             log.warning("%s could not start (%s: %s); retrying in %.1fs", name, type(exc).__name__, exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
+
+
+async def setup(settings: Settings) -> None:
+    """Create the streams, the membership bucket and the payload store (or adopt existing ones), as the
+    ``admin`` NATS user: services may not create them (``noetl setup``, the stack runners)."""
+    bus = await Bus.connect(settings.nats_url, "noetl-setup", settings.creds_for("admin"))
+    try:
+        await bus.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=settings.replicas)
+    finally:
+        await bus.close()
 
 
 async def _quietly(awaitable) -> None:
@@ -136,13 +156,11 @@ class InProcessStack:
     token: str | None = None
 
     async def start(self) -> "InProcessStack":
-        setup = await Bus.connect(self.settings.nats_url, "noetl-setup")
-        await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=self.settings.replicas)
-        await setup.close()
+        await setup(self.settings)
         names = ["event-recorder", "sessions"] + [n for n in CONTROL_PLANE[1:] for _ in range(self.replicas)]
         names += ["worker"] * self.workers + ["gateway"]
         self.running = list(await asyncio.gather(*(start_service(n, self.settings) for n in names)))
-        self.token = await bootstrap(self.settings.nats_url, self.token_file)
+        self.token = await bootstrap(self.settings, self.token_file)
         return self
 
     @property
@@ -162,14 +180,14 @@ class InProcessStack:
         self.running.clear()
 
 
-async def bootstrap(nats_url: str, token_file: str | None = None, username: str = "admin",
+async def bootstrap(settings: Settings, token_file: str | None = None, username: str = "admin",
                     timeout: float = 60.0) -> str | None:
     """The first admin of a new stack: the sessions service creates it (only while no user exists) and
     answers with an API token for it, kept in ``token_file`` (mode 0600) when given. A stack that has
     users already answers with the token kept there, or None (log in)."""
     from .services.sessions.service import Q_BOOTSTRAP
 
-    bus = await Bus.connect(nats_url, "noetl-setup")
+    bus = await Bus.connect(settings.nats_url, "noetl-setup", settings.creds_for("admin"))  # only admin may
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -221,6 +239,8 @@ class ProcessStack:
     def spawn(self, name: str, key: str | None = None, **extra: Any) -> subprocess.Popen:
         s = self.settings
         args = [sys.executable, "-m", "noetl_mesh.cli", "service", name, "--nats-url", s.nats_url]
+        if s.nats_creds:
+            args += ["--nats-creds", s.creds_for(name)]  # each service its own user
         if s.pg_dsn:
             args += ["--pg-dsn", s.pg_dsn]
         if name == "worker":
@@ -264,9 +284,7 @@ class ProcessStack:
                     self.restarts[key] = self.restarts.get(key, 0) + 1
 
     async def start(self) -> "ProcessStack":
-        setup = await Bus.connect(self.settings.nats_url, "noetl-setup")
-        await setup.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=self.settings.replicas)
-        await setup.close()
+        await setup(self.settings)
         self.port = self.settings.port or free_port()
         self.spawn("event-recorder")
         self.spawn("sessions")
@@ -279,7 +297,7 @@ class ProcessStack:
         await wait_http(f"{self.gateway_url}/health", timeout=60, procs=None if self.supervise else self.procs)
         if self.supervise:
             self._supervisor = asyncio.create_task(self._watch(), name="supervisor")
-        self.token = await bootstrap(self.settings.nats_url, self.token_file)
+        self.token = await bootstrap(self.settings, self.token_file)
         return self
 
     @property
@@ -328,12 +346,13 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
 
 async def serve_forever(name: str, settings: Settings) -> None:
     """``noetl service NAME``: run one service until SIGTERM/SIGINT. Its dependencies are waited for
-    (retried with a growing delay), never a reason to exit."""
+    (retried with a growing delay), never a reason to exit; that includes the streams, which it does
+    not create (``noetl setup`` or the stack runners do, as the admin user)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(start_service_retrying(name, settings, setup=True))  # creates missing streams
+    starting = asyncio.create_task(start_service_retrying(name, settings))
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
         starting.cancel()

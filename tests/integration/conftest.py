@@ -1,8 +1,13 @@
 """A whole stack (every service, real NATS and Postgres) running in a background event loop, shared
-by the tests of a module; tests drive it through the gateway."""
+by the tests of a module; tests drive it through the gateway. The stack's NATS runs with authentication,
+one user per service (infra/nats_auth.py): the suite running on it is the proof that each service's
+permissions let it do its job, and a stack whose server logged a permission violation fails its
+module's teardown. Tests that look into its NATS connect as ``handle.admin``."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import threading
 from typing import Any, Coroutine, Iterator
 
@@ -10,6 +15,7 @@ import pytest
 
 from noetl_mesh.client import GatewayClient
 from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import InProcessStack, Settings
 from noetl_mesh.testing.fixture_api import FixtureApi
 
@@ -36,6 +42,15 @@ class StackHandle:
     def url(self) -> str:
         return self.stack.gateway_url
 
+    @property
+    def nats_url(self) -> str:
+        return self.stack.settings.nats_url
+
+    @property
+    def admin(self) -> str:
+        """The admin's NATS credentials (for tests that inspect streams)."""
+        return self.stack.settings.creds_for("admin")
+
     def run(self, coro: Coroutine, timeout: float = 120) -> Any:
         return self.loop.run(coro, timeout)
 
@@ -58,19 +73,25 @@ def fixture_api() -> Iterator[FixtureApi]:
     api.stop()
 
 
-def start_stack(pg_dsn: str, **kw: Any):
-    nats = EmbeddedNats().start()
+def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), **kw: Any):
+    auth = NatsAuth(tempfile.mkdtemp(prefix="noetl-creds-"), pools=pools).ensure()
+    nats = EmbeddedNats(auth=auth).start()
     loop = LoopThread()
-    stack = loop.run(InProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn), **kw).start())
+    settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory))
+    stack = loop.run(InProcessStack(settings, **kw).start())
     return nats, loop, StackHandle(loop, stack)
 
 
-def stop_stack(nats, loop, handle) -> None:
+def stop_stack(nats, loop, handle, check: bool = True) -> None:
+    """Stop everything; with ``check``, fail when the server logged a permission violation."""
     try:
         loop.run(handle.stack.stop(), timeout=60)
     finally:
         loop.close()
+        violations = nats.violations()
         nats.stop()
+        shutil.rmtree(nats.auth.directory, ignore_errors=True)
+    assert not (check and violations), "the services' NATS permissions refused something they do:\n" + "\n".join(violations)
 
 
 @pytest.fixture(scope="module")

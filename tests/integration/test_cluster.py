@@ -10,6 +10,7 @@ from noetl_mesh.client import GatewayClient
 from noetl_mesh.core.verify import verify
 from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus
 from noetl_mesh.infra.embedded import EmbeddedNatsCluster
+from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import InProcessStack, Settings
 
 from conftest import LoopThread
@@ -31,16 +32,18 @@ def chain(n: int, sleep: float) -> dict:
             "workflow": steps}
 
 
-def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn):
-    cluster = EmbeddedNatsCluster(3).start()
+def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn, tmp_path):
+    auth = NatsAuth(tmp_path / "creds").ensure()
+    cluster = EmbeddedNatsCluster(3, auth=auth).start()
     loop = LoopThread()
     stack = None
     try:
-        stack = loop.run(InProcessStack(Settings(nats_url=cluster.url, pg_dsn=pg_dsn, replicas=3, ack_wait=5.0),
+        stack = loop.run(InProcessStack(Settings(nats_url=cluster.url, pg_dsn=pg_dsn, replicas=3, ack_wait=5.0,
+                                                 nats_creds=str(auth.directory)),
                                         workers=2).start(), timeout=120)
 
         async def go():
-            bus = await Bus.connect(cluster.url, "probe")
+            bus = await Bus.connect(cluster.url, "probe", auth.admin)
             try:
                 async with GatewayClient(stack.gateway_url) as client:
                     ids = [await client.start(chain(6, 0.3)) for _ in range(8)]

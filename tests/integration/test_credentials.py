@@ -104,14 +104,14 @@ def kc_stack(module_pg) -> Iterator[Any]:
         handle.commands.append(orjson.dumps(command).decode())
         if "keychain_resolver" not in kw:  # not wired by the service yet: wire it as documented
             if not resolver:
-                buses.append(await Bus.connect(nats.url, "kc-test-resolver"))
+                buses.append(await Bus.connect(nats.url, "kc-test-resolver", handle.stack.settings.creds_for("worker")))
                 resolver.append(bus_resolver(buses[0].request, Q_CREDENTIAL_RESOLVE))
             kw["keychain_resolver"] = resolver[0]
         return await real(command, tools, publish, **kw)
 
     worker_service.execute_command = wired
     nats, loop, handle = start_stack(module_pg)
-    handle.capture, handle.nats_url = capture, nats.url
+    handle.capture = capture
     handle.commands = []
     try:
         yield handle
@@ -181,10 +181,10 @@ def test_cli_add_list_delete(kc_stack, capsys) -> None:
     assert cli(["credential", "delete", "cli_cred", "--gateway", url]) == 1
 
 
-async def _stream_texts(nats_url: str, stream: str) -> list[str]:
+async def _stream_texts(nats_url: str, stream: str, creds: str | None = None) -> list[str]:
     """Every message still in the stream, read by sequence (a work-queue stream keeps only the
     commands not yet acknowledged; the commands the workers took are scanned as they arrive)."""
-    bus = await Bus.connect(nats_url, "kc-scan")
+    bus = await Bus.connect(nats_url, "kc-scan", creds)
     try:
         state = (await bus.js.stream_info(stream)).state
         out = []
@@ -221,7 +221,8 @@ def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
         assert len(rows) >= len(events)
         hits += [r[0] for r in rows if SECRET in r[0]]
         hits += [r[0] for r in conn.execute("SELECT x::text FROM execution x").fetchall() if SECRET in r[0]]
-    messages = kc_stack.run(_stream_texts(kc_stack.nats_url, EVENTS)) + kc_stack.run(_stream_texts(kc_stack.nats_url, COMMANDS))
+    messages = kc_stack.run(_stream_texts(kc_stack.nats_url, EVENTS, kc_stack.admin)) + kc_stack.run(
+        _stream_texts(kc_stack.nats_url, COMMANDS, kc_stack.admin))
     assert messages and kc_stack.commands
     assert any('"kind":"credential"' in c for c in kc_stack.commands)  # declarations travel, not values
     messages += kc_stack.commands

@@ -60,7 +60,7 @@ async def stack(nats_url: str, pg_dsn: str):
 
 async def stream_events(bus: Bus, execution_id: str) -> list[tuple[dict[str, Any], dict[str, str]]]:
     """Every stored event of one execution, read straight from the stream, with its headers."""
-    sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{execution_id}", stream=EVENTS, config=ConsumerConfig(
+    sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{execution_id}.*", stream=EVENTS, config=ConsumerConfig(
         ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=5.0))
     try:
         msgs = await sub.fetch(100, timeout=2)

@@ -132,7 +132,7 @@ def test_a_handover_never_strands_a_message_until_ack_wait(fresh_nats):
         await b_bus.attach()
         a, b = Recorder(a_bus), Recorder(b_bus, slow=0.3)
         for svc, bus in ((a, a_bus), (b, b_bus)):
-            await bus.consumer(EVENTS, "probe-p0", ["noetl.pevt.0.ctl.*"], max_ack_pending=1, ack_wait=10)
+            await bus.consumer(EVENTS, "probe-p0", ["noetl.pevt.0.ctl.*.*"], max_ack_pending=1, ack_wait=10)
         try:
             a._read({0})
             await asyncio.sleep(0.3)  # a's reader waits in a fetch (1 s long poll)
@@ -166,7 +166,7 @@ async def _publish(url: str, n: int) -> None:
     nc = await nats.connect(url)
     try:
         for _ in range(n):
-            await nc.jetstream().publish("noetl.evt.ctl.x1", b"[]")
+            await nc.jetstream().publish("noetl.evt.router.ctl.x1", b"[]")
     finally:
         await nc.close()
 
@@ -188,10 +188,10 @@ def test_first_seq_finds_an_executions_first_message_of_any_class(fresh_nats):
         await bus.setup(1)
         try:
             assert await bus.first_seq("c1", 0) is None
-            other = await bus.publish_event(make_event("execution.cancelled", "c0", event_id="x0", source="t"))
-            cancel = await bus.publish_event(make_event("execution.cancelled", "c1", event_id="x1", source="t"))
-            request = await bus.publish_event(make_event("playbook.execution.requested", "c1", event_id="x2", source="t"))
-            info = await bus.publish_event(make_event("task.started", "c2", event_id="x3", source="t"))
+            other = await bus.publish_event(make_event("execution.cancelled", "c0", event_id="x0", source="gateway"))
+            cancel = await bus.publish_event(make_event("execution.cancelled", "c1", event_id="x1", source="router"))
+            request = await bus.publish_event(make_event("playbook.execution.requested", "c1", event_id="x2", source="admission"))
+            info = await bus.publish_event(make_event("task.started", "c2", event_id="x3", source="worker:default"))
             seq = lambda log_seq: log_seq // 1024  # noqa: E731 - stream sequence of a log_seq
             assert await bus.first_seq("c1", 0) == seq(cancel) < seq(request) and seq(other) < seq(cancel)
             assert await bus.first_seq("c2", 0) == seq(info)  # an info-class message counts too

@@ -87,8 +87,8 @@ def test_a_20_mb_result_runs_end_to_end(stack, module_pg):
     assert len(final["steps"]["start"]["result"]["blob"]) == BIG  # the gateway shows the value
 
     async def sizes():
-        bus = await Bus.connect(stack.stack.settings.nats_url, "size-test")
-        sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{final['execution_id']}", stream=EVENTS,
+        bus = await Bus.connect(stack.nats_url, "size-test", stack.admin)
+        sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{final['execution_id']}.*", stream=EVENTS,
                                           config=ConsumerConfig(ack_policy=AckPolicy.NONE,
                                                                 deliver_policy=DeliverPolicy.ALL,
                                                                 inactive_threshold=5.0))

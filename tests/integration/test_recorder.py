@@ -12,10 +12,10 @@ import pytest
 import yaml
 from nats.js.errors import NotFoundError
 
-from noetl_mesh.core.events import make_event, new_execution_id, stable_id
+from noetl_mesh.core.events import make_event, new_execution_id, stable_id, writers_of
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
-from noetl_mesh.infra.bus import EVENTS, Bus, BusError, dumps, log_seq
+from noetl_mesh.infra.bus import EVENTS, Bus, BusError, batch_subject, dumps, log_seq
 from noetl_mesh.services.event_recorder.service import DURABLE, RecorderService
 from scenarios import TINY
 
@@ -56,7 +56,7 @@ async def recorded(dsn: str, n: int) -> bool:
 
 def small_events(n: int, executions: int = 50) -> list[dict[str, Any]]:
     xids = [new_execution_id() for _ in range(executions)]
-    return [make_event("step.done", xids[i % executions], event_id=stable_id("ev", xids[0], i), source="test",
+    return [make_event("step.done", xids[i % executions], event_id=stable_id("ev", xids[0], i), source="worker:test",
                        step="s", step_run_id="r", data={"result": i}) for i in range(n)]
 
 
@@ -86,7 +86,7 @@ def test_events_are_recorded_once_in_log_order_and_fold_to_the_state(nats_url: s
             seqs = [await bus.publish_event(e) for e in run.log]
             await bus.publish_event(run.log[3])  # same id within the duplicate window: one stream entry
             # the same event stored twice in the stream (a republish after the window): recorded once
-            extra = await bus.js.publish(f"noetl.evt.ctl.{run.execution_id}", dumps([run.log[4]]), stream=EVENTS)
+            extra = await bus.js.publish(batch_subject([run.log[4]]), dumps([run.log[4]]), stream=EVENTS)
             assert log_seq(extra.seq, 0) > seqs[-1]
             await eventually(lambda: recorded(pg_dsn, len(run.log)))
             await asyncio.sleep(0.2)  # let the republished copy arrive, if it were to be stored
@@ -158,7 +158,7 @@ def test_projection_follows_the_request_lifecycle(nats_url: str, pg_dsn: str) ->
     t0 = time.time()
 
     def ev(name: str, xid: str, dt: float, data: dict[str, Any] | None = None, status: str = "success"):
-        return make_event(name, xid, event_id=stable_id(name, xid), source="test", status=status,
+        return make_event(name, xid, event_id=stable_id(name, xid), source=writers_of(name)[0], status=status,
                           data=data, timestamp=t0 + dt)
 
     requested = "playbook.execution.requested"
@@ -371,8 +371,8 @@ def test_a_database_outage_delays_recording_and_loses_nothing(nats_url: str, pg_
 def test_odd_events_are_recorded_and_round_trip(nats_url: str, pg_dsn: str) -> None:
     """Values Postgres cannot hold as sent (NUL in text) are stored escaped; unexpected keys are kept."""
     xid = new_execution_id()
-    nul = make_event("ctx.patched", xid, event_id="odd-1", source="test", data={"patch": {"k": "a\x00b"}})
-    extra = dict(make_event("step.started", xid, event_id="odd-2", source="test", step="s", iteration=1),
+    nul = make_event("ctx.patched", xid, event_id="odd-1", source="worker:test", data={"patch": {"k": "a\x00b"}})
+    extra = dict(make_event("step.started", xid, event_id="odd-2", source="worker:test", step="s", iteration=1),
                  custom={"x": 1}, attempt="first")
 
     async def main() -> None:

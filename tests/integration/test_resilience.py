@@ -14,6 +14,7 @@ from noetl_mesh.client import GatewayClient
 from noetl_mesh.core.state import summary
 from noetl_mesh.infra.bus import EVENTS, Bus, loads
 from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import ProcessStack, Settings
 from scenarios import SCENARIOS
 
@@ -83,8 +84,8 @@ def test_one_execution_is_one_trace(stack):
     eid = final["execution_id"]
 
     async def headers():
-        bus = await Bus.connect(stack.stack.settings.nats_url, "trace-test")
-        sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{eid}", stream=EVENTS, config=ConsumerConfig(
+        bus = await Bus.connect(stack.nats_url, "trace-test", stack.admin)
+        sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{eid}.*", stream=EVENTS, config=ConsumerConfig(
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=5.0))
         msgs = await sub.fetch(500, timeout=2)
         await bus.close()
@@ -130,7 +131,7 @@ def test_cancel_purges_queued_commands_so_a_later_worker_runs_none(pg_dsn):
     nats, loop, stack = start_stack(pg_dsn, workers=0)
     try:
         async def go():
-            bus = await Bus.connect(stack.stack.settings.nats_url, "queue-probe")
+            bus = await Bus.connect(stack.nats_url, "queue-probe", stack.admin)
             try:
                 async with GatewayClient(stack.url) as client:
                     doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "q", "path": "t/q"},
@@ -184,11 +185,12 @@ async def _exists(client, eid):
 @pytest.fixture
 def process_stack(pg_dsn, tmp_path, monkeypatch):
     monkeypatch.setenv("NOETL_CONTROL_ACK_WAIT", "2")
-    nats = EmbeddedNats().start()
+    auth = NatsAuth(tmp_path / "creds").ensure()
+    nats = EmbeddedNats(auth=auth).start()
     logs = tmp_path / "logs"
     logs.mkdir()
-    stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, ack_wait=2.0, concurrency=4),
-                         log_dir=str(logs))
+    stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, ack_wait=2.0, concurrency=4,
+                                  nats_creds=str(auth.directory)), log_dir=str(logs))
     asyncio.run(stack.start())
     yield stack
     asyncio.run(stack.stop())
@@ -265,7 +267,7 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
     nats, loop, stack = start_stack(pg_dsn, workers=0)
     try:
         async def go():
-            bus = await Bus.connect(stack.stack.settings.nats_url, "black-hole")
+            bus = await Bus.connect(stack.nats_url, "black-hole", stack.admin)
             await bus.js.add_consumer(COMMANDS, ConsumerConfig(
                 durable_name="pool-default", filter_subject="noetl.cmd.default.*", ack_policy=Ack.EXPLICIT,
                 ack_wait=1.0, max_deliver=2, max_ack_pending=100))

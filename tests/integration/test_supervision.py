@@ -14,7 +14,8 @@ import pytest
 from noetl_mesh.client import GatewayClient
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.embedded import EmbeddedNats
-from noetl_mesh.stack import ProcessStack, Settings, free_port
+from noetl_mesh.infra.nats_auth import NatsAuth
+from noetl_mesh.stack import ProcessStack, Settings, free_port, setup
 
 pytestmark = pytest.mark.integration
 
@@ -24,20 +25,25 @@ CHAIN = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "
 
 
 def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
+    """... and then for the streams, which it may not create: ``noetl setup`` (the admin) does."""
     port = free_port()
+    auth = NatsAuth(tmp_path / "creds").ensure()
     log_path = tmp_path / "admission.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "service", "admission",
-                                 "--nats-url", f"nats://127.0.0.1:{port}"],
+                                 "--nats-url", f"nats://127.0.0.1:{port}", "--nats-creds", auth.for_service("admission")],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     nats = None
     try:
         time.sleep(4)
         assert proc.poll() is None, log_path.read_text()
-        nats = EmbeddedNats(port=port).start()
+        nats = EmbeddedNats(port=port, auth=auth).start()
+        time.sleep(2)
+        assert proc.poll() is None, log_path.read_text()  # connected, waiting for the events stream
+        asyncio.run(setup(Settings(nats_url=nats.url, nats_creds=str(auth.directory))))
 
         async def consumers() -> set[str]:
-            bus = await Bus.connect(nats.url, "probe")
+            bus = await Bus.connect(nats.url, "probe", auth.admin)
             try:
                 for _ in range(200):
                     try:
@@ -53,6 +59,7 @@ def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
 
         assert "admission-p0" in asyncio.run(consumers()), log_path.read_text()
         assert proc.poll() is None
+        assert nats.violations() == []
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(15)
@@ -61,6 +68,7 @@ def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
     text = log_path.read_text()
     assert "Traceback" not in text, text  # waiting is logged in lines, not as tracebacks
     assert "retrying" in text
+    assert "stream NOETL_EVENTS does not exist yet" in text
 
 
 async def _consumers(bus):
@@ -70,11 +78,12 @@ async def _consumers(bus):
 
 def test_supervised_stack_starts_a_killed_service_again(pg_dsn, tmp_path, monkeypatch):
     monkeypatch.setenv("NOETL_CONTROL_ACK_WAIT", "2")
-    nats = EmbeddedNats().start()
+    auth = NatsAuth(tmp_path / "creds").ensure()
+    nats = EmbeddedNats(auth=auth).start()
 
     async def go():
-        stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, ack_wait=2.0), log_dir=str(tmp_path),
-                             supervise=True)
+        stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, ack_wait=2.0, nats_creds=str(auth.directory)),
+                             log_dir=str(tmp_path), supervise=True)
         await stack.start()
         try:
             for key in ("router-0", "worker-0"):

@@ -68,6 +68,76 @@ def batch_class(events: list[dict[str, Any]]) -> str:
     return max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
 
 
+# Writers: who may write which event name (docs/architecture.md §1). A message's writer travels in its
+# subject (``noetl.evt.<writer>.<class>.<execution_id>``), where the NATS permissions of each service's
+# user let it publish only as itself; the readers check every event's name and ``source`` against the
+# subject's writer (:func:`refused`), so a writer that lies in the content is caught too.
+MAY_WRITE: dict[str, frozenset[str]] = {
+    "gateway": frozenset({"playbook.execution.requested", "execution.cancelled"}),
+    "admission": frozenset({
+        "playbook.request.evaluated", "workflow.started", "token.enqueued",  # the entry token
+        "step.admitted", "step.skipped", "step.scheduled",
+        "step.started", "step.done", "step.failed",  # tool-less steps; an admit rule that cannot be evaluated
+        "loop.iteration.failed",  # with step.failed: the runs of a lost command
+        "playbook.execution.requested", "playbook.child.finished",  # a child's request; past the depth limit
+    }),
+    "router": frozenset({
+        "token.enqueued", "next.evaluated", "workflow.finished", "playbook.processed",
+        "playbook.child.finished", "execution.cancelled",  # to a parent; to the children of a finished parent
+    }),
+    "loop-coordinator": frozenset({
+        "step.started", "step.failed", "loop.started", "loop.iteration.started", "loop.done",
+        "playbook.execution.requested", "playbook.child.finished", "execution.cancelled",  # iterations' children
+    }),
+    "worker": frozenset({
+        "task.started", "task.processed", "task.suspended", "ctx.patched",
+        "step.started", "step.done", "step.failed", "loop.iteration.done", "loop.iteration.failed",
+    }),
+}
+WORKER_SOURCE = "worker:"  # a worker's events have source ``worker:<pool>``; every other writer its name
+
+
+def writer_of(source: Any) -> str | None:
+    """The writer an event's ``source`` names (``worker:<pool>`` -> ``worker``); None for anything else."""
+    if not isinstance(source, str):
+        return None
+    if source.startswith(WORKER_SOURCE):
+        return "worker" if len(source) > len(WORKER_SOURCE) else None
+    return source if source in MAY_WRITE else None
+
+
+def writers_of(name: str) -> tuple[str, ...]:
+    """The writers that may write the event ``name``."""
+    return tuple(w for w, names in MAY_WRITE.items() if name in names)
+
+
+def refused(writer: str, event: Any) -> str | None:
+    """Why ``writer`` (a message's, from its subject) may not have written ``event``; None when it may."""
+    if not isinstance(event, dict):
+        return f"not an event: {type(event).__name__}"
+    if writer not in MAY_WRITE:
+        return f"{writer!r} is not a writer"
+    source = event.get("source")
+    if writer_of(source) != writer:
+        return f"source {source!r} is not the writer {writer!r} of the subject"
+    if event.get("name") not in MAY_WRITE[writer]:
+        return f"{writer} may not write {event.get('name')!r}"
+    return None
+
+
+def split_by_writer(writer: str, events: list[Any]) -> tuple[list[dict[str, Any]], list[tuple[Any, str]]]:
+    """The events ``writer`` may have written, and the others with the reason each is refused."""
+    kept: list[dict[str, Any]] = []
+    dropped: list[tuple[Any, str]] = []
+    for event in events:
+        why = refused(writer, event)
+        if why is None:
+            kept.append(event)
+        else:
+            dropped.append((event, why))
+    return kept, dropped
+
+
 CORRELATION_KEYS = (
     "workflow_run_id", "step_run_id", "task_run_id", "parent_id", "action_id", "attempt", "iteration",
 )

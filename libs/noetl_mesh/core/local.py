@@ -106,7 +106,7 @@ async def run_local(
             run.events.append(e)
 
     send([make_event("playbook.execution.requested", run.execution_id, event_id=f"req-{run.execution_id}",
-                     source="local", data={"workload": dict(workload or {})})])
+                     source="gateway", data={"workload": dict(workload or {})})])
 
     def resolve(event: dict[str, Any]) -> Any:
         if event["execution_id"] == run.execution_id:

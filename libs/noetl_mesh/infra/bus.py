@@ -3,12 +3,15 @@
 One module names every subject and stream (see docs/architecture.md):
 
 - ``NOETL_EVENTS`` (JetStream, limits retention, file storage): every event. Publishers write
-  ``noetl.evt.<class>.<execution_id>`` (class: ``ctl``, ``loop``, ``dispatch`` or ``info``, see
+  ``noetl.evt.<writer>.<class>.<execution_id>`` (writer: ``gateway``, ``admission``, ``router``,
+  ``loop-coordinator`` or ``worker``, from the events' ``source``, so that NATS permissions let each
+  service's user publish as itself only; class: ``ctl``, ``loop``, ``dispatch`` or ``info``, see
   :func:`event_class`); the stream's subject transform stores it as
-  ``noetl.pevt.<partition>.<class>.<execution_id>`` with ``partition = hash(execution_id) % P``.
+  ``noetl.pevt.<partition>.<class>.<execution_id>.<writer>`` with ``partition = hash(execution_id) % P``.
   Control-plane services read ``ctl`` events through one durable consumer per partition with
   ``max_ack_pending=1`` (per-execution serialisation across any number of replicas); the
-  event-recorder reads everything.
+  event-recorder reads everything. Readers keep only the events the subject's writer may write
+  (:func:`admitted`).
 - ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>.<execution_id>``, one durable consumer per
   worker pool, shared by that pool's workers.
 - core NATS: ``noetl.q.<service>.<verb>`` request/reply reads (JSON in, JSON out, errors as
@@ -50,12 +53,14 @@ from nats.js.errors import NotFoundError
 
 from . import tracing
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
-                           batch_class, event_class)
+                           batch_class, event_class, split_by_writer, writer_of)
 from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
 
 EVENTS = "NOETL_EVENTS"
+EVENT_SUBJECTS = "noetl.evt.*.*.*"  # writer, class, execution
+LEGACY_EVENT_SUBJECTS = "noetl.evt.*.*"  # class, execution: the layout of earlier versions (setup migrates it)
 COMMANDS = "NOETL_COMMANDS"
 COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
 LOST_COMMANDS = "NOETL_LOST_COMMANDS"  # the server's advisories of commands that ran out of deliveries
@@ -96,15 +101,24 @@ def log_seq(stream_seq: int, index: int) -> int:
 
 
 def batch_subject(events: list[dict[str, Any]]) -> str:
-    """A message goes to the most demanding class among its events (ctl > loop > dispatch > info)."""
-    return f"noetl.evt.{batch_class(events)}.{events[0]['execution_id']}"
+    """``noetl.evt.<writer>.<class>.<execution_id>``: the writer named by the events' ``source``; the
+    class the most demanding among the events (ctl > loop > dispatch > info)."""
+    first = events[0]
+    writer = writer_of(first.get("source"))
+    if writer is None:
+        raise ValueError(f"event {first.get('name')!r} of execution {first.get('execution_id')}: source "
+                         f"{first.get('source')!r} names no writer (gateway, admission, router, loop-coordinator, "
+                         "worker:<pool>)")
+    return f"noetl.evt.{writer}.{batch_class(events)}.{first['execution_id']}"
 
 
 def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Group events by execution (a message belongs to one partition), in order, at most BATCH_MAX each."""
+    """Group events by execution (a message belongs to one partition) and source (one writer per
+    message), in order, at most BATCH_MAX each."""
     out: list[list[dict[str, Any]]] = []
     for e in events:
-        if out and out[-1][0]["execution_id"] == e["execution_id"] and len(out[-1]) < BATCH_MAX:
+        if out and out[-1][0]["execution_id"] == e["execution_id"] and out[-1][0].get("source") == e.get("source") \
+                and len(out[-1]) < BATCH_MAX:
             out[-1].append(e)
         else:
             out.append([e])
@@ -113,6 +127,33 @@ def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def partition_from_subject(subject: str) -> int:
     return int(subject.split(".")[2])
+
+
+def writer_from_subject(subject: str) -> str | None:
+    """The writer of a stored events message (``noetl.pevt.<P>.<class>.<execution_id>.<writer>``); None
+    for a message stored under the layout of earlier versions, which had no writer token."""
+    parts = subject.split(".")
+    return parts[5] if len(parts) == 6 else None
+
+
+def admitted(subject: str, events: list[Any], reader: str) -> list[dict[str, Any]]:
+    """The events of a stored message that its subject's writer may write (core/events.py MAY_WRITE);
+    the others are dropped and logged, once per message. Messages of the earlier layout (no writer
+    token: stored before ``setup`` migrated the stream, which captures no such subject since) pass."""
+    writer = writer_from_subject(subject)
+    if writer is None and len(subject.split(".")) == 5:
+        return events
+    kept, dropped = split_by_writer(writer or "", events)
+    if dropped:
+        log.error("%s: dropped %d of %d events of %s: %s", reader, len(dropped), len(events), subject,
+                  "; ".join(f"{_describe(e)}: {why}" for e, why in dropped[:10]))
+    return kept
+
+
+def _describe(event: Any) -> str:
+    if not isinstance(event, dict):
+        return repr(event)[:80]
+    return f"{event.get('name')!r} ({event.get('event_id')}, source {event.get('source')!r})"
 
 
 def command_subject(pool: str, execution_id: str) -> str:
@@ -148,14 +189,17 @@ class Bus:
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
-    async def connect(cls, url: str, name: str) -> "Bus":
+    async def connect(cls, url: str, name: str, creds: str | None = None) -> "Bus":
         """Connect, retrying for as long as it takes (NATS may start after the service, or restart);
-        connection trouble is logged as one line at most every 10 s, never as a traceback."""
+        connection trouble is logged as one line at most every 10 s, never as a traceback. ``creds``:
+        the service's NATS credentials (an nkey seed file, infra/nats_auth.py); None connects without."""
+        from .nats_auth import connect_options
+
         quiet = _QuietLog(name)
         servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any node will do
         nc = await nats.connect(servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                 error_cb=quiet.error, disconnected_cb=quiet.disconnected,
-                                reconnected_cb=quiet.reconnected)
+                                reconnected_cb=quiet.reconnected, **connect_options(creds))
         bus = cls(nc, nc.jetstream(timeout=10), name)
         return bus
 
@@ -171,19 +215,23 @@ class Bus:
 
     async def setup(self, partitions: int = DEFAULT_PARTITIONS, max_age_s: float = 7 * 24 * 3600,
                     replicas: int | None = None) -> None:
-        """Create the streams if missing, with ``replicas`` copies each (default ``NOETL_REPLICAS`` or 1;
-        3 on a 3-node cluster); adopt the partition and replica counts of an existing events stream."""
+        """Create the streams, the membership bucket and the payload store if missing, with ``replicas``
+        copies each (default ``NOETL_REPLICAS`` or 1; 3 on a 3-node cluster); adopt the partition and
+        replica counts of an existing events stream, and move one of the earlier subject layout to this
+        one. Needs a user that may create streams (the ``admin`` user of infra/nats_auth.py); services
+        only read what it made."""
         replicas = replicas or int(os.environ.get("NOETL_REPLICAS") or 1)
         try:
             info = await self.js.stream_info(EVENTS)
             self.partitions = _partitions_of(info.config)
             self.replicas = info.config.num_replicas or 1
+            if list(info.config.subjects or ()) != [EVENT_SUBJECTS]:
+                await self._migrate_events(info.config)
         except NotFoundError:
-            dest = f"noetl.pevt.{{{{partition({partitions},2)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}"
             await self.js.add_stream(StreamConfig(
-                name=EVENTS, subjects=["noetl.evt.*.*"], storage=StorageType.FILE,
+                name=EVENTS, subjects=[EVENT_SUBJECTS], storage=StorageType.FILE,
                 retention=RetentionPolicy.LIMITS, max_age=max_age_s, duplicate_window=120,
-                subject_transform=SubjectTransform(src="noetl.evt.*.*", dest=dest), num_replicas=replicas,
+                subject_transform=_event_transform(partitions), num_replicas=replicas,
             ))
             self.partitions, self.replicas = partitions, replicas
         try:
@@ -197,6 +245,24 @@ class Bus:
                 retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120, num_replicas=self.replicas,
             ))
         await self.ensure_lost_commands(max_age_s)
+        from .membership import Membership
+
+        await Membership(self.js, "setup", self.partitions, lambda _: None, replicas=self.replicas)._bucket()
+        await self.payloads.bucket()
+
+    async def _migrate_events(self, config: StreamConfig) -> None:
+        """An events stream of the earlier layout (``noetl.evt.<class>.<execution_id>``, no writer)
+        takes this one; its stored messages stay where they are: the recorder reads them, the control
+        plane does not (an execution running across the change cannot be rebuilt: upgrade when none
+        runs, docs/nats-security.md)."""
+        if list(config.subjects or ()) != [LEGACY_EVENT_SUBJECTS]:
+            raise ValueError(f"stream {EVENTS} has subjects {config.subjects}, neither {EVENT_SUBJECTS!r} nor the "
+                             f"earlier {LEGACY_EVENT_SUBJECTS!r}: it was not made by noetl; delete or rename it")
+        log.warning("stream %s has the subject layout of an earlier version (no writer token): moving it to "
+                    "%s; executions that were running across the change cannot be resumed", EVENTS, EVENT_SUBJECTS)
+        config.subjects = [EVENT_SUBJECTS]
+        config.subject_transform = _event_transform(self.partitions)
+        await self.js.update_stream(config)
 
     async def ensure_lost_commands(self, max_age_s: float = 7 * 24 * 3600) -> None:
         """The server's MAX_DELIVERIES advisories for the commands stream, kept in a stream until
@@ -219,7 +285,7 @@ class Bus:
                 self.partitions, self.replicas = _partitions_of(config), config.num_replicas or 1
                 return
             except NotFoundError:
-                why = f"stream {EVENTS} does not exist yet (created by `noetl up` or `noetl service`)"
+                why = f"stream {EVENTS} does not exist yet (created by `noetl setup`, `noetl up` or `noetl run`, as the NATS admin)"
             except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
                 why = f"JetStream does not answer ({type(exc).__name__}: {exc})"
             if waited - said >= 10 or (waited and not said):
@@ -363,15 +429,16 @@ class Bus:
     async def first_seq(self, execution_id: str, partition: int) -> int | None:
         """The stream sequence of the execution's first message (any class), None when it has none."""
         try:
-            return (await self.js.get_msg(EVENTS, seq=1, subject=f"noetl.pevt.{partition}.*.{execution_id}",
+            return (await self.js.get_msg(EVENTS, seq=1, subject=f"noetl.pevt.{partition}.*.{execution_id}.*",
                                           next=True)).seq
         except NotFoundError:
             return None
 
     async def execution_events(self, execution_id: str, partition: int,
                                classes: tuple[str, ...] = (CTL,)) -> list[tuple[int, dict]]:
-        """The events of the given classes of one execution now in the stream, in order, with seqs."""
-        subjects = [f"noetl.pevt.{partition}.{c}.{execution_id}" for c in classes]
+        """The events of the given classes of one execution now in the stream, in order, with seqs (only
+        those their message's writer may write, :func:`admitted`)."""
+        subjects = [f"noetl.pevt.{partition}.{c}.{execution_id}.*" for c in classes]
         last = 0
         for subject in subjects:
             try:
@@ -390,7 +457,8 @@ class Bus:
             while seq < last:
                 for msg in await sub.fetch(512, timeout=5):
                     seq = msg.metadata.sequence.stream
-                    out += [(seq, e) for e in await self.expand(msg.data, loads(msg.data))]
+                    events = admitted(msg.subject, await self.expand(msg.data, loads(msg.data)), self.name)
+                    out += [(seq, e) for e in events]
         finally:
             await sub.unsubscribe()
             try:  # gone now, not after inactive_threshold: rebuilds in a burst must not pile consumers up
@@ -433,6 +501,10 @@ class _QuietLog:
         self.name, self.last = name, 0.0
 
     async def error(self, exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():  # never expected: every one is worth a line
+            log.error("%s: NATS refused: %s (this connection's user may not do that: docs/nats-security.md)",
+                      self.name, exc)
+            return
         now = time.monotonic()
         if now - self.last >= 10:
             self.last = now
@@ -450,6 +522,14 @@ class BusError(Exception):
     def __init__(self, kind: str, message: str, details: Any = None):
         super().__init__(f"{kind}: {message}")
         self.kind, self.message, self.details = kind, message, details
+
+
+def _event_transform(partitions: int) -> SubjectTransform:
+    """``noetl.evt.<writer>.<class>.<execution_id>`` -> ``noetl.pevt.<partition>.<class>.<execution_id>.<writer>``:
+    the partition hashes the execution id, so one execution's messages are in one partition."""
+    dest = (f"noetl.pevt.{{{{partition({partitions},3)}}}}.{{{{wildcard(2)}}}}.{{{{wildcard(3)}}}}"
+            f".{{{{wildcard(1)}}}}")
+    return SubjectTransform(src=EVENT_SUBJECTS, dest=dest)
 
 
 def _partitions_of(config: StreamConfig) -> int:

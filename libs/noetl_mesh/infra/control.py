@@ -13,6 +13,10 @@ redelivery) drops the partition's cached states, which are rebuilt from the stre
 A rebuild for the event at stream sequence S folds the execution's events before S plus the events
 this service itself emitted for causes before S — exactly what the replica that handled those causes
 held, since a service folds its own decisions at once (:mod:`noetl_mesh.core.decide`).
+
+Before folding, every event must be one its message's writer may write (the writer is in the subject,
+where NATS permissions put it; core/events.py ``MAY_WRITE``): the others are dropped, logged once per
+message (:func:`bus.admitted`), on live deliveries and on rebuilds alike.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from nats.aio.msg import Msg
 from ..core.decide import Decision
 from ..core.state import ExecutionState, apply
 from . import tracing
-from .bus import CTL, EVENTS, Bus, loads, partition_from_subject, pull_loop, release
+from .bus import CTL, EVENTS, Bus, admitted, loads, partition_from_subject, pull_loop, release
 from .membership import Membership
 
 log = logging.getLogger("noetl.control")
@@ -64,7 +68,7 @@ class PartitionedService:
     async def start(self) -> None:
         await self.bus.attach()
         for p in range(self.bus.partitions):
-            subjects = [f"noetl.pevt.{p}.{c}.*" for c in self.classes]
+            subjects = [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes]  # any execution, any writer
             await self.bus.consumer(EVENTS, f"{self.name}-p{p}", subjects,
                                     max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
         # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
@@ -128,7 +132,12 @@ class PartitionedService:
         if self.last_consumer_seq.get(p) != seq.consumer - 1:
             self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
         self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
-        events = await self.bus.expand(msg.data, loads(msg.data))  # one decision's events, one execution
+        # one decision's events, one execution; only those the subject's writer may write
+        events = admitted(msg.subject, await self.bus.expand(msg.data, loads(msg.data)), self.name)
+        if not events:
+            await msg.ack()
+            self.last_consumer_seq[p] = seq.consumer
+            return
         eid = events[0]["execution_id"]
         state = self.cache.get(eid)
         first = events[0]

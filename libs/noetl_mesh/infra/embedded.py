@@ -149,12 +149,14 @@ class EmbeddedNats:
         log_path: str | Path | None = None,
         startup_timeout: float = 10.0,
         config: str = "",
+        auth: Any = None,
     ) -> None:
         self._requested_store = Path(store_dir) if store_dir is not None else None
         self._requested_port = port
         self._requested_log = Path(log_path) if log_path is not None else None
         self.max_payload = max_payload
         self.config = config  # extra server configuration (a cluster node's name and routes)
+        self.auth = auth  # a NatsAuth (infra/nats_auth.py): its users only, anonymous connections refused
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
@@ -223,6 +225,8 @@ class EmbeddedNats:
         lines = [f"max_payload: {int(self.max_payload)}"] if self.max_payload is not None else []
         if self.config:
             lines.append(self.config)
+        if self.auth is not None:
+            lines.append(self.auth.config)
         if lines:
             conf = workdir / "nats.conf"
             conf.write_text("\n".join(lines) + "\n")
@@ -263,6 +267,11 @@ class EmbeddedNats:
         except (urllib.error.URLError, OSError):
             return False
 
+    def violations(self) -> list[str]:
+        """The permission violations the server logged so far (with authentication on)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+        return [line for line in text.splitlines() if "Violation" in line]
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the server (SIGKILL after ``timeout``) and remove temp dirs."""
         if self._proc is not None:
@@ -301,7 +310,7 @@ class EmbeddedNatsCluster:
     external = False
 
     def __init__(self, nodes: int = 3, store_root: str | Path | None = None, *, startup_timeout: float = 30.0,
-                 name: str = "noetl") -> None:
+                 name: str = "noetl", auth: Any = None) -> None:
         self.size, self.name, self.startup_timeout = nodes, name, startup_timeout
         self._root = Path(store_root) if store_root is not None else Path(tempfile.mkdtemp(prefix="noetl-nats-cluster-"))
         self._own_root = store_root is None
@@ -314,7 +323,7 @@ class EmbeddedNatsCluster:
                       f"cluster {{ name: {name}, listen: 127.0.0.1:{self.cluster_ports[i]}, routes: [{routes}] }}")
             self.nodes.append(EmbeddedNats(store_dir=self._root / f"n{i}", port=self.ports[i],
                                            log_path=self._root / f"n{i}.log", config=config,
-                                           startup_timeout=startup_timeout))
+                                           startup_timeout=startup_timeout, auth=auth))
 
     @property
     def url(self) -> str:

@@ -27,6 +27,7 @@ from ..core.local import run_local
 from ..core.state import FINAL, summary
 from ..core.verify import Report, verify
 from ..infra.embedded import EmbeddedNats, EmbeddedPostgres
+from ..infra.nats_auth import NatsAuth
 from ..stack import ProcessStack, Settings, free_port
 
 log = logging.getLogger("noetl.chaos")
@@ -117,6 +118,7 @@ class ChaosResult:
     reports: dict[str, Report] = field(default_factory=dict)
     mismatches: dict[str, str] = field(default_factory=dict)  # execution id -> how it differs from the reference
     faults: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)  # NATS permission violations (none expected)
     events: int = 0
     seconds: float = 0.0
 
@@ -126,7 +128,8 @@ class ChaosResult:
 
     @property
     def ok(self) -> bool:
-        return not self.unfinished and not self.mismatches and all(r.ok for r in self.reports.values())
+        return (not self.unfinished and not self.mismatches and not self.violations
+                and all(r.ok for r in self.reports.values()))
 
     def describe(self) -> str:
         lines = [f"{len(self.submitted)} executions, {self.events} events, faults: {', '.join(self.faults)} "
@@ -134,6 +137,7 @@ class ChaosResult:
         lines += [f"unfinished: {x} ({self.submitted[x]})" for x in self.unfinished]
         lines += [f"{x} ({self.submitted[x]}): {f.check}: {f.message}" for x, r in self.reports.items() for f in r.findings]
         lines += [f"{x} ({self.submitted[x]}) differs from the reference: {m}" for x, m in self.mismatches.items()]
+        lines += [f"NATS: {v}" for v in self.violations]
         return "\n".join(lines)
 
 
@@ -157,14 +161,16 @@ async def run_chaos(cfg: ChaosConfig, workdir: str | Path) -> ChaosResult:
     result = ChaosResult()
     started = time.monotonic()
     nats_port = free_port()
-    nats = EmbeddedNats(store_dir=workdir / "nats", port=nats_port, log_path=workdir / "nats.log").start()
+    auth = NatsAuth(workdir / "nats-creds").ensure()  # one user per service, as deployed
+    nats = EmbeddedNats(store_dir=workdir / "nats", port=nats_port, log_path=workdir / "nats.log", auth=auth).start()
     pg_root = Path(tempfile.mkdtemp(prefix="noetl-chaos-pg-"))  # the postgres user must reach it
     pg_root.chmod(0o755)
     pg = EmbeddedPostgres(data_dir=pg_root / "data", port=free_port(), fast=True).start()
     env = {"NOETL_CONTROL_ACK_WAIT": "3"}
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg.dsn("postgres"), ack_wait=3.0, concurrency=4),
+    stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg.dsn("postgres"), ack_wait=3.0, concurrency=4,
+                                  nats_creds=str(auth.directory)),
                          replicas=cfg.replicas, workers=cfg.workers, log_dir=str(workdir), supervise=True)
     try:
         await stack.start()
@@ -195,6 +201,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: str | Path) -> ChaosResult:
         await _compare(result)
     finally:
         await stack.stop()
+        result.violations = nats.violations()
         nats.stop()
         pg.stop()
         shutil.rmtree(pg_root, ignore_errors=True)

@@ -15,6 +15,12 @@ Fixtures:
                            all dropped after the test
     pg_dsn                 DSN of a fresh database for this test
 
+NATS authentication: the servers of ``nats_server``/``nats_url``/``fresh_nats`` are open (no users):
+the low-level tests that use them exercise one adapter at a time, as the admin would. Whole stacks
+(tests/integration/conftest.py ``start_stack``, the process stacks, the chaos run) start their NATS with
+one user per service (``EmbeddedNats(auth=NatsAuth(dir).ensure())``, infra/nats_auth.py) and fail on
+any permission violation the server logs.
+
 Applying migrations to every test database (e.g. in ``tests/conftest.py``)::
 
     @pytest.fixture(scope="session")

@@ -1,0 +1,324 @@
+"""NATS users and permissions: one user per service, each allowed exactly what the service does.
+
+Users authenticate with nkeys (Ed25519): the server configuration holds only public keys and
+permissions; each service holds its own seed in a file (0600). Users:
+
+| user | may |
+|---|---|
+| ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
+| ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas |
+| ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
+| ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*`` |
+| ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
+| ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
+
+Every user but ``admin`` gets its own inbox prefix ``_INBOX.<its public key>`` (nats-py
+``inbox_prefix``): replies and JetStream deliveries reach only the connection that asked. The
+permissions are computed here (:func:`permissions`, pure) and written into the server configuration
+(:func:`server_config`); :class:`NatsAuth` keeps a directory of seeds and that configuration, reused on
+restart. docs/nats-security.md explains each rule and how it was found.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Iterable
+
+import nkeys
+
+ADMIN = "admin"
+CONTROL_PLANE = ("admission", "router", "loop-coordinator")
+SERVICES = ("gateway", *CONTROL_PLANE, "event-recorder", "sessions")  # and worker-<pool>
+WRITERS = ("gateway", *CONTROL_PLANE, "worker")  # the writer token of noetl.evt.<writer>.<class>.<execution>
+WORKER_PREFIX = "worker-"
+CONFIG_FILE = "nats-auth.conf"  # the server's part: public keys and permissions
+META_FILE = "nats-auth.json"  # what the configuration was made for (partitions, pools)
+SEED_SUFFIX = ".nk"
+DEFAULT_PARTITIONS = 16
+
+# stream and bucket names (infra/bus.py, membership.py, payloads.py; services/sessions)
+EVENTS, COMMANDS, LOST = "NOETL_EVENTS", "NOETL_COMMANDS", "NOETL_LOST_COMMANDS"
+MEMBERS_BUCKET, PAYLOADS_BUCKET = "noetl_members", "noetl_payloads"
+MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
+SESSION_BUCKETS = ("noetl_sessions", "noetl_users", "noetl_logins")
+AUDIT = "NOETL_AUDIT"
+SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
+ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS)
+RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<area>.<verb>
+SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
+SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
+
+_POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+
+
+# ------------------------------------------------------------------------------------- names
+def check_pool(pool: str) -> str:
+    """A pool name is one subject token (``noetl.cmd.<pool>.<execution>``) and part of a durable name."""
+    if not isinstance(pool, str) or not _POOL.match(pool):
+        raise ValueError(f"pool {pool!r}: letters, digits, '-' and '_' only (1 to 64), it is a NATS subject token")
+    return pool
+
+
+def user_for(service: str, pool: str = "default") -> str:
+    """The NATS user of a service (a worker's is its pool's)."""
+    if service == "worker":
+        return WORKER_PREFIX + check_pool(pool)
+    if service not in SERVICES and service != ADMIN:
+        raise ValueError(f"no NATS user for service {service!r}; known: {', '.join((ADMIN, *SERVICES, 'worker'))}")
+    return service
+
+
+def durables(service: str, partitions: int) -> list[str]:
+    """The durable consumers of the events stream a control-plane service reads through."""
+    return [f"{service}-p{p}" for p in range(partitions)]
+
+
+# ------------------------------------------------------------------------------------- keys
+def new_seed() -> str:
+    return nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def public_key(seed: str) -> str:
+    kp = nkeys.from_seed(bytearray(seed.strip().encode()))
+    try:
+        return kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
+def inbox_prefix(public: str) -> str:
+    return f"_INBOX.{public}"
+
+
+def read_seed(path: str | os.PathLike) -> str:
+    try:
+        seed = Path(path).read_text().strip()
+        public_key(seed)
+    except OSError as exc:
+        raise ValueError(f"NATS credentials {path}: cannot read ({exc.strerror})") from None
+    except Exception:  # noqa: BLE001 - nkeys raises several kinds for a bad seed
+        raise ValueError(f"NATS credentials {path}: not an nkey user seed (a line starting 'SU')") from None
+    return seed
+
+
+def connect_options(creds: str | os.PathLike | None) -> dict[str, Any]:
+    """nats-py connect options for a credentials file (an nkey seed): the seed and this user's own
+    inbox prefix (its permissions allow replies under it only). ``{}`` without credentials."""
+    if not creds:
+        return {}
+    seed = read_seed(creds)
+    return {"nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public_key(seed))}
+
+
+# ------------------------------------------------------------------------------------- permissions
+def _js(*parts: str) -> str:
+    return ".".join(("$JS.API", *parts))
+
+
+def _stream_api(stream: str) -> list[str]:
+    """Every JetStream API subject that names ``stream`` (for deny lists)."""
+    return [_js("STREAM", "*", stream), _js("STREAM", "MSG", "*", stream), _js("DIRECT", "GET", stream),
+            _js("DIRECT", "GET", stream, ">"), _js("CONSUMER", "*", stream), _js("CONSUMER", "*", stream, ">"),
+            _js("CONSUMER", "*", "*", stream, ">"), f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def _durable(stream: str, name: str, *, info: bool = False) -> list[str]:
+    """Create (or update) a durable pull consumer, fetch from it, acknowledge its messages."""
+    out = [_js("CONSUMER", "DURABLE", "CREATE", stream, name), _js("CONSUMER", "MSG", "NEXT", stream, name),
+           f"$JS.ACK.{stream}.{name}.>"]
+    return out + ([_js("CONSUMER", "INFO", stream, name)] if info else [])
+
+
+def _payloads(write: bool) -> list[str]:
+    """The object store of large values (D23): read (an ordered consumer per object, its stream found
+    by subject: ``STREAM.NAMES``), and write (replacing an object purges its old chunks)."""
+    out = [_js("STREAM", "INFO", PAYLOADS), _js("STREAM", "MSG", "GET", PAYLOADS), _js("STREAM", "NAMES"),
+           _js("CONSUMER", "CREATE", PAYLOADS), _js("CONSUMER", "CREATE", PAYLOADS, ">"), f"$JS.FC.{PAYLOADS}.>"]
+    return out + ([f"$O.{PAYLOADS_BUCKET}.>", _js("STREAM", "PURGE", PAYLOADS)] if write else [])
+
+
+def _membership(service: str) -> list[str]:
+    """Its replicas' heartbeats in the members bucket (infra/membership.py)."""
+    return [_js("STREAM", "INFO", MEMBERS), _js("STREAM", "PURGE", MEMBERS), f"$KV.{MEMBERS_BUCKET}.{service}.>"]
+
+
+def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | None:
+    """The server permissions of ``user`` (None: ``admin``, unrestricted). ``inbox``: the user's
+    inbox prefix. Allow lists name exactly what the service does; deny lists repeat the dangerous
+    refusals explicitly (deny wins over any allow)."""
+    if user == ADMIN:
+        return None
+    pub: list[str] = []
+    sub: list[str] = [f"{inbox}.>"]
+    responses = False
+    writer = "worker" if user.startswith(WORKER_PREFIX) else user
+    purges: set[str] = set()  # streams it may purge
+    if writer in WRITERS:
+        pub.append(f"noetl.evt.{writer}.>")
+    if user == "gateway":
+        pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]
+        pub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS if area != "credential"]
+        pub += [f"noetl.q.credential.{verb}" for verb in ("put", "list", "get", "delete")]  # not resolve
+        pub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]  # bootstrap denied below
+        pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
+        sub.append("noetl.sessions.revoked")
+        purges.add(PAYLOADS)
+    elif user in CONTROL_PLANE:
+        own = durables(user, partitions)
+        pub += [_js("STREAM", "INFO", EVENTS), _js("STREAM", "MSG", "GET", EVENTS)]
+        for name in own:
+            pub += _durable(EVENTS, name)
+        # rebuilds: a short-lived consumer (nats-py names it at random; its filter travels in the subject
+        # when there is one), fetched and deleted; never another's durable (denied below)
+        pub += [_js("CONSUMER", "CREATE", EVENTS, "*"), _js("CONSUMER", "CREATE", EVENTS, "*", ">"),
+                _js("CONSUMER", "MSG", "NEXT", EVENTS, "*"), _js("CONSUMER", "DELETE", EVENTS, "*")]
+        pub += _payloads(write=True) + _membership(user)
+        purges |= {PAYLOADS, MEMBERS}
+        if user == "admission":
+            pub += ["noetl.cmd.*.*", "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
+                    _js("STREAM", "MSG", "GET", COMMANDS), _js("STREAM", "MSG", "DELETE", COMMANDS),
+                    _js("STREAM", "INFO", LOST), *_durable(LOST, "admission")]
+        elif user == "router":
+            pub += ["noetl.cancel.*", _js("STREAM", "PURGE", COMMANDS)]
+            purges.add(COMMANDS)
+        else:
+            pub.append("noetl.cmd.*.*")
+    elif user == "event-recorder":
+        pub += [_js("STREAM", "INFO", EVENTS), *_durable(EVENTS, "event-recorder", info=True)]
+        sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
+        responses = True
+    elif user == "sessions":
+        for stream in SESSION_STREAMS:
+            pub += [_js("STREAM", verb, stream) for verb in ("INFO", "CREATE", "UPDATE")]
+            pub += [_js("STREAM", "MSG", "GET", stream), _js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
+        pub += [f"$KV.{b}.>" for b in SESSION_BUCKETS] + ["noetl.audit.>", "noetl.sessions.revoked"]
+        sub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]
+        responses = True
+    elif user.startswith(WORKER_PREFIX):
+        pool = check_pool(user[len(WORKER_PREFIX):])
+        pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), "noetl.q.credential.resolve",
+                *_payloads(write=True)]
+        sub.append("noetl.cancel.*")
+        purges.add(PAYLOADS)
+    else:
+        raise ValueError(f"unknown NATS user {user!r}")
+    pub = list(dict.fromkeys(p for p in pub if p))
+
+    deny = [_js("STREAM", "DELETE", ">"), "$JS.API.ACCOUNT.>", "$JS.API.SERVER.>", "$SYS.>"]
+    deny += [f"noetl.evt.{w}.>" for w in WRITERS if w != writer]  # nobody publishes as another writer
+    deny.append("noetl.pevt.>")  # stored subjects are the stream's transform's, never published
+    if user not in ("admission", "loop-coordinator"):
+        deny.append("noetl.cmd.>")
+    if user != "router":
+        deny.append("noetl.cancel.>")
+    if user != "sessions":  # the sessions service's buckets and audit stream are its own
+        deny += [x for stream in SESSION_STREAMS for x in _stream_api(stream)]
+        deny += [f"$KV.{b}.>" for b in SESSION_BUCKETS]
+        deny += [f"noetl.audit.{area}.>" for area in SESSIONS_AUDIT_AREAS]
+        deny.append("noetl.q.sessions.bootstrap")  # the admin's only
+        deny.append("noetl.sessions.revoked")
+    deny += [_js("STREAM", "PURGE", s) for s in ALL_STREAMS if s not in purges and s not in SESSION_STREAMS]
+    deny += [_js("STREAM", verb, s) for verb in ("CREATE", "UPDATE") for s in ALL_STREAMS if s not in SESSION_STREAMS]
+    others = ["event-recorder", *(d for s in CONTROL_PLANE for d in durables(s, partitions))]
+    if user in CONTROL_PLANE:  # its wildcards cover ephemerals only: never another service's durable
+        own = set(durables(user, partitions))
+        deny += [_js("CONSUMER", verb, EVENTS, d) for verb in ("MSG.NEXT", "DELETE", "CREATE") for d in others
+                 if d not in own]
+        deny += [_js("CONSUMER", "CREATE", EVENTS, d, ">") for d in others if d not in own]
+        deny += [_js("CONSUMER", "DELETE", EVENTS, d) for d in own]
+    else:
+        deny += [_js("CONSUMER", "DELETE", ">")]
+    if user not in CONTROL_PLANE:
+        deny.append(f"$KV.{MEMBERS_BUCKET}.>")
+    sub_deny = [f"noetl.q.{a}.>" for a in (*RECORDER_AREAS, *SESSIONS_AREAS)
+                if not (user == "event-recorder" and a in RECORDER_AREAS or user == "sessions" and a in SESSIONS_AREAS)]
+    sub_deny += ["noetl.evt.>", "noetl.cmd.>", "$JS.>", "$KV.>", "$O.>"]  # stored traffic arrives via inboxes only
+    perms: dict[str, Any] = {"publish": {"allow": pub, "deny": sorted(set(deny) - set(pub))},
+                             "subscribe": {"allow": sub, "deny": sub_deny}}
+    if responses:
+        perms["allow_responses"] = True
+    return perms
+
+
+def server_config(users: dict[str, str], *, partitions: int) -> str:
+    """The ``authorization`` block of the server configuration: ``users`` maps each user name to its
+    public key. Holds no secret."""
+    lines = ["# noetl-mesh NATS users (infra/nats_auth.py; docs/nats-security.md). Public keys and permissions",
+             "# only: each service keeps its own seed. Anonymous connections are refused.",
+             "authorization {", "  users: ["]
+    for user, public in users.items():
+        entry: dict[str, Any] = {"nkey": public}
+        perms = permissions(user, partitions=partitions, inbox=inbox_prefix(public))
+        if perms is not None:
+            entry["permissions"] = perms
+        lines.append(f"    # {user}")
+        lines.append("    " + json.dumps(entry) + ",")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------- a directory
+class NatsAuth:
+    """A credentials directory: one nkey seed file per user (``<user>.nk``, 0600), the server
+    configuration made from their public keys (``nats-auth.conf``), and what it was made for
+    (``nats-auth.json``: partitions, pools). :meth:`ensure` keeps existing seeds and what the
+    directory was made for (a restart reuses both; new pools are added)."""
+
+    def __init__(self, directory: str | os.PathLike, *, pools: Iterable[str] = ("default",),
+                 partitions: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.pools = [check_pool(p) for p in dict.fromkeys(pools)]
+        self.partitions = partitions or int(os.environ.get("NOETL_PARTITIONS") or DEFAULT_PARTITIONS)
+
+    @property
+    def users(self) -> list[str]:
+        return [ADMIN, *SERVICES, *(WORKER_PREFIX + p for p in self.pools)]
+
+    def file(self, user: str) -> str:
+        return str(self.directory / f"{user}{SEED_SUFFIX}")
+
+    def for_service(self, service: str, pool: str = "default") -> str:
+        return self.file(user_for(service, pool))
+
+    @property
+    def admin(self) -> str:
+        return self.file(ADMIN)
+
+    @property
+    def config_file(self) -> str:
+        return str(self.directory / CONFIG_FILE)
+
+    @property
+    def config(self) -> str:
+        return Path(self.config_file).read_text()
+
+    def ensure(self) -> "NatsAuth":
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)
+        meta_path = self.directory / META_FILE
+        if meta_path.exists():  # made before: its partitions hold (the events stream's are fixed too)
+            meta = json.loads(meta_path.read_text())
+            self.partitions = int(meta.get("partitions") or self.partitions)
+            self.pools = list(dict.fromkeys([*meta.get("pools", []), *self.pools]))
+        keys = {}
+        for user in self.users:
+            path = Path(self.file(user))
+            if not path.exists():
+                _write_private(path, new_seed() + "\n")
+            keys[user] = public_key(read_seed(path))
+        _write_private(Path(self.config_file), server_config(keys, partitions=self.partitions))
+        _write_private(meta_path, json.dumps({"partitions": self.partitions, "pools": self.pools}) + "\n")
+        return self
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (created 0600, never briefly readable by others)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)

@@ -1,0 +1,289 @@
+"""NATS permissions on a running stack (one user per service, infra/nats_auth.py): what a service's
+credentials may not do is refused by the server (a permission violation, logged by it) and changes
+nothing; an event a writer may not write that its own permissions let through is dropped by the control
+plane. (That each service's credentials let it do its job is shown by every other integration test:
+their stacks run with the same permissions and fail on any violation.)"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import nats
+import pytest
+from nats.js.api import ConsumerConfig
+
+from conftest import start_stack, stop_stack
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.core.events import make_event, new_execution_id
+from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus, dumps, loads, pool_filter
+from noetl_mesh.infra.nats_auth import NatsAuth, connect_options, public_key, read_seed
+
+pytestmark = pytest.mark.integration
+TIMEOUT = 0.5  # a refused JetStream request is never answered: it times out (the server's -ERR comes at once)
+
+
+@pytest.fixture(scope="module")
+def secured(module_pg):
+    nats_server, loop, handle = start_stack(module_pg, pools=("default", "other"))
+    handle.server = nats_server
+    handle.auth = NatsAuth(handle.stack.settings.nats_creds)
+    yield handle
+    stop_stack(nats_server, loop, handle, check=False)  # this module's own refusals are logged
+
+
+class Conn:
+    """A raw connection as one user, collecting the errors the server sends it."""
+
+    def __init__(self, handle, user: str | None, timeout: float | None = None):
+        self.handle, self.user, self.errors = handle, user, []
+        self.timeout = timeout or (10.0 if user == "admin" else TIMEOUT)  # the admin's calls are answered
+
+    async def __aenter__(self) -> "Conn":
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        creds = self.handle.auth.file(self.user) if self.user else None
+        self.nc = await nats.connect(self.handle.nats_url, error_cb=on_error, allow_reconnect=False,
+                                     **connect_options(creds))
+        self.js = self.nc.jetstream(timeout=self.timeout)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.nc.close()
+
+    async def refused(self, call, what: str) -> None:
+        """``call`` fails (no answer) and the server says why: a permission violation naming ``what``."""
+        with pytest.raises(Exception):  # noqa: B017 - a timeout, or no responders
+            await call
+        await self.nc.flush()
+        for _ in range(20):
+            if any("permissions violation" in e and what.lower() in e.lower() for e in self.errors):  # lower-cased
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no permission violation for {what!r}: {self.errors}")
+
+
+def logged(handle, user: str, what: str) -> bool:
+    """The server logged the violation, with the user's key."""
+    key = public_key(read_seed(handle.auth.file(user)))
+    return any(key in line and what in line for line in handle.server.violations())
+
+
+async def stream_state(handle, stream: str):
+    async with Conn(handle, "admin") as admin:
+        return (await admin.js.stream_info(stream)).state
+
+
+def test_an_anonymous_connection_is_refused(secured):
+    async def main():
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(secured.nats_url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+
+    secured.run(main())
+
+
+def test_a_worker_cannot_publish_a_control_plane_event_as_the_router(secured):
+    async def main():
+        xid = new_execution_id()
+        before = await stream_state(secured, EVENTS)
+        finished = make_event("workflow.finished", xid, event_id="forged-1", source="router",
+                              data={"status": "COMPLETED", "cancelled_runs": [], "error": None})
+        async with Conn(secured, "worker-default") as worker:
+            await worker.refused(worker.js.publish(f"noetl.evt.router.ctl.{xid}", dumps([finished]), stream=EVENTS),
+                                 f"noetl.evt.router.ctl.{xid}")
+            await worker.refused(worker.js.publish(f"noetl.evt.gateway.ctl.{xid}", dumps([finished]), stream=EVENTS),
+                                 f"noetl.evt.gateway.ctl.{xid}")
+            await worker.refused(worker.js.publish(f"noetl.cmd.default.{xid}", b"{}", stream=COMMANDS),
+                                 f"noetl.cmd.default.{xid}")
+        after = await stream_state(secured, EVENTS)
+        assert (after.messages, after.last_seq) == (before.messages, before.last_seq)  # nothing stored
+        assert logged(secured, "worker-default", f"noetl.evt.router.ctl.{xid}")
+
+    secured.run(main())
+
+
+def test_a_control_plane_event_on_a_workers_own_subject_is_stored_and_dropped(secured, fixture_api, caplog):
+    """The worker's user may publish on ``noetl.evt.worker.…``, so a forged ``workflow.finished`` (and
+    a ``step.done`` claiming to be the router's) is stored; the control plane drops both, logs them, and
+    the execution runs on to its real end."""
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "f", "path": "t/forged"},
+           "workflow": [{"step": "slow", "tool": {"kind": "http", "url": f"{fixture_api.url}/slow/1.5"},
+                         "next": {"arcs": [{"step": "end"}]}},
+                        {"step": "end", "tool": {"kind": "noop", "result": "done"}}]}
+
+    phase = ["submitting"]
+
+    async def main():
+        async with GatewayClient(secured.url) as client:
+            xid = await client.start(doc)
+        phase[0] = "waiting for the step to start"
+        async with Conn(secured, "admin") as admin:
+            events = await _events(admin, xid, lambda evs: any(e["name"] == "step.started" for e in evs), timeout=60)
+            run = next(e for e in events if e["name"] == "step.started")["step_run_id"]
+        forged = [make_event("workflow.finished", xid, event_id="forged-2", source="worker:default", status="error",
+                             data={"status": "FAILED", "cancelled_runs": [], "error": {"kind": "forged"}}),
+                  make_event("step.done", xid, event_id="forged-3", source="router", step="slow", step_run_id=run,
+                             data={"result": "forged"})]
+        phase[0] = "publishing the forged events"
+        async with Conn(secured, "worker-default", timeout=10) as worker:  # allowed: answered
+            ack = await worker.js.publish(f"noetl.evt.worker.ctl.{xid}", dumps(forged), stream=EVENTS)
+        assert ack.seq and not worker.errors
+        phase[0] = "waiting for the router's workflow.finished"
+        async with Conn(secured, "admin") as admin:
+            events = await _events(admin, xid, lambda evs: any(e["name"] == "workflow.finished" and e["source"] == "router"
+                                                               for e in evs), timeout=60)
+        real = next(e for e in events if e["name"] == "workflow.finished" and e["source"] == "router")
+        assert real["data"]["status"] == "COMPLETED"
+        assert any(e["name"] == "step.done" and e["step"] == "end" for e in events)  # it ran on
+        assert secured.stack.services("router")[0].cache[xid].status == "COMPLETED"
+
+    async def bounded():
+        try:
+            await asyncio.wait_for(main(), 140)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"stuck {phase[0]}") from None
+
+    with caplog.at_level(logging.ERROR, logger="noetl.bus"):
+        secured.run(bounded(), timeout=150)
+    dropped = [r.getMessage() for r in caplog.records if "dropped 2 of 2 events" in r.getMessage()]
+    assert dropped and "worker may not write 'workflow.finished'" in dropped[0]
+    assert "source 'router' is not the writer 'worker'" in dropped[0]
+
+
+async def _events(admin: Conn, xid: str, until, timeout: float = 15) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        sub = await admin.js.pull_subscribe(f"noetl.pevt.*.*.{xid}.*", stream=EVENTS,
+                                            config=ConsumerConfig(inactive_threshold=5.0))
+        events: list[dict] = []
+        try:
+            while True:
+                msgs = await sub.fetch(100, timeout=0.5)
+                for m in msgs:
+                    events += [{**e, "_writer": m.subject.rsplit(".", 1)[1]} for e in loads(m.data)]
+        except nats.errors.TimeoutError:
+            pass
+        finally:
+            await sub.unsubscribe()
+        if until(events):
+            return events
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; got {[(e['name'], e['source']) for e in events]}")
+        await asyncio.sleep(0.3)
+
+
+def test_a_worker_cannot_touch_the_sessions_bucket(secured):
+    async def main():
+        async with Conn(secured, "admin") as admin:
+            kv = await admin.js.create_key_value(bucket="noetl_sessions", history=1)
+            await kv.put("noetl.sessions.s1", b'{"user": "u1"}')
+        async with Conn(secured, "worker-default") as worker:
+            await worker.refused(worker.js.key_value("noetl_sessions"), "$JS.API.STREAM.INFO.KV_noetl_sessions")
+            await worker.refused(worker.js.get_msg("KV_noetl_sessions", subject="$KV.noetl_sessions.noetl.sessions.s1"),
+                                 "$JS.API.STREAM.MSG.GET.KV_noetl_sessions")
+            await worker.refused(worker.js.get_msg("KV_noetl_sessions", subject="$KV.noetl_sessions.noetl.sessions.s1",
+                                                   direct=True), "$JS.API.DIRECT.GET.KV_noetl_sessions")
+            await worker.refused(worker.js.publish("$KV.noetl_sessions.noetl.sessions.s1", b'{"user": "admin"}'),
+                                 "$KV.noetl_sessions.noetl.sessions.s1")
+            await worker.nc.subscribe("$KV.noetl_sessions.>")
+            await worker.nc.subscribe("_INBOX.>")  # everyone else's replies and deliveries
+            await worker.nc.flush()
+            await asyncio.sleep(0.2)
+            assert any('subscription to "$kv.noetl_sessions.>"' in e.lower() for e in worker.errors), worker.errors
+            assert any('subscription to "_inbox.>"' in e.lower() for e in worker.errors), worker.errors
+        async with Conn(secured, "admin") as admin:
+            kv = await admin.js.key_value("noetl_sessions")
+            entry = await kv.get("noetl.sessions.s1")
+            assert (entry.value, entry.revision) == (b'{"user": "u1"}', 1)  # unchanged
+            await admin.js.delete_key_value("noetl_sessions")
+        assert logged(secured, "worker-default", "KV_noetl_sessions")
+
+    secured.run(main())
+
+
+def test_a_worker_cannot_delete_or_purge_streams_or_read_another_pools_commands(secured):
+    async def main():
+        xid = new_execution_id()
+        async with Conn(secured, "admin") as admin:  # a command for pool "other", which has no worker here
+            await admin.js.publish(f"noetl.cmd.other.{xid}", b'{"command_id": "c"}', stream=COMMANDS)
+        before = {s: await stream_state(secured, s) for s in (EVENTS, COMMANDS)}
+        async with Conn(secured, "worker-default") as worker:
+            await worker.refused(worker.js.delete_stream(EVENTS), f"$JS.API.STREAM.DELETE.{EVENTS}")
+            await worker.refused(worker.js.purge_stream(COMMANDS), f"$JS.API.STREAM.PURGE.{COMMANDS}")
+            await worker.refused(worker.js.purge_stream(EVENTS), f"$JS.API.STREAM.PURGE.{EVENTS}")
+            await worker.refused(worker.js.add_consumer(COMMANDS, ConsumerConfig(
+                durable_name="pool-other", filter_subject="noetl.cmd.other.*")), "pool-other")
+            await worker.refused(worker.js.add_consumer(COMMANDS, ConsumerConfig(filter_subject="noetl.cmd.>")),
+                                 f"$JS.API.CONSUMER.CREATE.{COMMANDS}")
+            await worker.refused(worker.js.delete_consumer(EVENTS, "event-recorder"), "CONSUMER.DELETE")
+        other = await Bus.connect(secured.nats_url, "other-pool", secured.auth.file("worker-other"))
+        try:  # that pool's own worker reads it, as the worker service does
+            sub = await other.durable(COMMANDS, "pool-other", pool_filter("other"), max_ack_pending=10)
+            [msg] = await sub.fetch(1, timeout=5)
+            assert loads(msg.data) == {"command_id": "c"}
+            await msg.ack()
+        finally:
+            await other.close()
+        after = {s: await stream_state(secured, s) for s in (EVENTS, COMMANDS)}
+        assert after[EVENTS].messages >= before[EVENTS].messages  # not purged (the stack may still write)
+        assert before[COMMANDS].messages >= 1
+        assert logged(secured, "worker-default", f"$JS.API.STREAM.DELETE.{EVENTS}")
+
+    secured.run(main())
+
+
+def test_the_gateway_cannot_publish_a_command_purge_or_bootstrap_sessions(secured):
+    async def main():
+        xid = new_execution_id()
+        before = {s: await stream_state(secured, s) for s in (EVENTS, COMMANDS)}
+        async with Conn(secured, "gateway") as gateway:
+            await gateway.refused(gateway.js.publish(f"noetl.cmd.default.{xid}", b"{}", stream=COMMANDS),
+                                  f"noetl.cmd.default.{xid}")
+            await gateway.refused(gateway.js.purge_stream(EVENTS), f"$JS.API.STREAM.PURGE.{EVENTS}")
+            await gateway.refused(gateway.js.purge_stream(COMMANDS), f"$JS.API.STREAM.PURGE.{COMMANDS}")
+            await gateway.refused(gateway.js.delete_consumer(EVENTS, "router-p0"), "CONSUMER.DELETE")
+            await gateway.refused(gateway.nc.request("noetl.q.sessions.bootstrap", b"{}", timeout=TIMEOUT),
+                                  "noetl.q.sessions.bootstrap")
+            finished = make_event("workflow.finished", xid, event_id="forged-4", source="router")
+            await gateway.refused(gateway.js.publish(f"noetl.evt.router.ctl.{xid}", dumps([finished]), stream=EVENTS),
+                                  f"noetl.evt.router.ctl.{xid}")
+        after = {s: await stream_state(secured, s) for s in (EVENTS, COMMANDS)}
+        assert after[COMMANDS].last_seq == before[COMMANDS].last_seq
+        assert after[EVENTS].first_seq == before[EVENTS].first_seq  # nothing purged
+        assert logged(secured, "gateway", f"$JS.API.STREAM.PURGE.{EVENTS}")
+
+    secured.run(main())
+
+
+def test_setup_moves_an_events_stream_of_the_earlier_layout(fresh_nats, caplog):
+    """A stream made by an earlier version (``noetl.evt.<class>.<execution>``, no writer) takes the
+    writer layout in place: same partitions, earlier messages kept; a stream noetl did not make is refused."""
+    from nats.js.api import StreamConfig, SubjectTransform
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "upgrade")
+        try:
+            old = "noetl.pevt.{{partition(4,2)}}.{{wildcard(1)}}.{{wildcard(2)}}"
+            await bus.js.add_stream(StreamConfig(name=EVENTS, subjects=["noetl.evt.*.*"],
+                                                 subject_transform=SubjectTransform(src="noetl.evt.*.*", dest=old)))
+            await bus.js.publish("noetl.evt.ctl.x1", b"[]", stream=EVENTS)
+            with caplog.at_level(logging.WARNING, logger="noetl.bus"):
+                await bus.setup(partitions=16)
+            assert bus.partitions == 4  # the stream's, not the argument
+            assert any("subject layout of an earlier version" in r.getMessage() for r in caplog.records)
+            await bus.publish_event(make_event("execution.cancelled", "x1", event_id="c1", source="gateway"))
+            first, second = [await bus.js.get_msg(EVENTS, seq) for seq in (1, 2)]
+            assert first.subject.rsplit(".", 1)[0] == second.subject.rsplit(".", 2)[0]  # same partition
+            assert second.subject.endswith(".ctl.x1.gateway")
+            assert await bus.first_seq("x1", int(second.subject.split(".")[2])) == 2  # the control plane's view
+            await bus.setup()  # again: nothing to do
+            await bus.js.delete_stream(EVENTS)
+            await bus.js.add_stream(StreamConfig(name=EVENTS, subjects=["elsewhere.>"]))
+            with pytest.raises(ValueError, match="it was not made by noetl"):
+                await bus.setup()
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

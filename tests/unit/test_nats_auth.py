@@ -1,0 +1,230 @@
+"""NATS users and permissions (infra/nats_auth.py) as data, the writer in the subject (infra/bus.py), and
+the commands that make and use credentials. The server's enforcement is tested against a real NATS in
+tests/integration/test_nats_permissions.py."""
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from noetl_mesh.cli import main
+from noetl_mesh.core.events import make_event
+from noetl_mesh.infra.bus import admitted, batch_subject, batches, writer_from_subject
+from noetl_mesh.infra.nats_auth import (ADMIN, NatsAuth, check_pool, connect_options, permissions, public_key,
+                                        read_seed, server_config, user_for)
+
+INBOX = "_INBOX.UKEY"
+
+
+def perms(user: str, partitions: int = 4) -> dict:
+    return permissions(user, partitions=partitions, inbox=INBOX)
+
+
+def allows(patterns: list[str], subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` the rest."""
+    def match(pattern: str) -> bool:
+        p, s = pattern.split("."), subject.split(".")
+        for i, token in enumerate(p):
+            if token == ">":
+                return len(s) > i
+            if i >= len(s) or (token != "*" and token != s[i]):
+                return False
+        return len(p) == len(s)
+    return any(match(p) for p in patterns)
+
+
+def may_publish(user: str, subject: str, partitions: int = 4) -> bool:
+    p = perms(user, partitions)["publish"]
+    return allows(p["allow"], subject) and not allows(p["deny"], subject)
+
+
+def may_subscribe(user: str, subject: str) -> bool:
+    p = perms(user)["subscribe"]
+    return allows(p["allow"], subject) and not allows(p["deny"], subject)
+
+
+WRITERS = {"gateway": "gateway", "admission": "admission", "router": "router",
+           "loop-coordinator": "loop-coordinator", "worker-default": "worker"}
+
+
+@pytest.mark.parametrize("user, writer", WRITERS.items())
+def test_each_writer_publishes_events_as_itself_only(user, writer):
+    for other in ("gateway", "admission", "router", "loop-coordinator", "worker"):
+        assert may_publish(user, f"noetl.evt.{other}.ctl.x1") == (other == writer), (user, other)
+    assert not may_publish(user, "noetl.pevt.0.ctl.x1.router")  # never the stored subjects
+
+
+def test_who_publishes_commands_purges_and_broadcasts():
+    for user in ("admission", "loop-coordinator"):
+        assert may_publish(user, "noetl.cmd.default.x1")
+    for user in ("gateway", "router", "event-recorder", "worker-default", "sessions"):
+        assert not may_publish(user, "noetl.cmd.default.x1"), user
+    assert may_publish("router", "$JS.API.STREAM.PURGE.NOETL_COMMANDS")
+    assert may_publish("router", "noetl.cancel.x1") and not may_publish("admission", "noetl.cancel.x1")
+    for user in ("gateway", "admission", "worker-default", "event-recorder"):
+        assert not may_publish(user, "$JS.API.STREAM.PURGE.NOETL_COMMANDS"), user
+    assert may_publish("admission", "$JS.API.STREAM.MSG.DELETE.NOETL_COMMANDS")
+    assert not may_publish("router", "$JS.API.STREAM.MSG.DELETE.NOETL_COMMANDS")
+    for user in ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "worker-default", "sessions"):
+        assert not may_publish(user, "$JS.API.STREAM.DELETE.NOETL_EVENTS"), user
+        assert not may_publish(user, "$JS.API.STREAM.PURGE.NOETL_EVENTS"), user
+        assert not may_publish(user, "$JS.API.STREAM.CREATE.NOETL_EVENTS"), user
+
+
+def test_control_plane_durables_are_each_services_own():
+    assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p3")
+    assert may_publish("router", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.router-p3")
+    assert may_publish("router", "$JS.ACK.NOETL_EVENTS.router-p3.1.2.3.4.5.6")
+    assert not may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p4")  # 4 partitions
+    assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p4", partitions=5)
+    # a rebuild consumer (random name) is fine; another service's durable is not, by any verb
+    assert may_publish("router", "$JS.API.CONSUMER.CREATE.NOETL_EVENTS.Xy12.noetl.pevt.0.ctl.x1.*")
+    assert may_publish("router", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.Xy12")
+    assert may_publish("router", "$JS.API.CONSUMER.DELETE.NOETL_EVENTS.Xy12")
+    for durable in ("event-recorder", "admission-p0", "loop-coordinator-p3"):
+        for subject in (f"$JS.API.CONSUMER.CREATE.NOETL_EVENTS.{durable}",
+                        f"$JS.API.CONSUMER.CREATE.NOETL_EVENTS.{durable}.noetl.pevt.>",
+                        f"$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.{durable}",
+                        f"$JS.API.CONSUMER.DELETE.NOETL_EVENTS.{durable}",
+                        f"$JS.ACK.NOETL_EVENTS.{durable}.1.2.3.4.5.6"):
+            assert not may_publish("router", subject), subject
+    assert not may_publish("router", "$JS.API.CONSUMER.DELETE.NOETL_EVENTS.router-p0")  # not even its own
+
+
+def test_a_worker_reads_its_pools_commands_only():
+    assert may_publish("worker-gpu", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.pool-gpu")
+    assert may_publish("worker-gpu", "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.pool-gpu")
+    assert may_publish("worker-gpu", "$JS.ACK.NOETL_COMMANDS.pool-gpu.1.2.3.4.5.6")
+    for subject in ("$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.pool-default",
+                    "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.pool-default",
+                    "$JS.API.CONSUMER.CREATE.NOETL_COMMANDS", "$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.x.noetl.cmd.>",
+                    "$JS.API.STREAM.MSG.GET.NOETL_COMMANDS", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.event-recorder",
+                    "$KV.noetl_members.admission.x", "$JS.API.STREAM.INFO.KV_noetl_sessions",
+                    "$JS.API.DIRECT.GET.KV_noetl_sessions", "$KV.noetl_sessions.noetl.sessions.s1",
+                    "noetl.q.catalog.get", "noetl.q.sessions.validate", "noetl.q.credential.get"):
+        assert not may_publish("worker-gpu", subject), subject
+    assert may_publish("worker-gpu", "noetl.q.credential.resolve")
+    assert may_subscribe("worker-gpu", "noetl.cancel.*")
+    for subject in ("_INBOX.>", "_INBOX.UOTHER.x", "noetl.cmd.gpu.*", "noetl.q.credential.resolve", "$KV.>"):
+        assert not may_subscribe("worker-gpu", subject), subject
+    assert may_subscribe("worker-gpu", f"{INBOX}.abc")
+
+
+def test_only_the_sessions_service_touches_its_buckets_and_only_the_admin_bootstraps():
+    for bucket in ("noetl_sessions", "noetl_users", "noetl_logins"):
+        stream = f"KV_{bucket}"
+        assert may_publish("sessions", f"$KV.{bucket}.k") and may_publish("sessions", f"$JS.API.STREAM.MSG.GET.{stream}")
+        assert may_publish("sessions", f"$JS.API.DIRECT.GET.{stream}.$KV.{bucket}.k")
+        for user in ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "worker-default"):
+            for subject in (f"$KV.{bucket}.k", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+                            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
+                            f"$JS.API.STREAM.PURGE.{stream}"):
+                assert not may_publish(user, subject), (user, subject)
+    assert may_subscribe("sessions", "noetl.q.sessions.bootstrap")
+    assert not may_publish("gateway", "noetl.q.sessions.bootstrap")
+    assert may_publish("gateway", "noetl.q.sessions.validate") and may_publish("gateway", "noetl.q.users.add")
+    assert may_publish("gateway", "noetl.audit.credential.read.u1")
+    assert not may_publish("gateway", "noetl.audit.session.login.u1")  # the sessions service's record
+    assert not may_subscribe("gateway", "noetl.q.sessions.validate")  # nobody impersonates the service
+    assert not may_subscribe("worker-default", "noetl.q.execution.get")
+    assert perms("sessions").get("allow_responses") and perms("event-recorder").get("allow_responses")
+    assert not perms("gateway").get("allow_responses")
+
+
+def test_the_admin_is_unrestricted_and_unknown_users_are_refused():
+    assert permissions(ADMIN, partitions=4, inbox=INBOX) is None
+    with pytest.raises(ValueError, match="unknown NATS user"):
+        permissions("mallory", partitions=4, inbox=INBOX)
+    assert user_for("worker", "gpu") == "worker-gpu" and user_for("router") == "router"
+    with pytest.raises(ValueError, match="no NATS user for service 'sessionz'"):
+        user_for("sessionz")
+    for bad in ("a.b", "*", ">", "", "x" * 65, "a b"):
+        with pytest.raises(ValueError, match="NATS subject token"):
+            check_pool(bad)
+
+
+def test_server_config_holds_public_keys_and_permissions_only(tmp_path):
+    auth = NatsAuth(tmp_path / "creds", pools=["default", "gpu"], partitions=2).ensure()
+    text = auth.config
+    seeds = {u: read_seed(auth.file(u)) for u in auth.users}
+    for user, seed in seeds.items():
+        assert seed.startswith("SU") and seed not in text
+        assert f'"nkey": "{public_key(seed)}"' in text and f"# {user}\n" in text
+        assert stat.S_IMODE((tmp_path / "creds" / f"{user}.nk").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "creds").stat().st_mode) == 0o700
+    assert f'"_INBOX.{public_key(seeds["worker-gpu"])}.>"' in text
+    assert "router-p1" in text and "router-p2" not in text
+    assert "authorization {" in text and text.count('"nkey"') == len(auth.users) == 9
+
+
+def test_credentials_are_kept_across_restarts_and_pools_added(tmp_path):
+    first = NatsAuth(tmp_path, partitions=8).ensure()
+    seed = read_seed(first.file("router"))
+    again = NatsAuth(tmp_path, pools=["gpu"], partitions=16).ensure()  # a later run asks for another count
+    assert read_seed(again.file("router")) == seed
+    assert again.partitions == 8 and again.pools == ["default", "gpu"]
+    assert json.loads((tmp_path / "nats-auth.json").read_text()) == {"partitions": 8, "pools": ["default", "gpu"]}
+    assert "worker-gpu" in again.config and "router-p7" in again.config and "router-p8" not in again.config
+
+
+def test_connect_options_use_the_users_own_inbox(tmp_path):
+    auth = NatsAuth(tmp_path).ensure()
+    opts = connect_options(auth.for_service("worker"))
+    assert opts["inbox_prefix"] == f"_INBOX.{public_key(read_seed(auth.file('worker-default')))}"
+    assert opts["nkeys_seed_str"] == read_seed(auth.file("worker-default"))
+    assert connect_options(None) == {}
+    (tmp_path / "bad.nk").write_text("not a seed")
+    with pytest.raises(ValueError, match="bad.nk: not an nkey user seed"):
+        connect_options(tmp_path / "bad.nk")
+    with pytest.raises(ValueError, match="missing.nk: cannot read"):
+        connect_options(tmp_path / "missing.nk")
+
+
+def test_server_config_renders_users_in_order():
+    text = server_config({"admin": "UA", "router": "UB"}, partitions=1)
+    assert text.index("# admin") < text.index("# router") and '{"nkey": "UA"}' in text
+
+
+# ------------------------------------------------------------------------------ the writer in the subject
+def ev(name, source, eid="x1", event_id="e"):
+    return make_event(name, eid, event_id=event_id, source=source)
+
+
+def test_the_subject_names_the_writer_from_the_source():
+    assert batch_subject([ev("step.done", "worker:gpu")]) == "noetl.evt.worker.ctl.x1"
+    assert batch_subject([ev("task.started", "worker:gpu")]) == "noetl.evt.worker.info.x1"
+    assert batch_subject([ev("next.evaluated", "router")]) == "noetl.evt.router.ctl.x1"
+    with pytest.raises(ValueError, match="source 'test' names no writer"):
+        batch_subject([ev("step.done", "test")])
+    mixed = [ev("step.done", "router", "x1", "a"), ev("step.done", "router", "x1", "b"),
+             ev("step.done", "admission", "x1", "c"), ev("step.done", "admission", "x2", "d")]
+    assert [[e["event_id"] for e in b] for b in batches(mixed)] == [["a", "b"], ["c"], ["d"]]  # one writer each
+
+
+def test_admitted_keeps_what_the_subjects_writer_may_write(caplog):
+    good, forged, lying = ev("step.done", "worker:a", event_id="g"), ev("workflow.finished", "worker:a", event_id="f"), \
+        ev("step.done", "router", event_id="l")
+    assert writer_from_subject("noetl.pevt.3.ctl.x1.worker") == "worker"
+    assert writer_from_subject("noetl.pevt.3.ctl.x1") is None
+    with caplog.at_level("ERROR"):
+        assert admitted("noetl.pevt.3.ctl.x1.worker", [good, forged, lying], "router") == [good]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("router: dropped 2 of 3 events of noetl.pevt.3.ctl.x1.worker: 'workflow.finished' (f,")
+    assert admitted("noetl.pevt.3.ctl.x1.nobody", [good], "router") == []
+    assert admitted("noetl.pevt.3.ctl.x1", [forged], "event-recorder") == [forged]  # the earlier layout
+
+
+def test_nats_credentials_command(tmp_path, capsys):
+    out = tmp_path / "creds"
+    assert main(["nats-credentials", "--out", str(out), "--pool", "gpu", "--partitions", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{out}/nats-auth.conf: the server's users (4 partitions, pools gpu)" in printed
+    assert f"{out}/worker-gpu.nk" in printed and (out / "admin.nk").exists()
+    assert main(["nats-credentials", "--out", str(out), "--pool", "a.b"]) == 2
+    assert "pool 'a.b'" in capsys.readouterr().err
+
+
+def test_service_refuses_unreadable_credentials_before_starting(tmp_path, capsys):
+    assert main(["service", "router", "--nats-url", "nats://127.0.0.1:1", "--nats-creds", str(tmp_path / "no.nk")]) == 2
+    assert "no.nk: cannot read" in capsys.readouterr().err
