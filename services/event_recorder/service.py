@@ -61,6 +61,7 @@ from noetl_mesh.infra.bus import (
     Q_RECORDER_PING,
     Bus,
     BusError,
+    admitted,
     dumps,
     log_seq,
 )
@@ -298,10 +299,10 @@ class RecorderService:
                 if self._stopping.is_set():
                     break  # drained
                 continue
-            except Exception:  # noqa: BLE001 - connection hiccups: keep pulling
+            except Exception as exc:  # noqa: BLE001 - connection hiccups: keep pulling
                 if self._stopping.is_set():
                     break
-                log.exception("fetch failed")
+                log.warning("fetch failed (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
             await batches.put(msgs)
@@ -321,7 +322,10 @@ class RecorderService:
             except Exception as exc:  # noqa: BLE001 - a malformed message is skipped, not retried forever
                 log.error("skipping malformed message seq=%s on %s: %s", seq, msg.subject, exc)
                 continue
-            records += [(log_seq(seq, i), event) for i, event in enumerate(events)]
+            # what its subject's writer may not write is not part of the log (the control plane drops it
+            # too, so the recorded log folds to the services' state, D22); the others keep their place
+            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder")}
+            records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
         delay = 0.1
         while True:
             try:

@@ -127,10 +127,10 @@ class WorkerService:
                 msgs = await self.sub.fetch(free, timeout=1.0)
             except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
                 continue
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - NATS away or restarting: keep pulling
                 if self.stop_event.is_set():
                     return
-                log.exception("fetch failed")
+                log.warning("fetching commands failed (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:

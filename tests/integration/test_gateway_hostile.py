@@ -26,6 +26,7 @@ from noetl_mesh import limits
 from noetl_mesh.client import GatewayClient, GatewayError, retry_after
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.services.gateway.app import create_app
 from noetl_mesh.stack import InProcessStack, Settings, free_port, wait_http
 from scenarios import TINY
@@ -365,9 +366,11 @@ def test_a_yaml_alias_bomb_is_refused_quickly_and_the_gateway_keeps_answering(st
 
 # ------------------------------------------------------------------------------ NATS and bugs
 def test_a_submission_while_nats_is_down_is_503_with_retry_after(pg_dsn, tmp_path):
-    nats = EmbeddedNats(store_dir=tmp_path / "js").start()
+    auth = NatsAuth(tmp_path / "creds").ensure()
+    nats = EmbeddedNats(store_dir=tmp_path / "js", auth=auth).start()
     port, loop = nats.port, LoopThread()
-    handle = StackHandle(loop, loop.run(InProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn)).start()))
+    settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory))
+    handle = StackHandle(loop, loop.run(InProcessStack(settings).start()))
     try:
         with httpx.Client(base_url=handle.url, trust_env=False, timeout=60) as http:
             assert http.get("/ready").status_code == 200
@@ -384,7 +387,7 @@ def test_a_submission_while_nats_is_down_is_503_with_retry_after(pg_dsn, tmp_pat
             assert down.status_code == 503 and "NATS is reconnecting" in detail(down)["message"]
             assert http.get("/api/executions").status_code == 503
 
-            nats = EmbeddedNats(store_dir=tmp_path / "js", port=port).start()
+            nats = EmbeddedNats(store_dir=tmp_path / "js", port=port, auth=auth).start()
             deadline = time.monotonic() + USUAL
             while http.get("/ready").status_code != 200:
                 assert time.monotonic() < deadline, http.get("/ready").text

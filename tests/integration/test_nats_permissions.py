@@ -138,6 +138,12 @@ def test_a_control_plane_event_on_a_workers_own_subject_is_stored_and_dropped(se
         assert real["data"]["status"] == "COMPLETED"
         assert any(e["name"] == "step.done" and e["step"] == "end" for e in events)  # it ran on
         assert secured.stack.services("router")[0].cache[xid].status == "COMPLETED"
+        phase[0] = "reading the recorded log"
+        async with GatewayClient(secured.url) as client:  # the recorder dropped them too (D22: same fold)
+            final = await client.wait(xid, timeout=30)
+            recorded = await client.all_events(xid)
+        assert final["status"] == "COMPLETED"
+        assert not {"forged-2", "forged-3"} & {e["event_id"] for e in recorded}
 
     async def bounded():
         try:

@@ -575,10 +575,10 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
             msgs = await sub.fetch(batch, timeout=timeout)
         except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
             continue
-        except Exception:  # noqa: BLE001 - connection hiccups: keep pulling
+        except Exception as exc:  # noqa: BLE001 - connection hiccups: keep pulling
             if stop.is_set():
                 return
-            log.exception("fetch failed")
+            log.warning("fetch failed (%s: %s); retrying", type(exc).__name__, exc)
             await asyncio.sleep(0.5)
             continue
         for msg in msgs:
