@@ -182,9 +182,9 @@ async def _events(admin: Conn, xid: str, until, timeout: float = 15) -> list[dic
 
 def test_a_worker_cannot_touch_the_sessions_bucket(secured):
     async def main():
-        async with Conn(secured, "admin") as admin:
-            kv = await admin.js.create_key_value(bucket="noetl_sessions", history=1)
-            await kv.put("noetl.sessions.s1", b'{"user": "u1"}')
+        async with Conn(secured, "admin") as admin:  # the sessions service's own bucket
+            kv = await admin.js.key_value("noetl_sessions")
+            revision = await kv.put("noetl.sessions.s1", b'{"user": "u1"}')
         async with Conn(secured, "worker-default") as worker:
             await worker.refused(worker.js.key_value("noetl_sessions"), "$JS.API.STREAM.INFO.KV_noetl_sessions")
             await worker.refused(worker.js.get_msg("KV_noetl_sessions", subject="$KV.noetl_sessions.noetl.sessions.s1"),
@@ -202,8 +202,8 @@ def test_a_worker_cannot_touch_the_sessions_bucket(secured):
         async with Conn(secured, "admin") as admin:
             kv = await admin.js.key_value("noetl_sessions")
             entry = await kv.get("noetl.sessions.s1")
-            assert (entry.value, entry.revision) == (b'{"user": "u1"}', 1)  # unchanged
-            await admin.js.delete_key_value("noetl_sessions")
+            assert (entry.value, entry.revision) == (b'{"user": "u1"}', revision)  # unchanged
+            await kv.purge("noetl.sessions.s1")
         assert logged(secured, "worker-default", "KV_noetl_sessions")
 
     secured.run(main())
@@ -293,3 +293,22 @@ def test_setup_moves_an_events_stream_of_the_earlier_layout(fresh_nats, caplog):
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_wrong_credentials_fail_at_once_with_a_clear_error(secured, tmp_path):
+    """A server that is away is waited for; one that refuses the credentials is a settings mistake:
+    connecting fails at once, naming the credentials, instead of retrying forever."""
+    from noetl_mesh.infra.bus import NatsRefused
+    from noetl_mesh.infra.nats_auth import NatsAuth
+
+    stranger = NatsAuth(tmp_path / "other").ensure()  # well-formed keys this server does not know
+
+    async def main():
+        started = time.monotonic()
+        with pytest.raises(NatsRefused, match="refused the connection") as exc:
+            await Bus.connect(secured.stack.settings.nats_url, "stranger", stranger.for_service("worker"))
+        assert time.monotonic() - started < 10
+        return str(exc.value)
+
+    message = secured.run(main())
+    assert "nats-security.md" in message and "other" in message

@@ -36,7 +36,7 @@ SURROGATE = "SURROGATE-HERE"  # replaced in the message bytes: orjson cannot wri
 
 
 def requested(xid: str, *, workload: Any = None, parent: Any = None, playbook: Any = None) -> dict[str, Any]:
-    return make_event("playbook.execution.requested", xid, event_id=stable_id("request", xid), source="test",
+    return make_event("playbook.execution.requested", xid, event_id=stable_id("request", xid), source="gateway",
                       status="in_progress", data={"playbook": playbook or PLAYBOOK, "catalog": None,
                                                   "workload": workload or {}, "parent_execution_id": parent})
 
@@ -68,17 +68,17 @@ def hostile_messages() -> dict[str, tuple[str, bytes]]:
     add("raw unpaired surrogate", requested(new_execution_id(), parent=SURROGATE), b"\xed\xa0\x80")
     xid = new_execution_id()
     add("nul in a finished error", make_event(
-        "workflow.finished", xid, event_id=stable_id("fin", xid), source="test", status="error",
+        "workflow.finished", xid, event_id=stable_id("fin", xid), source="router", status="error",
         data={"status": "FAILED", "error": {"kind": "x", "message": "a\x00b", "k\x00": "\x00"}}))
     xid = new_execution_id()
-    add("nul in the envelope", make_event("step.done", xid, event_id="e\x00" + xid, source="te\x00st",
+    add("nul in the envelope", make_event("step.done", xid, event_id="e\x00" + xid, source="worker:de\x00fault",
                                           step="s\x00", data={"result": 1}))
     xid = new_execution_id()
     add("timestamp postgres cannot hold", make_event("step.done", xid, event_id=stable_id("ts", xid),
-                                                     source="test", step="s", timestamp=1e300))
+                                                     source="worker:default", step="s", timestamp=1e300))
     xid = new_execution_id()
     add("NaN, infinity and a huge number", make_event("step.done", xid, event_id=stable_id("nan", xid),
-                                                      source="test", step="s", data={"n": 0, "big": 1, "t": 2}))
+                                                      source="worker:default", step="s", data={"n": 0, "big": 1, "t": 2}))
     name = "NaN, infinity and a huge number"
     out[name] = (xid, out[name][1].replace(b'"n":0', b'"n":NaN').replace(b'"big":1', b'"big":1' + b"0" * 400)
                  .replace(b'"t":2', b'"t":1e999999'))
@@ -86,7 +86,10 @@ def hostile_messages() -> dict[str, tuple[str, bytes]]:
 
 
 async def publish_raw(bus: Bus, xid: str, data: bytes) -> None:
-    await bus.js.publish(f"noetl.evt.ctl.{xid}", data, stream=EVENTS)
+    """As its writer would (the writer is in the subject: the first event's source, read from the bytes)."""
+    source = data.split(b'"source":"', 1)[1].split(b'"', 1)[0].decode("utf-8", "replace")
+    writer = "worker" if source.startswith("worker:") else source
+    await bus.js.publish(f"noetl.evt.{writer}.ctl.{xid}", data, stream=EVENTS)
 
 
 # ------------------------------------------------------------------------------ values Postgres refuses
@@ -127,7 +130,7 @@ def test_values_postgres_refuses_are_stored_escaped_and_the_log_goes_on(nats_url
             assert events[0]["data"]["workload"] == {"s": "\\ud800"}
             envelope = (await bus.request("noetl.q.execution.events",
                                           {"execution_id": messages["nul in the envelope"][0]}))["events"][0]
-            assert (envelope["source"], envelope["step"]) == ("te\\u0000st", "s\\u0000")
+            assert (envelope["source"], envelope["step"]) == ("worker:de\\u0000fault", "s\\u0000")
             odd = (await bus.request("noetl.q.execution.events",
                                      {"execution_id": messages["NaN, infinity and a huge number"][0]}))["events"][0]
             assert odd["data"] == {"n": "NaN", "big": "1" + "0" * 400, "t": "Infinity"}
@@ -174,16 +177,16 @@ def test_rows_postgres_refuses_anyway_are_recorded_as_rejected(nats_url: str, pg
     """Whatever Postgres refuses despite the escaping (here: a DataError from a trigger on the event
     insert, a plain exception from one on the projection, an id too long for the index) is recorded as
     rejected — name and ids kept, data replaced — and everything else of the batch is recorded."""
-    good = [make_event("step.done", new_execution_id(), event_id=f"good-{i}", source="test", step="s",
+    good = [make_event("step.done", new_execution_id(), event_id=f"good-{i}", source="worker:default", step="s",
                        data={"result": i}) for i in range(40)]
-    poisoned_event = make_event("step.done", new_execution_id(), event_id="bad-event", source="test", step="s",
+    poisoned_event = make_event("step.done", new_execution_id(), event_id="bad-event", source="worker:default", step="s",
                                 data={"poison": 1})
     projection_doc = yaml.safe_load(TINY)
     projection_doc["metadata"]["path"] = "poison/projection"
     poisoned_projection = requested(new_execution_id(), playbook=projection_doc)
     long_id = secrets.token_hex(1500)  # over the btree index's row size (2704 bytes, incompressible), under
     # the 4 KiB NATS allows for a subject
-    too_long = make_event("step.done", long_id, event_id="long-" + long_id, source="test", step="s")
+    too_long = make_event("step.done", long_id, event_id="long-" + long_id, source="worker:default", step="s")
     batch = good[:15] + [poisoned_event] + good[15:30] + [poisoned_projection, too_long] + good[30:]
 
     async def main() -> None:
@@ -213,7 +216,7 @@ def test_rows_postgres_refuses_anyway_are_recorded_as_rejected(nats_url: str, pg
             assert "unrecordable" in cut[2]
             assert count(pg_dsn, "SELECT count(*) FROM event WHERE event_id LIKE %s", "good-%") == len(good)
             assert rec.rejected == 3
-            await bus.publish_event(make_event("step.done", new_execution_id(), event_id="after", source="test"))
+            await bus.publish_event(make_event("step.done", new_execution_id(), event_id="after", source="worker:default"))
             await eventually(lambda: _recorded(pg_dsn, len(batch) + 1), timeout=10)
         finally:
             await rec.stop()
@@ -290,11 +293,11 @@ def test_replies_stay_within_max_reply_bytes(nats_url: str, pg_dsn: str) -> None
     a reply that cannot be made to fit is a too_large error naming the limit."""
     xid = new_execution_id()
     doc = yaml.safe_load(TINY)
-    big = [make_event("task.processed", xid, event_id=f"big-{i}", source="test", step="start", task="t",
+    big = [make_event("task.processed", xid, event_id=f"big-{i}", source="worker:default", step="start", task="t",
                       data={"outcome": {"status": "ok", "result": "r" * 20_000}}) for i in range(10)]
-    huge = make_event("task.processed", xid, event_id="huge", source="test", step="start", task="t",
+    huge = make_event("task.processed", xid, event_id="huge", source="worker:default", step="start", task="t",
                       data={"outcome": {"status": "ok", "result": "h" * 100_000}})
-    errors = [make_event("workflow.finished", new_execution_id(), event_id=f"err-{i}", source="test",
+    errors = [make_event("workflow.finished", new_execution_id(), event_id=f"err-{i}", source="worker:default",
                          status="error", data={"status": "FAILED", "error": {"message": "e" * 3000}})
               for i in range(40)]
 
@@ -479,7 +482,8 @@ def test_a_hostile_request_leaves_the_next_execution_alone(stack, what: str) -> 
     xid, data = hostile_messages()[what]
 
     async def publish() -> None:
-        bus = await Bus.connect(stack.stack.settings.nats_url, "hostile")
+        settings = stack.stack.settings  # as the gateway would publish them (a request is the gateway's)
+        bus = await Bus.connect(settings.nats_url, "hostile", settings.creds_for("gateway"))
         try:
             await publish_raw(bus, xid, data)
         finally:

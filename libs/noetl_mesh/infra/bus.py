@@ -197,9 +197,18 @@ class Bus:
 
         quiet = _QuietLog(name)
         servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any node will do
-        nc = await nats.connect(servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                error_cb=quiet.error, disconnected_cb=quiet.disconnected,
-                                reconnected_cb=quiet.reconnected, **connect_options(creds))
+        connecting = asyncio.ensure_future(nats.connect(
+            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=quiet.error,
+            disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds)))
+        while not connecting.done():  # a server that is away is waited for; one that refuses us is not
+            await asyncio.wait([connecting], timeout=0.1)
+            if quiet.refused is not None and not connecting.done():
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
+                                  f"credentials ({creds or 'none given'}; docs/nats-security.md)")
+        nc = connecting.result()
+        quiet.connected = True
         bus = cls(nc, nc.jetstream(timeout=10), name)
         return bus
 
@@ -493,14 +502,23 @@ def _msg_id(events: list[dict[str, Any]]) -> str:
     return f"{events[0]['event_id']}+{len(events)}-{events[-1]['event_id']}"
 
 
+class NatsRefused(ValueError):
+    """The server refused our credentials: a mistake in the settings, not something to wait out."""
+
+
 class _QuietLog:
     """nats-py's callbacks for one connection: a line per state change, and connection errors at most
     once every 10 s (the client retries forever; its default callback prints a traceback each time)."""
 
     def __init__(self, name: str):
         self.name, self.last = name, 0.0
+        self.connected = False
+        self.refused: str | None = None  # an authorization error before the first connection
 
     async def error(self, exc: Exception) -> None:
+        if not self.connected and "authorization violation" in str(exc).lower():
+            self.refused = str(exc)
+            return
         if "permissions violation" in str(exc).lower():  # never expected: every one is worth a line
             log.error("%s: NATS refused: %s (this connection's user may not do that: docs/nats-security.md)",
                       self.name, exc)

@@ -188,6 +188,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
             pub.append("noetl.cmd.*.*")
     elif user == "event-recorder":
         pub += [_js("STREAM", "INFO", EVENTS), *_durable(EVENTS, "event-recorder", info=True)]
+        pub += _payloads(write=True)  # replies over max_reply_bytes carry their big values by reference
+        purges.add(PAYLOADS)
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         responses = True
     elif user == "sessions":
