@@ -4,6 +4,10 @@ The document is checked piece by piece (root, each step, each task) against the 
 :mod:`model`, so one bad step does not hide the errors of the next; the dialect rules of D1 that
 the models cannot say (legacy constructs, references between names, D12, D17) run on the raw
 document alongside. A valid document is normalised (D4) and returned as a typed :class:`Playbook`.
+
+Text is read by :mod:`.documents` (the one safe loader), and an already-parsed value passes the same
+document checks first, so the rules here only ever see JSON data of bounded size and depth. They
+never raise, whatever the types, and run in time about linear in the document's size.
 """
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ import collections
 import functools
 import hashlib
 import re
+import threading
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path as FsPath
-from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -25,11 +30,10 @@ from . import model as m
 from .diagnostics import Diagnostic, Path, did_you_mean, locate
 from .documents import Parsed, check_value, load_document, parse, position, read_document
 from .graph import WorkflowGraph
-from .normalize import normalize_document, normalize_tasks, normalize_workbook
+from .normalize import normalize_document, normalize_tasks
 from .templates import check_syntax
 
 ROOT_KEYS = ("apiVersion", "kind", "metadata", "executor", "workload", "keychain", "workbook", "workflow")
-STEP_KEYS = ("step", "desc", "spec", "loop", "tool", "next")
 LEGACY_STEP_KEYS = {
     "when": "step-level 'when' is not part of the language: admit the step with spec.policy.admit.rules (D1)",
     "case": "'case' is not part of the language: route with next.arcs[].when (D1)",
@@ -111,6 +115,7 @@ def load_playbook(source: str | bytes | Mapping[str, Any]) -> ValidationResult:
 
 
 _CACHE: "collections.OrderedDict[str, ValidationResult]" = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
 
 
 def validate_cached(doc: Any) -> ValidationResult:
@@ -123,12 +128,16 @@ def validate_cached(doc: Any) -> ValidationResult:
     if problems:
         return ValidationResult(problems)
     key = hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS), digest_size=16).hexdigest()
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _CACHE[key] = _validate(doc)
+    with _CACHE_LOCK:  # callers may validate in worker threads (off an event loop)
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    hit = _validate(doc)
+    with _CACHE_LOCK:
+        _CACHE[key] = hit
         if len(_CACHE) > 256:
             _CACHE.popitem(last=False)
-    _CACHE.move_to_end(key)
     return hit
 
 
