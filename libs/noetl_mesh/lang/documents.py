@@ -93,7 +93,7 @@ def parse(source: str | bytes, positions: bool = False) -> Parsed:
     """:func:`load_document` with, when ``positions``, the line and column of every key and item."""
     builder = _Builder(positions)
     try:
-        text = decode(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+        text = _decode(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
         if not isinstance(text, str):
             raise _refused("", f"a playbook is text (YAML or JSON), got {type(source).__name__}")
         value = builder.build(_checked_text(text))
@@ -115,12 +115,12 @@ def read_document(path: str | FsPath) -> tuple[str | None, list[Diagnostic]]:
     except OSError as exc:
         return None, [Diagnostic("error", "", f"cannot read file: {exc.strerror or exc}")]
     try:
-        return decode(data), []
+        return _decode(data), []
     except _Refused as exc:
         return None, [exc.args[0]]
 
 
-def decode(data: bytes | bytearray | memoryview) -> str:
+def _decode(data: bytes | bytearray | memoryview) -> str:
     """UTF-8, or UTF-8/16/32 with a byte-order mark. Raises :class:`_Refused` (its ``args[0]`` is the
     diagnostic) for anything else, naming the first byte that cannot be read."""
     data = bytes(data)
@@ -158,28 +158,21 @@ def check_value(doc: Any) -> list[Diagnostic]:
 def position(parsed: Parsed, path: Path) -> tuple[int, int] | None:
     """Line and column (1-based) where ``path`` starts in the parsed text; for a path that leaves the
     document (a missing key) the deepest place it reaches."""
-    node, where = parsed.value, None
+    node = parsed.value
+    entry = parsed.positions.get(id(node)) if isinstance(node, (dict, list)) else None
+    where = entry[0] if entry else None
     for key in path:
-        entry = parsed.positions.get(id(node)) if isinstance(node, (dict, list)) else None
         if entry is None:
             break
-        where, marks = entry
-        if isinstance(node, dict):
-            if key not in marks:
-                break
+        marks = entry[1]
+        if isinstance(node, dict) and key in marks:
             where = marks[key]
-        elif isinstance(key, int) and 0 <= key < len(node) and marks is not None:
+        elif isinstance(node, list) and marks is not None and isinstance(key, int) and 0 <= key < len(node):
             where = marks[key]
         else:
             break
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError):
-            break
-    else:
+        node = node[key]
         entry = parsed.positions.get(id(node)) if isinstance(node, (dict, list)) else None
-        if where is None and entry is not None:
-            where = entry[0]
     return where
 
 
