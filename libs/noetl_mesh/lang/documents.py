@@ -71,7 +71,7 @@ class Parsed:
 
     value: Any
     diagnostics: list[Diagnostic]
-    positions: dict[int, tuple[tuple[int, int], Any]] = field(default_factory=dict)
+    positions: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(container) -> (mark, marks)
 
     @property
     def ok(self) -> bool:
@@ -173,7 +173,7 @@ def position(parsed: Parsed, path: Path) -> tuple[int, int] | None:
             break
         node = node[key]
         entry = parsed.positions.get(id(node)) if isinstance(node, (dict, list)) else None
-    return where
+    return _at(where) if where is not None else None
 
 
 # --------------------------------------------------------------------------------------------- text
@@ -212,18 +212,23 @@ def _limit_diagnostic(where: str, name: str, actual: int, what: str, mark: tuple
 # --------------------------------------------------------------------------------------------- YAML
 _NO_KEY, _SKIP, _MERGE = object(), object(), object()
 _OPEN = object()  # an anchor whose node is still being read
+_IMPLICIT = LOADER.yaml_implicit_resolvers  # first character -> [(tag, regexp)] for plain scalars
+_DECIMAL = re.compile(r"(?:0|-?[1-9][0-9]{0,17})\Z")  # surely a 64-bit integer, read by int()
 
 
 class _Frame:
+    """An open mapping or list. Marks are the parser's (0-based ``line``, ``column``), converted
+    only when a finding or a position needs them."""
+
     __slots__ = ("value", "mark", "anchor", "nodes0", "chars0", "height", "key", "key_mark", "marks", "merges")
 
-    def __init__(self, value: Any, mark: tuple[int, int], anchor: str | None, nodes0: int, chars0: int, marks: Any):
+    def __init__(self, value: Any, mark: Any, anchor: str | None, nodes0: int, chars0: int, marks: Any):
         self.value, self.mark, self.anchor = value, mark, anchor
         self.nodes0, self.chars0, self.height = nodes0, chars0, 0
         self.key: Any = _NO_KEY
         self.key_mark = mark
         self.marks = marks  # mapping: key -> mark (duplicates, positions); list: item marks or None
-        self.merges: list[tuple[Any, tuple[int, int]]] = []
+        self.merges: list[tuple[Any, Any]] = []
 
 
 class _Builder:
@@ -231,28 +236,28 @@ class _Builder:
 
     def __init__(self, positions: bool):
         self.want_positions = positions
-        self.positions: dict[int, tuple[tuple[int, int], Any]] = {}
+        self.positions: dict[int, tuple[Any, Any]] = {}
         self.errors: list[Diagnostic] = []
-        self.nodes = self.chars = 0
         lim = limits.current()
         self.max_depth, self.max_nodes, self.max_chars = (
             lim.max_document_depth, lim.max_document_nodes, lim.max_document_bytes)
 
     # ---------------------------------------------------------------- findings
-    def error(self, mark: tuple[int, int] | None, message: str) -> None:
-        where = f"line {mark[0]}, column {mark[1]}" if mark else ""
-        self.errors.append(Diagnostic("error", where, message, line=mark[0] if mark else None,
-                                      column=mark[1] if mark else None))
+    def error(self, mark: Any, message: str) -> None:
+        line, column = _at(mark)
+        self.errors.append(Diagnostic("error", f"line {line}, column {column}", message, line=line, column=column))
         if len(self.errors) >= MAX_ERRORS:
             raise _refused("", f"too many errors: stopped after {MAX_ERRORS}")
 
     @staticmethod
-    def refuse(where: str, message: str, mark: tuple[int, int] | None = None) -> _Refused:
-        return _refused(where, message, mark)
+    def refuse(mark: Any, message: str) -> _Refused:
+        line, column = _at(mark)
+        return _refused(f"line {line}, column {column}", message, (line, column))
 
     @staticmethod
-    def refuse_at(mark: tuple[int, int], name: str, actual: int, what: str) -> _Refused:
-        return _Refused(_limit_diagnostic(f"line {mark[0]}, column {mark[1]}", name, actual, what, mark))
+    def refuse_limit(mark: Any, name: str, actual: int, what: str) -> _Refused:
+        line, column = _at(mark)
+        return _Refused(_limit_diagnostic(f"line {line}, column {column}", name, actual, what, (line, column)))
 
     # ---------------------------------------------------------------- reading
     def build(self, text: str) -> Any:
@@ -265,99 +270,128 @@ class _Builder:
             value = self.node(loader)
             loader.get_event()  # document end
             if not loader.check_event(StreamEndEvent):
-                mark = _mark(loader.peek_event())
-                raise self.refuse(f"line {mark[0]}, column {mark[1]}",
-                                  "a second YAML document ('---'): a playbook is one document", mark)
+                raise self.refuse(loader.peek_event().start_mark,
+                                  "a second YAML document ('---'): a playbook is one document")
             return value
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
-            at = (mark.line + 1, mark.column + 1) if mark else None
             problem = exc.problem or str(exc)
             context = exc.context_mark
-            if exc.context and context and (context.line, context.column) != (mark.line, mark.column):
+            if exc.context and context and mark and (context.line, context.column) != (mark.line, mark.column):
                 problem += f" ({exc.context} at line {context.line + 1}, column {context.column + 1})"
-            raise self.refuse(f"line {at[0]}, column {at[1]}" if at else "", f"YAML syntax error: {problem}", at) from None
+            if mark is None:
+                raise _refused("", f"YAML syntax error: {problem}") from None
+            raise self.refuse(mark, f"YAML syntax error: {problem}") from None
         except yaml.YAMLError as exc:
-            raise self.refuse("", f"YAML error: {exc}") from None
+            raise _refused("", f"YAML error: {exc}") from None
         finally:
             loader.dispose()
 
     def node(self, loader: Any) -> Any:
-        """One node (the document's root) and everything under it, iteratively."""
+        """One node (the document's root) and everything under it, iteratively. Every value is
+        counted (an alias by its anchor's size) and its depth checked before it is built."""
         stack: list[_Frame] = []
         anchors: dict[str, Any] = {}
+        max_depth, max_nodes, max_chars = self.max_depth, self.max_nodes, self.max_chars
+        positions = self.want_positions
+        nodes = chars = 0
+        get_event = loader.get_event
         while True:
-            event = loader.get_event()
+            event = get_event()
             kind = type(event)
             if kind is ScalarEvent:
-                mark = _mark(event)
-                key_position = bool(stack) and stack[-1].key is _NO_KEY and isinstance(stack[-1].value, dict)
-                value = self.scalar(event, mark, key_position)
-                self.count(1, len(event.value), mark)
-                if event.anchor is not None:
-                    self.anchor(anchors, event.anchor, mark, (value, 1, len(event.value), 0))
+                text = event.value
+                tag = event.tag
+                if tag is None:  # plain: resolved by the first character's patterns; quoted: a string
+                    tag = STR
+                    if event.implicit[0]:
+                        for candidate, pattern in _IMPLICIT.get(text[:1], ()):
+                            if pattern.match(text):
+                                tag = candidate
+                                break
+                if tag == STR and event.style != '"':  # only escapes can add NUL or surrogates
+                    value = text
+                elif tag == INT and _DECIMAL.match(text):
+                    value = int(text)
+                else:
+                    value = self.scalar(event, tag, stack)
+                nodes += 1
+                chars += len(text)
                 height = 0
+                if nodes > max_nodes or chars > max_chars:
+                    self.over(event.start_mark, nodes, chars)
+                if event.anchor is not None:
+                    self.anchor(anchors, event, (value, 1, len(text), 0))
+                mark = event.start_mark
             elif kind is AliasEvent:
-                mark = _mark(event)
                 anchored = anchors.get(event.anchor)
                 if anchored is None:
-                    raise self.refuse(f"line {mark[0]}, column {mark[1]}",
-                                      f"YAML alias *{event.anchor} names no anchor before it", mark)
+                    raise self.refuse(event.start_mark, f"YAML alias *{event.anchor} names no anchor before it")
                 if anchored is _OPEN:
-                    raise self.refuse(f"line {mark[0]}, column {mark[1]}",
-                                      f"YAML alias *{event.anchor} is inside its own anchor: a recursive "
-                                      "document cannot be stored as JSON", mark)
-                value, nodes, chars, height = anchored
-                if len(stack) + height > self.max_depth:
-                    raise self.refuse_at(mark, "max_document_depth", len(stack) + height,
-                                         "the nesting of the playbook (YAML aliases expanded)")
-                self.count(nodes, chars, mark)
+                    raise self.refuse(event.start_mark, f"YAML alias *{event.anchor} is inside its own anchor:"
+                                                        " a recursive document cannot be stored as JSON")
+                value, size, length, height = anchored
+                if len(stack) + height > max_depth:
+                    raise self.refuse_limit(event.start_mark, "max_document_depth", len(stack) + height,
+                                            "the nesting of the playbook (YAML aliases expanded)")
+                nodes += size
+                chars += length
+                mark = event.start_mark
+                if nodes > max_nodes or chars > max_chars:
+                    self.over(mark, nodes, chars)
             elif kind is SequenceStartEvent or kind is MappingStartEvent:
-                mark = _mark(event)
-                if len(stack) + 1 > self.max_depth:
-                    raise self.refuse_at(mark, "max_document_depth", len(stack) + 1, "the nesting of the playbook")
+                mark = event.start_mark
+                if len(stack) >= max_depth:
+                    raise self.refuse_limit(mark, "max_document_depth", len(stack) + 1, "the nesting of the playbook")
                 mapping = kind is MappingStartEvent
-                tag = event.tag
-                if tag not in (None, "!", MAP if mapping else SEQ):
-                    self.error(mark, _tag_message(tag, "a mapping" if mapping else "a list"))
-                if stack and stack[-1].key is _NO_KEY and isinstance(stack[-1].value, dict):
+                if event.tag not in (None, "!", MAP if mapping else SEQ):
+                    self.error(mark, _tag_message(event.tag, "a mapping" if mapping else "a list"))
+                if stack and stack[-1].key is _NO_KEY and stack[-1].marks.__class__ is dict:
                     self.error(mark, f"a mapping key must be a string, got {'a mapping' if mapping else 'a list'}")
-                self.count(1, 0, mark)
+                nodes += 1
+                if nodes > max_nodes:
+                    self.over(mark, nodes, chars)
                 if event.anchor is not None:
-                    self.anchor(anchors, event.anchor, mark, _OPEN)
-                marks: Any = {} if mapping else ([] if self.want_positions else None)
-                stack.append(_Frame({} if mapping else [], mark, event.anchor, self.nodes - 1, self.chars, marks))
+                    self.anchor(anchors, event, _OPEN)
+                marks: Any = {} if mapping else ([] if positions else None)
+                stack.append(_Frame({} if mapping else [], mark, event.anchor, nodes - 1, chars, marks))
                 continue
             elif kind is SequenceEndEvent or kind is MappingEndEvent:
                 frame = stack.pop()
                 if frame.merges:
                     self.merge(frame)
                 value, mark, height = frame.value, frame.mark, frame.height + 1
-                if self.want_positions:
+                if positions:
                     self.positions[id(value)] = (mark, frame.marks)
                 if frame.anchor is not None:
-                    anchors[frame.anchor] = (value, self.nodes - frame.nodes0, self.chars - frame.chars0, height)
+                    anchors[frame.anchor] = (value, nodes - frame.nodes0, chars - frame.chars0, height)
             else:  # pragma: no cover - the parser gives no other event inside a document
-                raise self.refuse("", f"unexpected YAML event {kind.__name__}")
+                raise _refused("", f"unexpected YAML event {kind.__name__}")
             if not stack:
                 return value
-            self.add(stack[-1], value, mark, height)
+            parent = stack[-1]
+            if height > parent.height:
+                parent.height = height
+            if parent.marks.__class__ is dict:
+                self.add(parent, value, mark)
+            else:
+                parent.value.append(value)
+                if positions:
+                    parent.marks.append(mark)
 
-    def add(self, parent: _Frame, value: Any, mark: tuple[int, int], height: int) -> None:
-        if height > parent.height:
-            parent.height = height
-        container = parent.value
-        if isinstance(container, list):
-            container.append(value)
-            if parent.marks is not None:
-                parent.marks.append(mark)
-            return
+    def over(self, mark: Any, nodes: int, chars: int) -> None:
+        if nodes > self.max_nodes:
+            raise self.refuse_limit(mark, "max_document_nodes", nodes,
+                                    "the number of values in the playbook (YAML aliases expanded)")
+        raise self.refuse_limit(mark, "max_document_bytes", chars, "the playbook's text with its YAML aliases expanded")
+
+    def add(self, parent: _Frame, value: Any, mark: Any) -> None:
+        """A key, or the value of the pending key, of an open mapping."""
         key = parent.key
         if key is _NO_KEY:  # this value is a key
-            if value is not _MERGE and not isinstance(value, str):
+            if value is not _MERGE and value.__class__ is not str:
                 if not isinstance(value, (dict, list)):  # collections were reported when they started
-                    self.error(mark, f"a mapping key must be a string, got {_describe(value)}"
-                                     f"{_quote_hint(value)}")
+                    self.error(mark, f"a mapping key must be a string, got {_describe(value)}{_quote_hint(value)}")
                 value = _SKIP
             parent.key, parent.key_mark = value, mark
             return
@@ -369,10 +403,10 @@ class _Builder:
             return
         first = parent.marks.get(key)
         if first is not None:
-            self.error(parent.key_mark, f"duplicate key '{_short(key)}' (first at line {first[0]}): "
+            self.error(parent.key_mark, f"duplicate key '{_short(key)}' (first at line {first.line + 1}): "
                                         "YAML would keep only the last value")
             return
-        container[key] = value
+        parent.value[key] = value
         parent.marks[key] = parent.key_mark
 
     def merge(self, frame: _Frame) -> None:
@@ -382,8 +416,7 @@ class _Builder:
         for value, mark in frame.merges:
             sources = value if isinstance(value, list) else [value]
             if not sources or not all(isinstance(s, dict) for s in sources):
-                self.error(mark, "a merge key '<<' takes a mapping or a list of mappings, got "
-                                 f"{_describe(value)}")
+                self.error(mark, f"a merge key '<<' takes a mapping or a list of mappings, got {_describe(value)}")
                 continue
             for source in reversed(sources):
                 merged.update(source)
@@ -391,17 +424,18 @@ class _Builder:
         frame.value.clear()
         frame.value.update(merged)
 
-    def scalar(self, event: ScalarEvent, mark: tuple[int, int], key_position: bool) -> Any:
+    def scalar(self, event: ScalarEvent, tag: str, stack: list[_Frame]) -> Any:
+        """The value of a scalar whose tag is not the common case (a string or a decimal integer)."""
         value = event.value
-        tag = event.tag
-        explicit = tag not in (None, "!")
-        if not explicit:
+        mark = event.start_mark
+        explicit = event.tag is not None and event.tag != "!"
+        if event.tag == "!":  # the non-specific tag: as the resolver says
             tag = _RESOLVER.resolve(ScalarNode, value, event.implicit)
         if tag == STR or tag == YAML_TAG or tag == VALUE_TAG:
-            if event.style == '"' and _BAD_CHARS.search(value):  # only escapes can put them there
-                bad = _BAD_CHARS.search(value).group()
-                self.error(mark, "a NUL character (\\0) is not allowed in a playbook value" if bad == "\x00"
-                           else f"an unpaired surrogate (U+{ord(bad):04X}) is not a character")
+            bad = _BAD_CHARS.search(value) if event.style == '"' else None
+            if bad:
+                self.error(mark, "a NUL character (\\0) is not allowed in a playbook value" if bad.group() == "\x00"
+                           else f"an unpaired surrogate (U+{ord(bad.group()):04X}) is not a character")
             return value
         if tag == NULL:
             return None
@@ -427,16 +461,17 @@ class _Builder:
             if explicit and not SafeConstructor.timestamp_regexp.match(value):
                 self.error(mark, f"'{_short(value)}' is not a timestamp")
             return value  # JSON has no date type: the text as written
-        if tag == MERGE_TAG:
+        if tag == MERGE_TAG:  # '<<' is a merge only as a key
+            key_position = bool(stack) and stack[-1].key is _NO_KEY and stack[-1].marks.__class__ is dict
             return _MERGE if key_position else value
         self.error(mark, _tag_message(tag, "a scalar"))
         return None
 
-    def integer(self, value: str, mark: tuple[int, int]) -> int | None:
-        digits = value.replace("_", "")
-        if len(digits) > _INT_CHARS:
-            self.error(mark, f"the integer '{_short(value)}' is out of range: a playbook's integers are 64-bit"
-                             " (write a bigger number as a string)")
+    def integer(self, value: str, mark: Any) -> int | None:
+        out_of_range = (f"the integer '{_short(value)}' is out of range: a playbook's integers are 64-bit"
+                        " (write a bigger number as a string)")
+        if len(value.replace("_", "")) > _INT_CHARS:  # before int(): sexagesimal '1:2:3...' is quadratic
+            self.error(mark, out_of_range)
             return None
         try:
             number = _RESOLVER.construct_yaml_int(ScalarNode(INT, value))
@@ -444,33 +479,24 @@ class _Builder:
             self.error(mark, f"'{_short(value)}' is not an integer")
             return None
         if not INT_MIN <= number <= INT_MAX:
-            self.error(mark, f"the integer '{_short(value)}' is out of range: a playbook's integers are 64-bit"
-                             " (write a bigger number as a string)")
+            self.error(mark, out_of_range)
             return None
         return number
 
-    def count(self, nodes: int, chars: int, mark: tuple[int, int]) -> None:
-        self.nodes += nodes
-        self.chars += chars
-        if self.nodes > self.max_nodes:
-            raise self.refuse_at(mark, "max_document_nodes", self.nodes,
-                                 "the number of values in the playbook (YAML aliases expanded)")
-        if self.chars > self.max_chars:
-            raise self.refuse_at(mark, "max_document_bytes", self.chars,
-                                 "the playbook's text with its YAML aliases expanded")
-
-    def anchor(self, anchors: dict[str, Any], name: str, mark: tuple[int, int], entry: Any) -> None:
-        if name in anchors:
-            self.error(mark, f"duplicate YAML anchor &{name}")
-        anchors[name] = entry
+    def anchor(self, anchors: dict[str, Any], event: Any, entry: Any) -> None:
+        if event.anchor in anchors:
+            self.error(event.start_mark, f"duplicate YAML anchor &{event.anchor}")
+        anchors[event.anchor] = entry
 
 
 _RESOLVER = LOADER("")  # resolve() and the scalar constructors only read the class tables
 _RESOLVER.dispose()
+assert None not in _IMPLICIT, "a resolver for any first character: _Builder.node must try it too"
 
 
-def _mark(event: Any) -> tuple[int, int]:
-    return event.start_mark.line + 1, event.start_mark.column + 1
+def _at(mark: Any) -> tuple[int, int]:
+    """A parser mark as 1-based (line, column)."""
+    return mark.line + 1, mark.column + 1
 
 
 def _tag_message(tag: str, what: str) -> str:

@@ -487,11 +487,12 @@ class _Validator:
             else:
                 continue
             for key, value in items:
-                if type(value) is str:
+                kind = type(value)
+                if kind is str:
                     if "{" in value and not (python and key == "code"):
                         for _, message in check_syntax(value):
                             self.error(path + (key,), message)
-                elif isinstance(value, (Mapping, list)):
+                elif kind is dict or kind is list or (kind not in _SCALARS and isinstance(value, Mapping)):
                     stack.append((value, path + (key,)))
 
     def entry_and_reach(self, doc: Mapping[str, Any], workflow: list[Any], names: set[str]) -> None:
@@ -535,6 +536,9 @@ def entry_step(doc: Mapping[str, Any]) -> str | None:
     if "start" in steps:
         return "start"
     return steps[0] if steps and isinstance(steps[0], str) else None
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
