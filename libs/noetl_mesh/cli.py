@@ -14,12 +14,18 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """D26: exit 0 when every file is valid (warnings printed), 2 when any is invalid."""
+    """D26: exit 0 when every file is valid (warnings printed), 2 when any is invalid. A file that
+    cannot be read or decoded is invalid, with its reason; never a traceback."""
     from .lang.validate import validate_file
 
     status = EXIT_OK
     for path in args.files:
-        result = validate_file(path)
+        try:
+            result = validate_file(path)
+        except Exception as exc:  # noqa: BLE001 - a defect of the validator is still reported per file
+            print(f"{path}: error: the validator failed on this file ({type(exc).__name__}: {exc}); please report it")
+            status = EXIT_INVALID
+            continue
         for d in result.diagnostics:
             print(f"{path}: {d}")
         if result.ok:
@@ -47,6 +53,7 @@ def _fail(message: str, code: int = EXIT_INVALID) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input."""
+    from .lang.documents import read_document
     from .lang.validate import validate_file
 
     invalid = False
@@ -63,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail(f"--workload is not valid JSON: {exc}")
     if not isinstance(workload, dict):
         return _fail("--workload must be a JSON object")
-    text = open(args.file, encoding="utf-8").read()
+    text = read_document(args.file)[0]  # decoded as it was validated (UTF-8/16/32)
     try:
         return asyncio.run(_run(args, text, workload))
     except KeyboardInterrupt:
@@ -72,6 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
     from .client import GatewayClient
+    from .lang.documents import read_document
 
     stack = None
     gateway = args.gateway or os.environ.get("NOETL_GATEWAY_URL")
@@ -81,7 +89,7 @@ async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
             gateway = stack.gateway_url
         async with GatewayClient(gateway) as client:
             for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
-                await client.register(open(path, encoding="utf-8").read())
+                await client.register(read_document(path)[0])
             execution_id = await client.start(text, workload)
             progress = None if args.json else (lambda e: _print_progress(e))
             final = await client.wait(execution_id, timeout=args.timeout, on_event=progress)
@@ -286,7 +294,9 @@ def cmd_register(args: argparse.Namespace) -> int:
             return EXIT_INVALID
 
     async def register(client):
-        return [await client.register(open(path, encoding="utf-8").read()) for path in args.files]
+        from .lang.documents import read_document
+
+        return [await client.register(read_document(path)[0]) for path in args.files]
 
     return _gateway_call(args, register)
 

@@ -4,29 +4,36 @@ The document is checked piece by piece (root, each step, each task) against the 
 :mod:`model`, so one bad step does not hide the errors of the next; the dialect rules of D1 that
 the models cannot say (legacy constructs, references between names, D12, D17) run on the raw
 document alongside. A valid document is normalised (D4) and returned as a typed :class:`Playbook`.
+
+Text is read by :mod:`.documents` (the one safe loader), and an already-parsed value passes the same
+document checks first, so the rules here only ever see JSON data of bounded size and depth. They
+never raise, whatever the types, and run in time about linear in the document's size.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import re
+import threading
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path as FsPath
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
-import yaml
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model
 
+from .. import limits
 from . import model as m
 from .diagnostics import Diagnostic, Path, did_you_mean, locate
+from .documents import Parsed, check_value, load_document, parse, position, read_document
 from .graph import WorkflowGraph
-from .normalize import normalize_document, normalize_tasks, normalize_workbook
+from .normalize import normalize_document, normalize_tasks
 from .templates import check_syntax
 
 ROOT_KEYS = ("apiVersion", "kind", "metadata", "executor", "workload", "keychain", "workbook", "workflow")
-STEP_KEYS = ("step", "desc", "spec", "loop", "tool", "next")
 LEGACY_STEP_KEYS = {
     "when": "step-level 'when' is not part of the language: admit the step with spec.policy.admit.rules (D1)",
     "case": "'case' is not part of the language: route with next.arcs[].when (D1)",
@@ -34,6 +41,7 @@ LEGACY_STEP_KEYS = {
     "expr": "legacy 'expr' is rejected: use 'when' (D1)",
 }
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SUGGESTION_BUDGET = 10_000  # names compared for "did you mean" per document
 
 _RootShape = create_model(
     "Playbook",
@@ -74,67 +82,97 @@ class PlaybookError(ValueError):
         super().__init__("invalid playbook:\n  " + "\n  ".join(lines))
 
 
-def parse_yaml(text: str) -> tuple[Any, list[Diagnostic]]:
-    try:
-        return yaml.safe_load(text), []
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        return None, [Diagnostic("error", where, f"YAML syntax error: {problem}")]
+def parse_yaml(text: str | bytes) -> tuple[Any, list[Diagnostic]]:
+    """The value of a playbook text, read by the safe loader (:func:`.documents.load_document`):
+    ``(value, [])``, or ``(None, diagnostics)`` when it cannot be read."""
+    return load_document(text)
 
 
-def validate_text(text: str) -> ValidationResult:
-    doc, diags = parse_yaml(text)
-    if diags:
-        return ValidationResult(diags)
-    return validate(doc)
+def validate_text(text: str | bytes) -> ValidationResult:
+    """Validate a playbook text (YAML or JSON; bytes are decoded as :mod:`.documents` says). Every
+    diagnostic carries the line and column where its location starts."""
+    parsed = parse(text, positions=True)
+    if not parsed.ok:
+        return ValidationResult(parsed.diagnostics)
+    result = _validate(parsed.value)
+    result.diagnostics = [_placed(d, parsed) for d in result.diagnostics]
+    return result
 
 
 def validate_file(path: str | FsPath) -> ValidationResult:
-    try:
-        text = FsPath(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        return ValidationResult([Diagnostic("error", "", f"cannot read file: {exc.strerror or exc}")])
+    text, problems = read_document(path)
+    if text is None:
+        return ValidationResult(problems)
     return validate_text(text)
 
 
-def load_playbook(source: str | Mapping[str, Any]) -> ValidationResult:
+def load_playbook(source: str | bytes | Mapping[str, Any]) -> ValidationResult:
     """Validate YAML text or an already-parsed mapping; raise :class:`PlaybookError` if invalid."""
-    result = validate_text(source) if isinstance(source, str) else validate(source)
+    result = validate_text(source) if isinstance(source, (str, bytes)) else validate(source)
     if not result.ok:
         raise PlaybookError(result.diagnostics)
     return result
 
 
 _CACHE: "collections.OrderedDict[str, ValidationResult]" = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
 
 
 def validate_cached(doc: Any) -> ValidationResult:
     """:func:`validate` with a small LRU keyed by the document's digest: the same playbook submitted
     again is not validated again (gateway and admission see the same playbooks over and over). The
-    result is shared: do not mutate it (its ``document`` is deep-copied by callers that keep it)."""
-    key = hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS, default=str), digest_size=16).hexdigest()
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _CACHE[key] = validate(doc)
+    result is shared: do not mutate it (its ``document`` is deep-copied by callers that keep it).
+    The value is checked (:func:`.documents.check_value`) before its digest is taken, so the digest
+    is of a JSON value and only valid values are cached."""
+    problems = check_value(doc)
+    if problems:
+        return ValidationResult(problems)
+    key = hashlib.blake2b(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS), digest_size=16).hexdigest()
+    with _CACHE_LOCK:  # callers may validate in worker threads (off an event loop)
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    hit = _validate(doc)
+    with _CACHE_LOCK:
+        _CACHE[key] = hit
         if len(_CACHE) > 256:
             _CACHE.popitem(last=False)
-    _CACHE.move_to_end(key)
     return hit
 
 
 def validate(doc: Any) -> ValidationResult:
+    """Validate an already-parsed value (a mapping from JSON or YAML): first the rules of a document
+    (nesting, size, JSON types: :func:`.documents.check_value`), then the language's."""
+    problems = check_value(doc)
+    if problems:
+        return ValidationResult(problems)
+    return _validate(doc)
+
+
+def _validate(doc: Any) -> ValidationResult:
+    """The language's rules, for a value that passed :func:`.documents.check_value`."""
     v = _Validator(doc)
     v.run()
-    diagnostics = sorted(v.found, key=lambda d: d.severity != "error")  # stable: document order
-    result = ValidationResult(diagnostics)
+    result = ValidationResult(v.found)
     if result.ok:
         normalised = normalize_document(doc)
-        result.document = normalised
-        result.playbook = m.Playbook.model_validate(normalised)
-        result.graph = v.graph
+        try:
+            result.playbook = m.Playbook.model_validate(normalised)
+        except ValidationError as exc:  # the piecewise checks missed something: still an answer
+            for err in exc.errors():
+                v.error(tuple(err["loc"]), f"{err['msg']} (after normalisation)")
+            result = ValidationResult(v.found)
+        else:
+            result.document = normalised
+            result.graph = v.graph
+    result.diagnostics = sorted(result.diagnostics, key=lambda d: d.severity != "error")  # stable: document order
     return result
+
+
+def _placed(d: Diagnostic, parsed: Parsed) -> Diagnostic:
+    where = position(parsed, d.path)
+    return replace(d, line=where[0], column=where[1]) if where and d.line is None else d
 
 
 @dataclass
@@ -142,6 +180,7 @@ class _Validator:
     doc: Any
     found: list[Diagnostic] = field(default_factory=list)
     graph: WorkflowGraph | None = None
+    suggestions: int = SUGGESTION_BUDGET
 
     # ------------------------------------------------------------------ reporting
     def error(self, path: Path, message: str) -> None:
@@ -171,13 +210,13 @@ class _Validator:
         where = path + loc
         if kind == "extra_forbidden":
             known = _known_keys(root, tuple(err["loc"])[:-1])
-            self.error(where, f"unknown key '{loc[-1]}'{did_you_mean(str(loc[-1]), known)}")
+            self.error(where, f"unknown key '{_short(loc[-1])}'{self.suggest(str(loc[-1]), known)}")
         elif kind == "missing":
             self.error(where, f"missing required key '{loc[-1]}'")
         elif kind == "union_tag_invalid":
             self.error(
                 where + ("kind",),
-                f"unknown tool kind {got.get('kind')!r}{did_you_mean(str(got.get('kind')), m.TOOL_KINDS)};"
+                f"unknown tool kind {_describe(got.get('kind'))}{self.suggest(str(got.get('kind')), m.TOOL_KINDS)};"
                 f" known kinds: {', '.join(m.TOOL_KINDS)}"
                 if isinstance(got, Mapping)
                 else err["msg"],
@@ -192,7 +231,8 @@ class _Validator:
             self.error(where, f"{err['msg']} (got {_describe(got)})")
 
     def _warn_extras(self, obj: Any, raw: Any, path: Path) -> None:
-        """Unknown keys inside ``spec`` mappings are kept but reported as warnings (seed 002)."""
+        """Unknown keys inside ``spec`` mappings are kept but reported as warnings (placeholders are
+        allowed there)."""
         if isinstance(obj, list):
             for i, item in enumerate(obj):
                 self._warn_extras(item, raw[i] if isinstance(raw, list) and i < len(raw) else None, path + (i,))
@@ -201,11 +241,12 @@ class _Validator:
             return
         for key in obj.model_extra or {}:
             known = [f.alias or n for n, f in type(obj).model_fields.items()]
-            self.warn(path + (key,), f"unknown spec key '{key}' is ignored{did_you_mean(key, known)}")
-        for name, f in type(obj).model_fields.items():
+            self.warn(path + (key,), f"unknown spec key '{_short(key)}' is ignored{self.suggest(key, known)}")
+        if not isinstance(raw, Mapping):
+            return
+        for name, key in _nested_fields(type(obj)):
             sub = getattr(obj, name)
-            key = f.alias or name
-            if isinstance(sub, (BaseModel, list)) and isinstance(raw, Mapping) and key in raw:
+            if isinstance(sub, (BaseModel, list)) and key in raw:
                 self._warn_extras(sub, raw[key], path + (key,))
 
     # ------------------------------------------------------------------ the rules
@@ -220,21 +261,24 @@ class _Validator:
             shape.pop("vars")
         for key in list(shape):
             if key not in ROOT_KEYS and key != "vars":
-                self.error((key,), f"unknown root key '{key}'{did_you_mean(key, ROOT_KEYS)}")
+                self.error((key,), f"unknown root key '{_short(key)}'{self.suggest(key, ROOT_KEYS)}")
                 shape.pop(key)
-        self.check_model(_RootShape, shape, ())
         workflow = doc.get("workflow")
-        steps = [s for s in workflow if isinstance(s, Mapping)] if isinstance(workflow, list) else []
+        if isinstance(workflow, list) and len(workflow) > limits.current().max_steps:
+            self.error(("workflow",), str(limits.LimitExceeded("max_steps", len(workflow))))
+            return  # the limit bounds the cost of checking: nothing more is read
+        self.check_model(_RootShape, shape, ())
+        workflow = workflow if isinstance(workflow, list) else []
         self.keychain(doc.get("keychain"))
         workbook = self.workbook(doc.get("workbook"))
-        names = self.step_names(workflow if isinstance(workflow, list) else [])
-        for i, step in enumerate(workflow if isinstance(workflow, list) else []):
+        names = self.step_names(workflow)
+        for i, step in enumerate(workflow):
             if isinstance(step, Mapping):
                 self.step(i, step, names, workbook)
             else:
                 self.error(("workflow", i), f"a step is a mapping, got {_describe(step)}")
         self.templates()
-        self.entry_and_reach(doc, steps, names)
+        self.entry_and_reach(doc, workflow, names)
 
     def keychain(self, keychain: Any) -> None:
         seen: set[str] = set()
@@ -242,7 +286,7 @@ class _Validator:
             name = entry.get("name") if isinstance(entry, Mapping) else None
             if isinstance(name, str):
                 if name in seen:
-                    self.error(("keychain", i, "name"), f"duplicate keychain entry '{name}'")
+                    self.error(("keychain", i, "name"), f"duplicate keychain entry '{_short(name)}'")
                 seen.add(name)
 
     def workbook(self, workbook: Any) -> set[str]:
@@ -262,7 +306,7 @@ class _Validator:
             if not isinstance(name, str) or not name:
                 self.error(path, "a workbook task needs a 'name'")
             elif name in names:
-                self.error(path + ("name",), f"duplicate workbook task '{name}'")
+                self.error(path + ("name",), f"duplicate workbook task '{_short(name)}'")
             else:
                 names.add(name)
             self.task(path, task, pipeline=set(), parallel=False, workbook=None)
@@ -273,9 +317,9 @@ class _Validator:
         for i, step in enumerate(workflow):
             name = step.get("step") if isinstance(step, Mapping) else None
             if not isinstance(name, str):
-                continue
+                continue  # a missing or non-string name is the model's to report
             if name in names:
-                self.error(("workflow", i, "step"), f"duplicate step name '{name}' (D1)")
+                self.error(("workflow", i, "step"), f"duplicate step name '{_short(name)}' (D1)")
             elif name in m.RESERVED_NAMES:
                 self.error(("workflow", i, "step"), f"'{name}' is a reserved name and cannot name a step (D6)")
             names.add(name)
@@ -295,18 +339,19 @@ class _Validator:
                 "'next' must be a router object {spec?, arcs: [...]} (D1); a list of steps is the legacy form",
             )
             shape.pop("next")
-        policy = (shape.get("spec") or {}).get("policy") if isinstance(shape.get("spec"), Mapping) else None
+        spec = shape.get("spec")
+        policy = spec.get("policy") if isinstance(spec, Mapping) else None
         if isinstance(policy, Mapping) and "rules" in policy:
             self.error(
                 path + ("spec", "policy", "rules"),
                 "control rules (retry/jump/break/continue/fail) belong in a task's spec.policy, not the step's;"
                 " admission rules go in spec.policy.admit.rules",
             )
-            shape["spec"] = {**shape["spec"], "policy": {k: v for k, v in policy.items() if k != "rules"}}
+            shape["spec"] = {**spec, "policy": {k: v for k, v in policy.items() if k != "rules"}}
         if "tool" not in step and "next" not in step:
             self.error(path, "a step needs a 'tool', a 'next', or both (D4)")
         self.check_model(_StepShape, shape, path)
-        self.admission(path, shape.get("spec"))
+        self.admission(path, spec)
         loop = step.get("loop")
         parallel = False
         if isinstance(loop, Mapping):
@@ -314,33 +359,30 @@ class _Validator:
             if "in" not in loop or "iterator" not in loop:
                 pass  # reported by the model as a missing key
             elif not isinstance(iterator, str) or not IDENT.match(iterator):
-                self.error(path + ("loop", "iterator"), f"the iterator must be an identifier, got {iterator!r}")
+                self.error(path + ("loop", "iterator"),
+                           f"the iterator must be an identifier, got {_describe(iterator)}")
             elif iterator in ("index", "parent"):
                 self.error(path + ("loop", "iterator"), f"'{iterator}' is reserved inside iter (iter.{iterator}, D6)")
-            spec = loop.get("spec") if isinstance(loop.get("spec"), Mapping) else {}
-            policy = spec.get("policy") if isinstance(spec.get("policy"), Mapping) else {}
-            parallel = (spec.get("mode") or policy.get("mode")) == "parallel"
+            lspec = _mapping(loop.get("spec"))
+            parallel = (lspec.get("mode") or _mapping(lspec.get("policy")).get("mode")) == "parallel"
         if isinstance(nxt, Mapping):
-            for j, arc in enumerate(nxt.get("arcs") or []):
+            for j, arc in enumerate(_list(nxt.get("arcs"))):
                 target = arc.get("step") if isinstance(arc, Mapping) else None
                 if isinstance(target, str) and target not in names:
                     self.error(
                         path + ("next", "arcs", j, "step"),
-                        f"arc to unknown step '{target}'{did_you_mean(target, names)} (D1)",
+                        f"arc to unknown step '{_short(target)}'{self.suggest(target, names)} (D1)",
                     )
         self.pipeline(path, step, parallel, workbook)
 
     def admission(self, path: Path, spec: Any) -> None:
         """D17: warn when a step has admit rules, all of them allow, and there is no else."""
-        try:
-            rules = spec["policy"]["admit"]["rules"]
-        except (KeyError, TypeError):
-            return
+        rules = _mapping(_mapping(_mapping(spec).get("policy")).get("admit")).get("rules")
         if not isinstance(rules, list) or not rules:
             return
         if any(isinstance(r, Mapping) and "else" in r for r in rules):
             return
-        if all(isinstance(r, Mapping) and (r.get("then") or {}).get("allow", True) is True for r in rules):
+        if all(isinstance(r, Mapping) and _mapping(r.get("then")).get("allow", True) is True for r in rules):
             self.warn(
                 path + ("spec", "policy", "admit", "rules"),
                 "every admit rule allows and there is no 'else': the step is admitted whatever the conditions (D17)",
@@ -350,9 +392,7 @@ class _Validator:
         tool = step.get("tool")
         if tool is None:
             return
-        if isinstance(tool, Mapping) and "kind" not in tool and len(tool) == 1 and isinstance(
-            next(iter(tool.values())), Mapping
-        ):
+        if isinstance(tool, Mapping) and _label_shape(tool):
             self.error(path + ("tool",), _label_shape_message(next(iter(tool))))
             return
         if isinstance(tool, Mapping):
@@ -369,15 +409,17 @@ class _Validator:
         if isinstance(tool, list) and all(isinstance(t, Mapping) for t in tool):
             for (tpath, _), task in zip(tasks, normalize_tasks(step_name, tool)):
                 name = task.get("name")
+                if not isinstance(name, str):
+                    continue  # the model reports a name that is not a string
                 if name in labels:
-                    self.error(tpath + ("name",), f"duplicate task name '{name}' in step '{step_name}' (D1)")
+                    self.error(tpath + ("name",), f"duplicate task name '{_short(name)}' in step '{_short(step_name)}' (D1)")
                 labels.add(name)
         elif isinstance(tool, Mapping):
             labels.add(f"{step_name}_task")
         for tpath, task in tasks:
             if not isinstance(task, Mapping):
                 self.error(tpath, f"a task is a mapping, got {_describe(task)}")
-            elif "kind" not in task and len(task) == 1 and isinstance(next(iter(task.values())), Mapping):
+            elif _label_shape(task):
                 self.error(tpath, _label_shape_message(next(iter(task))))
             else:
                 self.task(tpath, task, labels, parallel, workbook)
@@ -392,7 +434,7 @@ class _Validator:
         if policy is not None and not (isinstance(policy, Mapping) and isinstance(policy.get("rules"), list)):
             self.error(
                 path + ("spec", "policy"),
-                "a task policy must be an object with a 'rules' list (seed 001 §6.2, D1); "
+                "a task policy must be an object with a 'rules' list (D1); "
                 f"got {_describe(policy)}",
             )
             shape["spec"] = {k: v for k, v in spec.items() if k != "policy"}
@@ -402,15 +444,15 @@ class _Validator:
             if isinstance(ref, str) and ref not in workbook:
                 self.error(
                     path + ("task" if "task" in task else "name",),
-                    f"no workbook task named '{ref}'{did_you_mean(ref, workbook)}",
+                    f"no workbook task named '{_short(ref)}'{self.suggest(ref, workbook)}",
                 )
         if not isinstance(policy, Mapping):
             return
-        for j, rule in enumerate(policy.get("rules") or []):
+        for j, rule in enumerate(_list(policy.get("rules"))):
             then = rule.get("then") if isinstance(rule, Mapping) else None
             rpath = path + ("spec", "policy", "rules", j)
             if isinstance(rule, Mapping) and "else" in rule:
-                then = (rule["else"] or {}).get("then") if isinstance(rule["else"], Mapping) else None
+                then = _mapping(rule["else"]).get("then")
                 rpath += ("else",)
             if not isinstance(then, Mapping):
                 continue
@@ -418,80 +460,112 @@ class _Validator:
                 target = then.get("to")
                 if target is None:
                     self.error(rpath + ("then",), "'jump' needs 'to': the task to jump to")
-                elif target not in pipeline:
+                elif isinstance(target, str) and target not in pipeline:  # not a string: the model says so
                     self.error(
                         rpath + ("then", "to"),
-                        f"jump to unknown task '{target}'{did_you_mean(str(target), pipeline)} (D1)",
+                        f"jump to unknown task '{_short(target)}'{self.suggest(target, pipeline)} (D1)",
                     )
             if then.get("do") == "retry" and then.get("attempts") is None:
                 self.warn(rpath + ("then",), "'retry' without 'attempts' tries once more only (attempts: 2)")
             if parallel and "set_ctx" in then:
                 self.error(
                     rpath + ("then", "set_ctx"),
-                    "set_ctx is not allowed in a parallel loop (D12, seed 001 §7.2): use set_iter or the loop's result",
+                    "set_ctx is not allowed in a parallel loop (D12): use set_iter or the loop's result",
                 )
 
     def templates(self) -> None:
-        """Template syntax errors anywhere but in python ``code`` (which is not rendered)."""
-
-        def walk(node: Any, path: Path) -> None:
+        """Template syntax errors anywhere but in python ``code`` (which is not rendered). An explicit
+        stack: the nesting is bounded by max_document_depth, not by Python's recursion limit."""
+        stack: list[tuple[Any, Path]] = [(self.doc, ())]
+        while stack:
+            node, path = stack.pop()
             if isinstance(node, Mapping):
-                for k, v in node.items():
-                    if k == "code" and node.get("kind") == "python":
-                        continue
-                    walk(v, path + (k,))
+                python = node.get("kind") == "python"
+                items: Any = node.items()
             elif isinstance(node, list):
-                for i, v in enumerate(node):
-                    walk(v, path + (i,))
-            elif isinstance(node, str):
-                for _, message in check_syntax(node):
-                    self.error(path, message)
+                python, items = False, enumerate(node)
+            else:
+                continue
+            for key, value in items:
+                kind = type(value)
+                if kind is str:
+                    if "{" in value and not (python and key == "code"):
+                        for _, message in check_syntax(value):
+                            self.error(path + (key,), message)
+                elif kind is dict or kind is list or (kind not in _SCALARS and isinstance(value, Mapping)):
+                    stack.append((value, path + (key,)))
 
-        walk(self.doc, ())
-
-    def entry_and_reach(self, doc: Mapping[str, Any], steps: list[Mapping[str, Any]], names: set[str]) -> None:
-        named = [s for s in steps if isinstance(s.get("step"), str)]
-        targets = []
-        for s in named:
-            nxt = s.get("next")
-            arcs = nxt.get("arcs") if isinstance(nxt, Mapping) else None
-            targets.append([a.get("step") for a in arcs if isinstance(a, Mapping)] if isinstance(arcs, list) else [])
-        self.graph = WorkflowGraph.build((s["step"], t) for s, t in zip(named, targets))
-        executor = doc.get("executor")
-        spec = executor.get("spec") if isinstance(executor, Mapping) else None
-        entry = spec.get("entry_step") if isinstance(spec, Mapping) else None
-        if entry is not None and entry not in names:
-            self.error(
-                ("executor", "spec", "entry_step"),
-                f"entry step '{entry}' is not a step of the workflow{did_you_mean(str(entry), names)} (D3)",
-            )
+    def entry_and_reach(self, doc: Mapping[str, Any], workflow: list[Any], names: set[str]) -> None:
+        arcs_of = []
+        for s in workflow:
+            if isinstance(s, Mapping) and isinstance(s.get("step"), str):
+                arcs = _list(_mapping(s.get("next")).get("arcs"))
+                arcs_of.append((s["step"], [a.get("step") for a in arcs if isinstance(a, Mapping)]))
+        self.graph = WorkflowGraph.build(arcs_of)
+        spec = _mapping(_mapping(doc.get("executor")).get("spec"))
+        entry = spec.get("entry_step")
+        if entry is not None and not (isinstance(entry, str) and entry in names):
+            if isinstance(entry, str):  # not a string: the model says so
+                self.error(
+                    ("executor", "spec", "entry_step"),
+                    f"entry step '{_short(entry)}' is not a step of the workflow{self.suggest(entry, names)} (D3)",
+                )
             return
         start = entry_step(doc)
         if start is None:
             return
         reachable = self.graph.reachable_from(start)
-        for i, s in enumerate(steps):
-            if isinstance(s.get("step"), str) and s["step"] not in reachable:
-                self.warn(("workflow", i), f"step '{s['step']}' is unreachable from the entry step '{start}'")
+        for i, s in enumerate(workflow):
+            if isinstance(s, Mapping) and isinstance(s.get("step"), str) and s["step"] not in reachable:
+                self.warn(("workflow", i), f"step '{_short(s['step'])}' is unreachable from the entry step '{_short(start)}'")
+
+    def suggest(self, word: str, candidates: Any) -> str:
+        """:func:`did_you_mean` within a budget of comparisons per document, so that a document with
+        thousands of misspelt references stays linear: past the budget, no suggestion."""
+        self.suggestions -= len(candidates)
+        return did_you_mean(word, candidates) if self.suggestions >= 0 else ""
 
 
 def entry_step(doc: Mapping[str, Any]) -> str | None:
     """D3: executor.spec.entry_step, else the step named ``start``, else the first step."""
-    executor = doc.get("executor") if isinstance(doc.get("executor"), Mapping) else {}
-    spec = executor.get("spec") if isinstance(executor.get("spec"), Mapping) else {}
-    if spec.get("entry_step"):
-        return spec["entry_step"]
-    steps = [s.get("step") for s in doc.get("workflow") or [] if isinstance(s, Mapping)]
+    spec = _mapping(_mapping(doc.get("executor")).get("spec"))
+    entry = spec.get("entry_step")
+    if entry:
+        return entry if isinstance(entry, str) else None
+    steps = [s.get("step") for s in _list(doc.get("workflow")) if isinstance(s, Mapping)]
     if "start" in steps:
         return "start"
     return steps[0] if steps and isinstance(steps[0], str) else None
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _label_shape(task: Mapping[str, Any]) -> bool:
+    """The rejected ``{label: {kind: ...}}`` task shape."""
+    return "kind" not in task and len(task) == 1 and isinstance(next(iter(task.values())), Mapping)
+
+
 def _label_shape_message(label: str) -> str:
+    label = _short(label)
     return (
-        f"the '{{{label}: {{kind: ...}}}}' task shape is not supported (seed 002 §7.4, D1):"
+        f"the '{{{label}: {{kind: ...}}}}' task shape is not supported (D1, D4):"
         f" write '- name: {label}' followed by 'kind: ...'"
     )
+
+
+def _short(text: Any, size: int = 60) -> str:
+    """A name from the document, shortened for messages."""
+    text = str(text)
+    return text if len(text) <= size else text[: size - 3] + "..."
 
 
 def _describe(value: Any) -> str:
@@ -555,6 +629,13 @@ def _field_names(name: str, f: Any) -> set[str]:
     if choices:
         names |= {c for c in choices if isinstance(c, str)}
     return names
+
+
+@functools.cache
+def _nested_fields(model: type[BaseModel]) -> tuple[tuple[str, str], ...]:
+    """(attribute, key) of the fields of ``model`` that can hold models (those :meth:`_warn_extras`
+    descends into)."""
+    return tuple((name, f.alias or name) for name, f in model.model_fields.items() if _models_in(f.annotation))
 
 
 def _models_in(annotation: Any) -> list[type]:
