@@ -71,6 +71,10 @@ CREATE INDEX IF NOT EXISTS execution_created ON execution (created_at DESC);
 CREATE INDEX IF NOT EXISTS execution_status_created ON execution (status, created_at DESC);
 """),
     _credentials.MIGRATION,  # 2: the credential store (D24)
+    (3, "who started each execution", """
+ALTER TABLE execution ADD COLUMN IF NOT EXISTS requested_by text;
+CREATE INDEX IF NOT EXISTS execution_requested_by_created ON execution (requested_by, created_at DESC);
+"""),
 ]
 
 _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas

@@ -66,14 +66,16 @@ MAX_PAGE = 1000
 
 # --------------------------------------------------------------------------- projection statements
 _UPSERT_REQUESTED = """
-INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at)
+INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at, requested_by)
 VALUES (%(id)s, coalesce(%(path)s, (SELECT path FROM catalog WHERE id = %(catalog_id)s)),
         coalesce(%(version)s, (SELECT version FROM catalog WHERE id = %(catalog_id)s)),
-        'PENDING', %(parent)s, to_timestamp(%(ts)s))
+        'PENDING', %(parent)s, to_timestamp(%(ts)s),
+        coalesce(%(by)s, (SELECT requested_by FROM execution WHERE execution_id = %(parent)s)))
 ON CONFLICT (execution_id) DO UPDATE SET
     path = coalesce(x.path, excluded.path), version = coalesce(x.version, excluded.version),
     parent_execution_id = coalesce(x.parent_execution_id, excluded.parent_execution_id),
-    created_at = least(x.created_at, excluded.created_at)"""
+    created_at = least(x.created_at, excluded.created_at),
+    requested_by = coalesce(x.requested_by, excluded.requested_by)"""
 _UPDATE_EVALUATED = """
 UPDATE execution SET path = coalesce(path, %(path)s), version = coalesce(version, %(version)s)
 WHERE execution_id = %(id)s"""
@@ -89,7 +91,7 @@ VALUES (%(id)s, %(status)s, to_timestamp(%(ts)s), to_timestamp(%(ts)s), %(error)
 ON CONFLICT (execution_id) DO UPDATE SET
     status = excluded.status, finished_at = excluded.finished_at, error = excluded.error"""
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
-                      "started_at", "finished_at", "error")
+                      "started_at", "finished_at", "error", "requested_by")
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 
 
@@ -117,7 +119,10 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             out[_UPSERT_REQUESTED].append({
                 "id": xid, "path": _str(catalog.get("path")) or _str(meta.get("path")),
                 "version": _int(catalog.get("version")), "catalog_id": _int(catalog.get("id")),
-                "parent": _str(data.get("parent_execution_id")), "ts": ts})
+                "parent": _str(data.get("parent_execution_id")), "ts": ts,
+                # who started it (the gateway's caller); a child without one inherits its parent's
+                "by": _str((data.get("requested_by") or {}).get("user_id"))
+                if isinstance(data.get("requested_by"), dict) else None})
         elif name == "playbook.request.evaluated" and e.get("status") != "error":
             out[_UPDATE_EVALUATED].append({"id": xid, "path": _str(data.get("path")),
                                            "version": _int(data.get("version"))})
@@ -491,11 +496,16 @@ class RecorderService:
         status = req.get("status")
         if status is not None and str(status).upper() not in STATUSES:
             raise BusError("bad_request", f"status must be one of {', '.join(STATUSES)}")
-        where, params = ("WHERE status = %s", [str(status).upper()]) if status else ("", [])
+        user = req.get("user")
+        if user is not None and not isinstance(user, str):
+            raise BusError("bad_request", "user must be a user id")
+        conditions = [(c, v) for c, v in (("status = %s", str(status).upper() if status else None),
+                                          ("requested_by = %s", user)) if v is not None]
+        where = f"WHERE {' AND '.join(c for c, _ in conditions)}" if conditions else ""
         async with self._connection() as conn:
             cur = await conn.execute(
                 f"{_SELECT_EXECUTION} {where} ORDER BY created_at DESC NULLS LAST, execution_id LIMIT %s",
-                (*params, limit))
+                (*[v for _, v in conditions], limit))
             rows = await cur.fetchall()
         return [_execution_row(r) for r in rows]
 
