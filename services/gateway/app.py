@@ -330,14 +330,7 @@ def _diagnostics(items: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _nats_state(nc: Any) -> str:
-    if nc.is_connected:
-        return "connected"
-    if nc.is_closed:
-        return "closed"
-    if nc.is_reconnecting:
-        return "reconnecting"
-    return "connecting" if nc.is_connecting else "disconnected"
+_nats_state = auth.nats_state
 
 
 # --------------------------------------------------------------------------------- the guard

@@ -288,7 +288,7 @@ class Authenticator:
         if self._sub is None:
             await self._subscribe()  # before the first validation: no notice is missed after it
         if not self.bus.nc.is_connected:
-            raise unavailable("NATS is not connected: the token cannot be checked now; retry shortly")
+            raise unavailable(f"NATS is {nats_state(self.bus.nc)}: the token cannot be checked now; retry shortly")
         epoch = self.cache.epoch
         self.validations += 1
         try:
@@ -304,6 +304,16 @@ class Authenticator:
             raise unavailable("the sessions service answered something that is not a principal")
         self.cache.put(key, who, epoch)
         return who
+
+
+def nats_state(nc: Any) -> str:
+    if nc.is_connected:
+        return "connected"
+    if nc.is_closed:
+        return "closed"
+    if nc.is_reconnecting:
+        return "reconnecting"
+    return "connecting" if nc.is_connecting else "disconnected"
 
 
 def retry_seconds(details: Any, default: int = 1) -> str:
