@@ -170,7 +170,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack = await _embedded_stack(quiet=False, persistent=home, processes=not args.in_process)
         print(f"noetl stack up; gateway: {stack.gateway_url} (OpenAPI docs at {stack.gateway_url}/docs)", flush=True)
         print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
-        stored = _local_admin(stack.gateway_url, stack.token, os.path.join(home, "admin.token"), first)
+        url = stack.gateway_url
+        stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -179,7 +180,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopping...", flush=True)
         await stack.stop()
         if stored:
-            _forget_local_admin(stack.gateway_url, stack.token)
+            _forget_local_admin(url, stack.token)
 
     asyncio.run(main())
     return EXIT_OK

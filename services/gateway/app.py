@@ -923,7 +923,10 @@ class GatewayService:
 
     async def start(self) -> None:
         self.app = create_app(self.bus)
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off")
+        # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1 by default; the client's
+        # address is the gateway's decision (NOETL_TRUSTED_PROXIES, auth.client_address)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off",
+                                proxy_headers=False)
         server = _EmbeddedServer(config)
         self._task = asyncio.create_task(server.serve(), name="gateway http")
         while not server.started:
