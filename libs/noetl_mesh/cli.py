@@ -205,7 +205,7 @@ def _local_admin(url: str, token: str | None, token_file: str, first: bool) -> b
         where = store_token(url, token)
         print(f"noetl commands use it for this gateway (kept in {where} while the stack runs): "
               f"export NOETL_GATEWAY_URL={url}", flush=True)
-    print(f"elsewhere: noetl login --gateway {url} --token \"$(cat {token_file})\"; give the admin a password "
+    print(f"elsewhere: noetl login --gateway {url} --token - < {token_file}; give the admin a password "
           f"with `noetl user password`, add users with `noetl user add`", flush=True)
     return stored
 

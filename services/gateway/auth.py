@@ -14,6 +14,9 @@ Concurrent requests with the same uncached token share one validation. The revoc
 (``noetl.sessions.revoked``) drop entries at once: by session or token id, or every entry of the user.
 A validation that was in flight when any notice arrived answers its request but is not cached.
 
+The gateway's own audit records (credential reads with data, writes, cancels, refusals) go through
+:class:`Auditor`, the client's address through :func:`client_address` (``NOETL_TRUSTED_PROXIES``).
+
 The pure parts (the cache with an injected clock, header parsing, client addresses, messages) have no
 I/O and are unit-tested in tests/unit/test_gateway_auth.py.
 """

@@ -354,6 +354,8 @@ def test_logins_lockout_and_the_client_address_behind_a_trusted_proxy(stack, peo
                 assert "too many failed logins" in again.json()["detail"]["message"]
                 both = await http.post(f"{stack.url}/api/auth/login", json={"username": "x", "password": "y", "id_token": "z"})
                 assert both.status_code == 422
+                big = await http.post(f"{stack.url}/api/auth/login", json={"id_token": "x" * 200_000})
+                assert big.status_code == 413 and "max_login_bytes" in big.json()["detail"]["message"]
             async with stack.client() as admin:
                 logins = [r for r in await admin.audit(action="session.login", limit=20)
                           if (r["actor"] or {}).get("username") == "a-viewer"]
