@@ -18,7 +18,7 @@ The gateway's own audit records (credential reads with data, writes, cancels, re
 :class:`Auditor`, the client's address through :func:`client_address` (``NOETL_TRUSTED_PROXIES``).
 
 The pure parts (the cache with an injected clock, header parsing, client addresses, messages) have no
-I/O and are unit-tested in tests/unit/test_gateway_auth.py.
+I/O and are unit-tested in tests/unit/test_gateway_access.py.
 """
 from __future__ import annotations
 
