@@ -73,9 +73,9 @@ async def run_one(client: GatewayClient, doc: dict, timeout: float = 600) -> tup
     return status, await client.all_events(eid)
 
 
-async def bench_chain(url: str, steps: int, rounds: int) -> list[tuple]:
+async def bench_chain(url: str, token: str, steps: int, rounds: int) -> list[tuple]:
     per_step, hops = [], []
-    async with GatewayClient(url) as client:
+    async with GatewayClient(url, token=token) as client:
         await run_one(client, chain(3))  # warm-up
         for _ in range(rounds):
             status, events = await run_one(client, chain(steps))
@@ -92,10 +92,10 @@ async def bench_chain(url: str, steps: int, rounds: int) -> list[tuple]:
             ("chain", "steps/s in one execution", f"{1000 / statistics.median(per_step):.0f}")]
 
 
-async def bench_burst(url: str, executions: int, steps: int = 5) -> list[tuple]:
+async def bench_burst(url: str, token: str, executions: int, steps: int = 5) -> list[tuple]:
     doc = chain(steps)
     sem = asyncio.Semaphore(64)
-    async with GatewayClient(url, timeout=120) as client:
+    async with GatewayClient(url, timeout=120, token=token) as client:
         t0 = time.perf_counter()
 
         async def submit() -> str:
@@ -119,8 +119,8 @@ async def bench_burst(url: str, executions: int, steps: int = 5) -> list[tuple]:
             ("burst", "end-to-end latency p50 / p99", f"{pct(latencies, 50):.0f} / {pct(latencies, 99):.0f} ms")]
 
 
-async def bench_loop(url: str, n: int, in_flight: int, sampler: RssSampler) -> list[tuple]:
-    async with GatewayClient(url, timeout=120) as client:
+async def bench_loop(url: str, token: str, n: int, in_flight: int, sampler: RssSampler) -> list[tuple]:
+    async with GatewayClient(url, timeout=120, token=token) as client:
         t0 = time.perf_counter()
         eid = await client.start(loop_playbook(n, in_flight))
         status = await client.wait(eid, timeout=3600, poll=0.5)
@@ -138,7 +138,7 @@ CHILD = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "
          "workflow": [{"step": "start", "tool": {"kind": "noop", "result": "{{ args.i }}"}}]}
 
 
-async def bench_child(url: str, calls: int, fanout: int) -> list[tuple]:
+async def bench_child(url: str, token: str, calls: int, fanout: int) -> list[tuple]:
     """Child executions: the round trip of a `playbook` task (task.started -> task.processed in the
     parent: suspend, request, the child's whole run, the notice, the resume) in a sequential chain, and
     children per second when a parallel loop calls one per iteration."""
@@ -149,7 +149,7 @@ async def bench_child(url: str, calls: int, fanout: int) -> list[tuple]:
                          "tool": {"kind": "playbook", "path": "bench/child", "args": {"i": "{{ iter.i }}"}}}]}
     fan = {**seq, "workflow": [{**seq["workflow"][0], "loop": {
         "in": f"{{{{ range({fanout}) | list }}}}", "iterator": "i", "spec": {"mode": "parallel", "max_in_flight": 64}}}]}
-    async with GatewayClient(url, timeout=120) as client:
+    async with GatewayClient(url, timeout=120, token=token) as client:
         await client.register(yaml.safe_dump(CHILD))
         await run_one(client, {**seq, "workflow": [{**seq["workflow"][0], "loop": {"in": "{{ [1] }}", "iterator": "i"}}]})
         status, events = await run_one(client, seq)
@@ -228,14 +228,14 @@ async def main(args: argparse.Namespace) -> None:
             sampler.start()
             try:
                 if "chain" in which:
-                    rows += await bench_chain(stack.gateway_url, 20, 3 if quick else 20)
+                    rows += await bench_chain(stack.gateway_url, stack.token, 20, 3 if quick else 20)
                 if "burst" in which:
-                    rows += await bench_burst(stack.gateway_url, 50 if quick else 1000)
+                    rows += await bench_burst(stack.gateway_url, stack.token, 50 if quick else 1000)
                 if "child" in which:
-                    rows += await bench_child(stack.gateway_url, 20 if quick else 100, 100 if quick else 1000)
+                    rows += await bench_child(stack.gateway_url, stack.token, 20 if quick else 100, 100 if quick else 1000)
                 if "loop" in which:
                     sampler.peak.clear()
-                    rows += await bench_loop(stack.gateway_url, 2000 if quick else 100_000, 256, sampler)
+                    rows += await bench_loop(stack.gateway_url, stack.token, 2000 if quick else 100_000, 256, sampler)
             finally:
                 sampler.stop_flag = True
                 await stack.stop()

@@ -26,6 +26,8 @@ from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.services.gateway.app import GatewayService
 from noetl_mesh.services.gateway.body import parse_json
+from noetl_mesh.services.sessions.service import SessionsService
+from noetl_mesh.stack import bootstrap
 
 TINY = """
 apiVersion: noetl.io/v2
@@ -81,10 +83,13 @@ async def bench_submit(quick: bool) -> None:
     nats = EmbeddedNats().start()
     bus = await Bus.connect(nats.url, "bench-gateway")
     await bus.setup(partitions=4)
+    sessions = SessionsService(bus, oidc=None)  # requests carry the bootstrap admin's token
+    await sessions.start()
+    auth = {"Authorization": f"Bearer {await bootstrap(nats.url)}"}
     gateway = GatewayService(bus)
     await gateway.start()
     try:
-        async with httpx.AsyncClient(base_url=gateway.url, trust_env=False, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=gateway.url, trust_env=False, timeout=120, headers=auth) as http:
             n = 200 if quick else 1000
             print(f"\nsubmit (POST /api/executions, {n} sequential, ms)")
             mapping = yaml.safe_load(TINY)
@@ -106,7 +111,7 @@ async def bench_submit(quick: bool) -> None:
                                 for i in range(2000)]}
 
             def submit(body: dict) -> None:
-                with httpx.Client(base_url=gateway.url, trust_env=False, timeout=300) as client:
+                with httpx.Client(base_url=gateway.url, trust_env=False, timeout=300, headers=auth) as client:
                     client.post("/api/executions", json=body)
 
             threads = [threading.Thread(target=submit, args=({"playbook": b},)) for b in (big, yaml.safe_dump(big))]
@@ -125,6 +130,7 @@ async def bench_submit(quick: bool) -> None:
                   f"p50 {statistics.median(lat):.1f} ms, max {max(lat):.1f} ms")
     finally:
         await gateway.stop()
+        await sessions.stop()
         await bus.close()
         nats.stop()
 

@@ -71,10 +71,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not isinstance(workload, dict):
         return _fail("--workload must be a JSON object")
     text = read_document(args.file)[0]  # decoded as it was validated (UTF-8/16/32)
+    from .client import GatewayError
+
     try:
         return asyncio.run(_run(args, text, workload))
     except KeyboardInterrupt:
         return EXIT_FAILED
+    except GatewayError as exc:
+        return _gateway_failed(exc, args.gateway or os.environ.get("NOETL_GATEWAY_URL") or "URL")
 
 
 async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
@@ -87,7 +91,8 @@ async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
         if not gateway:
             stack = await _embedded_stack(quiet=args.json)
             gateway = stack.gateway_url
-        async with GatewayClient(gateway) as client:
+        # the throw-away stack's own admin token; a running gateway gets the command line's (noetl login)
+        async with GatewayClient(gateway, token=stack.token if stack is not None else None) as client:
             for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
                 await client.register(read_document(path)[0])
             execution_id = await client.start(text, workload)
@@ -185,11 +190,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     async def main() -> None:
         home = os.path.abspath(args.home)
         os.makedirs(home, exist_ok=True)
+        first = not os.path.exists(os.path.join(home, "admin.token"))
         stack = await _embedded_stack(quiet=False, persistent=home, processes=not args.in_process)
         print(f"noetl stack up; gateway: {stack.gateway_url} (OpenAPI docs at {stack.gateway_url}/docs)", flush=True)
         print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
         if stack.settings.nats_creds:
             print(f"NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)
+        url = stack.gateway_url
+        stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,9 +205,42 @@ def cmd_up(args: argparse.Namespace) -> int:
         await stop.wait()
         print("stopping...", flush=True)
         await stack.stop()
+        if stored:
+            _forget_local_admin(url, stack.token)
 
     asyncio.run(main())
     return EXIT_OK
+
+
+def _local_admin(url: str, token: str | None, token_file: str, first: bool) -> bool:
+    """``noetl up``'s word on logging in. The home's admin API token (``admin.token``, 0600) is stored
+    in the command line's token store for this gateway's URL, unless a token is stored for it already,
+    so that local commands (``--gateway URL``) work at once; ``noetl up`` removes it again when it stops
+    (the next start may listen on another port). True when it stored it."""
+    from .client import store_token, stored_token
+
+    if first and token:
+        print(f"first start: created the admin user 'admin'; its API token (no expiry) is in {token_file} "
+              "(mode 0600): keep it safe", flush=True)
+    if not token:
+        print(f"log in: noetl login --gateway {url} [--username NAME] (the admin's token was in {token_file})",
+              flush=True)
+        return False
+    stored = stored_token(url) is None
+    if stored:
+        where = store_token(url, token)
+        print(f"noetl commands use it for this gateway (kept in {where} while the stack runs): "
+              f"export NOETL_GATEWAY_URL={url}", flush=True)
+    print(f"elsewhere: noetl login --gateway {url} --token - < {token_file}; give the admin a password "
+          f"with `noetl user password`, add users with `noetl user add`", flush=True)
+    return stored
+
+
+def _forget_local_admin(url: str, token: str | None) -> None:
+    from .client import store_token, stored_token
+
+    if token and stored_token(url) == token:
+        store_token(url, None)
 
 
 def _nats_settings(args: argparse.Namespace):
@@ -277,9 +318,15 @@ def _gateway_call(args: argparse.Namespace, fn) -> int:
     try:
         return asyncio.run(main())
     except GatewayError as exc:
-        return _fail(str(exc), EXIT_FAILED)
+        return _gateway_failed(exc, args.gateway)
     except (OSError, httpx.TransportError) as exc:  # e.g. no gateway listening
         return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
+
+
+def _gateway_failed(exc, gateway: str) -> int:
+    if exc.status == 401:
+        return _fail(f"{exc}\n  log in with `noetl login --gateway {gateway}` (or set NOETL_TOKEN)", EXIT_FAILED)
+    return _fail(str(exc), EXIT_FAILED)
 
 
 def cmd_register(args: argparse.Namespace) -> int:
@@ -353,7 +400,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(main())
     except GatewayError as exc:
-        return _fail(str(exc), EXIT_FAILED)
+        return _gateway_failed(exc, args.gateway)
     except (OSError, httpx.TransportError) as exc:
         return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
 
@@ -371,6 +418,209 @@ def cmd_credential(args: argparse.Namespace) -> int:
     if args.action == "list":
         return _gateway_call(args, lambda c: c.credential_list())
     return _gateway_call(args, lambda c: c.credential_delete(args.name))
+
+
+# --------------------------------------------------------------------------------- who: logins, users, tokens
+def _secret(prompt: str, from_stdin: bool, confirm: bool = False) -> str:
+    """A password from the terminal (not echoed) or, with ``--password-stdin``, the first line of stdin."""
+    import getpass
+
+    if from_stdin:
+        return sys.stdin.readline().rstrip("\r\n")
+    value = getpass.getpass(prompt)
+    if confirm and getpass.getpass("again: ") != value:
+        raise ValueError("the two passwords differ")
+    return value
+
+
+def cmd_login(args: argparse.Namespace) -> int:
+    """``noetl login``: a password (prompted), an OIDC ID token, or an API token to keep; the token is
+    stored for the gateway (``client.store_token``)."""
+    import httpx
+
+    from .client import TOKEN_ENV, GatewayClient, GatewayError, store_token, stored_token
+
+    if args.token and args.oidc_token:
+        return _fail("give --token or --oidc-token, not both")
+    try:
+        username = password = None
+        if not args.token and not args.oidc_token:
+            username = args.username or input("username: ").strip()
+            password = _secret(f"password for {username}: ", args.password_stdin)
+    except (EOFError, KeyboardInterrupt, ValueError) as exc:
+        return _fail(f"no password read ({type(exc).__name__})")
+
+    async def main() -> int:
+        previous = stored_token(args.gateway)
+        async with GatewayClient(args.gateway) as client:
+            client.use(None)
+            if args.token:
+                client.use((sys.stdin.readline() if args.token == "-" else args.token).strip())
+                who = await client.whoami()
+            else:
+                who = (await client.login(username, password, id_token=args.oidc_token))["principal"]
+            path = store_token(args.gateway, client.token)
+            if previous and previous != client.token and previous.startswith("noetl_s_"):
+                client.use(previous)  # the session this login replaces ends
+                try:
+                    await client.logout()
+                except GatewayError:
+                    pass
+        kind = f"API token {who.get('token_name')!r}" if who.get("kind") == "token" else "a session"
+        print(f"logged in to {args.gateway} as {who['username']} (roles {', '.join(who['roles']) or 'none'}) "
+              f"with {kind}; the token is kept in {path}")
+        if os.environ.get(TOKEN_ENV):
+            print(f"note: {TOKEN_ENV} is set and is sent instead of the stored token", file=sys.stderr)
+        return EXIT_OK
+
+    try:
+        return asyncio.run(main())
+    except GatewayError as exc:
+        return _fail(str(exc), EXIT_FAILED)
+    except (OSError, httpx.TransportError) as exc:
+        return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
+
+
+def cmd_logout(args: argparse.Namespace) -> int:
+    """``noetl logout``: end the stored session and forget it. An API token is only forgotten here
+    (``noetl token revoke`` revokes it)."""
+    import httpx
+
+    from .client import TOKEN_ENV, GatewayClient, GatewayError, store_token, stored_token
+
+    token = stored_token(args.gateway)
+    if token is None:
+        extra = f" ({TOKEN_ENV} is set: unset it)" if os.environ.get(TOKEN_ENV) else ""
+        print(f"no token stored for {args.gateway}{extra}")
+        return EXIT_OK
+    if token.startswith("noetl_s_"):
+        async def main() -> None:
+            async with GatewayClient(args.gateway, token=token) as client:
+                await client.logout()
+
+        try:
+            asyncio.run(main())
+        except GatewayError as exc:
+            if exc.status != 401:  # 401: ended already
+                return _fail(f"{exc}; the token is still stored", EXIT_FAILED)
+        except (OSError, httpx.TransportError) as exc:
+            return _fail(f"cannot reach the gateway at {args.gateway}: {exc}; the token is still stored", EXIT_FAILED)
+        store_token(args.gateway, None)
+        print(f"logged out of {args.gateway}")
+    else:
+        store_token(args.gateway, None)
+        print(f"forgot the API token stored for {args.gateway}; it stays valid until revoked "
+              "(`noetl token revoke ID`)")
+    return EXIT_OK
+
+
+def cmd_whoami(args: argparse.Namespace) -> int:
+    return _gateway_call(args, lambda c: c.whoami())
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        return _gateway_call(args, lambda c: c.sessions(args.user))
+    if bool(args.session_id) == bool(args.user):
+        return _fail("give a session id, or --user USER (me: every session of yours)")
+    if args.session_id:
+        return _gateway_call(args, lambda c: c.revoke_session(args.session_id))
+    return _gateway_call(args, lambda c: c.revoke_sessions(args.user))
+
+
+def cmd_user(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "add":
+            password = _secret(f"password for {args.username}: ", args.password_stdin, confirm=True) \
+                if (args.password or args.password_stdin) else None
+            return _gateway_call(args, lambda c: c.add_user(args.username, args.role or None, password,
+                                                            args.email, args.display_name))
+        if args.action == "password":
+            own = args.user in (None, "me")
+            current = (_secret("current password (empty if none): ", args.password_stdin) or None) if own else None
+            password = _secret("new password: ", args.password_stdin, confirm=not args.password_stdin)
+            return _gateway_call(args, lambda c: c.set_password(password, args.user or "me", current))
+    except (EOFError, KeyboardInterrupt, ValueError) as exc:
+        return _fail(f"no password read: {exc or type(exc).__name__}")
+    if args.action == "list":
+        return _gateway_call(args, lambda c: c.users())
+    if args.action == "roles":
+        return _gateway_call(args, lambda c: c.set_roles(args.user, args.roles))
+    action = {"disable": "disable_user", "enable": "enable_user"}[args.action]
+    return _gateway_call(args, lambda c: getattr(c, action)(args.user))
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    if args.action == "create":
+        return _gateway_call(args, lambda c: c.create_token(args.name, args.role or None, args.expires_in))
+    if args.action == "list":
+        return _gateway_call(args, lambda c: c.tokens(args.user))
+    return _gateway_call(args, lambda c: c.revoke_token(args.token_id))
+
+
+def _auth_commands(sub, gateway_default: str) -> None:
+    roles = "admin, developer, operator or viewer"
+
+    def gw(p):
+        p.add_argument("--gateway", default=gateway_default, help="the gateway's URL (NOETL_GATEWAY_URL)")
+        return p
+
+    p = gw(sub.add_parser("login", help="log in to a gateway and keep the token (password, OIDC or API token)"))
+    p.add_argument("--username", help="asked for when not given")
+    p.add_argument("--password-stdin", action="store_true", help="read the password from stdin instead of asking")
+    p.add_argument("--token", metavar="TOKEN", help="keep this API token instead of logging in ('-': read it "
+                                                    "from stdin, out of the shell's history)")
+    p.add_argument("--oidc-token", metavar="TOKEN", help="log in with an OIDC ID token")
+    p.set_defaults(func=cmd_login)
+    gw(sub.add_parser("logout", help="end the stored session and forget its token")).set_defaults(func=cmd_logout)
+    gw(sub.add_parser("whoami", help="who the stored token is, and what it may do")).set_defaults(func=cmd_whoami)
+
+    p = sub.add_parser("session", help="login sessions: list, revoke")
+    ssub = p.add_subparsers(dest="action", required=True)
+    c = gw(ssub.add_parser("list", help="live sessions (yours, or --user's with session.any)"))
+    c.add_argument("--user", help="a user id or username")
+    c = gw(ssub.add_parser("revoke", help="end a session, or every session of --user"))
+    c.add_argument("session_id", nargs="?")
+    c.add_argument("--user", help="a user id or username; me: every session of yours")
+    for c in ssub.choices.values():
+        c.set_defaults(func=cmd_session)
+
+    p = sub.add_parser("user", help="users: add, list, disable, enable, roles, password (admins; password: anyone)")
+    usub = p.add_subparsers(dest="action", required=True)
+    c = gw(usub.add_parser("add", help="add a user"))
+    c.add_argument("username")
+    c.add_argument("--role", action="append", help=f"{roles}; repeatable; default viewer")
+    c.add_argument("--email")
+    c.add_argument("--display-name")
+    c.add_argument("--password", action="store_true", help="ask for a password (else: OIDC logins only)")
+    c.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
+    gw(usub.add_parser("list", help="every user"))
+    for verb in ("disable", "enable"):
+        gw(usub.add_parser(verb, help=f"{verb} a user" + (" (its sessions and tokens are revoked)"
+                                                          if verb == "disable" else ""))).add_argument(
+            "user", help="a user id or username")
+    c = gw(usub.add_parser("roles", help="set a user's roles"))
+    c.add_argument("user", help="a user id or username")
+    c.add_argument("roles", nargs="+", help=roles)
+    c = gw(usub.add_parser("password", help="change your password, or (admins) a user's"))
+    c.add_argument("user", nargs="?", help="a user id or username (default: yourself)")
+    c.add_argument("--password-stdin", action="store_true",
+                   help="read from stdin: the current password (yours; empty line if none), then the new one")
+    for c in usub.choices.values():
+        c.set_defaults(func=cmd_user)
+
+    p = sub.add_parser("token", help="API tokens: create, list, revoke")
+    tsub = p.add_subparsers(dest="action", required=True)
+    c = gw(tsub.add_parser("create", help="a new API token for you (printed once)"))
+    c.add_argument("name")
+    c.add_argument("--role", action="append", help=f"{roles}; repeatable; default: your roles")
+    c.add_argument("--expires-in", type=int, metavar="SECONDS")
+    c = gw(tsub.add_parser("list", help="your API tokens (or --user's with token.any)"))
+    c.add_argument("--user", help="a user id or username")
+    c = gw(tsub.add_parser("revoke", help="revoke an API token"))
+    c.add_argument("token_id")
+    for c in tsub.choices.values():
+        c.set_defaults(func=cmd_token)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,6 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     for c in (csub.choices["add"], csub.choices["list"], c2):
         c.add_argument("--gateway", default=gateway_default)
         c.set_defaults(func=cmd_credential)
+    _auth_commands(sub, gateway_default)
     return parser
 
 

@@ -1,15 +1,83 @@
-"""A small HTTP client of the gateway, for the CLI, the tests and the benchmarks."""
+"""A small HTTP client of the gateway, for the CLI, the tests and the benchmarks, and the command
+line's token store.
+
+Tokens. A :class:`GatewayClient` sends ``Authorization: Bearer <token>`` with every request: the
+``token`` it is given, else ``NOETL_TOKEN``, else the one stored for its gateway URL by ``noetl login``
+in ``$XDG_CONFIG_HOME/noetl/tokens.json`` (default ``~/.config/noetl/tokens.json``; the directory 0700,
+the file 0600, a JSON object of gateway URL → token). Tokens are kept per gateway so that a token is
+never sent to a gateway it was not issued by.
+"""
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
+import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import httpx
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 MAX_RETRY_AFTER = 30.0  # seconds: the longest wait a 503's Retry-After can ask of wait()
+TOKEN_ENV = "NOETL_TOKEN"
+
+
+# --------------------------------------------------------------------------------- the token store
+def config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "noetl"
+
+
+def token_file() -> Path:
+    return config_dir() / "tokens.json"
+
+
+def gateway_key(url: str) -> str:
+    """A gateway URL as the store keys it: scheme and host in lower case, no trailing slash."""
+    parts = urlsplit(url.strip())
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
+
+
+def _read_store() -> dict[str, str]:
+    try:
+        data = json.loads(token_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def stored_token(url: str) -> str | None:
+    return _read_store().get(gateway_key(url))
+
+
+def store_token(url: str, token: str | None) -> Path:
+    """Keep ``token`` for the gateway at ``url`` (None: forget it). Written whole to a new 0600 file
+    that replaces the old one, so a reader never sees half of it and the mode is never wider."""
+    data = _read_store()
+    if token is None:
+        data.pop(gateway_key(url), None)
+    else:
+        data[gateway_key(url)] = token
+    path = token_file()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokens-")  # mkstemp creates it 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def resolve_token(url: str, token: str | None = None) -> str | None:
+    """The token to send to ``url``: the one given, else ``NOETL_TOKEN``, else the stored one."""
+    return token or os.environ.get(TOKEN_ENV) or stored_token(url)
 
 
 class GatewayError(Exception):
@@ -44,8 +112,19 @@ def retry_after(value: str | None) -> float | None:
 
 
 class GatewayClient:
-    def __init__(self, base_url: str, timeout: float = 30.0):
+    """``token``: the bearer token to send; without one, ``NOETL_TOKEN`` or the token stored for
+    ``base_url`` (:func:`resolve_token`)."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None):
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, trust_env=False)
+        self.use(resolve_token(base_url, token))
+
+    def use(self, token: str | None) -> None:
+        """Send ``token`` from now on (None: none)."""
+        self.token = token
+        self.http.headers.pop("authorization", None)
+        if token:
+            self.http.headers["authorization"] = f"Bearer {token}"
 
     async def __aenter__(self) -> "GatewayClient":
         return self
@@ -89,12 +168,16 @@ class GatewayClient:
             if not page["events"] or len(out) >= page["total"]:
                 return out
 
-    async def list_executions(self, status: str | None = None, limit: int = 1000, all_pages: bool = False) -> list[dict]:
-        """Executions, newest first; ``all_pages`` follows the pages to the oldest."""
+    async def list_executions(self, status: str | None = None, limit: int = 1000, all_pages: bool = False,
+                              user: str | None = None) -> list[dict]:
+        """Executions, newest first; ``all_pages`` follows the pages to the oldest; ``user``: a user
+        id or ``me`` (the executions that user started)."""
         out: list[dict] = []
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = status
+        if user:
+            params["user"] = user
         seen: set[str] = set()
         while True:
             page = await self._call("GET", "/api/executions", params={**params, "offset": len(out)})
@@ -124,6 +207,72 @@ class GatewayClient:
     async def credential_delete(self, name: str) -> dict:
         await self._call("DELETE", f"/api/credentials/{name}")
         return {"name": name, "deleted": True}
+
+    # who: logins, sessions, users, API tokens, audit
+    async def login(self, username: str | None = None, password: str | None = None,
+                    id_token: str | None = None, nonce: str | None = None) -> dict:
+        """A session (``{token, principal}``); the client sends its token from now on."""
+        body = {k: v for k, v in (("username", username), ("password", password), ("id_token", id_token),
+                                  ("nonce", nonce)) if v is not None}
+        reply = await self._call("POST", "/api/auth/login", json=body)
+        self.use(reply["token"])
+        return reply
+
+    async def logout(self) -> dict:
+        return await self._call("POST", "/api/auth/logout")
+
+    async def whoami(self) -> dict:
+        return await self._call("GET", "/api/auth/whoami")
+
+    async def sessions(self, user_id: str | None = None) -> list[dict]:
+        return await self._call("GET", "/api/sessions", params={"user_id": user_id} if user_id else None)
+
+    async def revoke_session(self, session_id: str) -> dict:
+        return await self._call("DELETE", f"/api/sessions/{session_id}")
+
+    async def revoke_sessions(self, user_id: str | None = None) -> dict:
+        return await self._call("DELETE", "/api/sessions", params={"user_id": user_id} if user_id else None)
+
+    async def users(self) -> list[dict]:
+        return await self._call("GET", "/api/users")
+
+    async def add_user(self, username: str, roles: list[str] | None = None, password: str | None = None,
+                       email: str | None = None, display_name: str | None = None) -> dict:
+        body = {k: v for k, v in (("username", username), ("roles", roles), ("password", password),
+                                  ("email", email), ("display_name", display_name)) if v is not None}
+        return await self._call("POST", "/api/users", json=body)
+
+    async def disable_user(self, user: str) -> dict:
+        return await self._call("POST", f"/api/users/{user}/disable")
+
+    async def enable_user(self, user: str) -> dict:
+        return await self._call("POST", f"/api/users/{user}/enable")
+
+    async def set_roles(self, user: str, roles: list[str]) -> dict:
+        return await self._call("POST", f"/api/users/{user}/roles", json={"roles": roles})
+
+    async def set_password(self, password: str, user: str = "me", current_password: str | None = None) -> dict:
+        body = {"password": password}
+        if current_password is not None:
+            body["current_password"] = current_password
+        return await self._call("POST", f"/api/users/{user}/password", json=body)
+
+    async def tokens(self, user_id: str | None = None) -> list[dict]:
+        return await self._call("GET", "/api/tokens", params={"user_id": user_id} if user_id else None)
+
+    async def create_token(self, name: str, roles: list[str] | None = None, expires_in: int | None = None) -> dict:
+        body: dict[str, Any] = {"name": name}
+        if roles:
+            body["roles"] = roles
+        if expires_in is not None:
+            body["expires_in"] = expires_in
+        return await self._call("POST", "/api/tokens", json=body)
+
+    async def revoke_token(self, token_id: str) -> dict:
+        return await self._call("DELETE", f"/api/tokens/{token_id}")
+
+    async def audit(self, **filters: Any) -> list[dict]:
+        return await self._call("GET", "/api/audit", params={k: v for k, v in filters.items() if v is not None})
 
     async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
                    on_event: Callable[[dict], None] | None = None) -> dict:

@@ -40,6 +40,8 @@ LIMITS: tuple[Limit, ...] = (
           "gateway, every request with a body (413)"),
     Limit("max_json_depth", 64, "levels", "the nesting of a JSON request body",
           "gateway, every JSON body (422)"),
+    Limit("max_login_bytes", 128 * KIB, "bytes", "a login request's body",
+          "gateway, POST /api/auth/login (413): the one body read before the caller is known"),
 
     # ---- documents (playbooks: files, catalog, inline)
     Limit("max_document_bytes", 4 * MIB, "bytes", "the playbook text",

@@ -6,9 +6,8 @@ import asyncio
 import logging
 from typing import Any
 
-import yaml
-
 from noetl_mesh.core import decide
+from noetl_mesh.lang.documents import load_document
 from noetl_mesh.core.state import ExecutionState
 from nats.js.errors import NotFoundError
 
@@ -57,10 +56,7 @@ class AdmissionService(PartitionedService):
         Returns a list of error strings when it cannot be had."""
         inline = request.get("playbook")
         if isinstance(inline, str):
-            try:
-                return yaml.safe_load(inline)
-            except yaml.YAMLError as exc:
-                return [f"YAML syntax error: {exc}"]
+            return _document(inline)
         if inline is not None:
             return inline
         ref = request.get("catalog")
@@ -72,4 +68,14 @@ class AdmissionService(PartitionedService):
             if exc.kind in ("unavailable", "timeout"):
                 raise  # transient: the message is retried later, nothing is decided
             return [f"catalog: {exc.message}"]
-        return yaml.safe_load(entry["content"])
+        return _document(entry["content"], "catalog: ")
+
+
+def _document(text: str, prefix: str = "") -> Any:
+    """A playbook's text through the safe loader (lang/documents.py): the value, or its errors."""
+    doc, diagnostics = load_document(text)
+    if diagnostics:
+        return [f"{prefix}{d}" for d in diagnostics]
+    if isinstance(doc, list):  # decide reads a list as errors
+        return [f"{prefix}a playbook is a YAML mapping, got a list"]
+    return doc

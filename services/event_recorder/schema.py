@@ -91,6 +91,10 @@ CREATE INDEX IF NOT EXISTS execution_created ON execution (created_at DESC);
 CREATE INDEX IF NOT EXISTS execution_status_created ON execution (status, created_at DESC);
 """),
     _credentials.MIGRATION,  # 2: the credential store (D24)
+    (3, "who started each execution", """
+ALTER TABLE execution ADD COLUMN IF NOT EXISTS requested_by text;
+CREATE INDEX IF NOT EXISTS execution_requested_by_created ON execution (requested_by, created_at DESC);
+"""),
 ]
 
 _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas
@@ -315,14 +319,16 @@ def is_rejected(event: dict[str, Any]) -> bool:
 
 # ------------------------------------------------------------------------ the execution projection
 UPSERT_REQUESTED = """
-INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at)
+INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at, requested_by)
 VALUES (%(id)s, coalesce(%(path)s, (SELECT path FROM catalog WHERE id = %(catalog_id)s)),
         coalesce(%(version)s, (SELECT version FROM catalog WHERE id = %(catalog_id)s)),
-        'PENDING', %(parent)s, to_timestamp(%(ts)s))
+        'PENDING', %(parent)s, to_timestamp(%(ts)s),
+        coalesce(%(by)s, (SELECT requested_by FROM execution WHERE execution_id = %(parent)s)))
 ON CONFLICT (execution_id) DO UPDATE SET
     path = coalesce(x.path, excluded.path), version = coalesce(x.version, excluded.version),
     parent_execution_id = coalesce(x.parent_execution_id, excluded.parent_execution_id),
-    created_at = least(x.created_at, excluded.created_at)"""
+    created_at = least(x.created_at, excluded.created_at),
+    requested_by = coalesce(x.requested_by, excluded.requested_by)"""
 UPDATE_EVALUATED = """
 UPDATE execution SET path = coalesce(path, %(path)s), version = coalesce(version, %(version)s)
 WHERE execution_id = %(id)s"""
@@ -362,7 +368,9 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             out[UPSERT_REQUESTED].append({
                 "id": xid, "path": _str(catalog.get("path")) or _str(meta.get("path")),
                 "version": _small_int(catalog.get("version")), "catalog_id": _small_int(catalog.get("id")),
-                "parent": _str(data.get("parent_execution_id")), "ts": ts})
+                "parent": _str(data.get("parent_execution_id")), "ts": ts,
+                # who started it (the gateway's caller); a child without one takes its parent's
+                "by": _str(_dict(data.get("requested_by")).get("user_id"))})
         elif name == "playbook.request.evaluated" and e.get("status") != "error":
             out[UPDATE_EVALUATED].append({"id": xid, "path": _str(data.get("path")),
                                           "version": _small_int(data.get("version"))})

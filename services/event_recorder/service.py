@@ -81,7 +81,7 @@ FILTER = "noetl.pevt.>"
 STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 MAX_PAGE = 1000
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
-                      "started_at", "finished_at", "error")
+                      "started_at", "finished_at", "error", "requested_by")
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 SECRET_SUBJECTS = "noetl.q.credential."  # replies with secret data: never moved to the object store
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
@@ -568,14 +568,20 @@ class RecorderService:
 
     async def execution_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         limit = min(max(_int(req.get("limit")) or 50, 1), MAX_PAGE)
+        offset = max(_int(req.get("offset")) or 0, 0)
         status = req.get("status")
         if status is not None and str(status).upper() not in STATUSES:
             raise BusError("bad_request", f"status must be one of {', '.join(STATUSES)}")
-        where, params = ("WHERE status = %s", [str(status).upper()]) if status else ("", [])
+        user = req.get("user")
+        if user is not None and not isinstance(user, str):
+            raise BusError("bad_request", "user must be a user id")
+        conditions = [(c, v) for c, v in (("status = %s", str(status).upper() if status else None),
+                                          ("requested_by = %s", user)) if v is not None]
+        where = f"WHERE {' AND '.join(c for c, _ in conditions)}" if conditions else ""
         async with self._connection() as conn:
             cur = await conn.execute(
-                f"{_SELECT_EXECUTION} {where} ORDER BY created_at DESC NULLS LAST, execution_id LIMIT %s",
-                (*params, limit))
+                f"{_SELECT_EXECUTION} {where} ORDER BY created_at DESC NULLS LAST, execution_id OFFSET %s LIMIT %s",
+                (*[v for _, v in conditions], offset, limit))
             rows = await cur.fetchall()
         return [_execution_row(r) for r in rows]
 

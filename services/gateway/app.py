@@ -19,20 +19,29 @@ client's mistake is never a 5xx:
 | cause | status |
 |---|---|
 | malformed JSON, undecodable bytes, NUL in the URL; recorder ``bad_request`` | 400 |
-| recorder ``unauthenticated`` / ``forbidden`` | 401 / 403 |
+| no token, or one the sessions service refuses; ``unauthenticated`` | 401 + ``WWW-Authenticate: Bearer`` |
+| the caller's roles lack the route's permission; ``forbidden`` | 403 |
 | recorder ``not_found`` | 404 |
 | recorder ``conflict``; cancelling a finished execution | 409 |
 | a payload reference past its retention | 410 |
 | body over ``max_body_bytes``, workload over ``max_workload_bytes``; recorder ``too_large`` | 413 |
 | a body that is not JSON (or not YAML where YAML is allowed) | 415 |
 | invalid fields, depth, numbers, NUL, surrogates; an invalid playbook | 422 |
-| NATS disconnected or reconnecting; recorder ``unavailable`` / ``timeout`` | 503 + ``Retry-After`` |
+| sessions ``locked`` (too many failed logins) | 429 + ``Retry-After`` |
+| NATS disconnected or reconnecting; recorder or sessions ``unavailable`` / ``timeout`` | 503 + ``Retry-After`` |
 | another recorder error kind | 502 |
 | anything else: a bug | 500 with ``request_id`` (logged with it) |
 
-Access control is not built here yet: every route is a plain FastAPI route, so a per-route
-dependency (``dependencies=[Depends(...)]``) or a router-wide one can be added without touching the
-handlers.
+Access control (:mod:`.auth`, docs/security.md "The gateway"): every route declares one permission
+(``who: dict = need("catalog.read")``, its first parameter, so an unauthenticated request is refused
+before its body is read), or ``need(SIGNED_IN)`` / ``need(PUBLIC)``; :func:`auth.check_declarations`
+refuses to build an app with a route that declares none. The caller's principal comes from the sessions
+service (``noetl.q.sessions.validate``, cached at most 1 s per token, dropped at once on
+``noetl.sessions.revoked``); sessions errors map as: ``unauthenticated`` 401 (with
+``WWW-Authenticate: Bearer``), ``forbidden`` 403, ``locked`` 429 and ``unavailable`` 503 (both with
+``Retry-After``). The routes under ``/api/auth``, ``/api/sessions``, ``/api/users``, ``/api/tokens``
+and ``/api/audit`` are thin maps onto the sessions service's subjects, with the caller's principal and
+address added to each request.
 """
 from __future__ import annotations
 
@@ -45,7 +54,6 @@ from typing import Any, Callable, Literal, TypeVar
 import nats.errors
 import orjson
 import uvicorn
-import yaml
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -76,14 +84,19 @@ from noetl_mesh.infra.bus import (
 )
 from noetl_mesh.lang.validate import parse_yaml, validate_cached
 from noetl_mesh.limits import LimitExceeded
+from noetl_mesh.core import access
+from noetl_mesh.services.gateway import auth
+from noetl_mesh.services.gateway.auth import PUBLIC, SIGNED_IN, need
 from noetl_mesh.services.gateway.body import INT64_MAX, BodyError, decode_utf8, location, parse_json
+from noetl_mesh.services.sessions import service as sessions
 
 
 log = logging.getLogger("noetl.gateway")
 
 YAML_TYPES = ("application/x-yaml", "application/yaml", "text/yaml", "text/x-yaml", "text/plain")
 STATUS_OF_KIND = {"bad_request": 400, "unauthenticated": 401, "forbidden": 403, "not_found": 404,
-                  "conflict": 409, "too_large": 413, "invalid_playbook": 422, "unavailable": 503, "timeout": 503}
+                  "conflict": 409, "payload_missing": 410, "too_large": 413, "invalid_playbook": 422, "locked": 429, "unavailable": 503,
+                  "timeout": 503}
 SOURCES = ("path", "catalog_id", "playbook")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds: NATS reconnects every 0.5 s
 CLOSE = {"Connection": "close"}  # after a 413: the server closes instead of reading the rest of the body
@@ -174,6 +187,54 @@ class CancelRequest(BaseModel):
     reason: str | None = Field(None, max_length=4096)
 
 
+class LoginRequest(BaseModel):
+    """A password login (``username`` and ``password``) or an OIDC one (``id_token``, optional ``nonce``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    username: str | None = Field(None, max_length=256)
+    password: str | None = Field(None, max_length=4096, json_schema_extra={"format": "password"})
+    id_token: str | None = Field(None, max_length=65536)
+    nonce: str | None = Field(None, max_length=1024)
+
+    @model_validator(mode="after")
+    def _one_method(self) -> "LoginRequest":
+        if (self.id_token is None) == (self.username is None and self.password is None):
+            raise ValueError("give username and password, or id_token (not both)")
+        if self.id_token is None and (self.username is None or self.password is None):
+            raise ValueError("a password login needs both username and password")
+        return self
+
+
+class UserBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    username: str = Field(max_length=256)
+    password: str | None = Field(None, max_length=4096, json_schema_extra={"format": "password"})
+    email: str | None = Field(None, max_length=256)
+    display_name: str | None = Field(None, max_length=256)
+    roles: list[str] = Field(default_factory=lambda: [access.DEFAULT_ROLE], max_length=len(access.ROLES),
+                             description=f"of {', '.join(access.ROLES)}")
+
+
+class RolesBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    roles: list[str] = Field(max_length=len(access.ROLES), description=f"of {', '.join(access.ROLES)}")
+
+
+class PasswordBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    password: str = Field(max_length=4096, json_schema_extra={"format": "password"})
+    current_password: str | None = Field(None, max_length=4096, json_schema_extra={"format": "password"},
+                                         description="needed to change one's own password, when one is set")
+
+
+class TokenBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64)
+    roles: list[str] | None = Field(None, max_length=len(access.ROLES),
+                                    description="a subset of the caller's (default: the caller's)")
+    expires_in: int | None = Field(None, ge=1, le=sessions.MAX_TOKEN_SECONDS, description="seconds")
+
+
 class Accepted(BaseModel):
     execution_id: str
     status: Literal["PENDING", "CANCELLING"]
@@ -248,10 +309,13 @@ def _http_error(exc: BusError, where: str | None = None) -> HTTPException:
     status = STATUS_OF_KIND.get(exc.kind)
     if exc.kind == "invalid_playbook":
         return problem(422, "invalid playbook", where, _diagnostics(exc.details))
-    if status == 503:
-        return problem(503, f"service unavailable: {exc.message}", headers=RETRY_AFTER)
+    if status in (429, 503):
+        text = exc.message if status == 429 else f"service unavailable: {exc.message}"
+        return problem(status, text, headers={"Retry-After": auth.retry_seconds(exc.details)})
     if status is None:
         return problem(502, f"upstream error ({exc.kind}): {exc.message}")
+    if status == 401:
+        return problem(401, exc.message, headers={"WWW-Authenticate": auth.INVALID})
     return problem(status, exc.message, where if status in (400, 413) else None)
 
 
@@ -265,20 +329,13 @@ def _diagnostics(items: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _nats_state(nc: Any) -> str:
-    if nc.is_connected:
-        return "connected"
-    if nc.is_closed:
-        return "closed"
-    if nc.is_reconnecting:
-        return "reconnecting"
-    return "connecting" if nc.is_connecting else "disconnected"
+_nats_state = auth.nats_state
 
 
 # --------------------------------------------------------------------------------- the guard
 class _Guard:
     """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
-    ``request.state.request_id`` for handlers and, later, access control and audit), NUL in
+    ``request.state.request_id`` for handlers), NUL in
     the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
     the request id for an exception nothing else handled (a bug: logged with the id)."""
 
@@ -373,14 +430,21 @@ def _check_charset(charset: str | None) -> None:
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read_model(request: Request, model: type[M], optional: bool = False) -> M | None:
+async def read_model(request: Request, model: type[M], optional: bool = False, limit: str | None = None) -> M | None:
     """The body as ``model``: strict JSON (:func:`body.parse_json`), then pydantic, in a thread for a
-    big body; errors in the API's shape. ``None`` for an empty body when ``optional``."""
+    big body; errors in the API's shape. ``None`` for an empty body when ``optional``. ``limit``: a
+    limit (bytes) tighter than ``max_body_bytes`` for this route, checked before the body is parsed."""
     media, charset = _media_type(request)
     if not _is_json(media):
         raise problem(415, f"the body is {media}: send JSON (application/json)", "body")
     _check_charset(charset)
+    bound = getattr(limits.current(), limit) if limit else None
+    declared = _content_length(request.scope)
+    if bound is not None and declared is not None and declared > bound:
+        raise problem(413, str(LimitExceeded(limit, declared, f"{request.method} {request.url.path}")), "body")
     raw = await request.body()
+    if bound is not None and len(raw) > bound:
+        raise problem(413, str(LimitExceeded(limit, len(raw), f"{request.method} {request.url.path}")), "body")
     request.state.body_bytes = len(raw)
     if optional and not raw.strip():
         return None
@@ -398,12 +462,12 @@ def _parse_model(raw: bytes, model: type[M]) -> M:
     return model.model_validate(parse_json(raw, limits.current().max_json_depth))
 
 
-def json_body(model: type[M], optional: bool = False) -> Any:
+def json_body(model: type[M], optional: bool = False, limit: str | None = None) -> Any:
     """The dependency giving a route its body: ``body: Model = json_body(Model)``. Declare the body in
     the route's OpenAPI with ``openapi_extra=_json_request(Model)``."""
 
     async def body(request: Request) -> M | None:
-        return await read_model(request, model, optional)
+        return await read_model(request, model, optional, limit)
 
     return Depends(body)
 
@@ -431,10 +495,13 @@ class _Shell:
         if state != "connected":
             raise problem(503, f"NATS is {state}: {what} cannot be sent now; retry shortly", headers=RETRY_AFTER)
 
-    async def ask(self, subject: str, payload: dict[str, Any], where: str | None = None) -> Any:
+    async def ask(self, subject: str, payload: dict[str, Any], where: str | None = None, *,
+                  expand: bool = False) -> Any:
+        """``expand``: resolve the D23 references of a reply over the reply budget (for bounded values:
+        a catalog entry's text; never pages of events)."""
         self._connected(f"the query {subject}")
         try:
-            return await self.bus.request(subject, payload, timeout=NATS_TIMEOUT)
+            return await self.bus.request(subject, payload, timeout=NATS_TIMEOUT, expand=expand)
         except BusError as exc:
             raise _http_error(exc, where) from exc
         except nats.errors.MaxPayloadError as exc:
@@ -454,18 +521,47 @@ class _Shell:
                           headers=RETRY_AFTER) from exc
 
 
-def create_app(bus: Bus) -> FastAPI:
+def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
+    """``trusted_proxies``: addresses or networks whose ``X-Forwarded-For`` is believed (default: the
+    environment's ``NOETL_TRUSTED_PROXIES``; none: the connection's peer is the client)."""
     tracing.setup("gateway")  # spans need a real provider for trace context to propagate
     shell = _Shell(bus)
     app = FastAPI(title="NoETL mesh gateway", version="0.1.0",
-                  description="Playbook catalog and executions, over the NATS event log.",
+                  description="Playbook catalog and executions, over the NATS event log. Every route but "
+                              "/health, /ready, the docs and POST /api/auth/login needs "
+                              "`Authorization: Bearer <token>`.",
                   responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}})
     app.state.bus = bus
+    app.state.auth = auth.Authenticator(bus)
+    app.state.auditor = auditor = auth.Auditor(bus)
+    app.state.trusted_proxies = (auth.trusted_networks(trusted_proxies) if trusted_proxies is not None
+                                 else auth.trusted_from_environment())
     heavy = asyncio.Semaphore(2)
 
     async def offload(fn: Callable[..., T], *args: Any) -> T:
         async with heavy:
             return await asyncio.to_thread(fn, *args)
+
+    async def ask_sessions(subject: str, payload: dict[str, Any], request: Request,
+                           who: dict[str, Any] | None = None, where: str | None = None) -> Any:
+        """A sessions request made for the caller: its principal and address added."""
+        extra: dict[str, Any] = {"client_ip": auth.caller_ip(request)}
+        if who is not None:
+            extra["principal"] = who
+        reply = await shell.ask(subject, {**payload, **extra}, where)
+        if not isinstance(reply, dict):
+            raise problem(502, f"upstream error: {subject} answered something that is not an object")
+        return reply
+
+    async def user_id_of(value: str | None, request: Request, who: dict[str, Any]) -> str | None:
+        """A user named in a path or query: ``me``, a user id, or a username (looked up)."""
+        if value is None:
+            return None
+        if value == "me":
+            return who["user_id"]
+        if access.ID.match(value):
+            return value
+        return (await ask_sessions(sessions.Q_USERS_GET, {"username": value}, request, who))["user"]["user_id"]
 
     app.state.offload = offload
     app.add_middleware(_Guard)
@@ -482,7 +578,7 @@ def create_app(bus: Bus) -> FastAPI:
     # ------------------------------------------------------------------ catalog
     @app.post("/api/catalog", status_code=201, tags=["catalog"], openapi_extra=_json_request(
         CatalogRegistration, **{t: {"schema": {"type": "string"}} for t in ("application/x-yaml", "text/plain")}))
-    async def register_playbook(request: Request) -> dict[str, Any]:
+    async def register_playbook(request: Request, who: dict = need("catalog.write")) -> dict[str, Any]:
         """Register a playbook: JSON ``{"content": "<yaml>"}`` or the raw YAML text as the body.
         Each registration of a path gets the next version."""
         media, charset = _media_type(request)
@@ -503,28 +599,32 @@ def create_app(bus: Bus) -> FastAPI:
         return reply
 
     @app.get("/api/catalog", tags=["catalog"])
-    async def list_catalog(path: str | None = None) -> list[dict[str, Any]]:
+    async def list_catalog(who: dict = need("catalog.read"), path: str | None = None) -> list[dict[str, Any]]:
         """Catalog entries, newest first (``path`` filters one playbook's versions)."""
         with tracing.span("gateway GET /api/catalog"):
             return await shell.ask(Q_CATALOG_LIST, {"path": path} if path else {})
 
     @app.get("/api/catalog/by-path/{path:path}", tags=["catalog"])
-    async def get_catalog_by_path(path: str, version: int | None = Query(None, ge=1, le=INT64_MAX)) -> dict[str, Any]:
+    async def get_catalog_by_path(path: str, who: dict = need("catalog.read"),
+                                  version: int | None = Query(None, ge=1, le=INT64_MAX)) -> dict[str, Any]:
         """One playbook by path: the latest version, or ``version``."""
         with tracing.span("gateway GET /api/catalog/by-path"):
-            return await shell.ask(Q_CATALOG_GET, {"path": path, "version": version})
+            return await shell.ask(Q_CATALOG_GET, {"path": path, "version": version}, expand=True)
 
     @app.get("/api/catalog/{catalog_id}", tags=["catalog"])
-    async def get_catalog(catalog_id: int = Path(ge=0, le=INT64_MAX)) -> dict[str, Any]:
+    async def get_catalog(who: dict = need("catalog.read"),
+                          catalog_id: int = Path(ge=0, le=INT64_MAX)) -> dict[str, Any]:
         with tracing.span("gateway GET /api/catalog/{id}"):
-            return await shell.ask(Q_CATALOG_GET, {"id": catalog_id})
+            return await shell.ask(Q_CATALOG_GET, {"id": catalog_id}, expand=True)
 
     # ------------------------------------------------------------------ executions
     @app.post("/api/executions", status_code=202, response_model=Accepted, tags=["executions"],
               openapi_extra=_json_request(ExecutionRequest))
-    async def start_execution(request: Request, body: ExecutionRequest = json_body(ExecutionRequest)) -> dict[str, Any]:
+    async def start_execution(request: Request, who: dict = need("execution.start"),
+                              body: ExecutionRequest = json_body(ExecutionRequest)) -> dict[str, Any]:
         """Start an execution. The playbook is resolved and validated here, so a bad reference (404)
-        or an invalid playbook (422, every error listed) is reported at once."""
+        or an invalid playbook (422, every error listed) is reported at once. The request records
+        who started it (``requested_by``)."""
         with tracing.span("gateway POST /api/executions") as span:
             workload = body.workload or {}
             size = len(dumps(workload))
@@ -542,30 +642,39 @@ def create_app(bus: Bus) -> FastAPI:
             else:
                 ref = {"id": body.catalog_id} if body.catalog_id is not None else {
                     "path": body.path, "version": body.version}
-                entry = await shell.ask(Q_CATALOG_GET, ref)
+                entry = await shell.ask(Q_CATALOG_GET, ref, expand=True)  # a big entry's text is a reference
                 catalog = {"path": entry["path"], "version": entry["version"]}
                 content = entry["content"]  # validated when registered; a big one is parsed in a thread
-                doc = (await offload(yaml.safe_load, content) if len(content) >= HEAVY_BYTES
-                       else yaml.safe_load(content))
+                doc, diags = (await offload(parse_yaml, content) if len(content) >= HEAVY_BYTES
+                              else parse_yaml(content))
+                if diags:  # registered under other limits, say: not startable as it is
+                    raise problem(422, "invalid playbook", "catalog", _diagnostics(diags))
             execution_id = new_execution_id()
             span.set_attribute("noetl.execution_id", execution_id)
             await shell.publish(make_event(
                 "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
                 source="gateway", status="in_progress",
                 data={"playbook": doc, "catalog": catalog, "workload": workload,
-                      "parent_execution_id": body.parent_execution_id}), "body.playbook")
+                      "parent_execution_id": body.parent_execution_id,
+                      "requested_by": auth.requested_by(who)}), "body.playbook")
         return {"execution_id": execution_id, "status": "PENDING"}
 
     @app.get("/api/executions", tags=["executions"])
-    async def list_executions(limit: int = Query(50, ge=1, le=1000),
+    async def list_executions(who: dict = need("execution.read"), limit: int = Query(50, ge=1, le=1000),
+                              offset: int = Query(0, ge=0, le=2**31 - 1),
                               status: Literal["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"] | None = None,
+                              user: str | None = Query(None, pattern=r"^(me|[0-9a-f]{32})$", description=(
+                                  "only the executions this user started (a user id, or `me`)")),
                               ) -> list[dict[str, Any]]:
         """Executions, newest first."""
+        query: dict[str, Any] = {"limit": limit, "offset": offset, "status": status}
+        if user is not None:
+            query["user"] = who["user_id"] if user == "me" else user
         with tracing.span("gateway GET /api/executions"):
-            return await shell.ask(Q_EXECUTION_LIST, {"limit": limit, "status": status})
+            return await shell.ask(Q_EXECUTION_LIST, query)
 
     @app.get("/api/executions/{execution_id}", tags=["executions"])
-    async def get_execution(execution_id: str, brief: bool = Query(False, description=(
+    async def get_execution(execution_id: str, who: dict = need("execution.read"), brief: bool = Query(False, description=(
             "only the status projection and the event count (cheap: for polling); without it the "
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
@@ -577,7 +686,8 @@ def create_app(bus: Bus) -> FastAPI:
                 raise problem(410, f"execution {execution_id}: {exc}") from None
 
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
-    async def get_execution_events(execution_id: str, offset: int = Query(0, ge=0, le=INT64_MAX),
+    async def get_execution_events(execution_id: str, who: dict = need("execution.read"),
+                                   offset: int = Query(0, ge=0, le=INT64_MAX),
                                    limit: int = Query(100, ge=0, le=1000)) -> dict[str, Any]:
         """The execution's events in log order, a page at a time."""
         with tracing.span("gateway GET /api/executions/{id}/events"):
@@ -586,53 +696,192 @@ def create_app(bus: Bus) -> FastAPI:
 
     @app.post("/api/executions/{execution_id}/cancel", status_code=202, response_model=Accepted,
               tags=["executions"], openapi_extra=_json_request(CancelRequest, required=False))
-    async def cancel_execution(execution_id: str,
+    async def cancel_execution(execution_id: str, request: Request, who: dict = need("execution.cancel.own"),
                                body: CancelRequest | None = json_body(CancelRequest, optional=True)) -> dict[str, Any]:
-        """Ask for cancellation (409 when the execution has already finished)."""
+        """Ask for cancellation (409 when the execution has already finished). One's own executions
+        with ``execution.cancel.own``; another user's need ``execution.cancel.any``."""
         with tracing.span("gateway POST /api/executions/{id}/cancel"):
-            current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
+            current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": True})
+            if current.get("requested_by") != who["user_id"] and \
+                    not access.allowed(who["roles"], "execution.cancel.any"):
+                raise auth.deny(request, who, "execution.cancel.any", " to cancel an execution another user started",
+                                {"execution_id": execution_id})
             if current["status"] in FINAL:
                 raise problem(409, f"execution {execution_id} is already {current['status']}")
+            reason = body.reason if body else None
             await shell.publish(make_event(
                 "execution.cancelled", execution_id, event_id=stable_id("cancel", execution_id),
-                source="gateway", data={"reason": body.reason if body else None}), "body")
+                source="gateway", data={"reason": reason, "requested_by": auth.requested_by(who)}), "body")
+            await auditor.record("execution.cancelled", who, request, target={"execution_id": execution_id},
+                                 details={"reason": reason} if reason else None)
         return {"execution_id": execution_id, "status": "CANCELLING"}
 
     # ------------------------------------------------------------------ credentials (D24)
     @app.post("/api/credentials", status_code=201, tags=["credentials"], openapi_extra=_json_request(CredentialBody))
-    async def put_credential(body: CredentialBody = json_body(CredentialBody)) -> dict[str, Any]:
+    async def put_credential(request: Request, who: dict = need("credential.write"),
+                             body: CredentialBody = json_body(CredentialBody)) -> dict[str, Any]:
         """Create or replace a credential; the answer has no data."""
         with tracing.span("gateway POST /api/credentials"):
-            return await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
+            reply = await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
+            await auditor.record("credential.written", who, request, target={"credential": body.name},
+                                 details={"kind": body.kind, "fields": sorted(body.data)[:50]})
+            return reply
 
     @app.get("/api/credentials", tags=["credentials"])
-    async def list_credentials() -> list[dict[str, Any]]:
+    async def list_credentials(who: dict = need("credential.list")) -> list[dict[str, Any]]:
         """Every credential's name, kind, description and times (never its data)."""
         with tracing.span("gateway GET /api/credentials"):
             return await shell.ask(Q_CREDENTIAL_LIST, {})
 
     @app.get("/api/credentials/{name}", tags=["credentials"])
-    async def get_credential(name: str, include_data: bool = Query(False, description=(
-            "also return the decrypted data"))) -> dict[str, Any]:
+    async def get_credential(name: str, request: Request, who: dict = need("credential.list"),
+                             include_data: bool = Query(False, description=(
+                                 "also return the decrypted data: needs credential.read_data (admin); "
+                                 "recorded in the audit log"))) -> dict[str, Any]:
+        if include_data and not access.allowed(who["roles"], "credential.read_data"):
+            raise auth.deny(request, who, "credential.read_data", " to read a credential's data (include_data)",
+                            {"credential": name})
         with tracing.span("gateway GET /api/credentials/{name}"):
-            return await shell.ask(Q_CREDENTIAL_GET, {"name": name, "include_data": include_data})
+            reply = await shell.ask(Q_CREDENTIAL_GET, {"name": name, "include_data": include_data})
+            if include_data:  # no record, no secret
+                await auditor.record("credential.read", who, request, required=True, target={"credential": name},
+                                     details={"include_data": True})
+            return reply
 
     @app.delete("/api/credentials/{name}", status_code=204, tags=["credentials"])
-    async def delete_credential(name: str) -> Response:
+    async def delete_credential(name: str, request: Request, who: dict = need("credential.write")) -> Response:
         with tracing.span("gateway DELETE /api/credentials/{name}"):
             await shell.ask(Q_CREDENTIAL_DELETE, {"name": name})
+            await auditor.record("credential.deleted", who, request, target={"credential": name})
         return Response(status_code=204)
+
+    # ------------------------------------------------------------------ who: logins, sessions, users, tokens
+    @app.post("/api/auth/login", tags=["auth"], openapi_extra=_json_request(LoginRequest))
+    async def login(request: Request, response: Response, _: None = need(PUBLIC),
+                    body: LoginRequest = json_body(LoginRequest, limit="max_login_bytes")) -> dict[str, Any]:
+        """A session: ``{token, principal}``. Send the token as ``Authorization: Bearer <token>``.
+        Wrong credentials are 401; too many failures 429 with ``Retry-After``."""
+        response.headers["Cache-Control"] = "no-store"
+        return await ask_sessions(sessions.Q_LOGIN, body.model_dump(exclude_none=True), request)
+
+    @app.post("/api/auth/logout", tags=["auth"])
+    async def logout(request: Request, who: dict = need(SIGNED_IN)) -> dict[str, Any]:
+        """End the session the request carries (an API token presented here is revoked)."""
+        token = auth.bearer(request.headers.get("authorization"))
+        app.state.auth.forget(token)
+        return await ask_sessions(sessions.Q_REVOKE, {"token": token}, request)
+
+    @app.get("/api/auth/whoami", tags=["auth"])
+    async def whoami(who: dict = need(SIGNED_IN)) -> dict[str, Any]:
+        """The caller's principal and the permissions its roles grant."""
+        return {**who, "permissions": access.permissions(who["roles"])}
+
+    @app.get("/api/sessions", tags=["auth"])
+    async def list_sessions(request: Request, who: dict = need("session.own"),
+                            user_id: str | None = Query(None, max_length=256, description=(
+                                "another user's, by id or username (needs session.any)"))) -> list[dict[str, Any]]:
+        """Live sessions, newest first; ``current`` marks the caller's."""
+        reply = await ask_sessions(sessions.Q_LIST, {"user_id": await user_id_of(user_id, request, who)}, request, who)
+        return reply.get("sessions", [])
+
+    @app.delete("/api/sessions", tags=["auth"])
+    async def revoke_user_sessions(request: Request, who: dict = need("session.own"),
+                                   user_id: str | None = Query(None, max_length=256, description=(
+                                       "another user's, by id or username (needs session.any); default: the "
+                                       "caller's"))) -> dict[str, Any]:
+        """End every session of a user (the caller's by default, this one included)."""
+        return await ask_sessions(sessions.Q_REVOKE, {"user_id": await user_id_of(user_id or "me", request, who)},
+                                  request, who)
+
+    @app.delete("/api/sessions/{session_id}", tags=["auth"])
+    async def revoke_session(session_id: str, request: Request, who: dict = need("session.own")) -> dict[str, Any]:
+        """End one session (another user's needs session.any)."""
+        return await ask_sessions(sessions.Q_REVOKE, {"session_id": session_id}, request, who)
+
+    @app.get("/api/users", tags=["users"])
+    async def list_users(request: Request, who: dict = need("user.admin")) -> list[dict[str, Any]]:
+        reply = await ask_sessions(sessions.Q_USERS_LIST, {}, request, who)
+        return reply.get("users", [])
+
+    @app.post("/api/users", status_code=201, tags=["users"], openapi_extra=_json_request(UserBody))
+    async def add_user(request: Request, who: dict = need("user.admin"),
+                       body: UserBody = json_body(UserBody)) -> dict[str, Any]:
+        """A new user (``roles`` default viewer); without a password it logs in through OIDC only."""
+        return (await ask_sessions(sessions.Q_USERS_ADD, body.model_dump(exclude_none=True), request, who, "body"))["user"]
+
+    @app.post("/api/users/{user_id}/disable", tags=["users"])
+    async def disable_user(user_id: str, request: Request, who: dict = need("user.admin")) -> dict[str, Any]:
+        """Disable a user: its sessions and API tokens are revoked."""
+        return await ask_sessions(sessions.Q_USERS_DISABLE, {"user_id": await user_id_of(user_id, request, who)},
+                                  request, who)
+
+    @app.post("/api/users/{user_id}/enable", tags=["users"])
+    async def enable_user(user_id: str, request: Request, who: dict = need("user.admin")) -> dict[str, Any]:
+        return (await ask_sessions(sessions.Q_USERS_ENABLE, {"user_id": await user_id_of(user_id, request, who)},
+                                  request, who))["user"]
+
+    @app.post("/api/users/{user_id}/roles", tags=["users"], openapi_extra=_json_request(RolesBody))
+    async def set_roles(user_id: str, request: Request, who: dict = need("user.admin"),
+                        body: RolesBody = json_body(RolesBody)) -> dict[str, Any]:
+        """Set a user's roles: its sessions take them, its API tokens keep those it still has."""
+        target = await user_id_of(user_id, request, who)
+        return (await ask_sessions(sessions.Q_USERS_ROLES, {"user_id": target, "roles": body.roles},
+                                   request, who, "body.roles"))["user"]
+
+    @app.post("/api/users/{user_id}/password", tags=["users"], openapi_extra=_json_request(PasswordBody))
+    async def set_password(user_id: str, request: Request, who: dict = need(SIGNED_IN),
+                           body: PasswordBody = json_body(PasswordBody)) -> dict[str, Any]:
+        """Change a password: one's own (``user_id`` ``me``, with ``current_password`` when one is set)
+        or, with user.admin, anyone's. The user's other sessions end."""
+        payload = body.model_dump(exclude_none=True)
+        target = await user_id_of(user_id, request, who)
+        if target != who["user_id"]:
+            payload["user_id"] = target
+        return (await ask_sessions(sessions.Q_USERS_PASSWORD, payload, request, who, "body"))["user"]
+
+    @app.get("/api/tokens", tags=["tokens"])
+    async def list_tokens(request: Request, who: dict = need("token.own"),
+                          user_id: str | None = Query(None, max_length=256, description=(
+                              "another user's, by id or username (needs token.any)"))) -> list[dict[str, Any]]:
+        """Live API tokens (never the tokens themselves), newest first."""
+        reply = await ask_sessions(sessions.Q_TOKENS_LIST, {"user_id": await user_id_of(user_id, request, who)},
+                                   request, who)
+        return reply.get("tokens", [])
+
+    @app.post("/api/tokens", status_code=201, tags=["tokens"], openapi_extra=_json_request(TokenBody))
+    async def create_token(request: Request, response: Response, who: dict = need("token.own"),
+                           body: TokenBody = json_body(TokenBody)) -> dict[str, Any]:
+        """A new API token for the caller: the token is in this answer only."""
+        response.headers["Cache-Control"] = "no-store"
+        return await ask_sessions(sessions.Q_TOKENS_CREATE, body.model_dump(exclude_none=True), request, who, "body")
+
+    @app.delete("/api/tokens/{token_id}", tags=["tokens"])
+    async def revoke_token(token_id: str, request: Request, who: dict = need("token.own")) -> dict[str, Any]:
+        """Revoke an API token (another user's needs token.any)."""
+        return await ask_sessions(sessions.Q_TOKENS_REVOKE, {"token_id": token_id}, request, who)
+
+    @app.get("/api/audit", tags=["audit"])
+    async def audit_log(request: Request, who: dict = need("audit.read"),
+                        user: str | None = Query(None, max_length=64, description="a user id"),
+                        action: str | None = Query(None, max_length=64, description="area.verb, or area"),
+                        since: str | None = Query(None, max_length=64, description="ISO 8601, or epoch seconds"),
+                        limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
+        """Audit records, newest first."""
+        query = {"user": user, "action": action, "since": since, "limit": limit}
+        reply = await ask_sessions(sessions.Q_AUDIT_LIST, {k: v for k, v in query.items() if v is not None},
+                                   request, who)
+        return reply.get("records", [])
 
     # ------------------------------------------------------------------ health
     @app.get("/health", response_model=Health, tags=["health"])
-    async def health() -> dict[str, Any]:
+    async def health(_: None = need(PUBLIC)) -> dict[str, Any]:
         """Liveness: the process is up and answers HTTP. Asks nothing of NATS or the recorder (a
         restart would not cure them); readiness is ``/ready``."""
         return {"status": "ok"}
 
     @app.get("/ready", response_model=Ready, tags=["health"],
              responses={503: {"model": Ready, "description": "not ready: each part shows why"}})
-    async def ready() -> Any:
+    async def ready(_: None = need(PUBLIC)) -> Any:
         """Readiness: NATS connected and the event-recorder answering its ping with ok (with the
         ``database`` and ``consumer`` states when it reports them); 503 with ``Retry-After`` when not."""
         state = _nats_state(bus.nc)
@@ -654,6 +903,7 @@ def create_app(bus: Bus) -> FastAPI:
                 "recorder": recorder}
         return body if ok else JSONResponse(body, 503, headers=RETRY_AFTER)
 
+    auth.check_declarations(app)
     return app
 
 
@@ -685,7 +935,10 @@ class GatewayService:
 
     async def start(self) -> None:
         self.app = create_app(self.bus)
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off")
+        # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1 by default; the client's
+        # address is the gateway's decision (NOETL_TRUSTED_PROXIES, auth.client_address)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off",
+                                proxy_headers=False)
         server = _EmbeddedServer(config)
         self._task = asyncio.create_task(server.serve(), name="gateway http")
         while not server.started:
@@ -700,6 +953,8 @@ class GatewayService:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
+        if self.app is not None:
+            await self.app.state.auth.close()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, 10)

@@ -51,6 +51,19 @@ class StackHandle:
         """The admin's NATS credentials (for tests that inspect streams)."""
         return self.stack.settings.creds_for("admin")
 
+    @property
+    def token(self) -> str:
+        """The stack's admin API token (the bootstrap's): every client of the tests sends it."""
+        assert self.stack.token, "the stack has no admin token (bootstrap found users already)"
+        return self.stack.token
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def client(self, **kw: Any) -> GatewayClient:
+        return GatewayClient(self.url, token=kw.pop("token", self.token), **kw)
+
     def run(self, coro: Coroutine, timeout: float = 120) -> Any:
         return self.loop.run(coro, timeout)
 
@@ -58,12 +71,20 @@ class StackHandle:
         """Submit through the gateway, wait for the end; return (status, events)."""
 
         async def go():
-            async with GatewayClient(self.url) as client:
+            async with self.client() as client:
                 eid = await client.start(playbook, workload)
                 status = await client.wait(eid, timeout=timeout)
                 return status, await client.all_events(eid)
 
         return self.run(go(), timeout + 10)
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_token(tmp_path_factory, monkeypatch) -> None:
+    """No test reads or writes the developer's own token store, or sends a NOETL_TOKEN of the shell:
+    every client gets its token explicitly."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+    monkeypatch.delenv("NOETL_TOKEN", raising=False)
 
 
 @pytest.fixture(scope="module")

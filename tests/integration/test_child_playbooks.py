@@ -137,7 +137,7 @@ def nested(module_pg) -> Iterator[StackHandle]:
         worker.concurrency = 1
 
     async def register():
-        async with GatewayClient(handle.url) as client:
+        async with GatewayClient(handle.url, token=handle.token) as client:
             for text in (GRANDCHILD, CHILD, PARENT, FAILING, HANDLES_FAILURE, LOOP_PARENT, LOOPED, RECURSIVE):
                 await client.register(text)
 
@@ -147,7 +147,7 @@ def nested(module_pg) -> Iterator[StackHandle]:
 
 
 async def _run(handle: StackHandle, path: str, workload: dict | None = None, timeout: float = 60) -> tuple[dict, GatewayClient]:
-    client = GatewayClient(handle.url)
+    client = GatewayClient(handle.url, token=handle.token)
     await client.__aenter__()
     eid = await client.start(path=path, workload=workload or {})
     return await client.wait(eid, timeout=timeout), client
@@ -222,7 +222,7 @@ def test_recursion_depth_limit_is_reported(nested):
 
 def test_cancelling_the_parent_cancels_the_running_child(nested):
     async def go():
-        async with GatewayClient(nested.url) as client:
+        async with GatewayClient(nested.url, token=nested.token) as client:
             eid = await client.start(path="nested/parent", workload={"pause": 30})
             child, grandchild = await _grandchild_running(client, eid)
             await client.cancel(eid, reason="test")
@@ -241,7 +241,7 @@ def test_control_plane_restarted_while_a_child_runs(nested):
     stack = nested.stack
 
     async def go():
-        async with GatewayClient(nested.url) as client:
+        async with GatewayClient(nested.url, token=nested.token) as client:
             eid = await client.start(path="nested/parent", workload={"pause": 1.5})
             await _grandchild_running(client, eid)
             old = [r for r in stack.running if r.name in ("admission", "router", "loop-coordinator")]

@@ -45,7 +45,7 @@ def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn, 
         async def go():
             bus = await Bus.connect(cluster.url, "probe", auth.admin)
             try:
-                async with GatewayClient(stack.gateway_url) as client:
+                async with GatewayClient(stack.gateway_url, token=stack.token) as client:
                     ids = [await client.start(chain(6, 0.3)) for _ in range(8)]
                     await asyncio.sleep(1.0)
                     leader = (await bus.js.stream_info(EVENTS)).cluster.leader

@@ -4,6 +4,7 @@ the stack holds it."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import os
 from typing import Any, Iterator
@@ -18,6 +19,8 @@ from noetl_mesh.cli import main as cli
 from noetl_mesh.core.keychain import bus_resolver
 from noetl_mesh.infra.bus import COMMANDS, EVENTS, Q_CREDENTIAL_RESOLVE, Bus
 from noetl_mesh.services.event_recorder.credentials import decrypt
+from noetl_mesh.services.sessions.audit import STREAM as AUDIT
+from noetl_mesh.services.sessions.store import LOGINS, SESSIONS, USERS
 from noetl_mesh.services.worker import service as worker_service
 
 from conftest import start_stack, stop_stack
@@ -129,7 +132,7 @@ def kc_stack(module_pg) -> Iterator[Any]:
 
 
 def test_store_encrypted_get_list_delete_and_bad_bodies(kc_stack, module_pg) -> None:
-    with httpx.Client(base_url=kc_stack.url, trust_env=False) as gw:
+    with httpx.Client(base_url=kc_stack.url, trust_env=False, headers=kc_stack.headers) as gw:
         made = gw.post("/api/credentials", json={"name": "pg_main", "kind": "postgres",
                                                  "data": {"user": "app", "password": "s3cr3t-pg-pass"},
                                                  "description": "main db"})
@@ -168,8 +171,9 @@ def test_store_encrypted_get_list_delete_and_bad_bodies(kc_stack, module_pg) -> 
         assert gw.get("/api/credentials/bad%20name").status_code == 400
 
 
-def test_cli_add_list_delete(kc_stack, capsys) -> None:
+def test_cli_add_list_delete(kc_stack, capsys, monkeypatch) -> None:
     url = kc_stack.url
+    monkeypatch.setenv("NOETL_TOKEN", kc_stack.token)
     assert cli(["credential", "add", "cli_cred", "--kind", "http", "--data", '{"token": "cli-tok-987"}',
                 "--description", "from the cli", "--gateway", url]) == 0
     assert '"name": "cli_cred"' in capsys.readouterr().out
@@ -199,8 +203,51 @@ async def _stream_texts(nats_url: str, stream: str, creds: str | None = None) ->
         await bus.close()
 
 
+def _logins_tokens_and_revocations(url: str, admin_token: str) -> tuple[list[str], list[str], list[str]]:
+    """Through the gateway: a user added with a password, logins (one failed), an API token created,
+    used and revoked, a password change, a logout, a disabled user. Returns the passwords, the tokens
+    and every answer's text (the answers that issue a token without that one field)."""
+    passwords = ["scan user password 1", "scan user password 2", "wrong scan password 3"]
+    tokens, answers = [admin_token], []
+
+    def keep(resp: httpx.Response, issued: str | None = None) -> httpx.Response:
+        assert resp.status_code < 500, resp.text
+        body = resp.json() if resp.content else None
+        if issued and isinstance(body, dict):
+            tokens.append(body.pop(issued))
+        answers.append(f"{resp.status_code} {body} {dict(resp.headers)}")
+        return resp
+
+    bearer = lambda token: {"Authorization": f"Bearer {token}"}  # noqa: E731
+    with httpx.Client(base_url=url, trust_env=False) as gw:
+        admin = bearer(admin_token)
+        user = keep(gw.post("/api/users", headers=admin, json={"username": "scanner", "password": passwords[0],
+                                                                "roles": ["developer"]})).json()
+        assert keep(gw.post("/api/auth/login", json={"username": "scanner", "password": passwords[2]})).status_code == 401
+        session = keep(gw.post("/api/auth/login", json={"username": "scanner", "password": passwords[0]}), "token")
+        me = bearer(tokens[-1])
+        assert keep(gw.get("/api/auth/whoami", headers=me)).status_code == 200
+        made = keep(gw.post("/api/tokens", headers=me, json={"name": "scan"}), "token").json()
+        assert keep(gw.get("/api/tokens", headers=bearer(tokens[-1]))).status_code == 200
+        keep(gw.get("/api/sessions", headers=me))
+        keep(gw.post("/api/users/me/password", headers=me, json={"password": passwords[1],
+                                                                 "current_password": passwords[0]}))
+        keep(gw.delete(f"/api/tokens/{made['token_id']}", headers=me))
+        assert keep(gw.get("/api/auth/whoami", headers=bearer(tokens[-1]))).status_code == 401  # revoked
+        keep(gw.post("/api/auth/logout", headers=me))
+        assert keep(gw.get("/api/auth/whoami", headers=me)).status_code == 401
+        keep(gw.post("/api/auth/login", json={"username": "scanner", "password": passwords[1]}), "token")
+        keep(gw.post(f"/api/users/{user['user_id']}/disable", headers=admin))
+        assert keep(gw.get("/api/auth/whoami", headers=bearer(tokens[-1]))).status_code == 401
+        keep(gw.get("/api/audit", headers=admin, params={"limit": 1000}))
+        keep(gw.get("/api/users", headers=admin))
+        assert session.status_code == 200
+    return passwords, tokens, answers
+
+
 def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
-    with httpx.Client(base_url=kc_stack.url, trust_env=False) as gw:
+    passwords, tokens, answers = _logins_tokens_and_revocations(kc_stack.url, kc_stack.token)
+    with httpx.Client(base_url=kc_stack.url, trust_env=False, headers=kc_stack.headers) as gw:
         assert gw.post("/api/credentials", json={"name": "scan_db", "kind": "generic",
                                                  "data": {"user": "scanner", "password": SECRET}}).status_code == 201
         assert gw.post("/api/catalog", json={"content": CHILD.replace("API", fixture_api.url)}).status_code == 201
@@ -229,6 +276,27 @@ def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
     hits += [m for m in messages if SECRET in m]
     hits += [line for line in kc_stack.capture.lines if SECRET in line]
     assert hits == []
+
+    # nor any password, token or token hash of the logins: in logs, events, projections, streams
+    # (events, commands, the audit log, every message of the sessions' KV buckets) or answers
+    secrets = {f"password {i}": pw for i, pw in enumerate(passwords)}
+    for i, token in enumerate(tokens):
+        digest = hashlib.sha256(token.encode()).digest()
+        secrets.update({f"token {i}": token, f"token {i} sha256": digest.hex(),
+                        f"token {i} sha256 b64": base64.b64encode(digest).decode(),
+                        f"token {i} sha256 b64url": base64.urlsafe_b64encode(digest).decode().rstrip("="),
+                        f"token {i} id digest": hashlib.sha256(b"noetl.token-id\x00" + token.encode()).hexdigest()})
+    assert len(tokens) == 4 and all(t.startswith(("noetl_s_", "noetl_t_")) for t in tokens)
+    with psycopg.connect(module_pg) as conn:
+        rows = [r[0] for r in conn.execute("SELECT e::text FROM event e UNION ALL SELECT x::text FROM execution x")]
+    stored = {stream: kc_stack.run(_stream_texts(kc_stack.nats_url, stream))
+              for stream in (EVENTS, COMMANDS, AUDIT, f"KV_{SESSIONS}", f"KV_{USERS}", f"KV_{LOGINS}")}
+    assert stored[AUDIT] and stored[f"KV_{USERS}"]
+    places = {"logs": "\n".join(kc_stack.capture.lines), "postgres": "\n".join(rows), "answers": "\n".join(answers),
+              "commands": "\n".join(kc_stack.commands), **{s: "\n".join(texts) for s, texts in stored.items()}}
+    assert "session.login_failed" in places[AUDIT] and "credential.written" in places[AUDIT]
+    found = [(what, where) for where, text in places.items() for what, secret in secrets.items() if secret in text]
+    assert found == []
 
 
 def test_key_file_generated_with_mode_600(tmp_path, monkeypatch) -> None:

@@ -17,6 +17,9 @@ from noetl_mesh.core.state import summary
 from noetl_mesh.infra.bus import EVENTS, Bus, loads
 from noetl_mesh.services.event_recorder.service import RecorderService
 from noetl_mesh.services.gateway.app import GatewayService, create_app
+from noetl_mesh.services.sessions.audit import STREAM as AUDIT
+from noetl_mesh.services.sessions.service import Q_BOOTSTRAP, SessionsService
+from noetl_mesh.services.sessions.store import LOGINS, SESSIONS, USERS
 from scenarios import TINY
 
 pytestmark = pytest.mark.integration
@@ -44,16 +47,29 @@ async def fresh_bus(nats_url: str) -> Bus:
     return bus
 
 
+async def fresh_admin(bus: Bus) -> tuple[SessionsService, str]:
+    """A sessions service on empty buckets, and the bootstrap admin's API token."""
+    for stream in (f"KV_{SESSIONS}", f"KV_{USERS}", f"KV_{LOGINS}", AUDIT):
+        with contextlib.suppress(NotFoundError):
+            await bus.js.delete_stream(stream)
+    sessions = SessionsService(bus, oidc=None)
+    await sessions.start()
+    return sessions, (await bus.request(Q_BOOTSTRAP, {}))["token"]
+
+
 @contextlib.asynccontextmanager
 async def stack(nats_url: str, pg_dsn: str):
     bus = await fresh_bus(nats_url)
     rec = RecorderService(bus, pg_dsn=pg_dsn)
     await rec.start()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(bus)), base_url="http://gw")
+    sessions, token = await fresh_admin(bus)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(bus)), base_url="http://gw",
+                               headers={"Authorization": f"Bearer {token}"})
     try:
         yield bus, rec, client
     finally:
         await client.aclose()
+        await sessions.stop()
         await rec.stop()
         await bus.close()
 
@@ -164,6 +180,8 @@ def test_start_execution_publishes_the_request_with_trace_context(nats_url: str,
             assert event["name"] == "playbook.execution.requested" and event["source"] == "gateway"
             assert event["status"] == "in_progress" and event["data"]["workload"] == {"n": 5}
             assert event["data"]["playbook"] == yaml.safe_load(VALID) and event["data"]["catalog"] is None
+            by = event["data"]["requested_by"]  # who started it: the bootstrap admin's API token, no secret
+            assert set(by) == {"user_id", "username", "kind", "token_id"} and by["username"] == "admin"
             assert headers["traceparent"].startswith("00-") and headers["Nats-Msg-Id"] == event["event_id"]
 
             entry = (await gw.post("/api/catalog", json={"content": VALID})).json()
@@ -225,7 +243,8 @@ def test_execution_state_events_and_cancel(nats_url: str, pg_dsn: str) -> None:
             assert cancel.status_code == 202 and cancel.json() == {"execution_id": started, "status": "CANCELLING"}
             events = [e for e, _ in await stream_events(bus, started)]
             assert [e["name"] for e in events] == ["playbook.execution.requested", "execution.cancelled"]
-            assert events[1]["data"] == {"reason": "enough"} and events[1]["source"] == "gateway"
+            assert events[1]["data"]["reason"] == "enough" and events[1]["source"] == "gateway"
+            assert events[1]["data"]["requested_by"]["username"] == "admin"
             again = await gw.post(f"/api/executions/{started}/cancel")  # same stable id: stored once
             assert again.status_code == 202 and len(await stream_events(bus, started)) == 2
 
@@ -274,11 +293,13 @@ def test_through_a_real_http_server(nats_url: str, pg_dsn: str) -> None:
         rec = RecorderService(bus, pg_dsn=pg_dsn)
         gateway = GatewayService(bus, host="127.0.0.1", port=0)
         await rec.start()
+        sessions, token = await fresh_admin(bus)
         await gateway.start()
         try:
             url = gateway.url
             assert url.startswith("http://127.0.0.1:") and gateway.port > 0
-            async with httpx.AsyncClient(base_url=gateway.url, trust_env=False) as http:
+            async with httpx.AsyncClient(base_url=gateway.url, trust_env=False,
+                                         headers={"Authorization": f"Bearer {token}"}) as http:
                 assert (await http.get("/health")).json()["status"] == "ok"
                 registered = await http.post("/api/catalog", content=VALID, headers={"content-type": "text/yaml"})
                 assert registered.status_code == 201 and registered.json()["version"] == 1
@@ -288,6 +309,7 @@ def test_through_a_real_http_server(nats_url: str, pg_dsn: str) -> None:
                 await poll(http, f"/api/executions/{xid}", lambda r: r.status_code == 200)
         finally:
             await gateway.stop()
+            await sessions.stop()
             await rec.stop()
             await bus.close()
         with pytest.raises(httpx.ConnectError):

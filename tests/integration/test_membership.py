@@ -88,7 +88,7 @@ def test_two_replicas_of_each_service_run_without_rebuilds(module_pg):
             for replicas in services.values():
                 for r in replicas:
                     r.rebuilds = 0
-            async with GatewayClient(stack.url) as client:
+            async with GatewayClient(stack.url, token=stack.token) as client:
                 doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "t/c"},
                        "workflow": [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
                                      **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < 4 else {})}

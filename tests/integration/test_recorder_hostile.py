@@ -501,3 +501,23 @@ def test_a_hostile_request_leaves_the_next_execution_alone(stack, what: str) -> 
 
     page = stack.run(bad_events())
     assert page["events"][0]["event_id"] == stable_id("request", xid)
+
+
+def test_a_catalog_entry_over_the_reply_budget_is_read_and_started_by_path(stack) -> None:
+    """The recorder sends the text of a big entry by reference; the gateway and admission expand it."""
+    doc = yaml.safe_load(TINY)
+    doc["metadata"]["path"] = "tests/big-entry"
+    doc["workflow"][0]["desc"] = "d" * 200_000  # the entry: over a 64 KiB reply budget
+    text = yaml.safe_dump(doc)
+
+    async def main() -> tuple[dict, dict]:
+        async with stack.client() as client:
+            await client.register(text)
+            entry = await client._call("GET", "/api/catalog/by-path/tests/big-entry")
+            xid = await client.start(path="tests/big-entry")
+            return entry, await client.wait(xid, timeout=30)
+
+    with limits.override(max_reply_bytes=64 * 1024):
+        entry, final = stack.run(main())
+    assert entry["content"] == text
+    assert final["status"] == "COMPLETED"

@@ -44,7 +44,7 @@ def test_two_replicas_of_each_control_plane_service(pg_dsn, fixture_api):
                                      "pagination", "best_effort", "retry", "inclusive", "empty_loop")]
 
         async def go():
-            async with GatewayClient(stack.url) as client:
+            async with GatewayClient(stack.url, token=stack.token) as client:
                 from test_scenarios import workload_of
 
                 ids = [await client.start(s.doc(fixture_api.url), workload_of(s, fixture_api))
@@ -102,7 +102,7 @@ def test_one_execution_is_one_trace(stack):
 # ------------------------------------------------------------------------------ cancellation
 def test_cancel_stops_a_running_execution(stack):
     async def go():
-        async with GatewayClient(stack.url) as client:
+        async with GatewayClient(stack.url, token=stack.token) as client:
             eid = await client.start(slow_chain(3, 30))
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # wait until the first step really runs
@@ -133,7 +133,7 @@ def test_cancel_purges_queued_commands_so_a_later_worker_runs_none(pg_dsn):
         async def go():
             bus = await Bus.connect(stack.nats_url, "queue-probe", stack.admin)
             try:
-                async with GatewayClient(stack.url) as client:
+                async with GatewayClient(stack.url, token=stack.token) as client:
                     doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "q", "path": "t/q"},
                            "workflow": [{"step": "start", "loop": {"in": "{{ range(40) | list }}", "iterator": "i",
                                                                    "spec": {"mode": "parallel", "max_in_flight": 8}},
@@ -212,7 +212,7 @@ def test_worker_killed_mid_task_is_redelivered_and_not_double_counted(process_st
     stack = process_stack
 
     async def go():
-        async with GatewayClient(stack.gateway_url) as client:
+        async with GatewayClient(stack.gateway_url, token=stack.token) as client:
             eid = await client.start(slow_chain(2, 1.5))
             await _wait_for_event(client, eid, lambda e: e["name"] == "task.started" and e["step"] == "s0")
             stack.kill("worker-0")  # SIGKILL while the python task sleeps
@@ -235,7 +235,7 @@ def test_control_plane_killed_and_restarted_mid_execution(process_stack):
     stack = process_stack
 
     async def go():
-        async with GatewayClient(stack.gateway_url) as client:
+        async with GatewayClient(stack.gateway_url, token=stack.token) as client:
             eid = await client.start(slow_chain(6, 0.3))
             await _wait_for_event(client, eid, lambda e: e["name"] == "step.started" and e["step"] == "s1")
             for name in ("admission-0", "router-0", "loop-coordinator-0"):
@@ -286,7 +286,7 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
 
             task = asyncio.create_task(swallow())
             try:
-                async with GatewayClient(stack.url) as client:
+                async with GatewayClient(stack.url, token=stack.token) as client:
                     eid = await client.start({
                         "apiVersion": "noetl.io/v2", "kind": "Playbook",
                         "metadata": {"name": "lost", "path": "tests/lost"},

@@ -619,6 +619,8 @@ def test_audit_records_and_query(fresh_nats):
 # ------------------------------------------------------------------------------ nothing secret leaks
 def test_no_secret_in_logs_kv_audit_notices_or_replies(fresh_nats, caplog):
     caplog.set_level(logging.DEBUG)
+    for name in ("httpx", "httpcore"):  # an in-process worker of an earlier test keeps them at WARNING
+        caplog.set_level(logging.DEBUG, logger=name)
     idp = LocalIssuer()
     idp.add_key("k1")
     config = OidcConfig(issuer=idp.url, audience="noetl")

@@ -94,7 +94,7 @@ def test_supervised_stack_starts_a_killed_service_again(pg_dsn, tmp_path, monkey
                     if stack.procs[key].pid != old and stack.procs[key].poll() is None:
                         break
                 assert stack.procs[key].pid != old and stack.restarts[key] == 1
-            async with GatewayClient(stack.gateway_url) as client:
+            async with GatewayClient(stack.gateway_url, token=stack.token) as client:
                 eid = await client.start(CHAIN)
                 return await client.wait(eid, timeout=60)
         finally:

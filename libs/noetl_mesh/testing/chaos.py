@@ -174,7 +174,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: str | Path) -> ChaosResult:
                          replicas=cfg.replicas, workers=cfg.workers, log_dir=str(workdir), supervise=True)
     try:
         await stack.start()
-        async with GatewayClient(stack.gateway_url, timeout=10) as client:
+        async with GatewayClient(stack.gateway_url, timeout=10, token=stack.token) as client:
             names = list(PLAYBOOKS)
             plan = [names[i % len(names)] for i in range(cfg.executions)]
             rng.shuffle(plan)
