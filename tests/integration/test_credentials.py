@@ -289,7 +289,7 @@ def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
     assert len(tokens) == 4 and all(t.startswith(("noetl_s_", "noetl_t_")) for t in tokens)
     with psycopg.connect(module_pg) as conn:
         rows = [r[0] for r in conn.execute("SELECT e::text FROM event e UNION ALL SELECT x::text FROM execution x")]
-    stored = {stream: kc_stack.run(_stream_texts(kc_stack.nats_url, stream))
+    stored = {stream: kc_stack.run(_stream_texts(kc_stack.nats_url, stream, kc_stack.admin))
               for stream in (EVENTS, COMMANDS, AUDIT, f"KV_{SESSIONS}", f"KV_{USERS}", f"KV_{LOGINS}")}
     assert stored[AUDIT] and stored[f"KV_{USERS}"]
     places = {"logs": "\n".join(kc_stack.capture.lines), "postgres": "\n".join(rows), "answers": "\n".join(answers),

@@ -246,7 +246,8 @@ def test_revocation_reaches_every_gateway_at_once(stack, people):
     """Two gateways, each with the token cached; the second keeps validations for a minute, so only
     the revocation notice can make it refuse: logout, an API token revoked, a user disabled."""
     async def go() -> None:
-        bus = await Bus.connect(stack.stack.settings.nats_url, "second-gateway")
+        settings = stack.stack.settings
+        bus = await Bus.connect(settings.nats_url, "second-gateway", settings.creds_for("gateway"))
         second = GatewayService(bus)
         await second.start()
         second.app.state.auth.cache.ttl = 60.0
@@ -329,7 +330,8 @@ def test_the_sessions_service_away_is_503_not_401(stack, people):
 
 def test_logins_lockout_and_the_client_address_behind_a_trusted_proxy(stack, people):
     async def go() -> None:
-        bus = await Bus.connect(stack.stack.settings.nats_url, "proxied-gateway")
+        settings = stack.stack.settings
+        bus = await Bus.connect(settings.nats_url, "proxied-gateway", settings.creds_for("gateway"))
         behind = GatewayService(bus)
         try:
             os.environ[auth.TRUSTED_PROXIES_ENV] = "127.0.0.1"

@@ -311,7 +311,7 @@ BOMB = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: laughs, path: 
 
 
 @contextlib.contextmanager
-def gateway_process(nats_url: str, max_memory: int = 3 * 2**30) -> Iterator[str]:
+def gateway_process(nats_url: str, creds: str | None = None, max_memory: int = 3 * 2**30) -> Iterator[str]:
     """A gateway of its own (``noetl service gateway``) whose address space is capped: should a
     document ever be expanded again, that process fails, not the shared machine."""
     port = free_port()
@@ -320,7 +320,8 @@ def gateway_process(nats_url: str, max_memory: int = 3 * 2**30) -> Iterator[str]
         resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
 
     proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "service", "gateway", "--nats-url", nats_url,
-                             "--host", "127.0.0.1", "--port", str(port)], preexec_fn=cap,
+                             "--host", "127.0.0.1", "--port", str(port), *(["--nats-creds", creds] if creds else [])],
+                            preexec_fn=cap,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -337,7 +338,8 @@ def gateway_process(nats_url: str, max_memory: int = 3 * 2**30) -> Iterator[str]
 
 def test_a_yaml_alias_bomb_is_refused_quickly_and_the_gateway_keeps_answering(stack):
     assert 1200 < len(BOMB) < 1400  # about 1.3 KB; expanded, 9^10 (3.5 billion) strings
-    with gateway_process(stack.stack.settings.nats_url) as url:
+    settings = stack.stack.settings
+    with gateway_process(settings.nats_url, settings.creds_for("gateway")) as url:
         answer: dict[str, Any] = {}
 
         def submit() -> None:

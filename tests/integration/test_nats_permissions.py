@@ -116,7 +116,7 @@ def test_a_control_plane_event_on_a_workers_own_subject_is_stored_and_dropped(se
     phase = ["submitting"]
 
     async def main():
-        async with GatewayClient(secured.url) as client:
+        async with secured.client() as client:
             xid = await client.start(doc)
         phase[0] = "waiting for the step to start"
         async with Conn(secured, "admin") as admin:
@@ -139,7 +139,7 @@ def test_a_control_plane_event_on_a_workers_own_subject_is_stored_and_dropped(se
         assert any(e["name"] == "step.done" and e["step"] == "end" for e in events)  # it ran on
         assert secured.stack.services("router")[0].cache[xid].status == "COMPLETED"
         phase[0] = "reading the recorded log"
-        async with GatewayClient(secured.url) as client:  # the recorder dropped them too (D22: same fold)
+        async with secured.client() as client:  # the recorder dropped them too (D22: same fold)
             final = await client.wait(xid, timeout=30)
             recorded = await client.all_events(xid)
         assert final["status"] == "COMPLETED"
