@@ -29,7 +29,7 @@ SUBJECTS = ["noetl.audit.>"]
 MAX_RECORDS = 1000  # per query
 
 
-async def ensure_stream(js) -> None:
+async def ensure_stream(js, replicas: int = 1) -> None:
     try:
         await js.stream_info(STREAM)
     except NotFoundError:
@@ -37,7 +37,8 @@ async def ensure_stream(js) -> None:
             await js.add_stream(StreamConfig(
                 name=STREAM, subjects=SUBJECTS, storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
                 max_age=float(limits.current().audit_retention), duplicate_window=120,
-                description="noetl audit log: logins, sessions, users, tokens, credentials, cancels"))
+                description="noetl audit log: logins, sessions, users, tokens, credentials, cancels",
+                num_replicas=replicas))
         except Exception:  # noqa: BLE001 - created meanwhile by another replica
             await js.stream_info(STREAM)
 

@@ -115,10 +115,11 @@ class SessionsService:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         js = self.bus.js
-        self.sessions = await Bucket(js, SESSIONS, "noetl login sessions (keys expire by per-message TTL)").open()
-        self.users = await Bucket(js, USERS, "noetl users and API tokens").open()
-        self.logins = await Bucket(js, LOGINS, "noetl failed-login counters").open()
-        await audit.ensure_stream(js)
+        n = await self.bus.replica_count()  # what dies with one node must not be ours alone
+        self.sessions = await Bucket(js, SESSIONS, "noetl login sessions (keys expire by per-message TTL)", n).open()
+        self.users = await Bucket(js, USERS, "noetl users and API tokens", n).open()
+        self.logins = await Bucket(js, LOGINS, "noetl failed-login counters", n).open()
+        await audit.ensure_stream(js, n)
         if self.oidc_config is not None:
             self.verifier = OidcVerifier(self.oidc_config)
         for subject, handler in self._handlers().items():

@@ -87,8 +87,8 @@ def seconds(ttl: float | None) -> int | None:
 class Bucket:
     """One KV bucket, read and written through its stream (``KV_<bucket>``, subjects ``$KV.<bucket>.<key>``)."""
 
-    def __init__(self, js, name: str, description: str):
-        self.js, self.name, self.description = js, name, description
+    def __init__(self, js, name: str, description: str, replicas: int = 1):
+        self.js, self.name, self.description, self.replicas = js, name, description, replicas
         self.stream, self.prefix = f"KV_{name}", f"$KV.{name}."
         self.direct = False  # set by open(): direct gets when the bucket allows them
 
@@ -101,7 +101,7 @@ class Bucket:
             try:
                 await self.js.create_key_value(KeyValueConfig(
                     bucket=self.name, description=self.description, history=1, storage=StorageType.FILE,
-                    direct=True))
+                    direct=True, replicas=self.replicas))
             except BadRequestError:  # created meanwhile by another replica
                 await self.js.key_value(self.name)
         info = await self.js.stream_info(self.stream)

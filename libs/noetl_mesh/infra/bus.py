@@ -49,7 +49,7 @@ from nats.js.api import (
     SubjectTransform,
 )
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from . import tracing
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
@@ -228,8 +228,20 @@ class Bus:
         copies each (default ``NOETL_REPLICAS`` or 1; 3 on a 3-node cluster); adopt the partition and
         replica counts of an existing events stream, and move one of the earlier subject layout to this
         one. Needs a user that may create streams (the ``admin`` user of infra/nats_auth.py); services
-        only read what it made."""
+        only read what it made. Every step is idempotent, so a JetStream that does not answer yet (a
+        cluster still placing its first streams) is asked again, for up to a minute."""
         replicas = replicas or int(os.environ.get("NOETL_REPLICAS") or 1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return await self._setup(partitions, max_age_s, replicas)
+            except (asyncio.TimeoutError, NatsTimeout, ServiceUnavailableError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("setup: JetStream did not answer (%s); asking again", type(exc).__name__)
+                await asyncio.sleep(0.5)
+
+    async def _setup(self, partitions: int, max_age_s: float, replicas: int) -> None:
         try:
             info = await self.js.stream_info(EVENTS)
             self.partitions = _partitions_of(info.config)
@@ -303,6 +315,15 @@ class Bus:
             await asyncio.sleep(delay)
             waited += delay
             delay = min(delay * 2, 2.0)
+
+    async def replica_count(self) -> int:
+        """The events stream's replica count (which every stream and bucket of the stack takes), without
+        waiting for the stream: ``NOETL_REPLICAS`` (or 1) while it does not exist."""
+        try:
+            self.replicas = (await self.js.stream_info(EVENTS)).config.num_replicas or 1
+        except NotFoundError:
+            self.replicas = int(os.environ.get("NOETL_REPLICAS") or 1)
+        return self.replicas
 
     # ----------------------------------------------------------------- publishing
     async def publish_event(self, event: dict[str, Any]) -> int:

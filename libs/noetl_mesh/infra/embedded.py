@@ -354,20 +354,26 @@ class EmbeddedNatsCluster:
         return self
 
     def wait_for_leader(self, timeout: float | None = None) -> str:
-        """Until every running node names the same JetStream meta leader (the API answers only then)."""
+        """Until every running node names the same JetStream meta leader and that leader sees every
+        other running node as current (before that, placing a replicated stream can time out)."""
         deadline = time.monotonic() + (timeout or self.startup_timeout)
         while True:
-            leaders = set()
-            for node in self.nodes:
-                if node.port is None:
-                    continue
+            leaders, current = set(), {}
+            running = [node for node in self.nodes if node.port is not None]
+            for node in running:
                 try:
                     with _NO_PROXY.open(f"{node.monitor_url}/jsz", timeout=1) as r:
-                        leaders.add((json.loads(r.read()).get("meta_cluster") or {}).get("leader"))
+                        meta = json.loads(r.read()).get("meta_cluster") or {}
                 except (urllib.error.URLError, OSError, ValueError):
-                    leaders.add(None)
+                    meta = {}
+                leaders.add(meta.get("leader"))
+                seen = sum(1 for peer in meta.get("replicas") or () if peer.get("current"))
+                current[meta.get("leader")] = max(current.get(meta.get("leader"), 0), seen)
             if len(leaders) == 1 and None not in leaders:
-                return leaders.pop()
+                leader = leaders.pop()
+                if current.get(leader, 0) >= len(running) - 1:
+                    return leader
+                leaders.add(leader)
             if time.monotonic() > deadline:
                 self.stop()
                 raise InfraError(f"the NATS cluster elected no JetStream leader within the timeout (saw {leaders})")

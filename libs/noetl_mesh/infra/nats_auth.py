@@ -193,6 +193,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         responses = True
     elif user == "sessions":
+        pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
         for stream in SESSION_STREAMS:
             pub += [_js("STREAM", verb, stream) for verb in ("INFO", "CREATE", "UPDATE")]
             pub += [_js("STREAM", "MSG", "GET", stream), _js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
