@@ -242,13 +242,14 @@ def shared_budget() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------- watchdog
 #
-# The thread scans the active budgets every template_max_ms / 5 (at most 50 ms). For one running
-# longer than template_max_ms it sets ``expired`` (the hooks raise at their next check) and raises _Timeout in that
-# thread with PyThreadState_SetAsyncExc, once per call. The exception arrives at the thread's next
-# bytecode, wherever it is inside the render. Protocol, so that it never arrives outside a render:
-# the watchdog sets ``pending`` and then raises only if the budget is still ``active``, all under
-# _lock; _disarm clears ``active`` and then, if ``pending``, takes _lock and cancels whatever was not
-# delivered. Asleep (no thread waking up) when no render ran for a second.
+# The thread scans the active budgets every template_max_ms / 5 (at most 50 ms). For a render running
+# longer than template_max_ms it sets ``expired`` (the hooks raise at their next check) and raises
+# _Timeout in the rendering thread with PyThreadState_SetAsyncExc, once per render. The exception
+# arrives at the thread's next bytecode, wherever it is inside the render. So that it never arrives
+# outside one (or in the next render of the same thread), under _lock the watchdog sets ``pending``
+# and only then checks once more that this render is active and over time before raising; _disarm
+# clears ``active`` and then, if ``pending``, waits for _lock and cancels whatever was not delivered.
+# Asleep (no thread waking up) when no render ran for a second.
 
 _async_proto = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)
 _clear_proto = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
@@ -288,16 +289,20 @@ def _watch() -> None:
         busy = False
         max_s = limits.current().template_max_ms / 1000
         with _lock:
-            now = _monotonic()
             for b in list(_budgets.values()):
                 if not b.active:
                     continue
                 busy = True
-                if not b.expired and now - b.start > max_s:
+                if b.expired or _monotonic() - b.start <= max_s:
+                    continue
+                # Announce, then look again: the render may have ended, and the thread started another
+                # (whose disarm would now wait for _lock), between the look above and this one.
+                b.pending = True
+                if b.active and not b.expired and _monotonic() - b.start > max_s:
                     b.expired = True
-                    b.pending = True
-                    if b.active:
-                        _set_async_exc(b.tid, _Timeout)
+                    _set_async_exc(b.tid, _Timeout)
+                else:
+                    b.pending = False
         if busy:
             quiet = 0.0
             continue
@@ -845,7 +850,9 @@ class _Environment(ImmutableSandboxedEnvironment):
                 _grow(b, args[0], "int.to_bytes")
         rv = super().call(__context, __obj, *args, **kwargs)
         if __obj is dict or (t is BuiltinMethodType and __obj.__name__ in ("copy", "fromkeys")):
-            _grow(b, _size_of(rv), f"{getattr(__obj, '__name__', 'call')}()")
+            _grow(b, _size_of(rv), f"{__obj.__name__}()")
+        elif __obj is Namespace:
+            _grow(b, len(object.__getattribute__(rv, "_Namespace__attrs")), "namespace()")
         return _check_int(rv, "a call") if type(rv) is int else rv
 
     def _call_text_method(self, b: _Budget, context: Any, method: Any, owner: Any, args: tuple, kwargs: dict) -> Any:
@@ -925,7 +932,7 @@ def _before_format(b: _Budget, value: Any, *args: Any, **kwargs: Any) -> int:
     return _percent_size(fmt, kwargs or args, _left(b))
 
 
-def _before_replace(b: _Budget, s: Any, old: Any = "", new: Any = "", count: Any = None) -> int:
+def _before_replace(b: _Budget, s: Any, old: Any = "", new: Any = "", count: Any = None, *_: Any, **__: Any) -> int:
     if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
         text = _text_of(b, s)  # the filter turns them into text first: assume a match everywhere
         return text + (text + 1) * _text_of(b, new) + _text_of(b, old)
@@ -943,11 +950,11 @@ def _before_wordwrap(b: _Budget, s: Any, width: Any = 79, break_long_words: Any 
     return len(s) + (len(s) // width + _line_count(s)) * sep
 
 
-def _before_batch(b: _Budget, value: Any, linecount: Any = 1, fill_with: Any = None) -> int:
+def _before_batch(b: _Budget, value: Any, linecount: Any = 1, fill_with: Any = None, *_: Any, **__: Any) -> int:
     return linecount if fill_with is not None and isinstance(linecount, int) else 0
 
 
-def _before_slice(b: _Budget, value: Any, slices: Any = 1, fill_with: Any = None) -> int:
+def _before_slice(b: _Budget, value: Any, slices: Any = 1, fill_with: Any = None, *_: Any, **__: Any) -> int:
     return slices if isinstance(slices, int) else 0
 
 
@@ -971,7 +978,7 @@ def _before_to_json(b: _Budget, value: Any, indent: Any = None, *_: Any, **__: A
     return _text_size(value, _left(b), indent=_json_indent(indent))
 
 
-def _before_pprint(b: _Budget, value: Any) -> int:
+def _before_pprint(b: _Budget, value: Any, *_: Any, **__: Any) -> int:
     return _text_size(value, _left(b), indent=1)
 
 
@@ -984,7 +991,7 @@ def _before_urlize(b: _Budget, value: Any, trim_url_limit: Any = None, nofollow:
     return 2 * _escaped_len(value) + links * (extra + 48)
 
 
-def _before_urlencode(b: _Budget, value: Any) -> int:
+def _before_urlencode(b: _Budget, value: Any, *_: Any, **__: Any) -> int:
     if isinstance(value, str):
         raw = value.encode("utf-8")
         return len(raw) + 2 * len(raw.translate(None, _URL_SAFE))
@@ -1060,7 +1067,7 @@ def _to_bool(value: Any) -> bool:
     return bool(value)
 
 
-def _before_from_json(b: _Budget, value: Any) -> int:
+def _before_from_json(b: _Budget, value: Any, *_: Any, **__: Any) -> int:
     return len(value) if isinstance(value, (str, bytes, bytearray)) else 0
 
 
