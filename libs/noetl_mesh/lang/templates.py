@@ -24,10 +24,10 @@ Going over is a :class:`TemplateError` naming the limit. How it is enforced:
 * sizes are checked *before* building wherever the size is known in advance (``*``, ``+``, ``~``,
   ``%`` and ``format`` widths, ``center``, ``indent``, ``join``, ``replace``, ``str.center`` & co., text
   of containers); results at most a few times their input are counted right after they are built;
-* time is checked at each loop iteration, call, filter and operator by reading a flag, and a watchdog
-  thread that sets the flag also raises an exception in the rendering thread, so pure-Python code the
-  hooks do not reach (inside a filter) stops too; a single C-level operation is bounded by its input
-  size, which the size checks keep small;
+* time is checked at each loop iteration, call and building filter by reading a flag, and the
+  watchdog thread that sets the flag also raises an exception in the rendering thread, so pure-Python
+  code the hooks do not reach (inside a filter) stops too; a single C-level operation is bounded by
+  its input size, which the size checks keep small;
 * compiling never evaluates user expressions (no constant folding), so validating a template is cheap.
 """
 
@@ -114,7 +114,8 @@ class TemplateError(Exception):
 # --------------------------------------------------------------------------------------------- budget
 #
 # One _Budget per thread (renders never interleave within a thread: they are synchronous). It is
-# "active" while a top-level call runs; nested calls (a mapping's values) find it active and share it.
+# "active" while a top-level call runs (_budgeted arms and disarms it); nested calls (a mapping's
+# values) find it active and share it.
 
 
 class _Timeout(BaseException):
@@ -162,33 +163,6 @@ def _budget() -> _Budget:
         with _lock:
             _budgets[b.tid] = b
         return b
-
-
-def _arm(b: _Budget) -> None:
-    """Start a top-level call: the current limits, the clock and the count start (or the shared group's)."""
-    b.lim = limits.current()
-    g = b.group = _GROUP.get()
-    b.expired = b.pending = False
-    if g is None:
-        b.start = _monotonic()
-        b.used = 0
-    else:
-        b.start, b.used = g.start, g.used
-        b.expired = _monotonic() - g.start > b.lim.template_max_ms / 1000
-    b.active = True  # the watchdog looks at active budgets only: everything above is set first
-    if _wd_idle:
-        _wake_watchdog()
-
-
-def _disarm(b: _Budget) -> None:
-    """End a top-level call. After it, the watchdog can no longer raise in this thread."""
-    b.active = False
-    if b.pending:  # the watchdog is firing or has fired: drop an exception not yet delivered
-        with _lock:
-            _set_async_exc(b.tid, None)
-            b.pending = False
-    if b.group is not None:
-        b.group.used = b.used
 
 
 def _time_error(b: _Budget) -> LimitExceeded:
@@ -247,8 +221,9 @@ def shared_budget() -> Iterator[None]:
 # _Timeout in the rendering thread with PyThreadState_SetAsyncExc, once per render. The exception
 # arrives at the thread's next bytecode, wherever it is inside the render. So that it never arrives
 # outside one (or in the next render of the same thread), under _lock the watchdog sets ``pending``
-# and only then checks once more that this render is active and over time before raising; _disarm
-# clears ``active`` and then, if ``pending``, waits for _lock and cancels whatever was not delivered.
+# and only then checks once more that this render is active and over time before raising; disarming
+# (_budgeted) clears ``active`` and then, if ``pending``, waits for _lock and cancels whatever was not
+# delivered.
 # Asleep (no thread waking up) when no render ran for a second.
 
 _async_proto = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)
@@ -645,12 +620,28 @@ class _CodeGenerator(CodeGenerator):
         raise nodes.Impossible()
 
     def _output_child_pre(self, node: nodes.Expr, frame: Any, finalize: Any) -> None:
-        self.write("_noetl_text(")
+        # `{{ x }}` in text: a string as it is (no call), anything else through _noetl_text.
+        self.write("(_noetl_v if (_noetl_v := ")
 
     def _output_child_post(self, node: nodes.Expr, frame: Any, finalize: Any) -> None:
-        self.write(", _noetl_b)")
+        self.write(").__class__ is str else _noetl_text(_noetl_v, _noetl_b))")
+
+    def visit_Template(self, node: nodes.Template, frame: Any = None) -> None:
+        # The budget's local (see write_commons) only when the code will read it.
+        self._uses_budget = any(True for _ in node.find_all((nodes.For, nodes.Output, nodes.Concat, nodes.Slice,
+                                                              nodes.Macro, nodes.CallBlock)))
+        super().visit_Template(node, frame)
 
     def _binop(self, name: str, node: nodes.BinExpr, frame: Any) -> None:
+        if name in ("add", "sub") and any(isinstance(n, nodes.Const) and type(n.value) in (int, float)
+                                          for n in (node.left, node.right)):
+            # A number literal: the result is a number one bit longer at most, or a TypeError.
+            self.write("(")
+            self.visit(node.left, frame)
+            self.write(" + " if name == "add" else " - ")
+            self.visit(node.right, frame)
+            self.write(")")
+            return
         self.write(f"_noetl_{name}(")
         self.visit(node.left, frame)
         self.write(", ")
@@ -690,7 +681,8 @@ class _CodeGenerator(CodeGenerator):
     def write_commons(self) -> None:
         # The start of the template's function and of each block's: this thread's budget in a local.
         super().write_commons()
-        self.writeline("_noetl_b = _noetl_local.budget")
+        if getattr(self, "_uses_budget", True):
+            self.writeline("_noetl_b = _noetl_local.budget")
 
     def visit_For(self, node: nodes.For, frame: Any) -> None:
         # The time check of each iteration, first in the body and before the loop's `if` test.
@@ -1289,13 +1281,32 @@ def _budgeted(func: Any, value: Any, context: Any, where: str) -> Any:
         b = _budget()
     if b.active:
         return func(value, context, where, b)
-    _arm(b)
+    # Arm: the current limits, the clock and the count start (or the shared group's).
+    b.lim = lim = limits.current()
+    g = b.group = _GROUP.get()
+    b.expired = b.pending = False
+    if g is None:
+        b.start = _monotonic()
+        b.used = 0
+    else:
+        b.start, b.used = g.start, g.used
+        b.expired = _monotonic() - g.start > lim.template_max_ms / 1000
+    b.active = True  # the watchdog looks at active budgets only: everything above is set first
+    if _wd_idle:
+        _wake_watchdog()
     try:
         try:
             return func(value, context, where, b)
         finally:
-            _disarm(b)
-    except _Timeout:  # arrived outside _run (between the values of a mapping, or in _disarm)
+            # Disarm. After this the watchdog can no longer raise in this thread.
+            b.active = False
+            if b.pending:  # it is firing or has fired: drop an exception not yet delivered
+                with _lock:
+                    _set_async_exc(b.tid, None)
+                    b.pending = False
+            if g is not None:
+                g.used = b.used
+    except _Timeout:  # arrived outside _run (between the values of a mapping, or while disarming)
         b.active = False
         source = value if isinstance(value, str) else ""
         raise TemplateError(source, where, str(_time_error(b))) from None
