@@ -517,7 +517,12 @@ def _noetl_add(left: Any, right: Any) -> Any:
             n = len(left) + len(right)
         except TypeError:
             return left + right  # Python raises
-        _grow(_budget(), n, "'+'")
+        b = _budget()
+        _grow(b, n, "'+'")
+        rv = left + right
+        if isinstance(rv, Markup):  # Markup escapes the other side: a few times longer at most
+            _grow(b, len(rv) - n, "'+'")
+        return rv
     return left + right
 
 
@@ -908,20 +913,20 @@ def _before_center(b: _Budget, value: Any, width: Any = 80, *_: Any, **__: Any) 
     return max(n, width) if isinstance(width, int) else n
 
 
+def _as_text(value: Any, what: str) -> str:
+    """The text a filter makes of its input first (built and counted here, so its size is known)."""
+    return value if isinstance(value, str) else _text(value, what)
+
+
 def _before_indent(b: _Budget, s: Any, width: Any = 4, *_: Any, **__: Any) -> int:
-    if not isinstance(s, str):
-        return 0  # the filter raises
     step = width if isinstance(width, int) else len(width) if isinstance(width, str) else 0
-    if step > _left(b):  # `" " * width` comes first
-        return step
+    if step > _left(b) or not isinstance(s, str):  # `" " * width` comes first, even when `s` is no text
+        return max(step, 0)
     return len(s) + 1 + _line_count(s) * max(step, 0)
 
 
 def _before_format(b: _Budget, value: Any, *args: Any, **kwargs: Any) -> int:
-    fmt = value if isinstance(value, str) else None
-    if fmt is None:
-        return _text_of(b, value)
-    return _percent_size(fmt, kwargs or args, _left(b))
+    return _percent_size(_as_text(value, "|format"), kwargs or args, _left(b))
 
 
 def _before_replace(b: _Budget, s: Any, old: Any = "", new: Any = "", count: Any = None, *_: Any, **__: Any) -> int:
@@ -955,7 +960,7 @@ def _before_text(b: _Budget, value: Any, *_: Any, **__: Any) -> int:
 
 
 def _before_escape(b: _Budget, value: Any, *_: Any, **__: Any) -> int:
-    return _escaped_len(value) if isinstance(value, str) else _text_size(value, _left(b))
+    return _escaped_len(_as_text(value, "|escape"))
 
 
 def _json_indent(indent: Any) -> int:
@@ -976,8 +981,7 @@ def _before_pprint(b: _Budget, value: Any, *_: Any, **__: Any) -> int:
 
 def _before_urlize(b: _Budget, value: Any, trim_url_limit: Any = None, nofollow: Any = False, target: Any = None,
                    rel: Any = None, *_: Any, **__: Any) -> int:
-    if not isinstance(value, str):
-        return _text_size(value, _left(b))
+    value = _as_text(value, "|urlize")
     links = value.count(".") + value.count(":") + value.count("@")
     extra = sum(len(x) for x in (target, rel) if isinstance(x, str))
     return 2 * _escaped_len(value) + links * (extra + 48)
