@@ -713,7 +713,8 @@ def _tick(lineno: int) -> nodes.Call:
 
 
 def _is_tick(node: nodes.Node) -> bool:
-    return isinstance(node, nodes.Call) and isinstance(node.node, nodes.InternalName) and node.node.name == "_noetl_tick"
+    return (isinstance(node, nodes.Call) and isinstance(node.node, nodes.InternalName)
+            and node.node.name == "_noetl_tick")
 
 
 class _Tracking(meta.TrackingCodeGenerator, _CodeGenerator):
@@ -1329,16 +1330,21 @@ def render(value: Any, context: Mapping[str, Any], where: str = "") -> Any:
     if isinstance(value, str):
         if "{{" not in value and "{%" not in value and "{#" not in value:
             return value
-    elif not isinstance(value, (Mapping, list, tuple)):
+        return _budgeted(_render_template, value, context, where)
+    if not isinstance(value, (Mapping, list, tuple)):
         return value
     return _budgeted(_render, value, context, where)
+
+
+def _render_template(source: str, context: Mapping[str, Any], where: str, b: _Budget) -> Any:
+    return _run(_get(source, "auto", where), source, context, where, b)
 
 
 def _render(value: Any, context: Mapping[str, Any], where: str, b: _Budget) -> Any:
     if isinstance(value, str):
         if "{{" not in value and "{%" not in value and "{#" not in value:
             return value
-        return _run(_get(value, "auto", where), value, context, where, b)
+        return _render_template(value, context, where, b)
     if isinstance(value, Mapping):
         prefix = where + "." if where else ""
         return {k: _render(v, context, f"{prefix}{k}", b) for k, v in value.items()}
