@@ -159,6 +159,8 @@ SIZE_ATTACKS = {
     "% * width": "{{ '%*d' % (999999999, 1) }}",
     "% mapping key": "{{ '%(a)0999999999d' % {'a': 1} }}",
     "% nested key": "{{ '%(a(b)s)0999999999d' % {'a(b)s': 1} }}",
+    "% of bytes, bytes key": "{{ '%(a)0999999999d'.encode() % {'a'.encode(): 1} }}",
+    "% * width and precision": "{{ '%*.*f' % (5, 999999999, 1.0) }}",
     "% of a big list": "{% set s = 'x' * 50000 %}{{ '%s' % ([[s] * 1000]) }}",
     "format width": "{{ '{:>999999999}'.format(1) }}",
     "format nested width": "{{ '{0:{1}}'.format(1, 999999999) }}",

@@ -390,7 +390,7 @@ _HUGE = 10**18
 
 
 def _digits(spec: str | None) -> int:
-    if not spec:
+    if not spec or spec == "*":
         return 0
     return int(spec) if len(spec) < 19 else _HUGE
 
@@ -414,36 +414,33 @@ def _field_size(value: Any, kind: str, width: int, prec: int | None, cap: int) -
 
 def _percent_size(fmt: str | bytes, args: Any, cap: int) -> int:
     """An upper bound of ``len(fmt % args)``; reads the widths and precisions before Python does."""
-    pct = "%" if isinstance(fmt, str) else b"%"
+    is_bytes = not isinstance(fmt, str)
+    text = fmt.decode("latin-1") if is_bytes else fmt
     positional = list(args) if type(args) is tuple else [args]
     mapping = args if isinstance(args, Mapping) else None
-    size = len(fmt)
-    pos = fmt.find(pct)
+    size = len(text)
+    pos = text.find("%")
     while pos != -1 and size <= cap:
-        i = pos + 1
-        key = None
-        if fmt[i:i + 1] in ("(", b"("):  # a mapping key; parentheses nest, like Python's parser
+        i, key = pos + 1, None
+        if text.startswith("(", i):  # a mapping key; parentheses nest, as in Python's parser
             depth, j = 1, i + 1
-            while j < len(fmt) and depth:
-                c = fmt[j:j + 1]
-                depth += 1 if c in ("(", b"(") else -1 if c in (")", b")") else 0
+            while j < len(text) and depth:
+                depth += 1 if text[j] == "(" else -1 if text[j] == ")" else 0
                 j += 1
-            key, i = fmt[i + 1:j - 1], j
-        text = fmt[i:i + 64].decode("latin-1") if isinstance(fmt, bytes) else fmt
-        start = 0 if isinstance(fmt, bytes) else i
-        m = _PCT_TAIL.match(text, start)
+            key, i = text[i + 1:j - 1], j
+        m = _PCT_TAIL.match(text, i)
         width_s, prec_s, kind = m.group(1), m.group(2), m.group(3) or ""
-        width = positional.pop(0) if width_s == "*" and positional else _digits(width_s) if width_s != "*" else 0
-        prec: int | None = None
+        width: Any = positional.pop(0) if width_s == "*" and positional else _digits(width_s)
+        prec: Any = None
         if prec_s is not None:
-            prec = positional.pop(0) if prec_s == "*" and positional else _digits(prec_s) if prec_s != "*" else 0
+            prec = positional.pop(0) if prec_s == "*" and positional else _digits(prec_s)
         if not isinstance(width, int) or not isinstance(prec, (int, type(None))):
             return size  # Python raises for these
         if kind == "%":
             value: Any = "%"
         elif key is not None and mapping is not None:
             try:
-                value = mapping[key.decode("latin-1") if isinstance(key, bytes) else key]
+                value = mapping[key.encode("latin-1") if is_bytes else key]
             except (KeyError, TypeError):
                 return size  # Python raises
         elif positional:
@@ -453,7 +450,7 @@ def _percent_size(fmt: str | bytes, args: Any, cap: int) -> int:
         else:
             return size  # not enough arguments: Python raises
         size += _field_size(value, kind, abs(width), prec, cap - size)
-        pos = fmt.find(pct, i + m.end() - start)
+        pos = text.find("%", m.end())
     return size
 
 
