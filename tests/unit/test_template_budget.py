@@ -462,3 +462,17 @@ def test_an_admission_rule_over_budget_refuses_the_step():
     assert s["steps"]["gated"]["status"] == "skipped"
     skipped = next(e for e in r.log if e["name"] == "step.skipped")
     assert "template_max_output" in str(skipped["data"])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_watchdog_that_ended_is_replaced_by_the_next_render():
+    # Whatever ends the watchdog thread (here: the exception it raises in other threads), the next
+    # render starts another one, and time is enforced again.
+    render("{{ 1 }}", {})
+    thread = T._wd_thread
+    assert thread is not None and thread.is_alive()
+    T._set_async_exc(thread.ident, SystemExit)
+    thread.join(GENEROUS_S)
+    assert not thread.is_alive()
+    refused(NESTED_LOOPS, "template_max_ms")
+    assert T._wd_thread is not None and T._wd_thread is not thread and T._wd_thread.is_alive()

@@ -248,7 +248,7 @@ _IDLE_AFTER = 1.0  # seconds without an active render before the watchdog sleeps
 def _wake_watchdog() -> None:
     global _wd_thread, _wd_idle
     with _lock:
-        if _wd_thread is None or not _wd_thread.is_alive():
+        if _wd_thread is None:
             _wd_thread = threading.Thread(target=_watch, name="noetl-template-watchdog", daemon=True)
             _wd_thread.start()
         _wd_idle = False
@@ -256,6 +256,17 @@ def _wake_watchdog() -> None:
 
 
 def _watch() -> None:
+    global _wd_thread, _wd_idle
+    try:
+        _watch_loop()
+    finally:  # whatever ended this thread, the next render starts another
+        with _lock:
+            if _wd_thread is threading.current_thread():
+                _wd_thread = None
+            _wd_idle = True
+
+
+def _watch_loop() -> None:
     global _wd_idle
     quiet = 0.0
     while True:
