@@ -62,7 +62,10 @@ LIMITS: tuple[Limit, ...] = (
     # ---- templates (every render, in every service)
     Limit("template_max_ms", 250, "ms", "the time one template render takes",
           "every render: the task, arc or rule holding the template fails"),
-    Limit("template_max_output", 8 * MIB, "characters", "what one template builds (a string's characters, a list's items)",
+    Limit("template_max_output", 1_000_000, "characters or items",
+          "what one template builds (a string's characters, a list's items, added up)",
+          "every render: the task, arc or rule holding the template fails"),
+    Limit("template_max_int_digits", 4_300, "digits", "an integer a template builds",
           "every render: the task, arc or rule holding the template fails"),
 
     # ---- task results

@@ -460,3 +460,38 @@ def test_referenced_names():
     }
     assert referenced_names(value) == {"workload", "ctx", "iter", "_prev", "fetch"}
     assert referenced_names("no template") == set()
+
+
+# ------------------------------------------------- constructs the budget's hooks go through (D7)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("{% for i in [1, 2, 3] if i != 2 %}{{ i }}{{ loop.cycle('a', 'b') }}{% else %}none{% endfor %}", "1a3b"),
+        ("{% for i in [] %}x{% else %}none{% endfor %}", "none"),
+        ("{% for i in workload['items'] %}{{ loop.index }}/{{ loop.length }}{% if not loop.last %},{% endif %}{% endfor %}",
+         "1/3,2/3,3/3"),
+        ("{% for n in [{'c': [{'c': []}]}] recursive %}<{{ loop(n.c) }}>{% endfor %}", "<<>>"),
+        ("{% macro m(a, b=2) %}{{ a }}-{{ b }}-{{ varargs | length }}{% endmacro %}{{ m(1) }} {{ m(1, 3, 4) }}",
+         "1-2-0 1-3-1"),
+        ("{% macro w() %}[{{ caller() }}]{% endmacro %}{% call w() %}in{% endcall %}", "[in]"),
+        ("{% set t %}a{{ workload.n }}b{% endset %}{{ t | upper }}", "A2B"),
+        ("{% filter upper %}x{{ workload.name }}{% endfilter %}", "XALICE"),
+        ("{% set ns = namespace(s='') %}{% for i in range(3) %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.s }}", "012"),
+        ("{{ workload.name[1:3] }}{{ workload['items'][::-1] }}", "li[3, 2, 1]"),
+        ("{{ workload.n + 1 }} {{ 1 + workload.n }} {{ workload.n - 0.5 }} {{ workload.n * 3 }} {{ 2 ** 10 }}",
+         "3 3 1.5 6 1024"),
+        ("{{ 'a' + 'b' }} {{ [1] + [2] }} {{ 'ab' * 2 }} {{ '%s=%03d' % ('k', 7) }} {{ 7 % 3 }}", "ab [1, 2] abab k=007 1"),
+        ("{{ '{}|{:>4}|{:.1f}'.format('a', 'b', 2.25) }} {{ '{x}'.format_map({'x': 1}) }}", "a|   b|2.2 1"),
+        ("{{ 'x' | center(5) }}|{{ 'a\nb' | indent(2, first=true) }}|{{ '%d-%s' | format(1, 'z') }}", "  x  |  a\n  b|1-z"),
+        ("{{ [1, 2] | join(',') }} {{ [[1], [2]] | sum(start=[]) }} {{ [1, 2] | sum }} {{ 'abc' | list }}",
+         "1,2 [1, 2] 3 ['a', 'b', 'c']"),
+        ("{{ {'a': 1} | tojson }} {{ [1, 2] | batch(1) | list }} {{ 'a-b' | replace('-', '+') }}",
+         '{"a": 1} [[1], [2]] a+b'),
+        ("{{ 'x'.ljust(3, '.') }} {{ '-'.join(['a', 'b']) }} {{ '7'.zfill(3) }} {{ 'ab'.replace('', '.') }}",
+         "x.. a-b 007 .a.b."),
+    ],
+)
+def test_constructs_render_as_jinja_renders_them(ctx, source, expected):
+    assert render(source, ctx) == expected

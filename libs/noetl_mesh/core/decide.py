@@ -30,7 +30,7 @@ import orjson
 
 from .. import limits
 from ..lang.normalize import deep_merge
-from ..lang.templates import TemplateError, render, truthy
+from ..lang.templates import TemplateError, render, shared_budget, truthy
 from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, Wait, apply, graph_of,
                     playbook_digest)
@@ -249,11 +249,12 @@ def _admit(state: ExecutionState, sdef: dict, args: dict) -> tuple[bool, str]:
     context = {"workload": state.workload, "ctx": state.ctx, "args": args, "execution_id": state.execution_id,
                **_step_scope(state)}
     where = f"step={sdef['step']}.spec.policy.admit"
-    for i, rule in enumerate(rules):
-        if "else" in rule:
-            return _allow(rule["else"]["then"], context, f"{where}.rules[{i}].else"), f"rules[{i}] (else)"
-        if truthy(rule["when"], context, f"{where}.rules[{i}].when"):
-            return _allow(rule["then"], context, f"{where}.rules[{i}]"), f"rules[{i}]"
+    with shared_budget():  # the rules of one admission share one template budget
+        for i, rule in enumerate(rules):
+            if "else" in rule:
+                return _allow(rule["else"]["then"], context, f"{where}.rules[{i}].else"), f"rules[{i}] (else)"
+            if truthy(rule["when"], context, f"{where}.rules[{i}].when"):
+                return _allow(rule["then"], context, f"{where}.rules[{i}]"), f"rules[{i}]"
     return True, "no rule matched"
 
 
@@ -411,27 +412,27 @@ def _route(out: _Out, run: StepRun, event: dict) -> None:
                "event": ev, **_step_scope(state)}
     fired: list[tuple[int, dict]] = []
     error = None
-    for i, arc in enumerate(router_def.get("arcs") or []):
-        where = f"step={run.step}.next.arcs[{i}]"
-        try:
-            if arc.get("when") is None:
-                matches = success  # D14: an arc without `when` matches only success events
-            else:
-                matches = truthy(arc["when"], context, f"{where}.when")
-            if matches:
-                fired.append((i, render(arc.get("args") or {}, context, f"{where}.args")))
-        except TemplateError as exc:
-            error = {"kind": "template_error", "message": str(exc), "retryable": False}
-            fired = []
-            break
-        if fired and mode == "exclusive":
-            break
+    with shared_budget():  # every arc of one routing decision shares one template budget
+        for i, arc in enumerate(router_def.get("arcs") or []):
+            where = f"step={run.step}.next.arcs[{i}]"
+            try:
+                if arc.get("when") is None:
+                    matches = success  # D14: an arc without `when` matches only success events
+                else:
+                    matches = truthy(arc["when"], context, f"{where}.when")
+                if matches:
+                    fired.append((i, render(arc.get("args") or {}, context, f"{where}.args")))
+            except TemplateError as exc:
+                error = {"kind": "template_error", "message": str(exc), "retryable": False}
+                fired = []
+                break
+            if fired and mode == "exclusive":
+                break
     unhandled = (not success or error is not None) and not fired
     fail_fast = unhandled and _failure_mode(state, sdef) == "fail_fast"
     for i, args in fired:
         target = router_def["arcs"][i]["step"]
-        place = next(p.id for p in state.graph.places if p.source == run.step and p.index == i)
-        _enqueue(out, target, place, args, cause_key=f"{run.id}:{i}")
+        _enqueue(out, target, state.graph.by_arc[(run.step, i)].id, args, cause_key=f"{run.id}:{i}")
     out.event("next.evaluated", step=run.step, step_run_id=run.id,
               data={"arcs": [i for i, _ in fired], "unhandled": unhandled, "fail_fast": fail_fast,
                     "error": error or (data.get("error") if unhandled else None)})

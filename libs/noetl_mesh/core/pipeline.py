@@ -24,7 +24,7 @@ from typing import Any
 from .. import limits
 from ..lang.model import KIND_DEFAULTS
 from ..lang.normalize import effective_spec, normalize_workbook
-from ..lang.templates import TemplateError, render, truthy
+from ..lang.templates import TemplateError, render, shared_budget, truthy
 from ..tools.base import ToolContext, json_size, result_too_large
 from ..tools.noop import NoopTool
 from .events import action_id as _action_id
@@ -611,8 +611,9 @@ class _Run:
         skip = _NOT_RENDERED_PY if kind == "python" else _NOT_RENDERED
         rendered: dict[str, Any] = {}
         try:
-            for key, value in task.items():
-                rendered[key] = value if key in skip else render(value, scope, f"{where}.{key}")
+            with shared_budget():  # one budget for all of one task's fields
+                for key, value in task.items():
+                    rendered[key] = value if key in skip else render(value, scope, f"{where}.{key}")
         except TemplateError as e:
             # An error outcome like any other: it goes through the task's policy (D9).
             return {"status": "error", "result": None, "error": _err("template_error", str(e))}
