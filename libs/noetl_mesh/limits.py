@@ -52,6 +52,8 @@ LIMITS: tuple[Limit, ...] = (
           "validator, before aliases are expanded"),
     Limit("max_steps", 1_000, "steps", "the number of steps of the playbook",
           "validator"),
+    Limit("max_template_chars", 512 * KIB, "characters", "the text of all the templates of the playbook",
+          "validator, before any template is parsed (parsing costs about 10 us per character)"),
 
     # ---- executions
     Limit("max_workload_bytes", 4 * MIB, "bytes", "the workload (JSON)",

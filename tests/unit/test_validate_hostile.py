@@ -244,6 +244,24 @@ def test_max_steps_is_enforced_with_a_clear_error():
     assert validate(doc).ok
 
 
+def test_the_text_of_all_templates_is_bounded_before_any_is_parsed():
+    # 190,000 distinct templates (3.9 MiB of YAML) took 17 s of CPU to parse one by one.
+    doc = yaml.safe_load(VALID)
+    doc["workflow"][0]["tool"]["result"] = [f"{{{{ a{i} }}}}" for i in range(190_000)]
+    t0 = time.process_time()
+    result = validate(doc)
+    assert time.process_time() - t0 < 5
+    only_error(result, "", "the text of all the templates of the playbook is 2,358,890 characters, over the "
+                           "limit max_template_chars = 524,288 characters (set NOETL_LIMIT_MAX_TEMPLATE_CHARS")
+    assert len(result.errors) == 1
+    small = yaml.safe_load(VALID)
+    small["workflow"][0]["tool"]["result"] = ["{{ a | nosuch }}", "{{ b }}"]
+    with limits.override(max_template_chars=100):
+        only_error(validate(small), "workflow[0].step=start.tool.result[0]", "No filter named 'nosuch'")
+    with limits.override(max_template_chars=20):
+        only_error(validate(small), "", "max_template_chars = 20 characters")
+
+
 # --------------------------------------------------------------------------- encodings
 PLAYBOOK_WITH_ACCENT = VALID.replace("name: t,", "name: café,")
 

@@ -31,7 +31,7 @@ from .diagnostics import Diagnostic, Path, did_you_mean, locate
 from .documents import Parsed, check_value, load_document, parse, position, read_document
 from .graph import WorkflowGraph
 from .normalize import normalize_document, normalize_tasks
-from .templates import check_syntax
+from .templates import check_syntax, is_template
 
 ROOT_KEYS = ("apiVersion", "kind", "metadata", "executor", "workload", "keychain", "workbook", "workflow")
 LEGACY_STEP_KEYS = {
@@ -477,6 +477,7 @@ class _Validator:
         """Template syntax errors anywhere but in python ``code`` (which is not rendered). An explicit
         stack: the nesting is bounded by max_document_depth, not by Python's recursion limit."""
         stack: list[tuple[Any, Path]] = [(self.doc, ())]
+        found: list[tuple[str, Path]] = []
         while stack:
             node, path = stack.pop()
             if isinstance(node, Mapping):
@@ -489,11 +490,18 @@ class _Validator:
             for key, value in items:
                 kind = type(value)
                 if kind is str:
-                    if "{" in value and not (python and key == "code"):
-                        for _, message in check_syntax(value):
-                            self.error(path + (key,), message)
+                    if "{" in value and not (python and key == "code") and is_template(value):
+                        found.append((value, path + (key,)))
                 elif kind is dict or kind is list or (kind not in _SCALARS and isinstance(value, Mapping)):
                     stack.append((value, path + (key,)))
+        # Parsing costs CPU in proportion to the text: bounded for the whole playbook, counted first.
+        total = sum(len(source) for source, _ in found)
+        if total > limits.current().max_template_chars:
+            self.error((), str(limits.LimitExceeded("max_template_chars", total)) + "; no template was checked")
+            return
+        for source, where in found:
+            for _, message in check_syntax(source):
+                self.error(where, message)
 
     def entry_and_reach(self, doc: Mapping[str, Any], workflow: list[Any], names: set[str]) -> None:
         arcs_of = []
