@@ -96,7 +96,11 @@ def _execution_row(row: tuple) -> dict[str, Any]:
 
 
 def _diagnostic(d: Any) -> dict[str, Any]:
-    return {"location": d.location, "message": d.message, "severity": d.severity}
+    out = {"location": d.location, "message": d.message, "severity": d.severity}
+    for key in ("line", "column"):  # where in the YAML text
+        if getattr(d, key, None) is not None:
+            out[key] = getattr(d, key)
+    return out
 
 
 class RecorderService:

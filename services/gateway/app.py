@@ -325,7 +325,11 @@ def _diagnostics(items: Any) -> list[dict[str, Any]]:
     for d in items if isinstance(items, list) else []:
         get = d.get if isinstance(d, dict) else (lambda key, default=None, d=d: getattr(d, key, default))
         if get("severity", "error") == "error":
-            out.append({"location": get("location"), "message": get("message"), "severity": "error"})
+            item = {"location": get("location"), "message": get("message"), "severity": "error"}
+            for key in ("line", "column"):  # where in the YAML text, when the playbook came as text
+                if get(key) is not None:
+                    item[key] = get(key)
+            out.append(item)
     return out
 
 

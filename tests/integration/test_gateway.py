@@ -114,7 +114,9 @@ def test_catalog_endpoints(nats_url: str, pg_dsn: str) -> None:
             assert invalid.status_code == 422
             detail = invalid.json()["detail"]
             assert detail["message"] == "invalid playbook" and len(detail["errors"]) >= 3
-            assert all(set(e) == {"location", "message", "severity"} for e in detail["errors"])
+            assert all({"location", "message", "severity"} <= set(e) <= {"location", "message", "severity", "line",
+                                                                         "column"} for e in detail["errors"])
+            assert all(isinstance(e.get("line"), int) for e in detail["errors"]), detail  # sent as text: located
             not_yaml = await gw.post("/api/catalog", content="a: [b", headers={"content-type": "text/yaml"})
             assert not_yaml.status_code == 422 and "YAML" in not_yaml.json()["detail"]["errors"][0]["message"]
             assert (await gw.post("/api/catalog", json={"text": VALID})).status_code == 422
