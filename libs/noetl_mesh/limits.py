@@ -40,6 +40,8 @@ LIMITS: tuple[Limit, ...] = (
           "gateway, every request with a body (413)"),
     Limit("max_json_depth", 64, "levels", "the nesting of a JSON request body",
           "gateway, every JSON body (422)"),
+    Limit("max_body_values", 1_000_000, "values", "the values of a JSON request body",
+          "gateway, every JSON body, counted before parsing (413)"),
     Limit("max_login_bytes", 128 * KIB, "bytes", "a login request's body",
           "gateway, POST /api/auth/login (413): the one body read before the caller is known"),
 

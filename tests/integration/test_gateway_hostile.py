@@ -112,6 +112,16 @@ def test_a_workload_over_max_workload_bytes_is_413(stack, http):
     still_normal(stack)
 
 
+def test_a_body_of_millions_of_tiny_values_is_413_before_it_is_parsed(stack, http):
+    # 15 MiB of empty lists: under max_body_bytes, but about 350 MB of objects once parsed
+    text = '{"playbook": "x", "workload": {"a": [' + "[]," * 5_000_000 + '[]]}}'
+    started = time.monotonic()
+    resp = http.post("/api/executions", content=text, headers={"content-type": "application/json"})
+    assert resp.status_code == 413, resp.text
+    assert "max_body_values" in detail(resp)["message"] and time.monotonic() - started < USUAL
+    still_normal(stack)
+
+
 # ------------------------------------------------------------------------------ strict JSON
 def test_malformed_json_is_400_with_the_position(stack, http):
     resp = post_json_text(http, "/api/catalog", '{"content": "a",\n  "x": }')

@@ -68,6 +68,18 @@ def test_depth_over_the_limit_is_422_naming_the_limit():
         assert refused('{"a": {"b": {}}}', 2).location == "body.a.b"
 
 
+def test_too_many_values_are_413_before_anything_is_built():
+    with limits.override(max_body_values=1000):
+        err = refused(b"[" + b"[]," * 2000 + b"[]]")
+        assert (err.status, err.type) == (413, "too_many_values")
+        assert "max_body_values = 1,000 values" in err.message and "NOETL_LIMIT_MAX_BODY_VALUES" in err.message
+        assert refused(b'{"a": [' + b"1," * 1500 + b'1]}').status == 413
+        # commas and brackets inside strings are text, not values
+        csv = {"workload": {"csv": "a,b,[c],{d}," * 1000, "q": 'x\\",' * 500}}
+        assert parse_json(json.dumps(csv).encode(), 64) == csv
+        assert parse_json(b"[" + b"1," * 998 + b"1]", 64) == [1] * 999
+
+
 def test_malformed_and_undecodable_bodies_are_400_with_the_position():
     err = refused('{"content": "a",\n  "x": }')
     assert err.status == 400 and "line 2, column 8" in err.message
