@@ -6,6 +6,8 @@ module's teardown. Tests that look into its NATS connect as ``handle.admin``."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 import shutil
 import tempfile
 import threading
@@ -85,6 +87,18 @@ def no_ambient_token(tmp_path_factory, monkeypatch) -> None:
     every client gets its token explicitly."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
     monkeypatch.delenv("NOETL_TOKEN", raising=False)
+
+
+@pytest.fixture(scope="module")
+def throwaway_credential_key() -> Iterator[None]:
+    """NOETL_CREDENTIAL_KEY set to a random key for the module (credentials it writes need no key file)."""
+    old = os.environ.get("NOETL_CREDENTIAL_KEY")
+    os.environ["NOETL_CREDENTIAL_KEY"] = base64.b64encode(os.urandom(32)).decode()
+    yield
+    if old is None:
+        del os.environ["NOETL_CREDENTIAL_KEY"]
+    else:
+        os.environ["NOETL_CREDENTIAL_KEY"] = old
 
 
 @pytest.fixture(scope="module")

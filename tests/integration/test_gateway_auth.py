@@ -5,7 +5,6 @@ behind a proxy, and the command line's login, token and user commands."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import re
 import shutil
@@ -60,14 +59,8 @@ workflow:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def credential_key() -> Iterator[None]:
-    old = os.environ.get("NOETL_CREDENTIAL_KEY")
-    os.environ["NOETL_CREDENTIAL_KEY"] = base64.b64encode(os.urandom(32)).decode()
-    yield
-    if old is None:
-        del os.environ["NOETL_CREDENTIAL_KEY"]
-    else:
-        os.environ["NOETL_CREDENTIAL_KEY"] = old
+def _key(throwaway_credential_key) -> None:
+    """Credentials written by these tests are encrypted with a throw-away key (no key file)."""
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ execution submitted right after still completes within its usual time."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
-import os
 import resource
 import subprocess
 import sys
@@ -37,15 +35,8 @@ USUAL = 30.0  # seconds; a tiny execution normally takes well under one
 
 
 @pytest.fixture(scope="module", autouse=True)
-def credential_key() -> Iterator[None]:
+def _key(throwaway_credential_key) -> None:
     """Credentials written by these tests are encrypted with a throw-away key (no key file)."""
-    old = os.environ.get("NOETL_CREDENTIAL_KEY")
-    os.environ["NOETL_CREDENTIAL_KEY"] = base64.b64encode(os.urandom(32)).decode()
-    yield
-    if old is None:
-        del os.environ["NOETL_CREDENTIAL_KEY"]
-    else:
-        os.environ["NOETL_CREDENTIAL_KEY"] = old
 
 
 @pytest.fixture(scope="module")

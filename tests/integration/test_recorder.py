@@ -249,7 +249,8 @@ def test_catalog_register_get_list(nats_url: str, pg_dsn: str) -> None:
                 await bus.request("noetl.q.catalog.register", {"content": INVALID})
             assert invalid.value.kind == "invalid_playbook"
             errors = invalid.value.details
-            assert len(errors) >= 3 and all(set(e) == {"location", "message", "severity"} for e in errors)
+            assert len(errors) >= 3 and all({"location", "message", "severity"} <= set(e) for e in errors)
+            assert all(isinstance(e["line"], int) and isinstance(e["column"], int) for e in errors), errors
             with pytest.raises(BusError) as not_yaml:
                 await bus.request("noetl.q.catalog.register", {"content": "a: [b"})
             assert not_yaml.value.kind == "invalid_playbook" and "YAML" in not_yaml.value.details[0]["message"]
