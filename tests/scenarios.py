@@ -26,6 +26,19 @@ class Scenario:
         return yaml.safe_load(text)
 
 
+def slow_chain(n: int, seconds: float, result: str = "i") -> dict:
+    """``n`` python steps in a chain, each sleeping ``seconds`` and returning ``result`` (of its ``i``)."""
+    steps = []
+    for i in range(n):
+        step = {"step": f"s{i}", "tool": {"kind": "python", "args": {"i": i},
+                                          "code": f"import time\ntime.sleep({seconds})\nresult = {result}"}}
+        if i < n - 1:
+            step["next"] = {"arcs": [{"step": f"s{i + 1}"}]}
+        steps.append(step)
+    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "slow", "path": "tests/slow"},
+            "workflow": steps}
+
+
 # A three-step playbook for tests of the services around the engine (catalog, recorder, gateway).
 TINY = """
 apiVersion: noetl.io/v2

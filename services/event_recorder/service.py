@@ -48,6 +48,7 @@ from psycopg_pool import AsyncConnectionPool
 from noetl_mesh import limits
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra.bus import (
+    unsubscribe_all,
     DISPATCH_EVENTS,
     EVENTS,
     INFO_EVENTS,
@@ -206,7 +207,7 @@ class RecorderService:
 
     async def stop(self) -> None:
         """Stop answering, record what is already in the stream (up to ``drain_timeout``), close."""
-        await self._unsubscribe()
+        await unsubscribe_all(self._subs)
         self._stopping.set()
         if self._task is not None:
             try:
@@ -217,7 +218,7 @@ class RecorderService:
             except Exception:  # noqa: BLE001
                 log.exception("consumer loop failed")
             self._task = None
-        await self._unsubscribe()  # what a late start of the database subscribed meanwhile
+        await unsubscribe_all(self._subs)  # what a late start of the database subscribed meanwhile
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -227,14 +228,6 @@ class RecorderService:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
-
-    async def _unsubscribe(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone already
-                pass
-        self._subs.clear()
 
     # ------------------------------------------------------------------ answering
     async def _serve(self, subject: str, handler) -> None:

@@ -56,6 +56,7 @@ from noetl_mesh import limits
 from noetl_mesh.core import access
 from noetl_mesh.core.access import AccessError, iso, principal
 from noetl_mesh.infra import tracing
+from noetl_mesh.infra.bus import unsubscribe_all
 
 from . import audit
 from .oidc import OidcConfig, OidcVerifier
@@ -128,12 +129,7 @@ class SessionsService:
                  f"; OIDC issuer {self.oidc_config.issuer}" if self.oidc_config else "")
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the connection may be gone already
-                pass
-        self._subs.clear()
+        await unsubscribe_all(self._subs)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
         if self.verifier is not None:

@@ -14,22 +14,16 @@ from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import InProcessStack, Settings
 
 from conftest import LoopThread
+from scenarios import slow_chain
 
 pytestmark = pytest.mark.integration
 
 
 def chain(n: int, sleep: float) -> dict:
-    steps = []
-    for i in range(n):
-        step = {"step": f"s{i}", "tool": {"kind": "python", "args": {"i": i},
-                                          "code": f"import time\ntime.sleep({sleep})\nresult = i * 2"}}
-        if i < n - 1:
-            step["next"] = {"arcs": [{"step": f"s{i + 1}"}]}
-        steps.append(step)
-    steps.append({"step": "big", "tool": {"kind": "noop", "result": "{{ 'x' * 300000 }}"}})  # D23: object store
-    steps[-2]["next"] = {"arcs": [{"step": "big"}]}
-    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "tests/cluster"},
-            "workflow": steps}
+    doc = slow_chain(n, sleep, result="i * 2")
+    doc["workflow"][-1]["next"] = {"arcs": [{"step": "big"}]}
+    doc["workflow"].append({"step": "big", "tool": {"kind": "noop", "result": "{{ 'x' * 300000 }}"}})  # D23
+    return doc
 
 
 def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn, tmp_path):

@@ -16,22 +16,10 @@ from noetl_mesh.infra.bus import EVENTS, Bus, loads
 from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import ProcessStack, Settings
-from scenarios import SCENARIOS
+from scenarios import SCENARIOS, slow_chain
 
 pytestmark = pytest.mark.integration
 BY_ID = {s.id: s for s in SCENARIOS}
-
-
-def slow_chain(n: int, seconds: float) -> dict:
-    steps = []
-    for i in range(n):
-        step = {"step": f"s{i}", "tool": {"kind": "python", "args": {"i": i},
-                                          "code": f"import time\ntime.sleep({seconds})\nresult = i"}}
-        if i < n - 1:
-            step["next"] = {"arcs": [{"step": f"s{i + 1}"}]}
-        steps.append(step)
-    return {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "slow", "path": "tests/slow"},
-            "workflow": steps}
 
 
 # ------------------------------------------------------------------------------ replicas

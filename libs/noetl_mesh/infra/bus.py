@@ -171,6 +171,17 @@ def cancel_subject(execution_id: str) -> str:
     return f"noetl.cancel.{execution_id}"
 
 
+async def unsubscribe_all(subs: list[Any]) -> None:
+    """Unsubscribe each subscription of ``subs`` (one whose connection is gone already is skipped) and
+    empty the list."""
+    for sub in subs:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001 - the connection may be gone already
+            pass
+    subs.clear()
+
+
 @dataclass
 class Bus:
     nc: Client
