@@ -321,7 +321,7 @@ class RecorderService:
                 continue
             # what its subject's writer may not write is not part of the log (the control plane drops it
             # too, so the recorded log folds to the services' state, D22); the others keep their place
-            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder")}
+            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
             records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
         delay = 0.1
         while True:
