@@ -524,6 +524,8 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         out["waits"] = [wait_view(w) for w in state.task_waits.values()]
     if state.signals:
         out["signals"] = {name: len(sent) for name, sent in state.signals.items()}
+    if state.kept:
+        out["kept_signals"] = list(state.kept)
     return out
 
 

@@ -79,6 +79,7 @@ Q_CATALOG_LIST = "noetl.q.catalog.list"
 Q_EXECUTION_GET = "noetl.q.execution.get"
 Q_EXECUTION_EVENTS = "noetl.q.execution.events"
 Q_EXECUTION_LIST = "noetl.q.execution.list"
+Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
 Q_RECORDER_PING = "noetl.q.recorder.ping"
 Q_CREDENTIAL_PUT = "noetl.q.credential.put"
 Q_CREDENTIAL_LIST = "noetl.q.credential.list"
@@ -356,6 +357,11 @@ class Bus:
         return self.replicas
 
     # ----------------------------------------------------------------- publishing
+    async def publish_once(self, event: dict[str, Any]) -> bool:
+        """Publish one event alone; False when JetStream already had its id (a duplicate, not stored)."""
+        ack = await (await self.send_events([event]))
+        return not bool((ack[0] if isinstance(ack, list) else ack).duplicate)
+
     async def publish_event(self, event: dict[str, Any]) -> int:
         """Publish one event alone and wait for it to be stored; returns its log_seq."""
         ack = await (await self.send_events([event]))
