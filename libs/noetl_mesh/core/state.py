@@ -101,6 +101,7 @@ class Timer:
     due: float  # epoch seconds
     data: dict[str, Any]  # token: {token_id, step, place, args}; wait*: {wait_id}; step_timeout: {run_id, seconds}
     fired: bool = False
+    arrived: bool = False  # token: its token.enqueued is folded (until then it is on its way, also once fired)
 
 
 @dataclass
@@ -193,7 +194,7 @@ class ExecutionState:
 
     def delayed_tokens(self) -> list[Timer]:
         """D29: tokens on their way (an arc's delay has not passed yet)."""
-        return [t for t in self.timers.values() if t.kind == "token" and not t.fired]
+        return [t for t in self.timers.values() if t.kind == "token" and not t.arrived]
 
     def quiescent(self) -> bool:
         """D18: no token pending (delayed ones included) and no step run in flight."""
@@ -268,6 +269,10 @@ def _started(s: ExecutionState, e: dict, d: dict) -> None:
 
 
 def _token(s: ExecutionState, e: dict, d: dict) -> None:
+    if s.timers and e.get("source") == "router":
+        for timer in s.timers.values():  # a delayed token arrives (D29)
+            if timer.kind == "token" and timer.data.get("token_id") == d.get("token_id"):
+                timer.arrived = True
     s.token_seq += 1
     s.tokens[d["token_id"]] = Token(d["token_id"], d["step"], d.get("place", ENTRY_PLACE), d.get("args") or {}, s.token_seq)
 
