@@ -272,12 +272,14 @@ class Bus:
             info = await self.js.stream_info(EVENTS)
             self.partitions = _partitions_of(info.config)
             self.replicas = info.config.num_replicas or 1
-            if list(info.config.subjects or ()) == [LEGACY_EVENT_SUBJECTS]:
-                await self._migrate_events(info.config)
-            elif list(info.config.subjects or ()) == [EVENT_SUBJECTS] or not info.config.allow_msg_schedules:
-                info.config.subjects = [EVENT_SUBJECTS, TIMER_SUBJECTS]  # a stream made before timers (D29)
-                info.config.allow_msg_schedules = info.config.allow_rollup_hdrs = True
-                await self.js.update_stream(info.config)
+            subjects = list(info.config.subjects or ())
+            if subjects in ([EVENT_SUBJECTS], [EVENT_SUBJECTS, TIMER_SUBJECTS]):
+                if subjects == [EVENT_SUBJECTS] or not info.config.allow_msg_schedules:
+                    info.config.subjects = [EVENT_SUBJECTS, TIMER_SUBJECTS]  # a stream made before timers (D29)
+                    info.config.allow_msg_schedules = info.config.allow_rollup_hdrs = True
+                    await self.js.update_stream(info.config)
+            else:
+                await self._migrate_events(info.config)  # the earlier layout, or refused: not made by noetl
         except NotFoundError:
             await self.js.add_stream(StreamConfig(
                 name=EVENTS, subjects=[EVENT_SUBJECTS, TIMER_SUBJECTS], storage=StorageType.FILE,
@@ -307,7 +309,7 @@ class Bus:
         plane does not (an execution running across the change cannot be rebuilt: upgrade when none
         runs, docs/nats-security.md)."""
         if list(config.subjects or ()) != [LEGACY_EVENT_SUBJECTS]:
-            raise ValueError(f"stream {EVENTS} has subjects {config.subjects}, neither {EVENT_SUBJECTS!r} nor the "
+            raise ValueError(f"stream {EVENTS} has subjects {config.subjects}, neither {[EVENT_SUBJECTS, TIMER_SUBJECTS]} nor the "
                              f"earlier {LEGACY_EVENT_SUBJECTS!r}: it was not made by noetl; delete or rename it")
         log.warning("stream %s has the subject layout of an earlier version (no writer token): moving it to "
                     "%s; executions that were running across the change cannot be resumed", EVENTS, EVENT_SUBJECTS)
