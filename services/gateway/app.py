@@ -776,12 +776,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             query = {k: v for k, v in (("execution_id", execution_id), ("kind", kind), ("limit", limit)) if v is not None}
             rows = await shell.ask(Q_EXECUTION_WAITS, query)
         if mine:
-            def may(row: dict[str, Any]) -> bool:
-                roles = (row.get("spec") or {}).get("roles")
-                if roles:
-                    return bool(set(roles) & set(who["roles"])) or "admin" in who["roles"]
-                return row.get("requested_by") == who["user_id"] or access.allowed(who["roles"], "execution.cancel.any")
-            rows = [r for r in rows if may(r)]
+            rows = [r for r in rows if signals.may_answer(r.get("spec"), r.get("requested_by"),
+                                                          user_id=who["user_id"], roles=who["roles"])]
         return rows
 
     # ------------------------------------------------------------------ credentials (D24)

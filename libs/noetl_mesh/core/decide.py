@@ -110,10 +110,7 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     if name == "playbook.execution.requested":
         _evaluate_request(out, playbook)
     elif name == "task.suspended" and event.get("iteration") is None:  # an iteration's: the loop-coordinator's
-        if (event.get("data") or {}).get("wait") is not None:
-            _start_wait(out, event)
-        else:
-            _start_child(out, event)
+        _suspended(out, event)
     elif name == "playbook.child.finished":
         _child_finished(out, event, iterations=False)
     if (name in WAKES or name == "task.suspended") and state.task_waits:
@@ -265,6 +262,14 @@ def _step_timeout(out: _Out, run: StepRun, sdef: dict) -> None:
 
 # =============================================================== waits (D29 b, D30)
 WAKES = frozenset({"wait.started", "signal.received", "timer.fired"})  # events after which a wait may resume
+
+
+def _suspended(out: _Out, event: dict) -> None:
+    """A run suspended at a ``wait`` task (D29 b, D30) or a ``playbook`` task (a child execution)."""
+    if (event.get("data") or {}).get("wait") is not None:
+        _start_wait(out, event)
+    else:
+        _start_child(out, event)
 
 
 def _start_wait(out: _Out, event: dict) -> None:
@@ -623,10 +628,7 @@ def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
         return out.decision
     if name == "task.suspended":
         if event.get("iteration") is not None:
-            if (event.get("data") or {}).get("wait") is not None:
-                _start_wait(out, event)
-            else:
-                _start_child(out, event)  # recorded only while the iteration is in flight (state._suspended)
+            _suspended(out, event)  # a child is recorded only while the iteration is in flight (state._suspended)
         if state.task_waits:
             _resume_waits(out, iterations=True)
         return out.decision

@@ -32,11 +32,10 @@ def check(summary: dict[str, Any], name: str, payload: Any, *, user_id: str | No
     waits = [w for w in summary.get("waits") or () if w.get("kind") == "signal" and w.get("signal") == name]
     open_ = [w for w in waits if w.get("status") == "waiting"]
     wait = open_[0] if open_ else None
-    if wait is not None and wait.get("roles"):
-        if not set(wait["roles"]) & set(roles) and "admin" not in roles:
+    if not may_answer(wait, summary.get("requested_by"), user_id=user_id, roles=roles):
+        if wait is not None and wait.get("roles"):
             return wait, Refusal(403, f"signal {name!r}: the wait at step {wait.get('step')!r} takes it from the "
                                       f"roles {', '.join(wait['roles'])} only")
-    elif summary.get("requested_by") != user_id and not allowed(roles, "execution.cancel.any"):
         return wait, Refusal(403, f"signal {name!r}: only who may cancel execution {execution_id} may signal it "
                                   "(execution.cancel.any, or having started it)")
     if wait is None:
@@ -57,6 +56,15 @@ def check(summary: dict[str, Any], name: str, payload: Any, *, user_id: str | No
             return wait, Refusal(422, f"signal {name!r}: the payload does not match the wait's schema: "
                                       f"{first.message}", where)
     return wait, None
+
+
+def may_answer(wait: dict[str, Any] | None, started_by: str | None, *, user_id: str | None,
+               roles: Iterable[str]) -> bool:
+    """D30: the wait's ``roles`` (admins always), or without any, who may cancel the execution."""
+    roles = set(roles)
+    if wait is not None and wait.get("roles"):
+        return bool(set(wait["roles"]) & roles) or "admin" in roles
+    return started_by == user_id or allowed(roles, "execution.cancel.any")
 
 
 def signal_id(execution_id: str, name: str, summary: dict[str, Any]) -> str:
