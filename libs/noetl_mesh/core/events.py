@@ -93,6 +93,7 @@ MAY_WRITE: dict[str, frozenset[str]] = {
         "task.started", "task.processed", "task.suspended", "ctx.patched",
         "step.started", "step.done", "step.failed", "loop.iteration.done", "loop.iteration.failed",
     }),
+    "scheduler": frozenset({"playbook.execution.requested"}),  # a schedule's firing (core/schedules.py)
 }
 WORKER_SOURCE = "worker:"  # a worker's events have source ``worker:<pool>``; every other writer its name
 
