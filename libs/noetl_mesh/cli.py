@@ -657,7 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("service", help="run one service")
     p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
-                                    "sessions", "worker"])
+                                    "sessions", "worker", "scheduler"])
     p.add_argument("--nats-url")
     p.add_argument("--nats-creds", metavar="FILE",
                    help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
