@@ -710,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--gateway", default=gateway_default)
         c.set_defaults(func=cmd_credential)
     _auth_commands(sub, gateway_default)
+    from .schedule_cli import add_commands
+
+    add_commands(sub, gateway_default)
     return parser
 
 

@@ -401,4 +401,6 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         out["parent_execution_id"] = state.request["parent_execution_id"]
     if state.children:
         out["children"] = list(state.children)
+    if state.request.get("schedule"):  # started by a schedule's firing (D31)
+        out["schedule"] = state.request["schedule"]
     return out
