@@ -64,7 +64,8 @@ class SchedulerService:
     async def _firings(self, sub) -> None:
         linger = FETCH_TIMEOUT + 0.2  # stopped mid-fetch: the server may deliver until the request expires
         try:
-            await pull_loop(sub, self.fire, self.stop_event, batch=8, timeout=FETCH_TIMEOUT)
+            # one at a time: a fetch for more waits its whole timeout for them, delaying the first
+            await pull_loop(sub, self.fire, self.stop_event, timeout=FETCH_TIMEOUT)
             linger = 0.2
         finally:
             await release(sub, linger)  # what arrives late goes back at once, not after ack_wait
