@@ -447,13 +447,19 @@ def check(body: Any, *, now: float, max_bytes: int) -> dict[str, Any]:
 def _spec(kind: str, body: dict[str, Any], now: float) -> dict[str, Any]:
     value = body[kind]
     if kind == "cron":
-        cron = parse_cron(value)
-        spec: dict[str, Any] = {"cron": cron.text}
+        errors: list[dict[str, str]] = []
+        try:
+            cron = parse_cron(value)
+        except ScheduleError as exc:
+            errors += exc.errors
         tz_name = body.get("timezone")
         try:
             tz = zone(tz_name) if tz_name is not None else ZoneInfo("UTC")
         except ValueError as exc:
-            raise ScheduleError([_error("timezone", str(exc))]) from None
+            errors.append(_error("timezone", str(exc)))
+        if errors:
+            raise ScheduleError(errors)
+        spec: dict[str, Any] = {"cron": cron.text}
         if tz_name is not None:
             spec["timezone"] = tz_name
         if cron_next(cron, tz, int(now)) is None:
