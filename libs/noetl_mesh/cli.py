@@ -360,6 +360,19 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return _gateway_call(args, lambda c: c.cancel(args.execution_id))
 
 
+def cmd_signal(args: argparse.Namespace) -> int:
+    """``noetl signal ID NAME [--data JSON]`` (D30)."""
+    try:
+        payload = json.loads(args.data) if args.data is not None else None
+    except json.JSONDecodeError as exc:
+        return _fail(f"--data is not JSON: {exc}")
+    return _gateway_call(args, lambda c: c.signal(args.execution_id, args.name, payload))
+
+
+def cmd_waits(args: argparse.Namespace) -> int:
+    return _gateway_call(args, lambda c: c.waits(args.execution_id))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """``noetl verify ID...|--all``: check executions' event logs (core/verify.py); exit 0 when every
     log is sound, 1 when any has a finding, 2 for bad arguments."""
@@ -687,6 +700,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("execution_id")
         p.add_argument("--gateway", default=gateway_default)
         p.set_defaults(func=fn)
+
+    p = sub.add_parser("signal", help="send a signal to an execution (D30): it resumes the wait task waiting for it")
+    p.add_argument("execution_id")
+    p.add_argument("name", help="the signal's name (the wait task's `signal`)")
+    p.add_argument("--data", help="the payload, JSON (default: null)")
+    p.add_argument("--gateway", default=gateway_default)
+    p.set_defaults(func=cmd_signal)
+    p = sub.add_parser("waits", help="waits in progress (D30): the inbox of human tasks")
+    p.add_argument("--execution-id", dest="execution_id", help="only this execution's")
+    p.add_argument("--gateway", default=gateway_default)
+    p.set_defaults(func=cmd_waits)
 
     p = sub.add_parser("verify", help="check executions' event logs: finished, every step run ended once, "
                                       "loops complete, nothing run after the end")

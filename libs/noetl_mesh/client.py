@@ -190,6 +190,14 @@ class GatewayClient:
     async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
         return await self._call("POST", f"/api/executions/{execution_id}/cancel", json={"reason": reason})
 
+    async def signal(self, execution_id: str, name: str, payload: Any = None) -> dict:
+        """D30: send a signal (its payload as the JSON body)."""
+        return await self._call("POST", f"/api/executions/{execution_id}/signals/{name}", json=payload)
+
+    async def waits(self, execution_id: str | None = None) -> list:
+        """D30: waits in progress (the inbox)."""
+        return await self._call("GET", "/api/waits", params={"execution_id": execution_id} if execution_id else None)
+
     # credentials (D24)
     async def credential_put(self, name: str, kind: str, data: dict, description: str | None = None) -> dict:
         body: dict[str, Any] = {"name": name, "kind": kind, "data": data}

@@ -62,6 +62,10 @@ LIMITS: tuple[Limit, ...] = (
           "gateway (413) and admission (the request is refused)"),
     Limit("max_loop_items", 1_000_000, "items", "the collection of a loop (loop.in)",
           "loop-coordinator (the loop step fails)"),
+    Limit("max_timer_seconds", 7 * 24 * 3600, "seconds", "a delay, wait, timeout or instant ahead",
+          "validator (literal values) and the worker (templated ones); timers live in the events stream"),
+    Limit("max_signal_bytes", 256 * KIB, "bytes", "a signal's payload",
+          "gateway, POST /api/executions/{id}/signals/{name} (413)"),
 
     # ---- templates (every render, in every service)
     Limit("template_max_ms", 250, "ms", "the time one template render takes",

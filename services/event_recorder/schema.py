@@ -95,6 +95,23 @@ CREATE INDEX IF NOT EXISTS execution_status_created ON execution (status, create
 ALTER TABLE execution ADD COLUMN IF NOT EXISTS requested_by text;
 CREATE INDEX IF NOT EXISTS execution_requested_by_created ON execution (requested_by, created_at DESC);
 """),
+    (4, "waits of wait tasks, the inbox of human tasks (D30)", """
+CREATE TABLE IF NOT EXISTS wait (
+    wait_id      text PRIMARY KEY,
+    execution_id text NOT NULL,
+    step         text,
+    task         text,
+    step_run_id  text,
+    iteration    int,
+    kind         text,
+    signal       text,
+    spec         jsonb,
+    started_at   timestamptz,
+    ended_at     timestamptz
+);
+CREATE INDEX IF NOT EXISTS wait_open ON wait (started_at DESC) WHERE ended_at IS NULL;
+CREATE INDEX IF NOT EXISTS wait_execution ON wait (execution_id);
+"""),
 ]
 
 _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas
@@ -345,6 +362,19 @@ ON CONFLICT (execution_id) DO UPDATE SET
     status = excluded.status, finished_at = excluded.finished_at, error = excluded.error"""
 
 
+INSERT_WAIT = """
+INSERT INTO wait (wait_id, execution_id, step, task, step_run_id, iteration, kind, signal, spec, started_at)
+VALUES (%(wait_id)s, %(id)s, %(step)s, %(task)s, %(run)s, %(iteration)s, %(kind)s, %(signal)s, %(spec)s::jsonb,
+        to_timestamp(%(ts)s))
+ON CONFLICT (wait_id) DO NOTHING"""
+END_WAIT = "UPDATE wait SET ended_at = to_timestamp(%(ts)s) WHERE wait_id = %(wait_id)s AND ended_at IS NULL"
+END_RUN_WAITS = """UPDATE wait SET ended_at = to_timestamp(%(ts)s)
+WHERE execution_id = %(id)s AND step_run_id = %(run)s AND (%(iteration)s::int IS NULL OR iteration = %(iteration)s)
+  AND ended_at IS NULL"""
+END_EXECUTION_WAITS = "UPDATE wait SET ended_at = to_timestamp(%(ts)s) WHERE execution_id = %(id)s AND ended_at IS NULL"
+_RUN_ENDS = ("step.done", "step.failed", "loop.done", "loop.iteration.done", "loop.iteration.failed")
+
+
 def _str(value: Any) -> str | None:
     return text(value) if isinstance(value, str) else None
 
@@ -357,7 +387,8 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The projection updates a batch of events implies, by statement, in log order; every parameter
     storable."""
     out: dict[str, list[dict[str, Any]]] = {
-        UPSERT_REQUESTED: [], UPDATE_EVALUATED: [], UPSERT_STARTED: [], UPSERT_FINISHED: []}
+        UPSERT_REQUESTED: [], UPDATE_EVALUATED: [], UPSERT_STARTED: [], UPSERT_FINISHED: [],
+        INSERT_WAIT: [], END_WAIT: [], END_RUN_WAITS: [], END_EXECUTION_WAITS: []}
     for e in events:
         name, data = e.get("name"), _dict(e.get("data"))
         ts = timestamp(e.get("timestamp"))
@@ -381,4 +412,16 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             error = data.get("error")
             out[UPSERT_FINISHED].append({"id": xid, "status": status, "ts": ts,
                                          "error": json_text(error) if error is not None else None})
+            out[END_EXECUTION_WAITS].append({"id": xid, "ts": ts})
+        elif name == "wait.started" and isinstance(data.get("wait_id"), str):  # D30: the inbox
+            spec = _dict(data.get("spec"))
+            out[INSERT_WAIT].append({
+                "wait_id": text(data["wait_id"]), "id": xid, "step": _str(e.get("step")), "task": _str(e.get("task")),
+                "run": _str(e.get("step_run_id")), "iteration": _small_int(e.get("iteration")),
+                "kind": _str(data.get("kind")), "signal": _str(spec.get("signal")), "spec": json_text(spec), "ts": ts})
+        elif name == "wait.ended" and isinstance(data.get("wait_id"), str):
+            out[END_WAIT].append({"wait_id": text(data["wait_id"]), "ts": ts})
+        elif name in _RUN_ENDS and isinstance(e.get("step_run_id"), str):  # a run that ended stops waiting
+            out[END_RUN_WAITS].append({"id": xid, "run": text(e["step_run_id"]), "ts": ts,
+                                       "iteration": _small_int(e.get("iteration")) if name.startswith("loop.it") else None})
     return {sql: params for sql, params in out.items() if params}

@@ -59,6 +59,7 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_EVENTS,
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
+    Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
     Bus,
     BusError,
@@ -137,6 +138,7 @@ class RecorderService:
             (Q_CATALOG_REGISTER, self.catalog_register), (Q_CATALOG_GET, self.catalog_get),
             (Q_CATALOG_LIST, self.catalog_list), (Q_EXECUTION_GET, self.execution_get),
             (Q_EXECUTION_EVENTS, self.execution_events), (Q_EXECUTION_LIST, self.execution_list),
+            (Q_EXECUTION_WAITS, self.execution_waits),
             (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
@@ -321,7 +323,7 @@ class RecorderService:
                 continue
             # what its subject's writer may not write is not part of the log (the control plane drops it
             # too, so the recorded log folds to the services' state, D22); the others keep their place
-            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder")}
+            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
             records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
         delay = 0.1
         while True:
@@ -581,6 +583,26 @@ class RecorderService:
                 (*[v for _, v in conditions], offset, limit))
             rows = await cur.fetchall()
         return [_execution_row(r) for r in rows]
+
+    async def execution_waits(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        """D30: waits in progress of running executions, oldest first (``execution_id``, ``kind``
+        filter); each with its execution's path and who started it (the gateway filters by role)."""
+        limit = min(max(_int(req.get("limit")) or 100, 1), MAX_PAGE)
+        conditions = [(c, v) for c, v in (("w.execution_id = %s", req.get("execution_id")), ("w.kind = %s", req.get("kind")))
+                      if v is not None]
+        if any(not isinstance(v, str) for _, v in conditions):
+            raise BusError("bad_request", "execution_id and kind must be strings")
+        where = "".join(f" AND {c}" for c, _ in conditions)
+        async with self._connection() as conn:
+            cur = await conn.execute(
+                "SELECT w.wait_id, w.execution_id, w.step, w.task, w.iteration, w.kind, w.signal, w.spec, w.started_at, "
+                "x.path, x.requested_by FROM wait w JOIN execution x USING (execution_id) "
+                f"WHERE w.ended_at IS NULL AND x.status = 'RUNNING'{where} ORDER BY w.started_at, w.wait_id LIMIT %s",
+                (*[v for _, v in conditions], limit))
+            rows = await cur.fetchall()
+        keys = ("wait_id", "execution_id", "step", "task", "iteration", "kind", "signal", "spec", "started_at", "path",
+                "requested_by")
+        return [{k: _iso(v) for k, v in zip(keys, row)} for row in rows]
 
     async def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         """The real state: ``ok`` when the database answers and the consumer is bound."""

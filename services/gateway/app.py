@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from datetime import datetime, timezone
 from typing import Any, Callable, Literal, TypeVar
 
 import nats.errors
@@ -57,7 +58,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -77,6 +78,7 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_EVENTS,
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
+    Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
     Bus,
     BusError,
@@ -84,7 +86,7 @@ from noetl_mesh.infra.bus import (
 )
 from noetl_mesh.lang.validate import parse_yaml, validate_cached
 from noetl_mesh.limits import LimitExceeded
-from noetl_mesh.core import access
+from noetl_mesh.core import access, signals
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.auth import PUBLIC, SIGNED_IN, need
 from noetl_mesh.services.gateway.body import INT64_MAX, BodyError, decode_utf8, location, parse_json
@@ -180,6 +182,10 @@ class CredentialBody(BaseModel):
                       description="what it is for: postgres, http, generic, ...")
     data: dict[str, Any] = Field(min_length=1, description="the secret fields")
     description: str | None = Field(None, max_length=4096)
+
+
+class SignalPayload(RootModel[Any]):
+    """D30: the signal's payload, any JSON value (checked against the wait's ``schema``)."""
 
 
 class CancelRequest(BaseModel):
@@ -719,6 +725,64 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             await auditor.record("execution.cancelled", who, request, target={"execution_id": execution_id},
                                  details={"reason": reason} if reason else None)
         return {"execution_id": execution_id, "status": "CANCELLING"}
+
+    # ------------------------------------------------------------------ signals and waits (D30)
+    @app.post("/api/executions/{execution_id}/signals/{name}", status_code=202, tags=["executions"],
+              openapi_extra=_json_request(SignalPayload, required=False))
+    async def send_signal(execution_id: str, request: Request,
+                          name: str = Path(pattern=r"^[A-Za-z0-9_.-]{1,128}$"),
+                          who: dict = need("execution.read"),
+                          body: SignalPayload | None = json_body(SignalPayload, optional=True,
+                                                                 limit="max_signal_bytes")) -> dict[str, Any]:
+        """Send a signal to the execution: it resumes the wait task waiting for it, or is kept until
+        such a wait begins. 403 for a sender the wait's ``roles`` (default: who may cancel the
+        execution) do not allow; 422 for a payload its ``schema`` refuses; 409 for a second signal."""
+        with tracing.span("gateway POST /api/executions/{id}/signals/{name}"):
+            summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
+            payload = body.root if body is not None else None
+            wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
+            if refusal is not None:
+                if refusal.status == 403:
+                    raise auth.deny(request, who, "execution.cancel.any", f" ({refusal.message})",
+                                    {"execution_id": execution_id, "signal": name})
+                raise problem(refusal.status, refusal.message, refusal.location)
+            event_id = signals.signal_id(execution_id, name, summary)
+            by = auth.requested_by(who)
+            at = datetime.now(timezone.utc).isoformat()
+            event = make_event("signal.received", execution_id, event_id=event_id, source="gateway",
+                               data={"signal": name, "payload": payload, "by": by, "at": at})
+            shell._connected("signal.received")
+            try:
+                stored = await asyncio.wait_for(bus.publish_once(event), NATS_TIMEOUT)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise problem(503, f"could not publish the signal: {type(exc).__name__}: {exc}",
+                              headers=RETRY_AFTER) from exc
+            if not stored:
+                raise problem(409, f"signal {name!r} was sent to execution {execution_id} at the same time by "
+                                   "another request, which was taken")
+            await auditor.record("execution.signalled", who, request,
+                                 target={"execution_id": execution_id, "signal": name})
+        return {"execution_id": execution_id, "signal": name, "signal_id": event_id,
+                "status": "DELIVERED" if wait is not None else "KEPT"}
+
+    @app.get("/api/waits", tags=["executions"])
+    async def list_waits(who: dict = need("execution.read"), execution_id: str | None = None,
+                         kind: Literal["signal", "time"] | None = None, mine: bool = Query(False, description=(
+                             "only the waits the caller's roles may signal")),
+                         limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
+        """Waits in progress (D30): the inbox of human tasks — what each waits for, its assignee and
+        form, the roles that may answer it."""
+        with tracing.span("gateway GET /api/waits"):
+            query = {k: v for k, v in (("execution_id", execution_id), ("kind", kind), ("limit", limit)) if v is not None}
+            rows = await shell.ask(Q_EXECUTION_WAITS, query)
+        if mine:
+            def may(row: dict[str, Any]) -> bool:
+                roles = (row.get("spec") or {}).get("roles")
+                if roles:
+                    return bool(set(roles) & set(who["roles"])) or "admin" in who["roles"]
+                return row.get("requested_by") == who["user_id"] or access.allowed(who["roles"], "execution.cancel.any")
+            rows = [r for r in rows if may(r)]
+        return rows
 
     # ------------------------------------------------------------------ credentials (D24)
     @app.post("/api/credentials", status_code=201, tags=["credentials"], openapi_extra=_json_request(CredentialBody))

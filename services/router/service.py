@@ -17,7 +17,10 @@ class RouterService(PartitionedService):
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
         return decide.router(state, event)
 
-    async def after(self, state: ExecutionState, outputs: list[dict[str, Any]]) -> None:
+    async def after(self, state: ExecutionState, outputs: list[dict[str, Any]], cancel_runs: list[str]) -> None:
+        if cancel_runs and not state.finished:  # D29: timed-out step runs stop their running tasks
+            await self.bus.broadcast(cancel_subject(state.execution_id),
+                                     {"execution_id": state.execution_id, "runs": cancel_runs, "only_runs": True})
         for out in outputs:
             if out["name"] == "workflow.finished":
                 # workers abort the execution's in-flight commands (D15, D18); its queued ones are purged
@@ -26,3 +29,6 @@ class RouterService(PartitionedService):
                                           "runs": out["data"]["cancelled_runs"]})
                 if out["data"]["status"] != "COMPLETED":  # a completed execution has nothing queued
                     await self.bus.purge_commands(state.execution_id)
+                pending = [t.id for t in state.timers.values() if not t.fired]
+                if pending:  # D29: its pending timers never fire (one that did would fold to nothing)
+                    await self.bus.cancel_timers(state.execution_id, pending)

@@ -90,6 +90,8 @@ class WorkerService:
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
         self.running: dict[asyncio.Task, str] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
+        self.run_of: dict[asyncio.Task, str | None] = {}  # the step run of each running command
+        self.stopped_runs: collections.OrderedDict[str, None] = collections.OrderedDict()  # timed out (D29)
         self.stop_event = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.cancel_sub = None
@@ -136,7 +138,11 @@ class WorkerService:
             for msg in msgs:
                 task = asyncio.create_task(self._run(msg))
                 self.running[task] = ""
-                task.add_done_callback(lambda t: self.running.pop(t, None))
+                task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self.running.pop(task, None)
+        self.run_of.pop(task, None)
 
     async def _run(self, msg: Msg) -> None:
         try:
@@ -147,7 +153,8 @@ class WorkerService:
             await msg.term()
             return
         self.running[asyncio.current_task()] = eid
-        if eid in self.finished:
+        self.run_of[asyncio.current_task()] = command.get("step_run_id")
+        if eid in self.finished or command.get("step_run_id") in self.stopped_runs:
             await msg.ack()
             return
         heartbeat = asyncio.create_task(self._keep_lease(msg))
@@ -168,7 +175,7 @@ class WorkerService:
             await self._fail(command, {"kind": "payload_missing", "message": str(exc), "retryable": False})
             await msg.ack()
         except asyncio.CancelledError:
-            if eid in self.finished:  # cancelled by the control plane: nothing more to report
+            if eid in self.finished or command.get("step_run_id") in self.stopped_runs:  # cancelled by the control plane: nothing more to report
                 await msg.ack()
             else:
                 raise
@@ -194,7 +201,18 @@ class WorkerService:
             await msg.in_progress()
 
     async def _on_cancel(self, msg: Msg) -> None:
-        eid = loads(msg.data)["execution_id"]
+        notice = loads(msg.data)
+        eid = notice["execution_id"]
+        if notice.get("only_runs"):  # D29: step runs that timed out; the execution goes on
+            runs = set(notice.get("runs") or ())
+            for run in runs:
+                self.stopped_runs[run] = None
+            while len(self.stopped_runs) > 10_000:
+                self.stopped_runs.popitem(last=False)
+            for task, run in list(self.run_of.items()):
+                if run in runs:
+                    task.cancel()
+            return
         self.finished[eid] = None
         while len(self.finished) > 10_000:
             self.finished.popitem(last=False)

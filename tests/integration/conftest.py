@@ -108,9 +108,9 @@ def fixture_api() -> Iterator[FixtureApi]:
     api.stop()
 
 
-def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), **kw: Any):
+def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), nats_kw: dict | None = None, **kw: Any):
     auth = NatsAuth(tempfile.mkdtemp(prefix="noetl-creds-"), pools=pools).ensure()
-    nats = EmbeddedNats(auth=auth).start()
+    nats = EmbeddedNats(auth=auth, **(nats_kw or {})).start()
     loop = LoopThread()
     settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory))
     stack = loop.run(InProcessStack(settings, **kw).start())

@@ -208,11 +208,31 @@ def test_admitted_keeps_what_the_subjects_writer_may_write(caplog):
     assert writer_from_subject("noetl.pevt.3.ctl.x1.worker") == "worker"
     assert writer_from_subject("noetl.pevt.3.ctl.x1") is None
     with caplog.at_level("ERROR"):
-        assert admitted("noetl.pevt.3.ctl.x1.worker", [good, forged, lying], "router") == [good]
+        assert admitted("noetl.pevt.3.ctl.x1.worker", [good, forged, lying], "router", None) == [good]
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith("router: dropped 2 of 3 events of noetl.pevt.3.ctl.x1.worker: 'workflow.finished' (f,")
-    assert admitted("noetl.pevt.3.ctl.x1.nobody", [good], "router") == []
-    assert admitted("noetl.pevt.3.ctl.x1", [forged], "event-recorder") == [forged]  # the earlier layout
+    assert admitted("noetl.pevt.3.ctl.x1.nobody", [good], "router", {}) == []
+    assert admitted("noetl.pevt.3.ctl.x1", [forged], "event-recorder", None) == [forged]  # the earlier layout
+
+
+def test_only_the_nats_scheduler_writes_as_timer(caplog):
+    """D29: a timer's message is written by the server at its time (it carries Nats-Scheduler); no
+    client publishes as ``timer``, and a scheduled message may not write as any other writer."""
+    fired = ev("timer.fired", "timer", event_id="t")
+    by_scheduler = {"Nats-Scheduler": "noetl.sched.x1.abc"}
+    assert admitted("noetl.pevt.3.ctl.x1.timer", [fired], "router", by_scheduler) == [fired]
+    with caplog.at_level("ERROR"):
+        assert admitted("noetl.pevt.3.ctl.x1.timer", [fired], "router", {}) == []  # published as timer
+        forged = ev("execution.cancelled", "gateway", event_id="c")
+        assert admitted("noetl.pevt.3.ctl.x1.gateway", [forged], "router", by_scheduler) == []  # scheduled forgery
+        assert admitted("noetl.pevt.3.ctl.x1.timer", [ev("step.done", "timer", event_id="d")], "router",
+                        by_scheduler) == []  # the timer writes timer.fired only
+    assert len(caplog.records) == 3
+    for user in ("gateway", "router", "worker-default", "event-recorder"):
+        perms = permissions(user, partitions=2, inbox="_INBOX.x")
+        assert "noetl.evt.timer.>" in perms["publish"]["deny"]
+    assert "noetl.sched.*.*" in permissions("router", partitions=2, inbox="_INBOX.x")["publish"]["allow"]
+    assert "noetl.sched.>" in permissions("gateway", partitions=2, inbox="_INBOX.x")["publish"]["deny"]
 
 
 def test_nats_credentials_command(tmp_path, capsys):

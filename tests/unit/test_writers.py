@@ -84,10 +84,30 @@ CHILD_RUNS = [
 ]
 
 
-async def _run(doc, workload=None, catalog=()):
+TIME = book("t/time", """
+- step: start
+  tool:
+    - {name: nap, kind: wait, duration: 2s}
+    - {name: ok, kind: wait, signal: approve, timeout: 1h}
+  next: {spec: {delay: 1m}, arcs: [{step: each}]}
+- step: each
+  spec: {policy: {lifecycle: {timeout_s: 30}}}
+  loop: {in: "{{ [1, 2] }}", iterator: x}
+  tool: [{name: w, kind: wait, signal: "go-{{ iter.x }}"}, {name: slow, kind: wait, duration: 1h}]
+  next: {arcs: [{step: slow_step, when: "{{ event.error.kind == 'timeout' }}"}]}
+- step: slow_step
+  spec: {policy: {lifecycle: {timeout_s: 5}}}
+  tool: {kind: wait, duration: 1h}
+  next: {arcs: [{step: done, when: "{{ event.error.kind == 'timeout' }}"}]}
+- step: done
+  tool: {kind: noop}
+""")  # D29, D30: delays, waits, signals (step runs' and iterations'), timeouts of a step and a loop step
+
+
+async def _run(doc, workload=None, catalog=(), signals=()):
     tools = default_tools()
     try:
-        return await run_local(doc, workload=workload, tools=tools,
+        return await run_local(doc, workload=workload, tools=tools, signals=signals,
                                catalog={b["metadata"]["path"]: b for b in catalog})
     finally:
         await close_tools(tools)
@@ -114,6 +134,9 @@ def written():
             note(asyncio.run(_run(doc, json.loads(json.dumps(s.workload).replace("API", api.url)))))
         for doc, catalog in CHILD_RUNS:
             note(asyncio.run(_run(doc, catalog=catalog)))
+        run = asyncio.run(_run(TIME, signals=[(0, "approve", {}), (70, "go-1", 1), (70, "go-2", 2)]))
+        assert run.state.status == "COMPLETED" and "done" in run.state.runs_of, [e["name"] for e in run.log]
+        note(run)
     finally:
         api.stop()
     # a lost command (admission) and a worker that cannot read its command (worker:<pool>)
@@ -156,7 +179,9 @@ def test_the_runs_cover_the_shared_names():
     assert set(writers_of("playbook.execution.requested")) == {"gateway", "admission", "loop-coordinator", "scheduler"}
     assert set(writers_of("execution.cancelled")) == {"gateway", "router", "loop-coordinator"}
     assert set(writers_of("playbook.child.finished")) == {"router", "admission", "loop-coordinator"}
-    assert set(writers_of("step.failed")) == {"worker", "admission", "loop-coordinator"}
+    assert set(writers_of("step.failed")) == {"worker", "admission", "loop-coordinator", "router"}  # router: timeouts
+    assert set(writers_of("timer.scheduled")) == {"admission", "router", "loop-coordinator"}
+    assert set(writers_of("wait.started")) == set(writers_of("wait.ended")) == {"admission", "loop-coordinator"}
     assert set(writers_of("workflow.finished")) == {"router"}
 
 

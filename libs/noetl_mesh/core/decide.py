@@ -29,11 +29,12 @@ from typing import Any
 import orjson
 
 from .. import limits
+from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy
 from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
-from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, Wait, apply, graph_of,
-                    playbook_digest)
+from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
+                    graph_of, playbook_digest)
 
 DEFAULT_POOL = "default"
 # The event classes (events.event_class) each decider folds: a service consumes the messages of these
@@ -48,6 +49,10 @@ class Decision:
     events: list[dict[str, Any]] = field(default_factory=list)
     commands: list[dict[str, Any]] = field(default_factory=list)
     foreign: list[dict[str, Any]] = field(default_factory=list)  # events of other executions (children, parent)
+    # D29: timers to set: {timer_id, execution_id, due, event}; the shell schedules ``event`` (a
+    # ``timer.fired``) with the NATS scheduler, which writes it into the execution's log at ``due``
+    timers: list[dict[str, Any]] = field(default_factory=list)
+    cancel_runs: list[str] = field(default_factory=list)  # step runs whose running tasks must stop (timeouts)
 
 
 class _Out:
@@ -76,6 +81,17 @@ class _Out:
     def command(self, command: dict) -> None:
         self.decision.commands.append(command)
 
+    def timer(self, kind: str, due: float, data: dict, key: str, **kw: Any) -> str:
+        """D29: set a timer (``timer.scheduled`` now, ``timer.fired`` when ``due`` comes)."""
+        state = self.state
+        tid = stable_id("timer", state.execution_id, self.cause["event_id"], key)
+        scheduled = self.event("timer.scheduled", data={"timer_id": tid, "kind": kind, "due": due, "data": data}, **kw)
+        fired = make_event("timer.fired", state.execution_id, event_id=stable_id("fired", tid), source="timer",
+                           data={"timer_id": tid, "kind": kind}, parent_id=scheduled["event_id"], **kw)
+        self.decision.timers.append({"timer_id": tid, "execution_id": state.execution_id, "due": due,
+                                     "event": fired})
+        return tid
+
     def foreign(self, name: str, execution_id: str, key: str, *, status: str = "success", data: dict | None = None,
                 **kw: Any) -> dict:
         """An event for another execution (not folded here); its id derives from ``key`` (D21)."""
@@ -94,9 +110,14 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     if name == "playbook.execution.requested":
         _evaluate_request(out, playbook)
     elif name == "task.suspended" and event.get("iteration") is None:  # an iteration's: the loop-coordinator's
-        _start_child(out, event)
+        if (event.get("data") or {}).get("wait") is not None:
+            _start_wait(out, event)
+        else:
+            _start_child(out, event)
     elif name == "playbook.child.finished":
         _child_finished(out, event, iterations=False)
+    if (name in WAKES or name == "task.suspended") and state.task_waits:
+        _resume_waits(out, iterations=False)
     if state.status == "RUNNING" and state.tokens and not state.halted:
         _admit_pending(out)
     return out.decision
@@ -186,8 +207,11 @@ def _try_fire(out: _Out, step: str, token) -> bool:
             marked.setdefault(t.place, []).append(t)
     active = [t.step for t in state.tokens.values() if t.step != step]
     active += [r.step for r in state.runs.values() if r.active]
+    delayed = state.delayed_tokens()  # D29: tokens on their way count as arriving
+    active += [t.data.get("step") for t in delayed if t.data.get("step") != step]
+    coming = {t.data.get("place") for t in delayed if t.data.get("step") == step}
     for place in forward:
-        if place.id not in marked and graph.can_still_feed(step, place, active):
+        if place.id not in marked and (place.id in coming or graph.can_still_feed(step, place, active)):
             return False  # wait: this branch may still arrive
     order = {name: i for i, name in enumerate(graph.order)}
     consumed = []
@@ -225,7 +249,68 @@ def _fire(out: _Out, step: str, token_ids: list[str], args: dict) -> None:
         return  # the loop-coordinator takes it from here (D19)
     pool = step_spec(state, sdef).get("pool") or DEFAULT_POOL
     out.event("step.scheduled", step=step, step_run_id=run_id, status="in_progress", data={"pool": pool})
+    _step_timeout(out, run, sdef)
     out.command(build_command(state, run, pool=pool))
+
+
+def _step_timeout(out: _Out, run: StepRun, sdef: dict) -> None:
+    """D29 (c): a step run with ``spec.policy.lifecycle.timeout_s`` gets a timer when it is scheduled."""
+    seconds = ((step_spec(out.state, sdef).get("policy") or {}).get("lifecycle") or {}).get("timeout_s")
+    if seconds is None:
+        return
+    seconds = parse_duration(seconds)
+    out.timer("step_timeout", float(out.cause["timestamp"]) + seconds, {"run_id": run.id, "seconds": seconds},
+              key=f"timeout:{run.id}", step=run.step, step_run_id=run.id)
+
+
+# =============================================================== waits (D29 b, D30)
+WAKES = frozenset({"wait.started", "signal.received", "timer.fired"})  # events after which a wait may resume
+
+
+def _start_wait(out: _Out, event: dict) -> None:
+    """A run suspended at a ``wait`` task: record the wait and set its timers. A signal that came
+    before it is taken at once (the fold does it); the resume follows in :func:`_resume_waits`."""
+    state = out.state
+    data = event.get("data") or {}
+    spec = dict(data.get("wait") or {})
+    wid = spec.pop("wait_id", None)
+    run = state.runs.get(event.get("step_run_id") or "")
+    i = event.get("iteration")
+    if not isinstance(wid, str) or wid in state.task_waits or run is None or run.ended or state.halted:
+        return
+    if i is not None and (run.loop is None or i not in run.loop.in_flight):
+        return  # a late report of an iteration that ended
+    kind = "signal" if spec.get("signal") is not None else "time"
+    ids = {"step": run.step, "step_run_id": run.id, "iteration": i, "task": event.get("task")}
+    out.event("wait.started", status="paused", action_id=event.get("action_id"),
+              data={"wait_id": wid, "kind": kind, "spec": spec, "continuation": data.get("continuation") or {}}, **ids)
+    wait = state.task_waits.get(wid)
+    if wait is None or wait.outcome is not None:
+        return
+    if kind == "time":
+        out.timer("wait", float(spec["due"]), {"wait_id": wid}, key=f"wait:{wid}", **ids)
+    elif spec.get("timeout_at") is not None:
+        out.timer("wait_timeout", float(spec["timeout_at"]), {"wait_id": wid}, key=f"wait-timeout:{wid}", **ids)
+
+
+def _resume_waits(out: _Out, *, iterations: bool) -> None:
+    """Resume every wait whose time, signal or timeout came (admission: step runs' waits; the
+    loop-coordinator: loop iterations')."""
+    state = out.state
+    if state.halted:
+        return
+    for wait in list(state.task_waits.values()):
+        if wait.outcome is None or wait.ended or (wait.iteration is not None) != iterations:
+            continue
+        run = state.runs.get(wait.step_run_id)
+        if run is None or run.ended:
+            continue
+        if iterations and (run.loop is None or wait.iteration not in run.loop.in_flight):
+            continue
+        out.event("wait.ended", status="success" if wait.outcome.get("status") == "ok" else "error",
+                  step=wait.step, step_run_id=wait.step_run_id, iteration=wait.iteration, task=wait.task,
+                  data={"wait_id": wait.id, "outcome": wait.outcome})
+        _send_resume(out, run, wait.iteration, wait.continuation, wait.outcome, key=wait.id)
 
 
 def _fail_admission(out: _Out, step: str, token_ids: list[str], args: dict, sdef: dict, error: dict) -> None:
@@ -340,12 +425,18 @@ def _resume(out: _Out, wait: Wait) -> None:
     run = state.runs.get(wait.step_run_id)
     if run is None or run.ended:
         return
+    _send_resume(out, run, wait.iteration, wait.continuation, child_outcome(wait), key=wait.child)
+
+
+def _send_resume(out: _Out, run: StepRun, iteration: int | None, continuation: dict, outcome: dict, key: str) -> None:
+    """A command that resumes a suspended run with its task's outcome (a child's end, a wait's)."""
+    state = out.state
     sdef = state.step_def(run.step)
     pool = step_spec(state, sdef).get("pool") or DEFAULT_POOL
-    iterations = None if wait.iteration is None else range(wait.iteration, wait.iteration + 1)
+    iterations = None if iteration is None else range(iteration, iteration + 1)
     command = build_command(state, run, pool=pool, iterations=iterations)
-    command["command_id"] = stable_id("resume", wait.child)  # not the suspended command's id (dedup window)
-    command["resume"] = {"continuation": wait.continuation, "outcome": child_outcome(wait)}
+    command["command_id"] = stable_id("resume", key)  # not the suspended command's id (dedup window)
+    command["resume"] = {"continuation": continuation, "outcome": outcome}
     out.command(command)
 
 
@@ -380,9 +471,11 @@ def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
         run = state.runs.get(event["step_run_id"])
         if run is not None and run.ended and not run.routed and _terminal_of(run, event):
             _route(out, run, event)
+    elif name == "timer.fired":
+        _timer_fired(out, event)
     if state.status == "RUNNING" and state.halted and not state.cancel_requested:
         _finish(out, FAILED, error=(state.failure or {}).get("error"))
-    elif state.status == "RUNNING" and name in ("next.evaluated", "step.skipped", *TERMINAL_STEP_EVENTS) \
+    elif state.status == "RUNNING" and name in ("next.evaluated", "step.skipped", "timer.fired", *TERMINAL_STEP_EVENTS) \
             and state.quiescent():  # only these end activity; between workflow.started and its token nothing does
         # D18: only an unhandled failure under fail_fast fails the execution (and that halts it at once,
         # above); a best_effort failure ended its branch, and the execution completes
@@ -430,12 +523,53 @@ def _route(out: _Out, run: StepRun, event: dict) -> None:
                 break
     unhandled = (not success or error is not None) and not fired
     fail_fast = unhandled and _failure_mode(state, sdef) == "fail_fast"
+    default_delay = (router_def.get("spec") or {}).get("delay")
     for i, args in fired:
-        target = router_def["arcs"][i]["step"]
-        _enqueue(out, target, state.graph.by_arc[(run.step, i)].id, args, cause_key=f"{run.id}:{i}")
+        arc = router_def["arcs"][i]
+        place = state.graph.by_arc[(run.step, i)].id
+        delay = (arc.get("spec") or {}).get("delay", default_delay)
+        seconds = parse_duration(delay) if delay is not None else 0.0
+        if seconds > 0:  # D29 (a): the token is enqueued when the delay has passed
+            tid = stable_id("token", state.execution_id, out.cause["event_id"], f"{run.id}:{i}")
+            out.timer("token", float(event.get("timestamp") or 0) + seconds,
+                      {"token_id": tid, "step": arc["step"], "place": place, "args": args},
+                      key=f"arc:{run.id}:{i}", step=arc["step"])
+        else:
+            _enqueue(out, arc["step"], place, args, cause_key=f"{run.id}:{i}")
     out.event("next.evaluated", step=run.step, step_run_id=run.id,
               data={"arcs": [i for i, _ in fired], "unhandled": unhandled, "fail_fast": fail_fast,
                     "error": error or (data.get("error") if unhandled else None)})
+
+
+def _timer_fired(out: _Out, event: dict) -> None:
+    """D29: a delayed arc's token is enqueued; a step run still going at its timeout fails with error
+    kind ``timeout`` (its running tasks are cancelled) and is routed like any failure."""
+    state = out.state
+    timer = state.timers.get((event.get("data") or {}).get("timer_id"))
+    if timer is None or state.halted:
+        return
+    if timer.kind == "token":
+        d = timer.data
+        out.event("token.enqueued", step=d.get("step"),
+                  data={"token_id": d.get("token_id"), "step": d.get("step"), "place": d.get("place"),
+                        "args": d.get("args") or {}})
+    elif timer.kind == "step_timeout":
+        run = state.runs.get(timer.data.get("run_id"))
+        if run is None or run.ended:
+            return
+        _cancel_children(out, [w for w in state.waits.values() if w.step_run_id == run.id],
+                         f"step {run.step!r} timed out")
+        counts = {}
+        if run.loop is not None or state.step_def(run.step).get("loop"):
+            loop = run.loop
+            counts = {"total": loop.total if loop else 0, "done": loop.done if loop else 0,
+                      "failed": loop.failed if loop else 0}
+        failed = out.event("step.failed", status="error", step=run.step, step_run_id=run.id, data={
+            "result": None, **counts,
+            "error": {"kind": "timeout", "retryable": False,
+                      "message": f"step {run.step!r} ran longer than its timeout_s ({timer.data.get('seconds'):g} s)"}})
+        out.decision.cancel_runs.append(run.id)
+        _route(out, run, failed)
 
 
 def _failure_mode(state: ExecutionState, sdef: dict) -> str:
@@ -489,7 +623,16 @@ def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
         return out.decision
     if name == "task.suspended":
         if event.get("iteration") is not None:
-            _start_child(out, event)  # recorded only while the iteration is in flight (state._suspended)
+            if (event.get("data") or {}).get("wait") is not None:
+                _start_wait(out, event)
+            else:
+                _start_child(out, event)  # recorded only while the iteration is in flight (state._suspended)
+        if state.task_waits:
+            _resume_waits(out, iterations=True)
+        return out.decision
+    if name in WAKES:
+        if state.task_waits:
+            _resume_waits(out, iterations=True)
         return out.decision
     run = state.runs.get(event.get("step_run_id") or "")
     if run is None or run.ended:
@@ -512,6 +655,7 @@ def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
     context = {"workload": state.workload, "ctx": state.ctx, "args": run.args, "execution_id": state.execution_id,
                **_step_scope(state)}
     out.event("step.started", step=run.step, step_run_id=run.id, status="in_progress")
+    _step_timeout(out, run, sdef)
     try:
         items = render(loop["in"], context, f"step={run.step}.loop.in")  # D19: rendered once, at admission
         if isinstance(items, dict):

@@ -38,6 +38,12 @@ ENTITY = {
     "loop.iteration.done": "loop",
     "loop.iteration.failed": "loop",
     "loop.done": "loop",
+    # D29, D30 (not in D20's list)
+    "timer.scheduled": "timer",  # a timer was set: a delayed token, a wait's time, a timeout
+    "timer.fired": "timer",  # its time came (written by the NATS scheduler, writer ``timer``)
+    "wait.started": "task",  # a run waits for a time or a signal (a `wait` task)
+    "wait.ended": "task",  # the wait is over: how, and the task's outcome
+    "signal.received": "workflow",  # a signal sent to the execution
 }
 TERMINAL_STEP_EVENTS = ("step.done", "step.failed", "loop.done")  # D13
 ALIASES = {"call.done": "step.done", "call.error": "step.failed"}  # D13: accepted in `when`
@@ -73,8 +79,9 @@ def batch_class(events: list[dict[str, Any]]) -> str:
 # user let it publish only as itself; the readers check every event's name and ``source`` against the
 # subject's writer (:func:`refused`), so a writer that lies in the content is caught too.
 MAY_WRITE: dict[str, frozenset[str]] = {
-    "gateway": frozenset({"playbook.execution.requested", "execution.cancelled"}),
+    "gateway": frozenset({"playbook.execution.requested", "execution.cancelled", "signal.received"}),
     "admission": frozenset({
+        "timer.scheduled", "wait.started", "wait.ended",  # step runs' waits and timeouts
         "playbook.request.evaluated", "workflow.started", "token.enqueued",  # the entry token
         "step.admitted", "step.skipped", "step.scheduled",
         "step.started", "step.done", "step.failed",  # tool-less steps; an admit rule that cannot be evaluated
@@ -82,10 +89,12 @@ MAY_WRITE: dict[str, frozenset[str]] = {
         "playbook.execution.requested", "playbook.child.finished",  # a child's request; past the depth limit
     }),
     "router": frozenset({
+        "timer.scheduled", "step.failed",  # delayed arcs; a step run's timeout
         "token.enqueued", "next.evaluated", "workflow.finished", "playbook.processed",
         "playbook.child.finished", "execution.cancelled",  # to a parent; to the children of a finished parent
     }),
     "loop-coordinator": frozenset({
+        "timer.scheduled", "wait.started", "wait.ended",  # loop iterations' waits, loop steps' timeouts
         "step.started", "step.failed", "loop.started", "loop.iteration.started", "loop.done",
         "playbook.execution.requested", "playbook.child.finished", "execution.cancelled",  # iterations' children
     }),
@@ -93,6 +102,10 @@ MAY_WRITE: dict[str, frozenset[str]] = {
         "task.started", "task.processed", "task.suspended", "ctx.patched",
         "step.started", "step.done", "step.failed", "loop.iteration.done", "loop.iteration.failed",
     }),
+    # Written by the NATS server itself when a timer's time comes: the message a control-plane service
+    # scheduled (``noetl.sched.<execution>.<timer>``, targeting ``noetl.evt.timer.ctl.<execution>``). No
+    # NATS user may publish as ``timer``; a timer.fired event only fires a timer its execution set.
+    "timer": frozenset({"timer.fired"}),
     "scheduler": frozenset({"playbook.execution.requested"}),  # a schedule's firing (core/schedules.py)
 }
 WORKER_SOURCE = "worker:"  # a worker's events have source ``worker:<pool>``; every other writer its name

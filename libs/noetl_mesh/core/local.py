@@ -10,12 +10,15 @@ the distributed stack must produce the same outcomes.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from . import decide
-from .events import batch_class, make_event, new_execution_id
+from .events import batch_class, make_event, new_execution_id, stable_id
 from .keychain import Resolver, dict_resolver
 from .state import ExecutionState, apply, fold
 from .worker import execute_command
@@ -39,6 +42,7 @@ class LocalRun:
     cursors: dict[str, int] = field(default_factory=dict)
     commands: list[dict[str, Any]] = field(default_factory=list)
     playbook: Any = None
+    fired: list[tuple[float, str]] = field(default_factory=list)  # (due, what) of each timer and signal, in order
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -73,12 +77,18 @@ async def run_local(
     credentials: Mapping[str, Any] | None = None,
     keychain_resolver: Resolver | None = None,
     catalog: Mapping[str, Any] | None = None,
+    signals: Sequence[tuple[float, str, Any]] = (),
 ) -> LocalRun:
     """Run one execution to its end. ``seed=None`` moves everything in a fixed order; an int picks
     the next mover at random among those that can move. Keychain ``credential`` entries resolve
     through ``keychain_resolver``, or else from ``credentials`` (``{stored name: data}``, in memory).
     ``catalog`` (``{path: playbook}``) resolves the child executions of ``playbook`` tasks; the root
-    playbook is in it under its own ``metadata.path`` too."""
+    playbook is in it under its own ``metadata.path`` too.
+
+    Time (D29, D30) runs on a fake clock: when nothing else can move, the earliest timer fires (its
+    ``timer.fired`` enters the log as the NATS scheduler would write it), or the earliest of
+    ``signals`` — ``(seconds after the start, name, payload)`` — is sent to the root execution; no
+    test waits for real time."""
     from ..tools import default_tools
 
     if keychain_resolver is None:
@@ -120,19 +130,76 @@ async def run_local(
     async def publish(event: dict[str, Any]) -> None:  # a worker's event: a message of its own
         send([event])
 
+    fake = _FakeTime()
+    t0 = fake.time()
+    clock: list[tuple[float, int, str, dict[str, Any]]] = []  # (due, order, what, event): timers and signals
+    for k, (after, name, payload) in enumerate(signals):
+        heapq.heappush(clock, (t0 + after, k, f"signal {name}", make_event(
+            "signal.received", run.execution_id, event_id=stable_id("signal", run.execution_id, name, k),
+            source="gateway", timestamp=t0 + after,
+            data={"signal": name, "payload": payload, "by": "local", "at": t0 + after})))
+
+    with fake:
+        await _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tools, publish, sleep or no_sleep,
+                     keychain_resolver, len(signals))
+    return run
+
+
+class _FakeTime:
+    """The clock of a local run: real time plus the jumps made when idle (D29). While a run goes, the
+    engine's modules that read the time (events, pipeline) read this one."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+        self.saved: list[tuple[Any, Any]] = []
+
+    def time(self) -> float:
+        return time.time() + self.skew
+
+    def jump(self, to: float) -> None:
+        self.skew += max(0.0, to - self.time())
+
+    def __getattr__(self, name: str) -> Any:  # perf_counter, monotonic, ... stay real
+        return getattr(time, name)
+
+    def __enter__(self) -> "_FakeTime":
+        from . import events, pipeline
+        self.saved = [(m, m.time) for m in (events, pipeline)]
+        for module, _ in self.saved:
+            module.time = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, real in self.saved:
+            module.time = real
+
+
+async def _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tools, publish, sleep, keychain_resolver,
+                 n_signals) -> None:
+    order = itertools.count(n_signals)  # ties of due times keep the order they were set in
     for _ in range(max_moves):
         movers = [s for s in SERVICES if run.cursors[s] < len(run.messages)]
         if run.commands:
             movers.append("worker")
         if not movers:
-            break
+            while clock:  # idle: the clock jumps to the next timer or signal
+                due, _, what, event = heapq.heappop(clock)
+                router_state = run.states["router"].get(event["execution_id"])
+                if router_state is not None and router_state.finished:
+                    continue  # a finished execution's timers were purged
+                fake.jump(due)
+                run.fired.append((round(due - t0, 3), what))
+                send([event])
+                break
+            else:
+                break
+            continue
         who = rng.choice(movers) if seed is not None else movers[0]
         if who == "worker":
             i = rng.randrange(len(run.commands)) if seed is not None else 0
             command = run.commands.pop(i)
             if not _cancelled(run, command):
-                await execute_command(command, tools, publish, sleep=sleep or no_sleep,
-                                      keychain_resolver=keychain_resolver)
+                await execute_command(command, tools, publish, sleep=sleep, keychain_resolver=keychain_resolver)
             continue
         message = run.messages[run.cursors[who]]
         run.cursors[who] += 1
@@ -153,10 +220,12 @@ async def run_local(
             foreign += decision.foreign
             own += decision.events
             run.commands.extend(decision.commands)
+            for timer in decision.timers:
+                heapq.heappush(clock, (timer["due"], next(order), f"timer {timer['event']['data']['kind']}",
+                                       timer["event"]))
         send(foreign + own)  # as the shell publishes them: other executions' first
     else:
         raise RuntimeError(f"execution did not settle within {max_moves} moves")
-    return run
 
 
 def _cancelled(run: LocalRun, command: dict[str, Any]) -> bool:

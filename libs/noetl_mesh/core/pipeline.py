@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import limits
+from ..lang.durations import DurationError, parse_duration, parse_instant
 from ..lang.model import KIND_DEFAULTS
 from ..lang.normalize import effective_spec, normalize_workbook
 from ..lang.templates import TemplateError, render, shared_budget, truthy
@@ -46,6 +47,7 @@ _ARGS_KEYS = ("args", "input", "with")  # a workbook call's args and their alias
 _RESERVED = frozenset({"workload", "ctx", "iter", "args", "execution_id", "keychain", "_prev", "_task",
                        "_attempt", "outcome", "output"})
 
+_SIGNAL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")  # D30: a signal's name is one URL path segment
 _SCALARS = frozenset({bool, int, float})  # results whose JSON is a few bytes (ints: at most 4,300 digits)
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
@@ -77,12 +79,14 @@ class PipelineResult:
 
 
 class _Suspend:
-    """What a ``playbook`` task hands back instead of an outcome: the child execution to start."""
+    """What a ``playbook`` or ``wait`` task hands back instead of an outcome: the child execution to
+    start, or what to wait for (D29 b, D30)."""
 
-    __slots__ = ("child",)
+    __slots__ = ("child", "wait")
 
-    def __init__(self, child: dict) -> None:
+    def __init__(self, child: dict | None = None, wait: dict | None = None) -> None:
         self.child = child
+        self.wait = wait
 
 
 class _PolicyError(Exception):
@@ -430,8 +434,8 @@ class _Run:
             else:  # the playbook task itself ran before (a jump back to it)
                 continuation["last"] = self.last
         result = self.finish("suspended", None)
-        result.suspend = {"child": suspend.child, "continuation": continuation, "task": name,
-                          "action_id": aid, "attempt": attempt}
+        result.suspend = {"continuation": continuation, "task": name, "action_id": aid, "attempt": attempt,
+                          **({"wait": suspend.wait} if suspend.wait is not None else {"child": suspend.child})}
         return result
 
     def _restore(self, index: Mapping[str, int], policies: dict[str, Any]) -> tuple[int, dict]:
@@ -487,6 +491,36 @@ class _Run:
             # D19: the calling iteration's scope becomes iter.parent in the child's loops
             "iter_parent": dict(self.iter) if self.iteration is not None else None,
         })
+
+    def _wait(self, rendered: Mapping[str, Any], attempt: int, aid: str, where: str) -> dict | _Suspend:
+        """``kind: wait`` with its fields rendered (D29 b, D30): what to wait for, with instants
+        computed now (a templated duration or instant is checked here), or an error outcome."""
+        now = time.time()
+        maximum = limits.current().max_timer_seconds
+        wait: dict[str, Any] = {"wait_id": stable_id("wait", self.execution_id, aid, attempt), "suspended_at": now}
+        try:
+            if rendered.get("signal") is not None:
+                signal = rendered["signal"]
+                if not isinstance(signal, str) or not _SIGNAL_NAME.match(signal):
+                    raise DurationError(f"signal must be a name of letters, digits, '.', '-', '_' (at most 128), "
+                                        f"got {str(signal)[:80]!r}")
+                wait["signal"] = signal
+                for key in ("roles", "schema", "assignee", "form"):
+                    if rendered.get(key) is not None:
+                        wait[key] = rendered[key]
+                if rendered.get("timeout") is not None:
+                    seconds = parse_duration(rendered["timeout"], maximum=maximum)
+                    wait["timeout"], wait["timeout_at"] = rendered["timeout"], now + seconds
+            elif rendered.get("until") is not None:
+                due = parse_instant(rendered["until"])
+                if due - now > maximum:
+                    raise DurationError(f"until {rendered['until']!r} is more than max_timer_seconds ({maximum:g} s) away")
+                wait["due"] = max(now, due)
+            else:
+                wait["due"] = now + parse_duration(rendered.get("duration"), maximum=maximum)
+        except DurationError as e:
+            return {"status": "error", "result": None, "error": _err("invalid_task", f"{where}: {e}")}
+        return _Suspend(wait=wait)
 
     def _noop(self, task: dict, name: str, where: str | None = None) -> dict:
         """D10, inline: the ``result:`` field (rendered) when given, else the previous task's result."""
@@ -604,7 +638,7 @@ class _Run:
         For a workbook task (:meth:`_workbook`): ``where`` locates its fields in template errors,
         ``caller_spec`` is the calling task's spec (layered innermost) and ``caller_args`` the caller's
         rendered args (merged over a python task's own ``args``)."""
-        if tool is None and kind != "playbook":
+        if tool is None and kind not in ("playbook", "wait"):
             return {"status": "error", "result": None, "error": _err("tool_error", f"no tool for kind {kind!r}")}
         scope, step = self.scope, self.step
         where = where or f"{step}.{name}"
@@ -625,6 +659,8 @@ class _Run:
             rendered["args"] = {**(own or {}), **caller_args}
         if kind == "playbook":  # a child execution: the control plane runs it, this run suspends
             return self._child(rendered, name, attempt, aid, where, caller_args)
+        if kind == "wait":  # a durable wait: the control plane sets its timers, this run suspends
+            return self._wait(rendered, attempt, aid, where)
         spec = self.specs.get(name)
         if spec is None:
             # D5: merge(KIND_DEFAULTS[kind], executor, step, loop, task.spec[, caller task.spec]).

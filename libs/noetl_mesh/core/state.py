@@ -93,6 +93,39 @@ class Wait:
 
 
 @dataclass
+class Timer:
+    """D29: a timer an execution set (``timer.scheduled``) and, once its time came, ``fired``."""
+
+    id: str
+    kind: str  # token (a delayed arc) | wait (a wait task's time) | wait_timeout | step_timeout
+    due: float  # epoch seconds
+    data: dict[str, Any]  # token: {token_id, step, place, args}; wait*: {wait_id}; step_timeout: {run_id, seconds}
+    fired: bool = False
+    arrived: bool = False  # token: its token.enqueued is folded (until then it is on its way, also once fired)
+
+
+@dataclass
+class TaskWait:
+    """D29 (b), D30: a pipeline run suspended at a ``wait`` task, until a time or a signal."""
+
+    id: str
+    step_run_id: str
+    iteration: int | None
+    step: str
+    task: str | None
+    kind: str  # time | signal
+    spec: dict[str, Any]  # signal, due, timeout, timeout_at, roles, schema, assignee, form, suspended_at
+    continuation: dict[str, Any]
+    started_at: float = 0.0
+    outcome: dict[str, Any] | None = None  # the wait task's outcome, once the time or a signal came
+    ended: bool = False  # wait.ended: the run was resumed with the outcome
+
+    @property
+    def signal(self) -> str | None:
+        return self.spec.get("signal") if self.kind == "signal" else None
+
+
+@dataclass
 class ExecutionState:
     execution_id: str
     status: str = PENDING
@@ -112,6 +145,10 @@ class ExecutionState:
     errors: list[Any] = field(default_factory=list)
     waits: dict[str, Wait] = field(default_factory=dict)  # suspended runs by child execution id
     children: dict[str, None] = field(default_factory=dict)  # every child execution requested, in order
+    timers: dict[str, Timer] = field(default_factory=dict)  # D29, by timer id
+    task_waits: dict[str, TaskWait] = field(default_factory=dict)  # D29 (b), D30: wait tasks, by wait id
+    signals: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # D30: accepted signals by name
+    kept: dict[str, dict[str, Any]] = field(default_factory=dict)  # D30: a signal no wait has taken yet, by name
     seen: set[str] = field(default_factory=set)  # event ids applied (D21)
     token_seq: int = 0
     events: int = 0
@@ -155,9 +192,17 @@ class ExecutionState:
                     break
         return out
 
+    def delayed_tokens(self) -> list[Timer]:
+        """D29: tokens on their way (an arc's delay has not passed yet)."""
+        return [t for t in self.timers.values() if t.kind == "token" and not t.arrived]
+
     def quiescent(self) -> bool:
-        """D18: no token pending and no step run in flight."""
-        return not self.tokens and not any(r.active for r in self.runs.values())
+        """D18: no token pending (delayed ones included) and no step run in flight."""
+        return not self.tokens and not any(r.active for r in self.runs.values()) and not self.delayed_tokens()
+
+    def open_waits(self) -> list[TaskWait]:
+        """D30: wait tasks still waiting (the inbox)."""
+        return [w for w in self.task_waits.values() if not w.ended]
 
 
 def fold(events: Iterable[dict[str, Any]], execution_id: str | None = None) -> ExecutionState:
@@ -224,6 +269,10 @@ def _started(s: ExecutionState, e: dict, d: dict) -> None:
 
 
 def _token(s: ExecutionState, e: dict, d: dict) -> None:
+    if s.timers and e.get("source") == "router":
+        for timer in s.timers.values():  # a delayed token arrives (D29)
+            if timer.kind == "token" and timer.data.get("token_id") == d.get("token_id"):
+                timer.arrived = True
     s.token_seq += 1
     s.tokens[d["token_id"]] = Token(d["token_id"], d["step"], d.get("place", ENTRY_PLACE), d.get("args") or {}, s.token_seq)
 
@@ -278,7 +327,7 @@ def _iteration_ended(s: ExecutionState, e: dict, d: dict) -> None:
     if i not in loop.in_flight:  # a duplicate or late report
         return
     loop.in_flight.discard(i)
-    if s.waits:
+    if s.waits or s.task_waits:
         _drop_waits(s, run.id, i)
     if e["name"] == "loop.iteration.done":
         loop.done += 1
@@ -294,7 +343,7 @@ def _terminal(s: ExecutionState, e: dict, d: dict) -> None:
     if run is None or run.ended:
         return
     run.ended = True
-    if s.waits:
+    if s.waits or s.task_waits:
         _drop_waits(s, run.id)
     run.status = "done" if e["name"] in ("step.done", "loop.done") else d.get("status", "failed")
     run.result = d.get("result")
@@ -329,6 +378,76 @@ def _drop_waits(s: ExecutionState, run_id: str, iteration: Any = ...) -> None:
     for cid in [c for c, w in s.waits.items()
                 if w.step_run_id == run_id and (iteration is ... or w.iteration == iteration)]:
         del s.waits[cid]
+    for wid in [i for i, w in s.task_waits.items()
+                if w.step_run_id == run_id and (iteration is ... or w.iteration == iteration)]:
+        del s.task_waits[wid]
+
+
+# ---------------------------------------------------------------- timers, waits, signals (D29, D30)
+def _timer_scheduled(s: ExecutionState, e: dict, d: dict) -> None:
+    tid = d.get("timer_id")
+    if isinstance(tid, str) and tid not in s.timers:
+        s.timers[tid] = Timer(tid, str(d.get("kind")), float(d.get("due") or 0), d.get("data") or {})
+
+
+def _timer_fired(s: ExecutionState, e: dict, d: dict) -> None:
+    """Only a timer this execution set fires, and only once; a wait's time or timeout gives the wait
+    task its outcome (the deciders resume the run)."""
+    timer = s.timers.get(d.get("timer_id"))
+    if timer is None or timer.fired:
+        return
+    timer.fired = True
+    if timer.kind in ("wait", "wait_timeout"):
+        wait = s.task_waits.get(timer.data.get("wait_id"))
+        if wait is not None and wait.outcome is None:
+            wait.outcome = wait_outcome(wait, timer.kind)
+
+
+def wait_outcome(wait: TaskWait, how: str, signal: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``wait`` task's outcome (D8): its time came, its signal came, or its timeout passed."""
+    if how == "wait":
+        waited = float(wait.spec.get("due") or 0) - float(wait.spec.get("suspended_at") or 0)
+        return {"status": "ok", "result": {"waited": round(max(0.0, waited), 3)}, "error": None}
+    if how == "signal":
+        return {"status": "ok", "error": None, "result": {k: (signal or {}).get(k) for k in ("signal", "payload", "by", "at")}}
+    return {"status": "error", "result": None, "error": {
+        "kind": "timeout", "retryable": False,
+        "message": f"step {wait.step!r} task {wait.task!r}: no signal {wait.signal!r} within {wait.spec.get('timeout')}"}}
+
+
+def _wait_started(s: ExecutionState, e: dict, d: dict) -> None:
+    wid = d.get("wait_id")
+    run = s.runs.get(e.get("step_run_id") or "")
+    if not isinstance(wid, str) or wid in s.task_waits or run is None or run.ended:
+        return
+    wait = TaskWait(wid, run.id, e.get("iteration"), run.step, e.get("task"), str(d.get("kind")),
+                    d.get("spec") or {}, d.get("continuation") or {}, float(e.get("timestamp") or 0))
+    s.task_waits[wid] = wait
+    name = wait.signal
+    if name is not None and name in s.kept:  # D30: a signal that came first is delivered now
+        wait.outcome = wait_outcome(wait, "signal", s.kept.pop(name))
+
+
+def _signal(s: ExecutionState, e: dict, d: dict) -> None:
+    """D30: the oldest open wait for the name takes the signal; with none, the signal is kept for the
+    next wait of that name (one at most: the gateway refuses a second)."""
+    name = d.get("signal")
+    if not isinstance(name, str):
+        return
+    s.signals.setdefault(name, []).append(d)
+    for wait in s.task_waits.values():
+        if wait.signal == name and wait.outcome is None:
+            wait.outcome = wait_outcome(wait, "signal", d)
+            return
+    s.kept.setdefault(name, d)
+
+
+def _wait_ended(s: ExecutionState, e: dict, d: dict) -> None:
+    wait = s.task_waits.get(d.get("wait_id"))
+    if wait is not None:
+        wait.ended = True
+        if wait.outcome is None:
+            wait.outcome = d.get("outcome")
 
 
 def _next_evaluated(s: ExecutionState, e: dict, d: dict) -> None:
@@ -376,10 +495,15 @@ _HANDLERS = {
     "playbook.child.finished": _child_finished,
     "execution.cancelled": _cancel,
     "workflow.finished": _finished,
+    "timer.scheduled": _timer_scheduled,
+    "timer.fired": _timer_fired,
+    "wait.started": _wait_started,
+    "wait.ended": _wait_ended,
+    "signal.received": _signal,
 }
 
 __all__ = [
-    "ExecutionState", "StepRun", "Token", "LoopState", "Wait", "apply", "fold", "graph_of", "entry_step",
+    "ExecutionState", "StepRun", "Token", "LoopState", "Wait", "TaskWait", "Timer", "wait_outcome", "apply", "fold", "graph_of", "entry_step",
     "ENTRY_PLACE", "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "FINAL",
 ]
 
@@ -401,6 +525,19 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         out["parent_execution_id"] = state.request["parent_execution_id"]
     if state.children:
         out["children"] = list(state.children)
+    if state.task_waits:
+        out["waits"] = [wait_view(w) for w in state.task_waits.values()]
+    if state.signals:
+        out["signals"] = {name: len(sent) for name, sent in state.signals.items()}
+    if state.kept:
+        out["kept_signals"] = list(state.kept)
     if state.request.get("schedule"):  # started by a schedule's firing (D31)
         out["schedule"] = state.request["schedule"]
     return out
+
+
+def wait_view(wait: TaskWait) -> dict[str, Any]:
+    """A wait task as the API shows it (D30's inbox): what it waits for, never its continuation."""
+    return {"wait_id": wait.id, "step": wait.step, "task": wait.task, "iteration": wait.iteration,
+            "kind": wait.kind, "status": "ended" if wait.ended else "resolved" if wait.outcome else "waiting",
+            "started_at": wait.started_at, **wait.spec}

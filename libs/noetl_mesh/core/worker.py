@@ -89,10 +89,15 @@ def _masked(event: dict[str, Any], mask: Masker) -> dict[str, Any]:
     if data is None:
         return event
     if event["name"] == "task.suspended":
-        child, cont = data.get("child") or {}, data.get("continuation") or {}
-        child = {**child, **{k: mask(child.get(k)) for k in ("workload", "args", "iter_parent")}}
+        cont = data.get("continuation") or {}
         cont = {**cont, **{k: mask(cont.get(k)) for k in ("iter", "ctx_patch", "last")},
                 "outcomes": {n: mask(v) for n, v in (cont.get("outcomes") or {}).items()}}
+        if "wait" in data:  # D30: what a person sees in the inbox is masked, the signal's name is not
+            wait = data["wait"] or {}
+            wait = {**wait, **{k: mask(wait[k]) for k in ("assignee", "form") if k in wait}}
+            return {**event, "data": {**data, "wait": wait, "continuation": cont}}
+        child = data.get("child") or {}
+        child = {**child, **{k: mask(child.get(k)) for k in ("workload", "args", "iter_parent")}}
         return {**event, "data": {**data, "child": child, "continuation": cont}}
     masked = mask(data)
     return event if masked is data else {**event, "data": masked}
@@ -146,8 +151,9 @@ async def execute(
         # A `playbook` task: the run waits for its child without holding this worker (the command is
         # acknowledged); the control plane starts the child and, when it ends, sends a resume command.
         s = result.suspend
+        what = {"wait": s["wait"]} if "wait" in s else {"child": s["child"]}
         suspended = event("task.suspended", status="paused", task=s["task"], key=(s["action_id"], s["attempt"]),
-                          data={"child": s["child"], "continuation": s["continuation"]},
+                          data={**what, "continuation": s["continuation"]},
                           action_id=s["action_id"], attempt=s["attempt"], task_run_id=s["action_id"])
         await publish(suspended)
         return suspended

@@ -32,7 +32,7 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import nats
 import orjson
@@ -52,6 +52,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from . import tracing
+from ..lang.durations import rfc3339
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
 from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
@@ -60,6 +61,8 @@ log = logging.getLogger("noetl.bus")
 
 EVENTS = "NOETL_EVENTS"
 EVENT_SUBJECTS = "noetl.evt.*.*.*"  # writer, class, execution
+TIMER_SUBJECTS = "noetl.sched.*.*"  # execution, timer: D29 timers, JetStream message schedules of the events stream
+SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
 LEGACY_EVENT_SUBJECTS = "noetl.evt.*.*"  # class, execution: the layout of earlier versions (setup migrates it)
 COMMANDS = "NOETL_COMMANDS"
 COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
@@ -76,6 +79,7 @@ Q_CATALOG_LIST = "noetl.q.catalog.list"
 Q_EXECUTION_GET = "noetl.q.execution.get"
 Q_EXECUTION_EVENTS = "noetl.q.execution.events"
 Q_EXECUTION_LIST = "noetl.q.execution.list"
+Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
 Q_RECORDER_PING = "noetl.q.recorder.ping"
 Q_CREDENTIAL_PUT = "noetl.q.credential.put"
 Q_CREDENTIAL_LIST = "noetl.q.credential.list"
@@ -136,13 +140,20 @@ def writer_from_subject(subject: str) -> str | None:
     return parts[5] if len(parts) == 6 else None
 
 
-def admitted(subject: str, events: list[Any], reader: str) -> list[dict[str, Any]]:
+def admitted(subject: str, events: list[Any], reader: str, headers: Mapping[str, str] | None) -> list[dict[str, Any]]:
     """The events of a stored message that its subject's writer may write (core/events.py MAY_WRITE);
     the others are dropped and logged, once per message. Messages of the earlier layout (no writer
-    token: stored before ``setup`` migrated the stream, which captures no such subject since) pass."""
+    token: stored before ``setup`` migrated the stream, which captures no such subject since) pass.
+    The writer ``timer`` is the NATS scheduler (D29): its messages, and only its, carry the
+    ``Nats-Scheduler`` header, which no client can set on a message it publishes to a subject of its own."""
     writer = writer_from_subject(subject)
     if writer is None and len(subject.split(".")) == 5:
         return events
+    if (writer == "timer") != (SCHEDULER_HEADER in (headers or {})):
+        log.error("%s: dropped the %d events of %s: %s", reader, len(events), subject,
+                  "a timer's message not written by the scheduler" if writer == "timer"
+                  else f"a scheduled message that writes as {writer!r}, not as 'timer'")
+        return []
     kept, dropped = split_by_writer(writer or "", events)
     if dropped:
         log.error("%s: dropped %d of %d events of %s: %s", reader, len(dropped), len(events), subject,
@@ -165,6 +176,10 @@ def command_subject(pool: str, execution_id: str) -> str:
 def pool_filter(pool: str) -> list[str]:
     """What a pool's workers read: its commands (and the per-pool subject of earlier versions)."""
     return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
+
+
+def timer_subject(execution_id: str, timer_id: str) -> str:
+    return f"noetl.sched.{execution_id}.{timer_id}"
 
 
 def cancel_subject(execution_id: str) -> str:
@@ -257,13 +272,19 @@ class Bus:
             info = await self.js.stream_info(EVENTS)
             self.partitions = _partitions_of(info.config)
             self.replicas = info.config.num_replicas or 1
-            if list(info.config.subjects or ()) != [EVENT_SUBJECTS]:
-                await self._migrate_events(info.config)
+            subjects = list(info.config.subjects or ())
+            if subjects in ([EVENT_SUBJECTS], [EVENT_SUBJECTS, TIMER_SUBJECTS]):
+                if subjects == [EVENT_SUBJECTS] or not info.config.allow_msg_schedules:
+                    info.config.subjects = [EVENT_SUBJECTS, TIMER_SUBJECTS]  # a stream made before timers (D29)
+                    info.config.allow_msg_schedules = info.config.allow_rollup_hdrs = True
+                    await self.js.update_stream(info.config)
+            else:
+                await self._migrate_events(info.config)  # the earlier layout, or refused: not made by noetl
         except NotFoundError:
             await self.js.add_stream(StreamConfig(
-                name=EVENTS, subjects=[EVENT_SUBJECTS], storage=StorageType.FILE,
+                name=EVENTS, subjects=[EVENT_SUBJECTS, TIMER_SUBJECTS], storage=StorageType.FILE,
                 retention=RetentionPolicy.LIMITS, max_age=max_age_s, duplicate_window=120,
-                subject_transform=_event_transform(partitions), num_replicas=replicas,
+                subject_transform=_event_transform(partitions), num_replicas=replicas, allow_msg_schedules=True, allow_rollup_hdrs=True,
             ))
             self.partitions, self.replicas = partitions, replicas
         try:
@@ -291,12 +312,13 @@ class Bus:
         plane does not (an execution running across the change cannot be rebuilt: upgrade when none
         runs, docs/nats-security.md)."""
         if list(config.subjects or ()) != [LEGACY_EVENT_SUBJECTS]:
-            raise ValueError(f"stream {EVENTS} has subjects {config.subjects}, neither {EVENT_SUBJECTS!r} nor the "
+            raise ValueError(f"stream {EVENTS} has subjects {config.subjects}, neither {[EVENT_SUBJECTS, TIMER_SUBJECTS]} nor the "
                              f"earlier {LEGACY_EVENT_SUBJECTS!r}: it was not made by noetl; delete or rename it")
         log.warning("stream %s has the subject layout of an earlier version (no writer token): moving it to "
                     "%s; executions that were running across the change cannot be resumed", EVENTS, EVENT_SUBJECTS)
-        config.subjects = [EVENT_SUBJECTS]
+        config.subjects = [EVENT_SUBJECTS, TIMER_SUBJECTS]
         config.subject_transform = _event_transform(self.partitions)
+        config.allow_msg_schedules = config.allow_rollup_hdrs = True
         await self.js.update_stream(config)
 
     async def ensure_lost_commands(self, max_age_s: float = 7 * 24 * 3600) -> None:
@@ -340,18 +362,25 @@ class Bus:
         return self.replicas
 
     # ----------------------------------------------------------------- publishing
+    async def publish_once(self, event: dict[str, Any]) -> bool:
+        """Publish one event alone; False when JetStream already had its id (a duplicate, not stored)."""
+        ack = await (await self.send_events([event]))
+        return not bool((ack[0] if isinstance(ack, list) else ack).duplicate)
+
     async def publish_event(self, event: dict[str, Any]) -> int:
         """Publish one event alone and wait for it to be stored; returns its log_seq."""
         ack = await (await self.send_events([event]))
         return log_seq((ack[0] if isinstance(ack, list) else ack).seq, 0)
 
     async def publish_all(self, events: list[dict[str, Any]], commands: list[dict[str, Any]] = (),
-                          timeout: float = 10.0) -> None:
+                          timeout: float = 10.0, timers: list[dict[str, Any]] = ()) -> None:
         """Publish in order without waiting for each PubAck (one connection keeps the order), then
-        wait for every PubAck: on return, all are stored."""
+        wait for every PubAck: on return, all are stored. Timers go after the events that set them."""
         futures = [await self.send_events(batch) for batch in batches(events)]
         for c in commands:
             futures.append(await self.send_command(c))
+        for t in timers:
+            futures.append(await self.send_timer(t))
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), timeout)
 
@@ -395,6 +424,25 @@ class Bus:
     async def expand(self, raw: bytes, value: Any) -> Any:
         """A received message's value with its payload references resolved (D23)."""
         return await self.payloads.expand(value) if MARKER in raw else value
+
+    async def send_timer(self, timer: dict[str, Any]) -> asyncio.Future:
+        """D29: a JetStream message schedule (``@at`` the due instant) whose body, the ``timer.fired``
+        event, the server writes into the execution's log at that time. The schedule's subject is the
+        timer's identity: setting the same timer again (a redelivered decision) replaces it."""
+        eid, tid = timer["execution_id"], timer["timer_id"]
+        headers = tracing.inject({"Nats-Schedule": f"@at {rfc3339(timer['due'])}",
+                                  "Nats-Schedule-Target": f"noetl.evt.timer.ctl.{eid}"})
+        return await self.js.publish_async(timer_subject(eid, tid), dumps([timer["event"]]), stream=EVENTS,
+                                           headers=headers)
+
+    async def cancel_timers(self, execution_id: str, timer_ids: list[str], timeout: float = 10.0) -> None:
+        """Cancel timers (D29): an empty message with ``Nats-Rollup: sub`` on a timer's subject replaces
+        its schedule, so it never fires. (A stream purge would do it in one call, but a purge request's
+        subject filter cannot be limited by permissions: no service may purge the events stream.)"""
+        futures = [await self.js.publish_async(timer_subject(execution_id, tid), b"", stream=EVENTS,
+                                               headers={"Nats-Rollup": "sub"}) for tid in timer_ids]
+        if futures:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
 
     async def purge_commands(self, execution_id: str) -> None:
         """Drop the execution's queued commands (all pools): a finished execution's work is never run,
@@ -501,7 +549,7 @@ class Bus:
             while seq < last:
                 for msg in await sub.fetch(512, timeout=5):
                     seq = msg.metadata.sequence.stream
-                    events = admitted(msg.subject, await self.expand(msg.data, loads(msg.data)), self.name)
+                    events = admitted(msg.subject, await self.expand(msg.data, loads(msg.data)), self.name, msg.headers)
                     out += [(seq, e) for e in events]
         finally:
             await sub.unsubscribe()

@@ -61,7 +61,7 @@ class PartitionedService:
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> Decision:
         raise NotImplementedError
 
-    async def after(self, state: ExecutionState, outputs: list[dict[str, Any]]) -> None:
+    async def after(self, state: ExecutionState, outputs: list[dict[str, Any]], cancel_runs: list[str]) -> None:
         """Side effects beyond publishing (router: cancel broadcasts)."""
 
     # --------------------------------------------------------------- lifecycle
@@ -133,7 +133,7 @@ class PartitionedService:
             self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
         self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
         # one decision's events, one execution; only those the subject's writer may write
-        events = admitted(msg.subject, await self.bus.expand(msg.data, loads(msg.data)), self.name)
+        events = admitted(msg.subject, await self.bus.expand(msg.data, loads(msg.data)), self.name, msg.headers)
         if not events:
             await msg.ack()
             self.last_consumer_seq[p] = seq.consumer
@@ -152,20 +152,22 @@ class PartitionedService:
         self.cache[eid] = state
         self.partition_of[eid] = p
         self.cache.move_to_end(eid)
-        outputs, commands, foreign = [], [], []
+        outputs, commands, foreign, timers, cancel_runs = [], [], [], [], []
         for event in events:
             if apply(state, event):
                 decision = await self.decide(state, event)
                 outputs += decision.events
                 commands += decision.commands
                 foreign += decision.foreign
+                timers += decision.timers
+                cancel_runs += decision.cancel_runs
         if outputs or commands or foreign:  # most events need nothing from this service: no span, no publish
             with tracing.consume_span(f"{self.name} {events[-1]['name']}", msg.headers,
                                       **{"noetl.execution_id": eid, "noetl.event": events[-1]["name"]}):
                 # other executions' events first (a child's request, a parent's notice): if this
                 # service dies in between, the redelivered cause decides again and sends both
-                await self.bus.publish_all(foreign + outputs, commands)
-                await self.after(state, outputs)
+                await self.bus.publish_all(foreign + outputs, commands, timers=timers)
+                await self.after(state, outputs, cancel_runs)
         self.handled += 1
         # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
         # means a redelivery, which folds to nothing (D21).

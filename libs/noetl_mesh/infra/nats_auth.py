@@ -7,7 +7,7 @@ permissions; each service holds its own seed in a file (0600). Users:
 |---|---|
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
 | ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas |
-| ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
+| ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
 | ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*`` |
 | ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
@@ -181,6 +181,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [_js("CONSUMER", "CREATE", EVENTS, "*"), _js("CONSUMER", "CREATE", EVENTS, "*", ">"),
                 _js("CONSUMER", "MSG", "NEXT", EVENTS, "*"), _js("CONSUMER", "DELETE", EVENTS, "*")]
         pub += _payloads(write=True) + _membership(user)
+        pub.append("noetl.sched.*.*")  # D29: timers (schedules of the events stream); see admitted() in bus.py
         purges |= {PAYLOADS, MEMBERS}
         if user == "admission":
             pub += ["noetl.cmd.*.*", "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
@@ -228,6 +229,9 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     deny = [_js("STREAM", "DELETE", ">"), "$JS.API.ACCOUNT.>", "$JS.API.SERVER.>", "$SYS.>"]
     deny += [f"noetl.evt.{w}.>" for w in WRITERS if w != writer]  # nobody publishes as another writer
     deny.append("noetl.pevt.>")  # stored subjects are the stream's transform's, never published
+    deny.append("noetl.evt.timer.>")  # the NATS scheduler's own writer (D29): no client publishes as it
+    if user not in CONTROL_PLANE:
+        deny.append("noetl.sched.>")
     if user not in ("admission", "loop-coordinator"):
         deny.append("noetl.cmd.>")
     if user != "router":

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from .. import limits
+from .durations import is_template, parse_duration, parse_instant
 
 # D6: names that templates reserve; no step or task may use them.
 RESERVED_NAMES = frozenset(
@@ -19,6 +22,23 @@ RESERVED_NAMES = frozenset(
 )
 
 Template = str  # a string that may hold Jinja2 templates (D6, D7)
+
+
+def _duration(value: Any) -> Any:
+    """D29: a literal duration is checked here (before anything runs); a templated one when rendered."""
+    if not is_template(value):
+        parse_duration(value, maximum=limits.current().max_timer_seconds)
+    return value
+
+
+def _instant(value: Any) -> Any:
+    if not is_template(value):
+        parse_instant(value)
+    return value
+
+
+Duration = Annotated[Union[float, str], AfterValidator(_duration)]  # seconds, "5s", "2h", "PT5M" (D29)
+Instant = Annotated[str, AfterValidator(_instant)]  # ISO-8601 with a time zone
 
 
 class Strict(BaseModel):
@@ -140,13 +160,48 @@ class SecretsTask(TaskBase):
     provider: str | None = None
 
 
+class WaitTask(TaskBase):
+    """D29 (b), D30: wait durably for a time, an instant, or a signal; holds no worker while it waits."""
+
+    kind: Literal["wait"]
+    duration: Duration | None = None
+    until: Instant | None = None
+    signal: Template | None = Field(None, description="the signal's name (D30)")
+    timeout: Duration | None = Field(None, description="signal: give up after this long (error kind timeout)")
+    roles: list[str] | None = Field(None, description="signal: the roles that may send it")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="signal: JSON Schema of the payload")
+    assignee: Any = None
+    form: Any = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "WaitTask":
+        given = [k for k in ("duration", "until", "signal") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("a wait task takes exactly one of 'duration', 'until' or 'signal'"
+                             + (f", got {' and '.join(given)}" if given else ""))
+        if self.signal is None:
+            extra = [k for k in ("timeout", "roles", "schema_", "assignee", "form") if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(k.rstrip('_') for k in extra)}: only for a wait on a 'signal'")
+        if self.schema_ is not None:
+            from jsonschema import Draft202012Validator
+            from jsonschema.exceptions import SchemaError
+            try:
+                Draft202012Validator.check_schema(self.schema_)
+            except SchemaError as e:
+                raise ValueError(f"schema is not a valid JSON Schema: {e.message}") from None
+        return self
+
+
 Task = Annotated[
-    Union[NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask],
+    Union[NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask,
+          WaitTask],
     Field(discriminator="kind"),
 ]
 TASK_MODELS: dict[str, type[TaskBase]] = {
     m.model_fields["kind"].annotation.__args__[0]: m  # type: ignore[union-attr]
-    for m in (NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask)
+    for m in (NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask,
+              WaitTask)
 }
 TOOL_KINDS = tuple(TASK_MODELS)
 
@@ -191,10 +246,14 @@ class FailurePolicy(Open):
     mode: Literal["fail_fast", "best_effort"] = "fail_fast"
 
 
+class Lifecycle(Open):
+    timeout_s: Duration | None = Field(None, description="D29 (c): a step run fails with error kind timeout after this")
+
+
 class StepPolicy(Open):
     admit: AdmitPolicy | None = None
     failure: FailurePolicy | None = None
-    lifecycle: dict[str, Any] | None = None
+    lifecycle: Lifecycle | None = None
     emit: dict[str, Any] | None = None
 
 
@@ -219,16 +278,21 @@ class Loop(Strict):
 
 
 # ---------------------------------------------------------------- routing (D13, D14)
+class ArcSpec(Open):
+    delay: Duration | None = Field(None, description="D29 (a): the token is enqueued after this long")
+
+
 class Arc(Strict):
     step: str
     when: Template | None = None
     args: dict[str, Any] | None = None
-    spec: dict[str, Any] | None = None
+    spec: ArcSpec | None = None
 
 
 class RouterSpec(Open):
     mode: Literal["exclusive", "inclusive"] = "exclusive"
     policy: dict[str, Any] | None = None
+    delay: Duration | None = Field(None, description="D29 (a): every arc's delay, unless the arc sets its own")
 
 
 class Router(Strict):

@@ -227,6 +227,8 @@ class _Validator:
             self.error(where, f"expected a mapping, got {_describe(got)}")
         elif kind == "list_type":
             self.error(where, f"expected a list, got {_describe(got)}")
+        elif kind == "value_error":  # a check of the model's own (durations, wait fields): its message says it all
+            self.error(where, str((err.get("ctx") or {}).get("error") or err["msg"]))
         else:
             self.error(where, f"{err['msg']} (got {_describe(got)})")
 
@@ -593,9 +595,9 @@ def _strip_tags(value: Any, loc: tuple) -> tuple[Path, Any]:
         last = i == len(loc) - 1
         if isinstance(node, Mapping):
             nxt = None if last else loc[i + 1]
-            is_tag = key in _TAGS and not last and (
+            is_tag = key in _TAGS and (key not in node if last else (
                 key not in node or (nxt in node and not (isinstance(node[key], Mapping) and nxt in node[key]))
-            )
+            ))
             if not is_tag and (key in node or last):
                 out.append(key)
                 node = node.get(key)

@@ -1,0 +1,221 @@
+"""Timers, waits and signals (D29, D30) through the gateway on the real stack: JetStream message
+schedules fire the timers, across a restart of every control-plane service, the worker and NATS."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from noetl_mesh.client import GatewayClient, GatewayError
+from noetl_mesh.infra.embedded import EmbeddedNats
+from noetl_mesh.infra.nats_auth import connect_options
+from noetl_mesh.stack import start_service, stop_service
+
+from conftest import start_stack, stop_stack
+
+DELAYED = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: delayed, path: time/delayed}
+workflow:
+  - step: start
+    tool: {kind: noop, result: 1}
+    next: {arcs: [{step: nap, spec: {delay: 2s}}]}
+  - step: nap
+    tool: [{name: w, kind: wait, duration: 2s}]
+    next: {arcs: [{step: end}]}
+  - step: end
+    tool: {kind: noop, result: "{{ nap.result }}"}
+"""
+
+TIMEOUT = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: timeout, path: time/timeout}
+workflow:
+  - step: start
+    spec: {policy: {lifecycle: {timeout_s: 1}}}
+    tool: {kind: python, code: "import time\\ntime.sleep(30)\\nresult = 1"}
+    next: {arcs: [{step: handler, when: "{{ event.error.kind == 'timeout' }}"}]}
+  - step: handler
+    tool: {kind: noop, result: handled}
+"""
+
+APPROVAL = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: approval, path: time/approval}
+workflow:
+  - step: start
+    tool:
+      - {name: nap, kind: wait, duration: "{{ workload.nap }}"}
+      - name: approve
+        kind: wait
+        signal: approve
+        timeout: 1h
+        roles: [operator, admin]
+        assignee: finance
+        form: {amount: number}
+        schema: {type: object, required: [ok], properties: {ok: {type: boolean}}}
+    next: {arcs: [{step: end}]}
+  - step: end
+    tool: {kind: noop, result: "{{ start.result.payload.ok }}"}
+"""
+
+LONG_DELAY = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: long, path: time/long}
+workflow:
+  - step: start
+    tool: {kind: noop}
+    next: {arcs: [{step: end, spec: {delay: 1h}}]}
+  - step: end
+    tool: {kind: noop}
+"""
+
+
+@pytest.fixture(scope="module")
+def timed(module_pg, tmp_path_factory):
+    nats_, loop, handle = start_stack(module_pg)
+    yield handle
+    stop_stack(nats_, loop, handle)
+
+
+def _names(events):
+    return [e["name"] for e in events]
+
+
+async def _until(client, eid, name, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            events = await client.all_events(eid)
+        except GatewayError as exc:  # not recorded yet
+            if exc.status != 404:
+                raise
+            events = []
+        if name in _names(events):
+            return events
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name} never recorded for {eid}")
+
+
+def test_a_step_timeout_cancels_the_task_and_routes_to_its_handler(timed):
+    t0 = time.monotonic()
+    status, events = timed.execute(TIMEOUT, timeout=60)
+    assert status["status"] == "COMPLETED", status
+    assert status["steps"]["start"]["status"] == "failed" and status["steps"]["handler"]["result"] == "handled"
+    failed = next(e for e in events if e["name"] == "step.failed")
+    assert failed["source"] == "router" and failed["data"]["error"]["kind"] == "timeout"
+    assert time.monotonic() - t0 < 20  # the 30 s python task was cancelled, not waited for
+
+
+def test_an_approval_sent_by_http_resumes_the_execution(timed):
+    async def go():
+        async with timed.client() as client:
+            eid = await client.start(APPROVAL, {"nap": 0})
+            await _until(client, eid, "wait.started")
+            deadline = time.monotonic() + 20
+            while True:  # the inbox lists it once the recorder has it
+                waits = await client.waits(eid)
+                if any(w["signal"] == "approve" for w in waits) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            [inbox] = [w for w in waits if w["signal"] == "approve"]
+            assert inbox["spec"]["assignee"] == "finance" and inbox["spec"]["roles"] == ["operator", "admin"]
+            with pytest.raises(GatewayError) as bad:
+                await client.signal(eid, "approve", {"ok": "yes"})
+            assert bad.value.status == 422 and "is not of type 'boolean'" in str(bad.value.body)
+            sent = await client.signal(eid, "approve", {"ok": True})
+            assert sent["status"] == "DELIVERED"
+            final = await client.wait(eid, timeout=30)
+            with pytest.raises(GatewayError) as again:
+                await client.signal(eid, "approve", {"ok": False})
+            assert again.value.status == 409
+            return final, await client.all_events(eid)
+
+    final, events = timed.run(go(), 90)
+    assert final["status"] == "COMPLETED" and final["steps"]["end"]["result"] is True
+    result = final["steps"]["start"]["result"]
+    assert result["signal"] == "approve" and result["payload"] == {"ok": True} and result["by"]["user_id"]
+    assert _names(events).count("signal.received") == 1  # the bad payload changed nothing
+
+
+def test_a_signal_sent_before_its_wait_begins_is_kept(timed):
+    async def go():
+        async with timed.client() as client:
+            eid = await client.start(APPROVAL, {"nap": "2s"})
+            await _until(client, eid, "wait.started")  # the nap's wait, not the approval's
+            sent = await client.signal(eid, "approve", {"ok": False})
+            assert sent["status"] == "KEPT"
+            with pytest.raises(GatewayError) as dup:
+                await client.signal(eid, "approve", {"ok": True})
+            assert dup.value.status == 409
+            return await client.wait(eid, timeout=30)
+
+    final = timed.run(go(), 60)
+    assert final["status"] == "COMPLETED" and final["steps"]["end"]["result"] is False
+
+
+def test_cancel_clears_pending_timers(timed):
+    async def go():
+        async with timed.client() as client:
+            eid = await client.start(LONG_DELAY)
+            await _until(client, eid, "timer.scheduled")
+            await client.cancel(eid)
+            final = await client.wait(eid, timeout=30)
+        nc = await nats.connect(timed.nats_url, **connect_options(timed.admin))
+        try:
+            js = nc.jetstream()
+            msg = await js.get_last_msg("NOETL_EVENTS", f"noetl.sched.{eid}.*")
+            return final, msg
+        finally:
+            await nc.close()
+
+    final, msg = timed.run(go(), 60)
+    assert final["status"] == "CANCELLED"
+    assert not msg.data and "Nats-Schedule" not in (msg.headers or {})  # the schedule was replaced
+
+
+def test_a_delay_and_a_wait_survive_restarting_every_service_and_nats(module_pg, tmp_path):
+    """The delayed token and the wait's timer live in JetStream: the control plane, the worker and NATS
+    itself are stopped while both are pending, and the execution still completes on time."""
+    store = tmp_path / "jetstream"
+    nats_, loop, handle = start_stack(module_pg, nats_kw={"store_dir": str(store)})
+    stack = handle.stack
+    try:
+        async def go():
+            async with handle.client() as client:
+                eid = await client.start(DELAYED)
+                await _until(client, eid, "timer.scheduled")
+                names = ("admission", "router", "loop-coordinator", "worker")
+                old = [r for r in stack.running if r.name in names]
+                await asyncio.gather(*(stop_service(r) for r in old))
+                stack.running = [r for r in stack.running if r not in old]
+                return eid, [r.name for r in old]
+
+        eid, names = handle.run(go(), 60)
+        port = nats_.port
+        nats_.stop()  # and NATS: the schedules are in its file store
+        restarted = EmbeddedNats(store_dir=str(store), port=port, auth=nats_.auth).start()
+
+        async def resume():
+            fresh = [await start_service(n, stack.settings) for n in names]
+            stack.running += fresh
+            async with handle.client() as client:
+                return await client.wait(eid, timeout=60), await client.all_events(eid)
+
+        final, events = handle.run(resume(), 120)
+        assert final["status"] == "COMPLETED", final
+        assert final["steps"]["end"]["result"] == {"waited": 2.0}
+        fired = [e for e in events if e["name"] == "timer.fired"]
+        assert [e["data"]["kind"] for e in fired] == ["token", "wait"] and all(e["source"] == "timer" for e in fired)
+        done = next(e for e in events if e["name"] == "step.done" and e["step"] == "start")
+        nap = next(e for e in events if e["name"] == "step.admitted" and e["step"] == "nap")
+        assert nap["timestamp"] - done["timestamp"] >= 1.9  # the token waited for its delay
+        nats_ = restarted
+    finally:
+        stop_stack(nats_, loop, handle)
