@@ -41,22 +41,6 @@ def errors(body: dict, now: float = NOW) -> list[dict]:
     return exc.value.errors
 
 
-# ------------------------------------------------------------------------------------ durations
-@pytest.mark.parametrize("value, seconds", [
-    (90, 90), (1.5, 1.5), ("5s", 5), ("5m", 300), ("2h", 7200), ("1d", 86400), ("1h30m", 5400), ("500ms", 0.5),
-    ("PT5M", 300), ("P1DT2H", 93600), ("pt10s", 10), ("42", 42), (" 3s ", 3)])
-def test_durations(value, seconds):
-    assert S.parse_duration(value) == seconds
-
-
-@pytest.mark.parametrize("value, says", [
-    ("5x", "not a duration"), ("", "not a duration"), ("P", "ISO-8601"), ("PT", "ISO-8601"), ("s5", "not a duration"),
-    (-1, ">= 0"), (float("nan"), ">= 0"), (True, "number of seconds"), (None, "number of seconds"), ("9" * 65, "64")])
-def test_bad_durations_say_why(value, says):
-    with pytest.raises(ValueError, match=says):
-        S.parse_duration(value)
-
-
 # ------------------------------------------------------------------------------------ cron: parsing
 def test_cron_fields_lists_ranges_steps_names_and_macros():
     c = parse_cron("5/20 0-10/5,30 9-17/4 1,15 JAN-mar mon-FRI")

@@ -9,8 +9,8 @@ replicas, start it once. The definitions themselves (playbook, workload, creator
 the KV bucket ``noetl_schedules``: the record is the truth, the schedule message follows it, and each
 firing is checked against it (:func:`on_firing`). docs/schedules.md tells the whole story.
 
-This module: validation of a request with located errors (:func:`check`), durations and instants,
-a six-field cron parser and iterator that computes what the server computes (its algorithm, time
+This module: validation of a request with located errors (:func:`check`; durations and instants are
+the language's, lang/durations.py), a six-field cron parser and iterator that computes what the server computes (its algorithm, time
 zones and daylight-saving changes included: :func:`cron_next`), next fire times, the header values,
 the fire time of a firing and the request it makes. No I/O, no clock: ``now`` is always a parameter.
 """
@@ -26,6 +26,7 @@ from zoneinfo import ZoneInfo, available_timezones
 
 import orjson
 
+from ..lang.durations import parse_duration, parse_instant  # the language's durations and instants
 from .events import make_event, stable_id
 
 # ------------------------------------------------------------------------------------ names
@@ -82,69 +83,7 @@ def _error(location: str, message: str, type: str = "invalid") -> dict[str, str]
     return {"location": location, "message": message, "type": type}
 
 
-# ------------------------------------------------------------------------------------ durations, instants
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_COMPACT = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_ISO = re.compile(r"P(?:(\d+(?:\.\d+)?)D)?(?:T(?:(\d+(?:\.\d+)?)H)?(?:(\d+(?:\.\d+)?)M)?(?:(\d+(?:\.\d+)?)S)?)?")
-DURATIONS = '90, "5s", "5m", "2h", "1d", "1h30m" or ISO-8601 "PT5M"'
-
-
-def parse_duration(value: Any, *, maximum: float | None = None) -> float:
-    """Seconds (>= 0) of a duration: a number of seconds, a string of units (``"500ms"``, ``"5s"``,
-    ``"5m"``, ``"2h"``, ``"1d"``, combined as ``"1h30m"``), or ISO-8601 (``"PT5M"``, ``"P1DT2H"``).
-    ValueError says why a value is not one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"a duration is a number of seconds or a string like {DURATIONS}, got {type(value).__name__}")
-    if isinstance(value, str):
-        text = value.strip()
-        if len(text) > 64:
-            raise ValueError(f"a duration is at most 64 characters, got {len(text)}")
-        seconds = _duration_text(text)
-    else:
-        seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"a duration is a finite number of seconds >= 0, got {value!r}")
-    if maximum is not None and seconds > maximum:
-        raise ValueError(f"{value!r} is {seconds:g} s, over the maximum of {maximum:g} s")
-    return seconds
-
-
-def _duration_text(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    upper = text.upper()
-    if upper.startswith("P"):
-        m = _ISO.fullmatch(upper)
-        if m and upper not in ("P", "PT") and not upper.endswith("T"):
-            d, h, mi, s = (float(g) if g else 0.0 for g in m.groups())
-            return d * 86400 + h * 3600 + mi * 60 + s
-        raise ValueError(f"{text!r} is not an ISO-8601 duration (PnDTnHnMnS, e.g. PT5M)")
-    pos, total = 0, 0.0
-    for m in _COMPACT.finditer(text):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos != len(text) or pos == 0:
-        raise ValueError(f"{text!r} is not a duration: use {DURATIONS}")
-    return total
-
-
-def parse_instant(value: Any) -> float:
-    """Epoch seconds of an ISO-8601 instant with its time zone (``Z`` or an offset)."""
-    if not isinstance(value, str) or len(value) > 64:
-        raise ValueError(f"an instant is an ISO-8601 string like 2026-12-01T09:00:00Z, got {value!r:.80}")
-    try:
-        moment = datetime.fromisoformat(value.strip().replace("z", "Z"))
-    except ValueError:
-        raise ValueError(f"{value!r} is not an ISO-8601 instant (e.g. 2026-12-01T09:00:00Z)") from None
-    if moment.tzinfo is None:
-        raise ValueError(f"{value!r} has no time zone: add Z (UTC) or an offset like +01:00")
-    return moment.timestamp()
-
-
+# ------------------------------------------------------------------------------------ instants
 def iso(epoch: float) -> str:
     """An instant as RFC 3339 in UTC, to the second (the server's @at format)."""
     return datetime.fromtimestamp(int(epoch), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -468,9 +407,11 @@ def _spec(kind: str, body: dict[str, Any], now: float) -> dict[str, Any]:
         return spec
     try:
         if kind == "every":
-            seconds = parse_duration(value, maximum=MAX_EVERY)
+            seconds = parse_duration(value)
             if seconds < 1 or seconds != int(seconds):
                 raise ValueError(f"{value!r} is {seconds:g} s: every is a whole number of seconds, at least 1")
+            if seconds > MAX_EVERY:
+                raise ValueError(f"{value!r} is {seconds:g} s, over the maximum of {MAX_EVERY} s (366 days)")
             return {"every": int(seconds)}
         at = parse_instant(value)
         if at != int(at):
