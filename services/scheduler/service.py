@@ -74,8 +74,7 @@ class SchedulerService:
         fired = loads(msg.data)  # not JSON: pull_loop drops it
         found = await self.store.get(fired["id"]) if isinstance(fired, dict) and isinstance(fired.get("id"), str) \
             and schedules.ID.match(fired["id"]) else None
-        decision = schedules.on_firing(msg.subject, fired, found[0] if found else None,
-                                       (msg.headers or {}).get("Nats-Schedule-Next"),
+        decision = schedules.on_firing(msg.subject, fired, found[0] if found else None, msg.headers or {},
                                        msg.metadata.timestamp.timestamp(), time.time())
         if decision.start is not None:
             await self.bus.publish_event(decision.start)  # Nats-Msg-Id: the request's event id

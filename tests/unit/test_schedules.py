@@ -278,12 +278,17 @@ def test_fire_time_from_the_servers_next():
     assert S.fire_time(at, "purge", NOW + 86400.5) == ep("2026-06-02T00:00:00")
 
 
+def fired_by(next_time: str | None = None, scheduler: str | None = "noetl.schedule.def.s1") -> dict[str, str]:
+    """The headers the server writes on a firing."""
+    return {k: v for k, v in (("Nats-Scheduler", scheduler), ("Nats-Schedule-Next", next_time)) if v is not None}
+
+
 def test_a_firing_starts_one_derived_execution():
     rec = record({"every": 5})
     fired = {"id": "s1", "generation": "g1"}
-    one = S.on_firing("noetl.schedule.fire.s1", fired, rec, "2026-06-01T12:00:10Z", NOW + 5.01, NOW + 6)
-    again = S.on_firing("noetl.schedule.fire.s1", fired, rec, "2026-06-01T12:00:10Z", NOW + 5.01, NOW + 40)
-    later = S.on_firing("noetl.schedule.fire.s1", fired, rec, "2026-06-01T12:00:15Z", NOW + 10.01, NOW + 11)
+    one = S.on_firing("noetl.schedule.fire.s1", fired, rec, fired_by("2026-06-01T12:00:10Z"), NOW + 5.01, NOW + 6)
+    again = S.on_firing("noetl.schedule.fire.s1", fired, rec, fired_by("2026-06-01T12:00:10Z"), NOW + 5.01, NOW + 40)
+    later = S.on_firing("noetl.schedule.fire.s1", fired, rec, fired_by("2026-06-01T12:00:15Z"), NOW + 10.01, NOW + 11)
     req = one.start
     assert req["execution_id"] == again.start["execution_id"] == S.execution_id("s1", int(NOW) + 5)
     assert req["event_id"] == again.start["event_id"] and later.start["execution_id"] != req["execution_id"]
@@ -295,16 +300,19 @@ def test_a_firing_starts_one_derived_execution():
                            "schedule": {"id": "s1", "fire_time": "2026-06-01T12:00:05Z"}}
 
 
-@pytest.mark.parametrize("subject, fired, rec, reason, stale", [
-    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, None, "does not exist", True),
-    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g0"}, "active", "earlier schedule", False),
-    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, "paused", "is paused", False),
-    ("noetl.schedule.fire.s2", {"id": "s1", "generation": "g1"}, "active", "names another", False),
-    ("noetl.schedule.fire.s1", [1, 2], "active", "names another", False),
+@pytest.mark.parametrize("subject, fired, rec, headers, reason, stale", [
+    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, None, fired_by(), "does not exist", True),
+    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g0"}, "active", fired_by(), "earlier schedule", False),
+    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, "paused", fired_by(), "is paused", False),
+    ("noetl.schedule.fire.s2", {"id": "s1", "generation": "g1"}, "active", fired_by(), "names another", False),
+    ("noetl.schedule.fire.s1", [1, 2], "active", fired_by(), "names another", False),
+    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, "active", {}, "not written by the NATS", False),
+    ("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, "active", fired_by(scheduler="noetl.schedule.def.s2"),
+     "not written by the NATS", False),
 ])
-def test_firings_that_start_nothing(subject, fired, rec, reason, stale):
+def test_firings_that_start_nothing(subject, fired, rec, headers, reason, stale):
     current = None if rec is None else S.with_paused(record({"every": 5}), rec == "paused", NOW)
-    decision = S.on_firing(subject, fired, current, None, NOW, NOW)
+    decision = S.on_firing(subject, fired, current, headers, NOW, NOW)
     assert decision.start is None and reason in decision.reason and decision.stale == stale
 
 

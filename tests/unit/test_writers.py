@@ -155,7 +155,7 @@ def written():
     record = schedules.definition(schedules.check({"path": "t/child", "every": 5}, now=0, max_bytes=1 << 20),
                                   schedule_id="s1", generation="g", created_by={"user_id": "u"}, now=0)
     firing = schedules.on_firing("noetl.schedule.fire.s1", {"id": "s1", "generation": "g"}, record,
-                                 "1970-01-01T00:00:10Z", 5.0, 5.0).start
+                                 {"Nats-Scheduler": "noetl.schedule.def.s1"}, 5.0, 5.0).start
     why = refused(writer_of(firing["source"]), firing)
     if why:
         bad.append((firing["source"], firing["name"], why))

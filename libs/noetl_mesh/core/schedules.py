@@ -555,19 +555,23 @@ class Firing:
     stale: bool = False
 
 
-def on_firing(subject: str, fired: Any, record: dict[str, Any] | None, next_header: str | None, stored: float,
+def on_firing(subject: str, fired: Any, record: dict[str, Any] | None, headers: dict[str, str], stored: float,
               now: float) -> Firing:
-    """Decide a firing (``subject``, and the body of the schedule message, copied) against the record
-    of its schedule now."""
+    """Decide a firing (``subject``, its ``headers``, and the body of the schedule message, copied)
+    against the record of its schedule now. A firing is what the server wrote for the schedule message
+    of the same id: ``Nats-Scheduler`` names it (no client can set that header)."""
     if not isinstance(fired, dict) or fired.get("id") != id_of_subject(subject) or fired.get("id") is None:
         return Firing(None, f"{subject}: not a firing of a schedule (its body names another or none)")
+    if headers.get("Nats-Scheduler") != def_subject(fired["id"]):
+        return Firing(None, f"{subject}: not written by the NATS scheduler for {def_subject(fired['id'])} "
+                            f"(Nats-Scheduler: {headers.get('Nats-Scheduler')!r:.80})")
     if record is None:
         return Firing(None, f"schedule {fired['id']} does not exist (deleted)", stale=True)
     if fired.get("generation") != record.get("generation"):
         return Firing(None, f"a firing of an earlier schedule {fired['id']} (deleted, then added again)")
     if record.get("paused"):
         return Firing(None, f"schedule {fired['id']} is paused")
-    return Firing(request(record, fire_time(record, next_header, stored), now))
+    return Firing(request(record, fire_time(record, headers.get("Nats-Schedule-Next"), stored), now))
 
 
 def reconcile(records: dict[str, dict[str, Any]], armed: set[str],
