@@ -670,7 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("service", help="run one service")
     p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
-                                    "sessions", "worker"])
+                                    "sessions", "worker", "scheduler"])
     p.add_argument("--nats-url")
     p.add_argument("--nats-creds", metavar="FILE",
                    help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
@@ -734,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--gateway", default=gateway_default)
         c.set_defaults(func=cmd_credential)
     _auth_commands(sub, gateway_default)
+    from .schedule_cli import add_commands
+
+    add_commands(sub, gateway_default)
     return parser
 
 

@@ -282,6 +282,37 @@ class GatewayClient:
     async def audit(self, **filters: Any) -> list[dict]:
         return await self._call("GET", "/api/audit", params={k: v for k, v in filters.items() if v is not None})
 
+    # schedules (D31)
+    async def schedule_add(self, path: str, *, cron: str | None = None, timezone: str | None = None,
+                           every: int | float | str | None = None, at: str | None = None, version: int | None = None,
+                           workload: dict | None = None, name: str | None = None) -> dict:
+        body = {k: v for k, v in (("path", path), ("cron", cron), ("timezone", timezone), ("every", every),
+                                  ("at", at), ("version", version), ("workload", workload), ("name", name))
+                if v is not None}
+        return await self._call("POST", "/api/schedules", json=body)
+
+    async def schedules(self) -> list[dict]:
+        """Every schedule, newest first (the pages followed)."""
+        out: list[dict] = []
+        while True:
+            page = await self._call("GET", "/api/schedules", params={"offset": len(out), "limit": 1000})
+            out += page["schedules"]
+            if page.get("next_offset") is None or not page["schedules"]:
+                return out
+
+    async def schedule(self, schedule_id: str, next: int = 5) -> dict:
+        return await self._call("GET", f"/api/schedules/{schedule_id}", params={"next": next})
+
+    async def schedule_pause(self, schedule_id: str) -> dict:
+        return await self._call("POST", f"/api/schedules/{schedule_id}/pause")
+
+    async def schedule_resume(self, schedule_id: str) -> dict:
+        return await self._call("POST", f"/api/schedules/{schedule_id}/resume")
+
+    async def schedule_delete(self, schedule_id: str) -> dict:
+        await self._call("DELETE", f"/api/schedules/{schedule_id}")
+        return {"id": schedule_id, "deleted": True}
+
     async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
                    on_event: Callable[[dict], None] | None = None) -> dict:
         """Poll until the execution is final. The recorder stores a message's events and the projection

@@ -115,6 +115,14 @@ LIMITS: tuple[Limit, ...] = (
           "sessions: an ID token with an unknown kid fetches the key set at most once per interval"),
     Limit("audit_retention", 90 * 24 * 3600, "seconds", "the age of an audit record",
           "sessions: the NOETL_AUDIT stream's max age, set when the stream is created"),
+
+    # ---- schedules (D31): read by the scheduler (and the gateway, which checks first)
+    Limit("max_schedules", 1_000, "schedules", "the schedules of the stack",
+          "scheduler: adding one more is refused (409)"),
+    Limit("max_schedule_bytes", 256 * KIB, "bytes", "a schedule's definition (JSON, workload included)",
+          "gateway (413) and scheduler (refused)"),
+    Limit("schedule_fire_ttl", 3600, "seconds", "how long a firing waits for the scheduler",
+          "NATS drops a firing no scheduler took within it (set on the schedule message when added or resumed)"),
 )
 
 _BY_NAME = {limit.name: limit for limit in LIMITS}

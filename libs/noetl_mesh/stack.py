@@ -18,7 +18,7 @@ from .infra import tracing
 
 log = logging.getLogger("noetl.stack")
 
-CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator")
+CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator", "scheduler")
 ALL_SERVICES = (*CONTROL_PLANE, "sessions", "worker", "gateway")
 
 
@@ -76,6 +76,10 @@ def make_service(name: str, bus: Bus, settings: Settings):
         from .services.sessions.service import SessionsService
 
         return SessionsService(bus)
+    if name == "scheduler":
+        from .services.scheduler.service import SchedulerService
+
+        return SchedulerService(bus)
     raise ValueError(f"unknown service {name!r}; known: {', '.join(ALL_SERVICES)}")
 
 
@@ -173,7 +177,7 @@ class InProcessStack:
     async def stop(self) -> None:
         # workers and gateway first, then the control plane, the recorder last (it drains the log)
         order = {"gateway": 0, "worker": 1, "sessions": 2, "admission": 2, "router": 2, "loop-coordinator": 2,
-                 "event-recorder": 3}
+                 "scheduler": 2, "event-recorder": 3}
         for rank in range(4):
             await asyncio.gather(*(stop_service(r) for r in self.running if order[r.name] == rank),
                                  return_exceptions=True)

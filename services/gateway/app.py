@@ -967,6 +967,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                 "recorder": recorder}
         return body if ok else JSONResponse(body, 503, headers=RETRY_AFTER)
 
+    from noetl_mesh.services.gateway import schedules
+
+    schedules.install(app)  # the schedule routes (D31)
     auth.check_declarations(app)
     return app
 

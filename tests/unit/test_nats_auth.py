@@ -155,7 +155,7 @@ def test_server_config_holds_public_keys_and_permissions_only(tmp_path):
     assert stat.S_IMODE((tmp_path / "creds").stat().st_mode) == 0o700
     assert f'"_INBOX.{public_key(seeds["worker-gpu"])}.>"' in text
     assert "router-p1" in text and "router-p2" not in text
-    assert "authorization {" in text and text.count('"nkey"') == len(auth.users) == 9
+    assert "authorization {" in text and text.count('"nkey"') == len(auth.users) == 10  # 8 users, 2 pools
 
 
 def test_credentials_are_kept_across_restarts_and_pools_added(tmp_path):

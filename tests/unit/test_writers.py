@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 import yaml
 
-from noetl_mesh.core import decide
+from noetl_mesh.core import decide, schedules
 from noetl_mesh.core.events import MAY_WRITE, make_event, refused, split_by_writer, writer_of, writers_of
 from noetl_mesh.core.local import run_local
 from noetl_mesh.testing.fixture_api import FixtureApi
@@ -151,6 +151,15 @@ def written():
                     bad.append((source, e["name"], why))
                 seen[(writer_of(source), e["name"])] += 1
     seen[("gateway", "execution.cancelled")] += 1  # POST /api/executions/{id}/cancel (services/gateway)
+    # a schedule's firing (services/scheduler, core/schedules.py)
+    record = schedules.definition(schedules.check({"path": "t/child", "every": 5}, now=0, max_bytes=1 << 20),
+                                  schedule_id="s1", generation="g", created_by={"user_id": "u"}, now=0)
+    firing = schedules.on_firing("noetl.schedule.fire.s1", {"id": "s1", "generation": "g"}, record,
+                                 {"Nats-Scheduler": "noetl.schedule.def.s1"}, 5.0, 5.0).start
+    why = refused(writer_of(firing["source"]), firing)
+    if why:
+        bad.append((firing["source"], firing["name"], why))
+    seen[(writer_of(firing["source"]), firing["name"])] += 1
     return seen, bad
 
 
@@ -167,7 +176,7 @@ def test_every_permission_in_the_table_is_used(written):
 
 def test_the_runs_cover_the_shared_names():
     """The names several writers share are the ones docs/architecture.md §1 lists."""
-    assert set(writers_of("playbook.execution.requested")) == {"gateway", "admission", "loop-coordinator"}
+    assert set(writers_of("playbook.execution.requested")) == {"gateway", "admission", "loop-coordinator", "scheduler"}
     assert set(writers_of("execution.cancelled")) == {"gateway", "router", "loop-coordinator"}
     assert set(writers_of("playbook.child.finished")) == {"router", "admission", "loop-coordinator"}
     assert set(writers_of("step.failed")) == {"worker", "admission", "loop-coordinator", "router"}  # router: timeouts

@@ -106,6 +106,7 @@ MAY_WRITE: dict[str, frozenset[str]] = {
     # scheduled (``noetl.sched.<execution>.<timer>``, targeting ``noetl.evt.timer.ctl.<execution>``). No
     # NATS user may publish as ``timer``; a timer.fired event only fires a timer its execution set.
     "timer": frozenset({"timer.fired"}),
+    "scheduler": frozenset({"playbook.execution.requested"}),  # a schedule's firing (core/schedules.py)
 }
 WORKER_SOURCE = "worker:"  # a worker's events have source ``worker:<pool>``; every other writer its name
 

@@ -531,6 +531,8 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         out["signals"] = {name: len(sent) for name, sent in state.signals.items()}
     if state.kept:
         out["kept_signals"] = list(state.kept)
+    if state.request.get("schedule"):  # started by a schedule's firing (D31)
+        out["schedule"] = state.request["schedule"]
     return out
 
 

@@ -302,6 +302,9 @@ class Bus:
 
         await Membership(self.js, "setup", self.partitions, lambda _: None, replicas=self.replicas)._bucket()
         await self.payloads.bucket()
+        from . import schedules
+
+        await schedules.ensure(self.js, self.replicas)  # the schedules stream and bucket (D31)
 
     async def _migrate_events(self, config: StreamConfig) -> None:
         """An events stream of the earlier layout (``noetl.evt.<class>.<execution_id>``, no writer)

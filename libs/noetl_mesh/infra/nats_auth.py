@@ -11,6 +11,7 @@ permissions; each service holds its own seed in a file (0600). Users:
 | ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*`` |
 | ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
+| ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
 
 Every user but ``admin`` gets its own inbox prefix ``_INBOX.<its public key>`` (nats-py
 ``inbox_prefix``): replies and JetStream deliveries reach only the connection that asked. The
@@ -31,8 +32,8 @@ import nkeys
 
 ADMIN = "admin"
 CONTROL_PLANE = ("admission", "router", "loop-coordinator")
-SERVICES = ("gateway", *CONTROL_PLANE, "event-recorder", "sessions")  # and worker-<pool>
-WRITERS = ("gateway", *CONTROL_PLANE, "worker")  # the writer token of noetl.evt.<writer>.<class>.<execution>
+SERVICES = ("gateway", *CONTROL_PLANE, "event-recorder", "sessions", "scheduler")  # and worker-<pool>
+WRITERS = ("gateway", *CONTROL_PLANE, "worker", "scheduler")  # the writer token of noetl.evt.<writer>.<class>.<execution>
 WORKER_PREFIX = "worker-"
 CONFIG_FILE = "nats-auth.conf"  # the server's part: public keys and permissions
 META_FILE = "nats-auth.json"  # what the configuration was made for (partitions, pools)
@@ -46,10 +47,13 @@ MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
 SESSION_BUCKETS = ("noetl_sessions", "noetl_users", "noetl_logins")
 AUDIT = "NOETL_AUDIT"
 SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
-ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS)
+SCHEDULES, SCHEDULES_BUCKET = "NOETL_SCHEDULES", "noetl_schedules"  # core/schedules.py
+SCHEDULE_STREAMS = (SCHEDULES, f"KV_{SCHEDULES_BUCKET}")
+ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
 RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<area>.<verb>
 SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
+SCHEDULER_AREAS = ("schedule",)
 
 _POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
@@ -163,6 +167,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS if area != "credential"]
         pub += [f"noetl.q.credential.{verb}" for verb in ("put", "list", "get", "delete")]  # not resolve
         pub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]  # bootstrap denied below
+        pub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
         pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
         sub.append("noetl.sessions.revoked")
         purges.add(PAYLOADS)
@@ -201,6 +206,16 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [f"$KV.{b}.>" for b in SESSION_BUCKETS] + ["noetl.audit.>", "noetl.sessions.revoked"]
         sub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]
         responses = True
+    elif user == "scheduler":
+        pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]  # attach; a request's big workload
+        pub += ["noetl.schedule.def.*", *_durable(SCHEDULES, "scheduler")]  # schedule messages; firings
+        for stream in SCHEDULE_STREAMS:
+            pub += [_js("STREAM", verb, stream) for verb in ("INFO", "PURGE", "MSG.GET")]
+            pub += [_js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
+        pub.append(f"$KV.{SCHEDULES_BUCKET}.*")
+        purges |= {PAYLOADS, *SCHEDULE_STREAMS}
+        sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
+        responses = True
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
         pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), "noetl.q.credential.resolve",
@@ -227,6 +242,9 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [f"noetl.audit.{area}.>" for area in SESSIONS_AUDIT_AREAS]
         deny.append("noetl.q.sessions.bootstrap")  # the admin's only
         deny.append("noetl.sessions.revoked")
+    if user != "scheduler":  # the schedules stream and bucket are the scheduler's: a schedule message fires
+        deny += [x for stream in SCHEDULE_STREAMS for x in _stream_api(stream)]
+        deny += [f"$KV.{SCHEDULES_BUCKET}.>", "noetl.schedule.>"]
     deny += [_js("STREAM", "PURGE", s) for s in ALL_STREAMS if s not in purges and s not in SESSION_STREAMS]
     deny += [_js("STREAM", verb, s) for verb in ("CREATE", "UPDATE") for s in ALL_STREAMS if s not in SESSION_STREAMS]
     others = ["event-recorder", *(d for s in CONTROL_PLANE for d in durables(s, partitions))]
@@ -240,8 +258,9 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [_js("CONSUMER", "DELETE", ">")]
     if user not in CONTROL_PLANE:
         deny.append(f"$KV.{MEMBERS_BUCKET}.>")
-    sub_deny = [f"noetl.q.{a}.>" for a in (*RECORDER_AREAS, *SESSIONS_AREAS)
-                if not (user == "event-recorder" and a in RECORDER_AREAS or user == "sessions" and a in SESSIONS_AREAS)]
+    sub_deny = [f"noetl.q.{a}.>" for a in (*RECORDER_AREAS, *SESSIONS_AREAS, *SCHEDULER_AREAS)
+                if not (user == "event-recorder" and a in RECORDER_AREAS or user == "sessions" and a in SESSIONS_AREAS
+                        or user == "scheduler" and a in SCHEDULER_AREAS)]
     sub_deny += ["noetl.evt.>", "noetl.cmd.>", "$JS.>", "$KV.>", "$O.>"]  # stored traffic arrives via inboxes only
     perms: dict[str, Any] = {"publish": {"allow": pub, "deny": sorted(set(deny) - set(pub))},
                              "subscribe": {"allow": sub, "deny": sub_deny}}
