@@ -1,13 +1,15 @@
-"""The lint rules (lang/lint.py): every rule with a playbook that triggers it and a close one that
-does not."""
+"""`noetl lint` (docs/lint.md): every rule with a playbook that triggers it and a close one that does
+not; the output formats (text, JSON, SARIF 2.1.0) and the exit codes."""
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from noetl_mesh.cli import main
 from noetl_mesh.lang import lint as lint_mod
 from noetl_mesh.lang.graph import WorkflowGraph
 from noetl_mesh.lang.lint import RULES, Finding, lint, lint_text, sarif_log
@@ -44,6 +46,11 @@ def line_of(body: str, text: str) -> int:
 def test_examples_have_no_findings(path):
     report = lint_text(path.read_text())
     assert report.valid and report.findings == []
+
+
+def test_lint_over_every_example_reports_nothing(capsys):
+    assert main(["lint", "--format", "json", *map(str, EXAMPLES)]) == 0
+    assert json.loads(capsys.readouterr().out) == []
 
 
 # ------------------------------------------------------------------------------ L000: validation first
@@ -232,6 +239,14 @@ def test_l201_not_when_an_arc_of_the_cycle_has_a_when_or_an_arc_leaves_it_first(
 
 def test_l201_an_inclusive_router_that_also_leaves_still_loops_forever():
     assert "L201" in codes(b_next("next: {spec: {mode: inclusive}, arcs: [{step: end}, {step: a}]}"))
+
+
+def test_l201_exits_2_from_the_command_line(tmp_path, capsys):
+    bad = tmp_path / "endless.yaml"
+    bad.write_text(HEAD + ENDLESS)
+    assert main(["lint", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert f"{bad}:{only(ENDLESS, 'L201').line}:" in out and "error L201" in out
 
 
 # ------------------------------------------------------------------------------------ L301 ctx races
@@ -582,6 +597,63 @@ def test_l602_not_with_a_timeout_a_step_lifecycle_timeout_or_a_duration():
 
 
 # ------------------------------------------------------------------------------------- output formats
+def test_text_output_and_exit_codes(tmp_path, capsys):
+    warn = tmp_path / "warn.yaml"
+    warn.write_text(HEAD + DEAD)
+    assert main(["lint", str(warn)]) == 0  # warnings only
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{warn}:{only(DEAD, 'L502').line}:") and " warning L502: " in out[0]
+    assert out[-1] == f"{warn}: 2 warning(s)"
+    invalid = tmp_path / "invalid.yaml"
+    invalid.write_text(HEAD + "workflow: []\n")
+    assert main(["lint", str(warn), str(invalid), str(tmp_path / "missing.yaml")]) == 2
+    out = capsys.readouterr().out
+    assert f"{invalid}:" in out and "error L000" in out and "invalid:" in out
+    assert "cannot read file" in out
+
+
+def test_json_output_is_a_list_of_findings(tmp_path, capsys):
+    warn = tmp_path / "warn.yaml"
+    warn.write_text(HEAD + DEAD)
+    assert main(["lint", "--format", "json", str(warn)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [(f["file"], f["code"], f["severity"], f["location"]) for f in found] == [
+        (str(warn), "L502", "warning", "workflow[0].step=start.next.arcs[1]"),
+        (str(warn), "L503", "warning", "workflow[2].step=b")]
+    assert all(isinstance(f["line"], int) and isinstance(f["column"], int) and f["message"] for f in found)
+
+
+def test_sarif_output_is_a_sarif_2_1_0_log(tmp_path, capsys):
+    files = {"dead.yaml": DEAD, "wide.yaml": wide(12), "bad.yaml": "workflow: []\n"}
+    for name, body in files.items():
+        (tmp_path / name).write_text(HEAD + body)
+    paths = [str(tmp_path / n) for n in files]
+    assert main(["lint", "--format", "sarif", *paths]) == 2  # bad.yaml is invalid
+    log = json.loads(capsys.readouterr().out)
+    assert log["version"] == "2.1.0" and log["$schema"].endswith("sarif-schema-2.1.0.json")
+    assert len(log["runs"]) == 1
+    driver = log["runs"][0]["tool"]["driver"]
+    assert driver["name"] == "noetl lint"
+    assert [r["id"] for r in driver["rules"]] == list(RULES)
+    for rule in driver["rules"]:
+        assert rule["helpUri"] == f"docs/lint.md#{rule['id'].lower()}"
+        assert rule["shortDescription"]["text"]
+        assert rule["defaultConfiguration"]["level"] in ("error", "warning", "note")
+    results = log["runs"][0]["results"]
+    assert {(r["ruleId"], r["level"]) for r in results} == {("L502", "warning"), ("L503", "warning"),
+                                                            ("L601", "note"), ("L000", "error")}
+    for r in results:
+        assert driver["rules"][r["ruleIndex"]]["id"] == r["ruleId"]
+        assert r["message"]["text"]
+        (location,) = r["locations"]
+        physical = location["physicalLocation"]
+        assert physical["artifactLocation"]["uri"].startswith("file:///")
+        assert physical["artifactLocation"]["uri"].endswith(".yaml")
+        region = physical["region"]
+        assert isinstance(region["startLine"], int) and region["startLine"] >= 1
+        assert isinstance(region["startColumn"], int) and region["startColumn"] >= 1
+
+
 def test_sarif_relative_paths_stay_relative_uri_references():
     log = sarif_log([("dir with space/x.yaml", lint_text(HEAD + DEAD))])
     uris = {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in log["runs"][0]["results"]}
