@@ -597,6 +597,14 @@ def test_l602_not_with_a_timeout_a_step_lifecycle_timeout_or_a_duration():
 
 
 # ------------------------------------------------------------------------------------- output formats
+def test_every_rule_is_documented():
+    doc = (Path(__file__).parents[2] / "docs" / "lint.md").read_text()
+    for code, (severity, _) in RULES.items():
+        assert f"### {code}" in doc, code
+        section = doc.split(f"### {code}", 1)[1].split("\n### ", 1)[0]
+        assert severity in section, code
+
+
 def test_text_output_and_exit_codes(tmp_path, capsys):
     warn = tmp_path / "warn.yaml"
     warn.write_text(HEAD + DEAD)
