@@ -36,6 +36,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_lint(args: argparse.Namespace) -> int:
+    """``noetl lint``: validation, then the lint rules (docs/lint.md). Exit 2 when a file is invalid or
+    has an error finding, else 0 (warnings and infos printed), as D26 says for ``validate``."""
+    from .lang.documents import read_document
+    from .lang.lint import Finding, Report, from_diagnostics, lint_text, sarif_log
+
+    reports: list[tuple[str, Report]] = []
+    for path in args.files:
+        text, problems = read_document(path)
+        try:
+            report = lint_text(text) if text is not None else Report(from_diagnostics(problems), valid=False)
+        except Exception as exc:  # noqa: BLE001 - a defect of the linter is still reported per file
+            report = Report([Finding("L000", "error", "", f"the linter failed on this file ({type(exc).__name__}: "
+                                     f"{exc}); please report it")], valid=False)
+        reports.append((path, report))
+    if args.format == "json":
+        print(json.dumps([f.as_dict(path) for path, r in reports for f in r.findings], indent=2))
+    elif args.format == "sarif":
+        print(json.dumps(sarif_log(reports), indent=2))
+    else:
+        for path, report in reports:
+            for f in report.findings:
+                print(f.text(path))
+            counts = {s: sum(f.severity == s for f in report.findings) for s in ("error", "warning", "info")}
+            summary = ", ".join(f"{n} {s}(s)" for s, n in counts.items() if n) or "no findings"
+            print(f"{path}: {'' if report.valid else 'invalid: '}{summary}")
+    return EXIT_INVALID if any(r.failed for _, r in reports) else EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from .lang.model import json_schema
 
@@ -643,6 +672,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check playbooks; every error with its location")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("lint", help="check that playbooks will behave: joins, cycles, ctx races, template names "
+                       "(docs/lint.md)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.set_defaults(func=cmd_lint)
 
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
     p.set_defaults(func=cmd_schema)
