@@ -88,6 +88,7 @@ from noetl_mesh.core import access
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.auth import PUBLIC, SIGNED_IN, need
 from noetl_mesh.services.gateway.body import INT64_MAX, BodyError, decode_utf8, location, parse_json
+from noetl_mesh.services.gateway.docs import mount as mount_docs
 from noetl_mesh.services.sessions import service as sessions
 
 
@@ -534,7 +535,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                   description="Playbook catalog and executions, over the NATS event log. Every route but "
                               "/health, /ready, the docs and POST /api/auth/login needs "
                               "`Authorization: Bearer <token>`.",
-                  responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}})
+                  responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}},
+                  docs_url=None, redoc_url=None)  # mount_docs: the same pages, with no CDN
     app.state.bus = bus
     app.state.auth = auth.Authenticator(bus)
     app.state.auditor = auditor = auth.Auditor(bus)
@@ -907,6 +909,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                 "recorder": recorder}
         return body if ok else JSONResponse(body, 503, headers=RETRY_AFTER)
 
+    mount_docs(app)
     auth.check_declarations(app)
     return app
 
