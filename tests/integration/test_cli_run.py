@@ -3,8 +3,12 @@ stack started and stopped for it, exit codes, and exactly one JSON object on std
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +17,20 @@ pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
-def noetl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}  # an embedded stack, always
+SLOW = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: slow, path: tests/slow}
+workflow:
+  - step: start
+    tool: {kind: python, code: "import time\\ntime.sleep(40)\\nresult = 1"}
+"""
+
+
+def noetl(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "noetl_mesh.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env or ENV)
 
 
 def test_run_json_contract_and_workload_merge():
@@ -100,3 +115,113 @@ def test_run_progress_shows_child_executions():
     finished = [line for line in proc.stdout.splitlines() if "child.finished" in line]
     assert len(started) == 2 and all("summarise -> examples/nested_child" in line for line in started)
     assert len(finished) == 2 and all(line.endswith("COMPLETED") for line in finished)
+
+
+# ------------------------------------------------------------------------------ stopping early
+def test_run_timeout_is_a_message_and_exit_3(tmp_path):
+    pb = tmp_path / "slow.yaml"
+    pb.write_text(SLOW)
+    started = time.monotonic()
+    proc = noetl("run", str(pb), "--timeout", "2")
+    assert proc.returncode == 3, proc.stderr
+    assert re.fullmatch(r"noetl: execution \w+ did not finish within 2s \(--timeout\): cancelling it and stopping "
+                        r"the embedded stack\n", proc.stderr), proc.stderr
+    assert time.monotonic() - started < 30  # not the 40 s the task sleeps: cancelled
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``, with their command lines."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry)] = cmd
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_noetl_run_with_its_nats_and_postgres(tmp_path, sig):
+    pb = tmp_path / "slow.yaml"
+    pb.write_text(SLOW)
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "run", str(pb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while not any("step.started" in line for line in lines):  # the task runs: everything is up
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines) + proc.stderr.read()
+            lines.append(proc.stdout.readline())
+        children = _children(proc.pid)
+        nats = [pid for pid, cmd in children.items() if "nats-server" in cmd]
+        pg = [pid for pid, cmd in children.items() if "postgres" in cmd.split(" ")[0]]
+        runners = [pid for pid, cmd in children.items() if "python_runner" in cmd]
+        assert len(nats) == 1 and len(pg) == 1 and runners, children
+        nats_dir = Path(re.search(r"--ports_file_dir (\S+)", children[nats[0]]).group(1))
+        pg_dir = Path(re.search(r" -D (\S+)", children[pg[0]]).group(1)).parent
+        assert nats_dir.is_dir() and (pg_dir / "data" / "PG_VERSION").exists()
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert re.fullmatch(rf"noetl: interrupted \({sig.name}\): cancelling execution \w+ and stopping the embedded "
+                        r"stack\n", err), err
+    assert took < 10, took  # a running task is cancelled, not waited for (it sleeps 40 s)
+    deadline = time.monotonic() + 10  # orphans would be reparented and stay; the reaped ones go
+    while any(_alive(pid) for pid in nats + pg + runners) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in nats + pg + runners if _alive(pid)]
+    assert not nats_dir.exists() and not pg_dir.exists()
+
+
+def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
+    import shutil
+    import tempfile
+
+    env = {**ENV, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    root = tempfile.mkdtemp(prefix="noetl-up-")  # Postgres's own user must reach its data directory
+    os.chmod(root, 0o755)
+    home = Path(root) / "home"
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "up", "--in-process", "--home", str(home)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("elsewhere:") for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        url = re.search(r"gateway: (http://\S+)", "".join(lines)).group(1)
+        info = json.loads((home / "stack.json").read_text())
+        assert info["pid"] == proc.pid and info["gateway"] == url
+        second = noetl("up", "--in-process", "--home", str(home), env=env, timeout=60)
+        assert second.returncode == 5 and second.stdout == ""
+        assert second.stderr == (f"noetl: a noetl stack already runs from {home} (pid {proc.pid}): gateway {url}, "
+                                 f"NATS {info['nats']}; use it (export NOETL_GATEWAY_URL={url}), stop it (Ctrl-C where "
+                                 f"it runs, or kill {proc.pid}), or start another with --home DIR\n")
+        assert noetl("status", "nope", "--gateway", url, env=env).returncode == 1  # the first one still serves: 404
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+    assert proc.returncode == 0
+    assert not (home / "stack.json").exists()

@@ -77,3 +77,102 @@ def test_schema_rejects_unknown_tool_field(schema):
     doc["workflow"][0]["tool"]["codee"] = "x"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, schema)
+
+
+# ------------------------------------------------------------------------------ no traceback, ever
+def test_validate_a_binary_file_exits_2_naming_it(tmp_path, capsys):
+    blob = tmp_path / "logo.png"
+    blob.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
+    assert main(["validate", str(blob)]) == 2
+    out = capsys.readouterr()
+    assert f"{blob}: error: line 1, column 1: the text is not UTF-8" in out.out and "Traceback" not in out.out + out.err
+
+
+def test_a_gateway_that_does_not_answer_is_one_line_and_exit_4(capsys):
+    nothing = "http://127.0.0.1:1"  # nothing listens on port 1
+    assert main(["status", "x1", "--gateway", nothing]) == 4
+    assert main(["run", str(EXAMPLES[0]), "--gateway", nothing]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"noetl: cannot reach the gateway at {nothing} (All connection attempts failed)"] * 2
+
+
+@pytest.mark.parametrize("url", ["foo", "http://[::1", "http://127.0.0.1:99999", "ftp://h/x"])
+def test_a_gateway_url_that_cannot_be_one_exits_2(url, capsys):
+    assert main(["status", "x1", "--gateway", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"noetl: --gateway {url}: ") and err.count("\n") == 1
+
+
+def test_an_unexpected_error_is_one_line_unless_debug(monkeypatch, capsys):
+    import noetl_mesh.cli as cli
+
+    def broken(args):
+        raise RuntimeError("no such thing\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_schema", broken)
+    assert main(["schema"]) == 70
+    err = capsys.readouterr().err
+    assert err == "noetl: unexpected error: RuntimeError: no such thing; run with --debug for the traceback\n"
+    for argv in (["--debug", "schema"], ["schema", "--debug"]):
+        assert main(argv) == 70
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "in broken" in err
+        assert err.rstrip().endswith("noetl: unexpected error: RuntimeError: no such thing")
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    import noetl_mesh.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_schema", interrupted)
+    assert main(["schema"]) == 130
+    assert capsys.readouterr().err == "noetl: interrupted (SIGINT)\n"
+
+
+# ------------------------------------------------------------------------------ one stack per home
+def test_a_second_up_on_a_home_says_a_stack_runs_there(tmp_path, capsys):
+    from noetl_mesh.cli import _HomeLock
+
+    first = _HomeLock(str(tmp_path))
+    assert first.acquire() is None
+    try:
+        assert main(["up", "--home", str(tmp_path)]) == 5  # before starting anything
+        assert "a noetl stack is already starting or running from" in capsys.readouterr().err
+        first.record({"pid": 4242, "gateway": "http://127.0.0.1:5555", "nats": "nats://127.0.0.1:4444"})
+        assert main(["up", "--home", str(tmp_path), "--in-process"]) == 5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert f"a noetl stack already runs from {tmp_path} (pid 4242): gateway http://127.0.0.1:5555" in err
+        assert "export NOETL_GATEWAY_URL=http://127.0.0.1:5555" in err and "kill 4242" in err
+    finally:
+        first.release()
+    assert not (tmp_path / "stack.json").exists()  # a stopped stack leaves no description behind
+    second = _HomeLock(str(tmp_path))
+    assert second.acquire() is None  # free again
+    second.release()
+
+
+def test_up_names_the_servers_a_killed_stack_left_running(tmp_path, capsys):
+    import json
+    import subprocess
+    import sys
+
+    from noetl_mesh.cli import _HomeLock
+
+    # a process that looks like an orphaned nats-server (its command line says so)
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "nats-server"])
+    try:
+        (tmp_path / "stack.json").write_text(json.dumps({"pid": 1, "gateway": "http://127.0.0.1:5555",
+                                                         "pids": {"nats-server": orphan.pid, "postgres": 2 ** 22 + 7}}))
+        assert main(["up", "--home", str(tmp_path)]) == 5
+        err = capsys.readouterr().err
+        assert f"still run (nats-server pid {orphan.pid})" in err and f"kill {orphan.pid}" in err
+        assert (tmp_path / "stack.json").exists()  # kept: it is how the next attempt knows
+    finally:
+        orphan.kill()
+        orphan.wait()
+    lock = _HomeLock(str(tmp_path))
+    assert lock.acquire() is None and lock.leftovers() is None  # gone: a new stack may start
+    lock.release()
