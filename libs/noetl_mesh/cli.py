@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -188,7 +189,8 @@ class _Run:
     def __init__(self, args: argparse.Namespace, gateway: str | None, signals: _Signals):
         self.args, self.gateway, self.signals = args, gateway, signals
         self.execution_id: str | None = None
-        self.progress = None if args.json else _print_progress
+        self.progress = None if args.json else _Progress()
+        self.started = time.monotonic()
         self.said = False
 
     async def main(self, text: str, workload: dict, servers: "_Servers | None") -> int:
@@ -205,6 +207,7 @@ class _Run:
                 for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
                     await client.register(read_document(path)[0])
                 self.execution_id = await client.start(text, workload)
+                self.started = time.monotonic()
                 try:
                     final = await client.wait(self.execution_id, timeout=args.timeout, on_event=self.progress)
                 except (TimeoutError, asyncio.CancelledError) as exc:
@@ -222,14 +225,14 @@ class _Run:
         finally:
             if stack is not None:
                 await stack.stop(ordered=False)  # all at once: nothing of this stack is kept
+        self.close()
+        elapsed = time.monotonic() - self.started
         if args.json:
-            out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps")}
+            out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps", "error")}
             out["events"] = [{k: e.get(k) for k in ("name", "step", "task", "iteration", "attempt")} for e in events]
             print(json.dumps(out, default=str))
         else:
-            print(f"execution {self.execution_id}: {final['status']}")
-            if final.get("error"):
-                print(f"  error: {final['error']}")
+            print(_outcome_text(final, elapsed))
         return EXIT_OK if final["status"] == "COMPLETED" else EXIT_FAILED
 
     async def _cancel(self, client) -> None:
@@ -242,7 +245,8 @@ class _Run:
             pass
 
     def close(self) -> None:
-        """Leave the terminal clean (the progress display's business)."""
+        if self.progress is not None:
+            self.progress.close()
 
     def stopping(self, signum: int | None) -> None:
         """Say once why the run stops and what becomes of the execution: a signal (``signum``), or
@@ -262,6 +266,156 @@ class _Run:
         else:
             what = "stopping the embedded stack"
         _fail(f"{why}: {what}" if what else why)
+
+
+def _outcome_text(final: dict, elapsed: float) -> str:
+    """The end of a run for people: the status, each step's status and result, the error; values as
+    YAML (flow style on one line when short), long ones cut (``--json`` has everything)."""
+    lines = [f"execution {final.get('execution_id')}: {final.get('status')} in {elapsed:.1f}s"]
+    steps = final.get("steps") or {}
+    width = max((len(name) for name in steps), default=0)
+    for name, step in steps.items():
+        head = f"  {name:<{width}}  {step.get('status')}" + (f" ({step['runs']} runs)" if step.get("runs", 1) > 1 else "")
+        result = step.get("result")
+        if result is None:
+            lines.append(head)
+            continue
+        flow = _yamlish(result, flow=True)
+        if "\n" not in flow and len(head) + len(flow) < 120:
+            lines.append(f"{head}  {flow}")
+        elif "\n" not in flow and len(flow) <= 400:  # a few lines once the terminal wraps it
+            lines += [head, f"      {flow}"]
+        else:
+            lines.append(head)
+            lines += _indented(_yamlish(result), "      ")
+    if final.get("error"):
+        lines.append("error:")
+        lines += _indented(_yamlish(final["error"]), "  ")
+    return "\n".join(lines)
+
+
+def _indented(text: str, prefix: str, max_lines: int = 30) -> list[str]:
+    rows = text.rstrip("\n").split("\n")
+    if len(rows) > max_lines:
+        rows = rows[:max_lines] + [f"... ({len(rows) - max_lines} more lines: --json shows everything)"]
+    return [prefix + row for row in rows]
+
+
+def _yamlish(value, flow: bool = False) -> str:
+    """A JSON value as YAML: block style (multi-line strings as ``|`` blocks), or flow style on one line."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, data: str):
+        style = "|" if "\n" in data and not flow else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+    Dumper.add_representer(str, text)
+    if isinstance(value, str) and flow:
+        return value if "\n" not in value else yaml.dump(value, Dumper=Dumper, width=10**9).strip()
+    out = yaml.dump(value, Dumper=Dumper, default_flow_style=flow, sort_keys=False, allow_unicode=True,
+                    width=10**9)  # long lines are the terminal's to wrap
+    return out[:-5] if out.endswith("\n...\n") else out.rstrip("\n")
+
+
+class _Progress:
+    """``noetl run``'s progress: :func:`_print_progress`'s lines, and for each running loop how many
+    iterations are done of how many, the rate and the time since it started: a bar redrawn in place
+    when stdout is a terminal, else a plain line every ``every`` seconds and one when the loop ends."""
+
+    SHOW_FAILED = 3  # failed iterations shown with their error, per loop
+
+    def __init__(self, out=None, tty: bool | None = None, every: float = 2.0):
+        self.out = out if out is not None else sys.stdout
+        self.tty = bool(self.out.isatty()) if tty is None else tty
+        self.every = every
+        self.loops: dict[str, dict] = {}
+        self.shown = False  # a bar is on screen
+        self.drawn = ""  # what it shows
+
+    def __call__(self, event: dict) -> None:
+        name, data = event["name"], event.get("data") or {}
+        key = str(event.get("step_run_id") or event.get("step"))
+        now = time.monotonic()
+        at = event.get("timestamp") if isinstance(event.get("timestamp"), (int, float)) else None
+        if name == "loop.started":
+            items = data.get("items")
+            self.loops[key] = {"step": event.get("step") or "", "total": len(items) if isinstance(items, list) else None,
+                               "done": set(), "failed": set(), "seen": now, "said": now, "t0": at, "t1": at}
+        elif name in ("loop.iteration.done", "loop.iteration.failed") and key in self.loops:
+            loop = self.loops[key]
+            loop["failed" if name.endswith("failed") else "done"].add(event.get("iteration"))
+            loop["t1"] = at if at is not None else loop["t1"]
+            if name.endswith("failed") and len(loop["failed"]) <= self.SHOW_FAILED:
+                error = data.get("error") if isinstance(data.get("error"), dict) else {}
+                more = "; further failures only counted" if len(loop["failed"]) == self.SHOW_FAILED else ""
+                self._line(f"  {'iteration.failed':<18} {loop['step']}[{event.get('iteration')}] "
+                           f"({error.get('message', '')}){more}")
+        ended = self.loops.pop(key, None) if name in ("loop.done", "step.failed") else None
+        if ended is not None:
+            if isinstance(data.get("total"), int):
+                ended["total"] = data["total"]
+            ended["t1"] = at if at is not None else ended["t1"]
+            self._line(self._loop_text(ended, now, bar=False, ended=True))
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            _print_progress(event)
+        if said.getvalue():
+            self._clear()
+            self.out.write(said.getvalue())
+            self.out.flush()
+        self._tick(now)
+
+    @staticmethod
+    def _loop_text(loop: dict, now: float, bar: bool, ended: bool = False) -> str:
+        done, failed = len(loop["done"]), len(loop["failed"])
+        total = loop["total"]
+        # the events' own times when they are known (a poll may bring many at once), else this clock's
+        timed = loop["t0"] is not None and loop["t1"] is not None
+        elapsed = loop["t1"] - loop["t0"] if timed and ended else now - loop["seen"]
+        span = loop["t1"] - loop["t0"] if timed and loop["t1"] > loop["t0"] else elapsed
+        rate = f"{(done + failed) / span:.1f}/s" if span > 0 and done + failed else "-/s"
+        count = f"{done + failed}/{total if total is not None else '?'}"
+        extra = f", {failed} failed" if failed else ""
+        if bar and total:
+            filled = int(20 * (done + failed) / total)
+            return f"{loop['step']} [{'#' * filled}{'.' * (20 - filled)}] {count}{extra} {rate} {elapsed:.1f}s"
+        return f"  {'loop':<18} {loop['step']} {count} iterations{extra}, {rate}, {elapsed:.1f}s"
+
+    def _tick(self, now: float) -> None:
+        if not self.loops:
+            return
+        if self.tty:
+            import shutil
+
+            text = "  " + "  ".join(self._loop_text(loop, now, bar=True) for loop in self.loops.values())
+            text = text[:shutil.get_terminal_size().columns - 1]
+            if text != self.drawn or not self.shown:
+                self.out.write("\r\x1b[K" + text)
+                self.out.flush()
+                self.shown, self.drawn = True, text
+            return
+        for loop in self.loops.values():
+            if now - loop["said"] >= self.every:
+                loop["said"] = now
+                self._line(self._loop_text(loop, now, bar=False))
+
+    def _line(self, text: str) -> None:
+        self._clear()
+        print(text, file=self.out, flush=True)
+
+    def _clear(self) -> None:
+        if self.shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self.shown = False
+
+    def close(self) -> None:
+        self._clear()
 
 
 def _print_progress(event: dict) -> None:

@@ -39,8 +39,8 @@ def test_run_json_contract_and_workload_merge():
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1  # exactly one JSON object on stdout
     out = json.loads(lines[0])
-    assert set(out) == {"execution_id", "status", "workload", "ctx", "steps", "events"}
-    assert out["status"] == "COMPLETED"
+    assert set(out) == {"execution_id", "status", "workload", "ctx", "steps", "error", "events"}
+    assert out["status"] == "COMPLETED" and out["error"] is None
     assert out["workload"]["greeting"] == "hi" and out["workload"]["extra"] == {"a": 1}
     assert out["workload"]["numbers"] == [3, 1, 4, 1, 5, 9, 2, 6]  # merged over, not replaced
     assert out["steps"]["aggregate"] == {"status": "done", "runs": 1, "result": "hi: 8 squares add up to 173"}
@@ -66,6 +66,14 @@ workflow:
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert out["status"] == "FAILED" and out["steps"]["start"]["status"] == "failed"
+    assert out["error"]["kind"] == "python_error" and out["error"]["message"] == "boom"
+    assert "RuntimeError: boom" in out["error"]["traceback"]
+    # for people: the error as YAML, its traceback a block, no Python reprs
+    proc = noetl("run", str(pb))
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"^execution \w+: FAILED in [\d.]+s\n  start  failed\nerror:\n  kind: python_error\n  message: boom\n"
+                     r"  retryable: false\n  traceback: \|\n    Traceback \(most recent call last\):\n", proc.stdout, re.M)
+    assert "{'" not in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_run_invalid_playbook_or_arguments_exit_2(tmp_path):
@@ -85,7 +93,18 @@ def test_run_shows_progress_without_json():
     proc = noetl("run", str(EXAMPLES / "fork_join.yaml"))
     assert proc.returncode == 0, proc.stderr
     assert "step.started       eu" in proc.stdout and "step.done          report" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1].endswith("COMPLETED")
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"execution \w+: COMPLETED in [\d.]+s", lines[-5])
+    assert lines[-4:] == ["  start   done", "  eu      done  {orders: 120, region: eu}",
+                          "  us      done  {orders: 80, region: us}", "  report  done  {total_orders: 200}"]
+
+
+def test_run_shows_loop_progress_when_piped():
+    proc = noetl("run", str(EXAMPLES / "loop.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^  loop               start 3/3 iterations, [\d.]+/s, [\d.]+s\n  loop.done          start$",
+                     proc.stdout, re.M), proc.stdout
+    assert "\r" not in proc.stdout and "\x1b" not in proc.stdout  # no bar: stdout is a pipe
 
 
 def test_run_nested_example_registers_the_child_first():

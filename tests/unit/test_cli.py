@@ -176,3 +176,77 @@ def test_up_names_the_servers_a_killed_stack_left_running(tmp_path, capsys):
     lock = _HomeLock(str(tmp_path))
     assert lock.acquire() is None and lock.leftovers() is None  # gone: a new stack may start
     lock.release()
+
+
+# ------------------------------------------------------------------------------ what noetl run shows
+def _loop_events(n: int, failed: set[int], t0: float = 1000.0) -> list[dict]:
+    events = [{"name": "step.started", "step": "s", "step_run_id": "r1", "timestamp": t0},
+              {"name": "loop.started", "step": "s", "step_run_id": "r1", "timestamp": t0,
+               "data": {"items": list(range(n))}}]
+    for i in range(n):
+        bad = i in failed
+        events.append({"name": "loop.iteration.failed" if bad else "loop.iteration.done", "step": "s",
+                       "step_run_id": "r1", "iteration": i, "timestamp": t0 + 0.5 * (i + 1),
+                       "data": {"error": {"kind": "python_error", "message": f"boom {i}"}} if bad else {"result": i}})
+    events.append({"name": "loop.done", "step": "s", "step_run_id": "r1", "timestamp": t0 + 0.5 * n,
+                   "data": {"total": n, "done": n - len(failed), "failed": len(failed)}})
+    return events
+
+
+def test_loop_progress_when_piped_is_plain_lines(capsys):
+    import io
+
+    from noetl_mesh.cli import _Progress
+
+    out = io.StringIO()
+    progress = _Progress(out=out, tty=False)
+    for event in _loop_events(8, failed={2, 3, 4, 5}):
+        progress(event)
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "  step.started       s"
+    failures = [line for line in lines if "iteration.failed" in line]
+    assert failures[0] == "  iteration.failed   s[2] (boom 2)"
+    assert len(failures) == 3 and failures[-1].endswith("(boom 4); further failures only counted")
+    assert "  loop               s 8/8 iterations, 4 failed, 2.0/s, 4.0s" in lines  # the events' own times
+    assert lines[-1] == "  loop.done          s"
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_loop_progress_on_a_terminal_is_a_bar_redrawn_in_place():
+    import io
+
+    from noetl_mesh.cli import _Progress
+
+    out = io.StringIO()
+    progress = _Progress(out=out, tty=True)
+    events = _loop_events(4, failed=set())
+    for event in events[:4]:  # started, and two iterations of four
+        progress(event)
+    assert out.getvalue().endswith("\r\x1b[K  s [##########..........] 2/4 2.0/s 0.0s")
+    for event in events[4:]:
+        progress(event)
+    progress.close()
+    text = out.getvalue()
+    assert "\r\x1b[K  loop               s 4/4 iterations, 2.0/s, 2.0s\n  loop.done          s\n" in text
+    assert text.endswith("\n")  # no bar left behind
+
+
+def test_the_outcome_is_yaml_not_python_reprs():
+    from noetl_mesh.cli import _outcome_text
+
+    final = {"execution_id": "x1", "status": "FAILED",
+             "steps": {"start": {"status": "done", "runs": 1, "result": {"count": 2, "names": ["a", "b"]}},
+                       "mid": {"status": "done", "runs": 1, "result": list(range(40))},
+                       "big": {"status": "done", "runs": 3, "result": [{"i": i, "text": "y" * 30} for i in range(50)]},
+                       "boom": {"status": "failed", "runs": 1, "result": None}},
+             "error": {"kind": "python_error", "message": "boom", "retryable": False,
+                       "traceback": "Traceback (most recent call last):\n  File \"<x>\", line 1\nRuntimeError: boom\n"}}
+    text = _outcome_text(final, 1.25)
+    assert text.splitlines()[:2] == ["execution x1: FAILED in 1.2s", "  start  done  {count: 2, names: [a, b]}"]
+    assert "  mid    done\n      [0, 1, 2, 3," in text
+    assert "  big    done (3 runs)\n      - i: 0\n        text: yyyyyyyyyy" in text
+    assert "      ... (70 more lines: --json shows everything)\n  boom" in text
+    assert "  boom   failed\nerror:\n  kind: python_error\n  message: boom\n  retryable: false\n" in text
+    assert "  traceback: |\n    Traceback (most recent call last):\n      File \"<x>\", line 1\n    RuntimeError: boom" in text
+    assert "{'" not in text and "None" not in text and "False" not in text
