@@ -1013,11 +1013,11 @@ def _auth_commands(sub, gateway_default: str) -> None:
     roles = "admin, developer, operator or viewer"
 
     def gw(p):
-        p.add_argument("--gateway", default=gateway_default, help="the gateway's URL (NOETL_GATEWAY_URL)")
+        p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         return p
 
     p = gw(sub.add_parser("login", help="log in to a gateway and keep the token (password, OIDC or API token)"))
-    p.add_argument("--username", help="asked for when not given")
+    p.add_argument("--username", help="the user to log in as (asked for when not given)")
     p.add_argument("--password-stdin", action="store_true", help="read the password from stdin instead of asking")
     p.add_argument("--token", metavar="TOKEN", help="keep this API token instead of logging in ('-': read it "
                                                     "from stdin, out of the shell's history)")
@@ -1029,9 +1029,9 @@ def _auth_commands(sub, gateway_default: str) -> None:
     p = sub.add_parser("session", help="login sessions: list, revoke")
     ssub = p.add_subparsers(dest="action", required=True)
     c = gw(ssub.add_parser("list", help="live sessions (yours, or --user's with session.any)"))
-    c.add_argument("--user", help="a user id or username")
+    c.add_argument("--user", help="a user id or username (default: you)")
     c = gw(ssub.add_parser("revoke", help="end a session, or every session of --user"))
-    c.add_argument("session_id", nargs="?")
+    c.add_argument("session_id", nargs="?", help="the session to end (or --user)")
     c.add_argument("--user", help="a user id or username; me: every session of yours")
     for c in ssub.choices.values():
         c.set_defaults(func=cmd_session)
@@ -1039,10 +1039,10 @@ def _auth_commands(sub, gateway_default: str) -> None:
     p = sub.add_parser("user", help="users: add, list, disable, enable, roles, password (admins; password: anyone)")
     usub = p.add_subparsers(dest="action", required=True)
     c = gw(usub.add_parser("add", help="add a user"))
-    c.add_argument("username")
+    c.add_argument("username", help="the new user's login name")
     c.add_argument("--role", action="append", help=f"{roles}; repeatable; default viewer")
-    c.add_argument("--email")
-    c.add_argument("--display-name")
+    c.add_argument("--email", help="the user's e-mail address (matched by OIDC logins)")
+    c.add_argument("--display-name", help="the user's full name, for display")
     c.add_argument("--password", action="store_true", help="ask for a password (else: OIDC logins only)")
     c.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     gw(usub.add_parser("list", help="every user"))
@@ -1063,25 +1063,26 @@ def _auth_commands(sub, gateway_default: str) -> None:
     p = sub.add_parser("token", help="API tokens: create, list, revoke")
     tsub = p.add_subparsers(dest="action", required=True)
     c = gw(tsub.add_parser("create", help="a new API token for you (printed once)"))
-    c.add_argument("name")
+    c.add_argument("name", help="what the token is for (shown by `noetl token list`)")
     c.add_argument("--role", action="append", help=f"{roles}; repeatable; default: your roles")
-    c.add_argument("--expires-in", type=int, metavar="SECONDS")
+    c.add_argument("--expires-in", type=int, metavar="SECONDS", help="seconds until the token expires (default: never)")
     c = gw(tsub.add_parser("list", help="your API tokens (or --user's with token.any)"))
-    c.add_argument("--user", help="a user id or username")
+    c.add_argument("--user", help="a user id or username (default: you)")
     c = gw(tsub.add_parser("revoke", help="revoke an API token"))
-    c.add_argument("token_id")
+    c.add_argument("token_id", help="the token's id (from `noetl token list`)")
     for c in tsub.choices.values():
         c.set_defaults(func=cmd_token)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="noetl", description="Run NoETL playbooks as Petri nets over NATS.",
-                                     epilog=EXIT_CODES)
+    parser = _Parser(prog="noetl", description="Run NoETL playbooks as Petri nets over NATS.", epilog=EXIT_CODES)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the version and exit")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check playbooks; every error with its location")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
@@ -1089,78 +1090,82 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway_default = os.environ.get("NOETL_GATEWAY_URL", "http://127.0.0.1:8082")
     p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)", epilog=RUN_EXIT_CODES)
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("--workload", help="JSON object deep-merged over the playbook's workload")
+    p.add_argument("file", metavar="FILE", help="the playbook (YAML)")
+    p.add_argument("--workload", metavar="JSON", help="JSON object deep-merged over the playbook's workload")
     p.add_argument("--json", action="store_true", help="print one JSON object with the outcome")
-    p.add_argument("--gateway", help="a running gateway's URL instead of an embedded stack")
-    p.add_argument("--timeout", type=float, default=3600.0, help=f"seconds to wait for the end; then exit {EXIT_TIMEOUT}")
+    p.add_argument("--gateway", metavar="URL", help="a running gateway's URL instead of an embedded stack "
+                                                    "(default: NOETL_GATEWAY_URL, else an embedded stack)")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help=f"seconds to wait for the end; then exit {EXIT_TIMEOUT}")
     p.add_argument("--register", action="append", metavar="FILE",
                    help="register this playbook in the catalog first (for `kind: playbook` tasks); repeatable")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("register", help="add playbooks to the catalog of a running gateway")
-    p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--gateway", default=gateway_default)
+    p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("up", help="start NATS, Postgres and every service in the foreground")
-    p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), help="data and logs directory")
-    p.add_argument("--in-process", action="store_true", help="all services in this process")
+    p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), metavar="DIR",
+                   help="data and logs directory (NOETL_HOME); one stack per home")
+    p.add_argument("--in-process", action="store_true", help="all services in this process (default: one process each)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("service", help="run one service")
     p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
-                                    "sessions", "worker"])
-    p.add_argument("--nats-url")
+                                    "sessions", "worker"], help="which service")
+    p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
     p.add_argument("--nats-creds", metavar="FILE",
                    help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
-    p.add_argument("--pg-dsn")
-    p.add_argument("--pool", default="default")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--ack-wait", type=float, default=30.0)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8082)
+    p.add_argument("--pg-dsn", metavar="DSN", help="Postgres, for the event-recorder (default: NOETL_PG_DSN)")
+    p.add_argument("--pool", default="default", help="worker: the pool whose commands it takes")
+    p.add_argument("--concurrency", type=int, default=8, help="worker: commands run at once")
+    p.add_argument("--ack-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="worker: seconds before an unacknowledged command is redelivered")
+    p.add_argument("--host", default="127.0.0.1", help="gateway: the address to listen on")
+    p.add_argument("--port", type=int, default=8082, help="gateway: the port to listen on")
     p.set_defaults(func=cmd_service)
 
     p = sub.add_parser("setup", help="create the streams, bucket and object store (as the NATS admin user)")
-    p.add_argument("--nats-url")
+    p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
     p.add_argument("--nats-creds", metavar="FILE", help="the admin's credentials (NOETL_NATS_CREDS)")
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("nats-credentials", help="generate one NATS user per service and the server's users")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the seeds and nats-auth.conf (0700)")
     p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
-    p.add_argument("--partitions", type=int, help="of the events stream (NOETL_PARTITIONS, default 16)")
+    p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
     p.set_defaults(func=cmd_nats_credentials)
 
     for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
                             ("events", cmd_events, "an execution's events"),
                             ("cancel", cmd_cancel, "cancel an execution")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("execution_id")
-        p.add_argument("--gateway", default=gateway_default)
+        p.add_argument("execution_id", help="the execution's id")
+        p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         p.set_defaults(func=fn)
 
     p = sub.add_parser("verify", help="check executions' event logs: finished, every step run ended once, "
                                       "loops complete, nothing run after the end")
-    p.add_argument("execution_ids", nargs="*", metavar="ID")
+    p.add_argument("execution_ids", nargs="*", metavar="ID", help="execution ids (or --all)")
     p.add_argument("--all", action="store_true", help="every execution the gateway lists")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
-    p.add_argument("--gateway", default=gateway_default)
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("credential", help="the credential store (add, list, delete)")
     csub = p.add_subparsers(dest="action", required=True)
     c = csub.add_parser("add", help="create or replace a credential")
-    c.add_argument("name")
+    c.add_argument("name", help="the credential's name (what keychain entries refer to)")
     c.add_argument("--kind", default="generic", help="postgres, http, generic, ...")
-    c.add_argument("--data", required=True, help="the secret fields, a JSON object")
-    c.add_argument("--description")
+    c.add_argument("--data", required=True, metavar="JSON", help="the secret fields, a JSON object")
+    c.add_argument("--description", help="what the credential is for")
     c = csub.add_parser("list", help="credentials without their data")
     c2 = csub.add_parser("delete", help="delete a credential")
-    c2.add_argument("name")
+    c2.add_argument("name", help="the credential's name")
     for c in (csub.choices["add"], csub.choices["list"], c2):
-        c.add_argument("--gateway", default=gateway_default)
+        c.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         c.set_defaults(func=cmd_credential)
     _auth_commands(sub, gateway_default)
     _everywhere(parser, "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
@@ -1177,6 +1182,7 @@ def _everywhere(parser: argparse.ArgumentParser, *names: str, **kw) -> None:
                 _everywhere(child, *names, **kw)
 
 
+GATEWAY_HELP = "the gateway's URL (NOETL_GATEWAY_URL)"
 DEBUG_HELP = "on an unexpected error, print its traceback"
 RUN_EXIT_CODES = (f"exit status: {EXIT_OK} COMPLETED, {EXIT_FAILED} FAILED or CANCELLED, {EXIT_INVALID} an invalid "
                   f"playbook or arguments, {EXIT_TIMEOUT} --timeout passed, {EXIT_UNREACHABLE} no gateway at --gateway, "
@@ -1186,6 +1192,24 @@ EXIT_CODES = (f"exit status: {EXIT_OK} success; {EXIT_FAILED} failed (an executi
               f"answers at the URL; {EXIT_STACK} the embedded stack cannot start (e.g. one runs from that home "
               f"already); {EXIT_INTERNAL} an unexpected error (--debug shows the traceback); 130/143 interrupted "
               "(SIGINT/SIGTERM). See docs/operations.md.")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown after each option's help, except the empty ones (None, False, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or action.default == [] or \
+                "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: defaults shown in the help."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kw)
 
 
 def _bad_url(url: str | None) -> str | None:
@@ -1203,6 +1227,15 @@ def _bad_url(url: str | None) -> str | None:
     if parsed.port is not None and not 0 < parsed.port < 65536:
         return f"--gateway {url}: the port is not between 1 and 65535"
     return None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("noetl-mesh")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -178,6 +178,55 @@ def test_up_names_the_servers_a_killed_stack_left_running(tmp_path, capsys):
     lock.release()
 
 
+# ------------------------------------------------------------------------------ help and version
+def _parsers(parser, path=("noetl",)):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                assert helps.get(name), f"{' '.join(path)} {name} has no help"
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    import argparse
+
+    from noetl_mesh.cli import build_parser
+
+    seen = 0
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            seen += 1
+            where = f"{' '.join(path)} {action.option_strings[0]}"
+            assert action.help and len(action.help) > 8, f"{where} has no help"
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.option_strings and isinstance(action.default, (int, float, str)) \
+                    and not isinstance(action.default, bool) and action.default not in ("", argparse.SUPPRESS):
+                assert f"default: {action.default}" in " ".join(text.split()) or "default" in action.help, \
+                    f"{' '.join(path)} {action.option_strings[0]}: default {action.default!r} not shown"
+    assert seen > 60
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"noetl {version('noetl-mesh')}\n"
+
+
+def test_help_lists_the_exit_codes(capsys):
+    assert main(["run", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "3 --timeout passed" in text and "4 no gateway at --gateway" in text and "130/143" in text
+    assert "--timeout SECONDS seconds to wait for the end; then exit 3 (default: 3600.0)" in text
+
+
 # ------------------------------------------------------------------------------ what noetl run shows
 def _loop_events(n: int, failed: set[int], t0: float = 1000.0) -> list[dict]:
     events = [{"name": "step.started", "step": "s", "step_run_id": "r1", "timestamp": t0},
