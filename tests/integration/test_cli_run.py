@@ -244,3 +244,38 @@ def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
         shutil.rmtree(root, ignore_errors=True)
     assert proc.returncode == 0
     assert not (home / "stack.json").exists()
+
+
+# ------------------------------------------------------------------------------ the examples as the README says
+def test_the_pagination_example_without_its_api_fails_naming_the_url():
+    proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--workload", '{"api_url": "http://127.0.0.1:1"}')
+    assert proc.returncode == 1, proc.stderr
+    assert "iteration.failed   fetch_all_endpoints[0] (GET http://127.0.0.1:1/assessments: cannot connect" in proc.stdout
+    assert ("message: '2 of 2 endpoint(s) could not be read from http://127.0.0.1:1: is the API running? "
+            "(python -m noetl_mesh.testing.fixture_api)'") in proc.stdout
+
+
+def test_the_pagination_example_with_the_fixture_api_started_as_the_readme_says(tmp_path):
+    from noetl_mesh.stack import free_port
+
+    port = free_port()
+    api = subprocess.Popen([sys.executable, "-m", "noetl_mesh.testing.fixture_api", "--port", str(port)],
+                           stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert api.stdout.readline() == f"fixture API at http://127.0.0.1:{port} (Ctrl-C stops it)\n"
+        proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--json",
+                     "--workload", json.dumps({"api_url": f"http://127.0.0.1:{port}"}))
+    finally:
+        api.send_signal(signal.SIGINT)
+        api.wait(10)
+    assert api.returncode == 0
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"]["validate_results"]["result"] == {"endpoints": 2, "items": 25}
+
+
+def test_the_child_example_runs_on_its_own():
+    proc = noetl("run", str(EXAMPLES / "nested_child.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"]["report"]["result"] == "mean 4.0, max 5"
+    proc = noetl("run", str(EXAMPLES / "nested_child.yaml"), "--json", "--workload", '{"temps": [1, 2, 6]}')
+    assert json.loads(proc.stdout)["steps"]["report"]["result"] == "mean 3.0, max 6"
