@@ -515,7 +515,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .infra.embedded import InfraError
 
     home = os.path.abspath(args.home)
-    os.makedirs(home, exist_ok=True)
+    try:
+        os.makedirs(home, exist_ok=True)
+    except OSError as exc:
+        return _fail(f"--home {home}: cannot make the directory ({exc.strerror or exc})")
     lock = _HomeLock(home)
     busy = lock.acquire()
     if busy:
@@ -744,6 +747,8 @@ def cmd_nats_credentials(args: argparse.Namespace) -> int:
         auth = NatsAuth(args.out, pools=args.pool or ["default"], partitions=args.partitions).ensure()
     except ValueError as exc:
         return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"--out {args.out}: {exc.strerror or exc}")
     print(f"{auth.config_file}: the server's users ({auth.partitions} partitions, pools {', '.join(auth.pools)})")
     for user in auth.users:
         print(f"{auth.file(user)}: the seed of {user} (keep it secret; NOETL_NATS_CREDS or --nats-creds)")

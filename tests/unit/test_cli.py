@@ -131,6 +131,13 @@ def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "noetl: interrupted (SIGINT)\n"
 
 
+def test_a_home_or_out_directory_that_cannot_be_made_exits_2(capsys):
+    assert main(["up", "--home", "/proc/no/such/home"]) == 2
+    assert capsys.readouterr().err == "noetl: --home /proc/no/such/home: cannot make the directory (No such file or directory)\n"
+    assert main(["nats-credentials", "--out", "/proc/no/such/dir"]) == 2
+    assert capsys.readouterr().err == "noetl: --out /proc/no/such/dir: No such file or directory\n"
+
+
 # ------------------------------------------------------------------------------ one stack per home
 def test_a_second_up_on_a_home_says_a_stack_runs_there(tmp_path, capsys):
     from noetl_mesh.cli import _HomeLock
