@@ -1174,7 +1174,18 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(func=cmd_credential)
     _auth_commands(sub, gateway_default)
     _everywhere(parser, "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    _common_help(parser)
     return parser
+
+
+def _common_help(parser: argparse.ArgumentParser) -> None:
+    """The help of an option every gateway command has (``--gateway``), for a command that gives none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _common_help(child)
+        elif action.dest == "gateway" and not action.help:
+            action.help, action.metavar = GATEWAY_HELP, action.metavar or "URL"
 
 
 def _everywhere(parser: argparse.ArgumentParser, *names: str, **kw) -> None:

@@ -220,6 +220,23 @@ def test_every_option_of_every_command_has_help_and_shows_its_default():
     assert seen > 60
 
 
+def test_a_gateway_option_given_without_help_gets_the_common_one(monkeypatch):
+    import argparse
+
+    import noetl_mesh.cli as cli
+
+    real = cli._auth_commands
+
+    def more(sub, gateway_default):  # a command added without a word on --gateway
+        real(sub, gateway_default)
+        sub.add_parser("later", help="a later command").add_argument("--gateway", default=gateway_default)
+
+    monkeypatch.setattr(cli, "_auth_commands", more)
+    later = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices["later"]
+    option = next(a for a in later._actions if a.dest == "gateway")
+    assert option.help == "the gateway's URL (NOETL_GATEWAY_URL)" and option.metavar == "URL"
+
+
 def test_version_comes_from_the_package_metadata(capsys):
     from importlib.metadata import version
 
