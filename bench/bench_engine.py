@@ -1,4 +1,4 @@
-"""End-to-end benchmarks of the distributed engine (issue 3), every service in its own process, NATS and
+"""End-to-end benchmarks of the distributed engine (docs/performance.md), every service in its own process, NATS and
 Postgres embedded, the event log on. Prints a table; asserts nothing.
 
     python bench/bench_engine.py            # all four scenarios (a few minutes)

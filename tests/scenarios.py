@@ -1,4 +1,4 @@
-"""Playbooks with the outcome DECISIONS.md prescribes, shared by the tests of the in-process engine and
+"""Playbooks with the outcome docs/dsl.md prescribes, shared by the tests of the in-process engine and
 of the distributed stack (which must agree). ``API`` in a playbook is replaced by the fixture API's URL."""
 from __future__ import annotations
 

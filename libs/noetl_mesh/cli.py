@@ -8,9 +8,79 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_TIMEOUT = 3  # noetl run --timeout passed before the execution ended
+EXIT_UNREACHABLE = 4  # no gateway answers at the URL
+EXIT_STACK = 5  # the embedded stack cannot start (e.g. one already runs from that home)
+EXIT_INTERNAL = 70  # an unexpected error: a bug (one line; --debug shows the traceback)
+# a signal ends a command with 128 + its number: 130 for SIGINT, 143 for SIGTERM
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM ended a command (:class:`_Signals`); what it started is stopped first."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM while a command runs what it must stop again (NATS, Postgres, services).
+    In plain code they raise :class:`Interrupted` at once (a half-started server is stopped by its own
+    ``start``); while :func:`_arun` runs a coroutine they cancel it, so that its ``finally`` blocks stop
+    what it started, and :func:`_arun` raises :class:`Interrupted` after. A second signal is ignored
+    while that cleanup runs; a third ends the process at once (what it started may be left running)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Signals":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored on purpose (a shell's background job)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # stopping already: the next one is the default's (death)
+            signal.signal(signum, signal.SIG_DFL)
+            return
+        self.received = signum
+        if self.task is not None and self.loop is not None and not self.task.done():
+            self.task.cancel()
+            self.loop.call_soon_threadsafe(lambda: None)  # wake the loop up
+            return
+        raise Interrupted(signum)
+
+
+def _arun(coro, signals: _Signals):
+    """``asyncio.run(coro)`` with ``signals`` cancelling it; Interrupted when a signal did."""
+
+    async def main():
+        signals.task, signals.loop = asyncio.current_task(), asyncio.get_running_loop()
+        try:
+            return await coro
+        finally:
+            signals.task = signals.loop = None
+
+    try:
+        result = asyncio.run(main())
+    except asyncio.CancelledError:
+        if signals.received is not None:
+            raise Interrupted(signals.received) from None
+        raise
+    if signals.received is not None:  # it ended on its own as the signal arrived
+        raise Interrupted(signals.received)
+    return result
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -81,7 +151,9 @@ def _fail(message: str, code: int = EXIT_INVALID) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input."""
+    """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input, 3 --timeout
+    passed, 4 no gateway at --gateway, 5 the embedded stack cannot start, 128 + the signal's number when
+    SIGINT/SIGTERM stopped it (after stopping what it started)."""
     from .lang.documents import read_document
     from .lang.validate import validate_file
 
@@ -100,46 +172,279 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not isinstance(workload, dict):
         return _fail("--workload must be a JSON object")
     text = read_document(args.file)[0]  # decoded as it was validated (UTF-8/16/32)
+    import httpx
+
     from .client import GatewayError
+    from .infra.embedded import InfraError
 
-    try:
-        return asyncio.run(_run(args, text, workload))
-    except KeyboardInterrupt:
-        return EXIT_FAILED
-    except GatewayError as exc:
-        return _gateway_failed(exc, args.gateway or os.environ.get("NOETL_GATEWAY_URL") or "URL")
-
-
-async def _run(args: argparse.Namespace, text: str, workload: dict) -> int:
-    from .client import GatewayClient
-    from .lang.documents import read_document
-
-    stack = None
     gateway = args.gateway or os.environ.get("NOETL_GATEWAY_URL")
-    try:
-        if not gateway:
-            stack = await _embedded_stack(quiet=args.json)
-            gateway = stack.gateway_url
-        # the throw-away stack's own admin token; a running gateway gets the command line's (noetl login)
-        async with GatewayClient(gateway, token=stack.token if stack is not None else None) as client:
-            for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
-                await client.register(read_document(path)[0])
-            execution_id = await client.start(text, workload)
-            progress = None if args.json else (lambda e: _print_progress(e))
-            final = await client.wait(execution_id, timeout=args.timeout, on_event=progress)
-            events = await client.all_events(execution_id)
-    finally:
-        if stack is not None:
-            await stack.stop()
-    if args.json:
-        out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps")}
-        out["events"] = [{k: e.get(k) for k in ("name", "step", "task", "iteration", "attempt")} for e in events]
-        print(json.dumps(out, default=str))
-    else:
-        print(f"execution {execution_id}: {final['status']}")
-        if final.get("error"):
-            print(f"  error: {final['error']}")
-    return EXIT_OK if final["status"] == "COMPLETED" else EXIT_FAILED
+    if _bad_url(gateway):
+        return _fail(_bad_url(gateway))
+    with _Signals() as signals:
+        run, servers = _Run(args, gateway, signals), None
+        try:
+            if not gateway:
+                servers = _provision()
+            return _arun(run.main(text, workload, servers), signals)
+        except Interrupted as exc:
+            run.stopping(exc.signum)
+            return 128 + exc.signum
+        except _TimedOut:
+            return EXIT_TIMEOUT
+        except GatewayError as exc:
+            return _gateway_failed(exc, gateway or "URL")
+        except (OSError, httpx.TransportError) as exc:
+            if not gateway or isinstance(exc, TimeoutError):
+                raise
+            return _unreachable(gateway, exc)
+        except InfraError as exc:
+            return _fail(f"cannot start the embedded stack: {exc}", EXIT_STACK)
+        finally:
+            run.close()
+            if servers is not None:
+                servers.stop()
+
+
+class _TimedOut(Exception):
+    """``noetl run --timeout`` passed (said already)."""
+
+
+class _Run:
+    """One ``noetl run``: start the services (unless ``--gateway``), submit, follow, print the end.
+    On a signal or ``--timeout`` an execution on the embedded stack is cancelled (so the stack stops at
+    once); on a gateway it keeps running, and the message says how to follow or cancel it. The message
+    comes as the stopping starts, not after it."""
+
+    def __init__(self, args: argparse.Namespace, gateway: str | None, signals: _Signals):
+        self.args, self.gateway, self.signals = args, gateway, signals
+        self.execution_id: str | None = None
+        self.progress = None if args.json else _Progress()
+        self.started = time.monotonic()
+        self.said = False
+
+    async def main(self, text: str, workload: dict, servers: "_Servers | None") -> int:
+        from .client import GatewayClient
+        from .lang.documents import read_document
+
+        args, stack = self.args, None
+        try:
+            if servers is not None:
+                stack = await _embedded_stack(servers)
+            gateway = stack.gateway_url if stack is not None else self.gateway
+            # the throw-away stack's own admin token; a running gateway gets the command line's (noetl login)
+            async with GatewayClient(gateway, token=stack.token if stack is not None else None) as client:
+                for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
+                    await client.register(read_document(path)[0])
+                self.execution_id = await client.start(text, workload)
+                self.started = time.monotonic()
+                try:
+                    final = await client.wait(self.execution_id, timeout=args.timeout, on_event=self.progress)
+                except (TimeoutError, asyncio.CancelledError) as exc:
+                    timed_out = isinstance(exc, TimeoutError)
+                    self.stopping(None if timed_out else self.signals.received)
+                    if stack is not None:
+                        await self._cancel(client)
+                    if timed_out:
+                        raise _TimedOut() from None
+                    raise
+                events = await client.all_events(self.execution_id)
+        except asyncio.CancelledError:
+            self.stopping(self.signals.received)
+            raise
+        finally:
+            if stack is not None:
+                await stack.stop(ordered=False)  # all at once: nothing of this stack is kept
+        self.close()
+        elapsed = time.monotonic() - self.started
+        if args.json:
+            out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps", "error")}
+            out["events"] = [{k: e.get(k) for k in ("name", "step", "task", "iteration", "attempt")} for e in events]
+            print(json.dumps(out, default=str))
+        else:
+            print(_outcome_text(final, elapsed))
+        return EXIT_OK if final["status"] == "COMPLETED" else EXIT_FAILED
+
+    async def _cancel(self, client) -> None:
+        """Cancel the execution on the embedded stack and give the cancellation a moment to reach its
+        running tasks (a worker that still runs one when it stops waits for it)."""
+        try:
+            await asyncio.wait_for(client.cancel(self.execution_id, reason="noetl run stopped"), 2)
+            await client.wait(self.execution_id, timeout=2)
+        except Exception:  # noqa: BLE001 - best effort: the stack stops anyway
+            pass
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+    def stopping(self, signum: int | None) -> None:
+        """Say once why the run stops and what becomes of the execution: a signal (``signum``), or
+        ``--timeout`` (None)."""
+        if self.said:
+            return
+        self.said = True
+        self.close()
+        xid, gw = self.execution_id, self.gateway
+        why = (f"interrupted ({signal.Signals(signum).name})" if signum is not None else
+               f"execution {xid} did not finish within {self.args.timeout:g}s (--timeout)")
+        if gw:
+            what = (f"execution {xid} keeps running on {gw}: `noetl status {xid} --gateway {gw}`, "
+                    f"`noetl cancel {xid} --gateway {gw}`" if xid else "")
+        elif xid:
+            what = f"cancelling {'it' if signum is None else f'execution {xid}'} and stopping the embedded stack"
+        else:
+            what = "stopping the embedded stack"
+        _fail(f"{why}: {what}" if what else why)
+
+
+def _outcome_text(final: dict, elapsed: float) -> str:
+    """The end of a run for people: the status, each step's status and result, the error; values as
+    YAML (flow style on one line when short), long ones cut (``--json`` has everything)."""
+    lines = [f"execution {final.get('execution_id')}: {final.get('status')} in {elapsed:.1f}s"]
+    steps = final.get("steps") or {}
+    width = max((len(name) for name in steps), default=0)
+    for name, step in steps.items():
+        head = f"  {name:<{width}}  {step.get('status')}" + (f" ({step['runs']} runs)" if step.get("runs", 1) > 1 else "")
+        result = step.get("result")
+        if result is None:
+            lines.append(head)
+            continue
+        flow = _yamlish(result, flow=True)
+        if "\n" not in flow and len(head) + len(flow) < 120:
+            lines.append(f"{head}  {flow}")
+        elif "\n" not in flow and len(flow) <= 400:  # a few lines once the terminal wraps it
+            lines += [head, f"      {flow}"]
+        else:
+            lines.append(head)
+            lines += _indented(_yamlish(result), "      ")
+    if final.get("error"):
+        lines.append("error:")
+        lines += _indented(_yamlish(final["error"]), "  ")
+    return "\n".join(lines)
+
+
+def _indented(text: str, prefix: str, max_lines: int = 30) -> list[str]:
+    rows = text.rstrip("\n").split("\n")
+    if len(rows) > max_lines:
+        rows = rows[:max_lines] + [f"... ({len(rows) - max_lines} more lines: --json shows everything)"]
+    return [prefix + row for row in rows]
+
+
+def _yamlish(value, flow: bool = False) -> str:
+    """A JSON value as YAML: block style (multi-line strings as ``|`` blocks), or flow style on one line."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, data: str):
+        style = "|" if "\n" in data and not flow else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+    Dumper.add_representer(str, text)
+    if isinstance(value, str) and flow:
+        return value if "\n" not in value else yaml.dump(value, Dumper=Dumper, width=10**9).strip()
+    out = yaml.dump(value, Dumper=Dumper, default_flow_style=flow, sort_keys=False, allow_unicode=True,
+                    width=10**9)  # long lines are the terminal's to wrap
+    return out[:-5] if out.endswith("\n...\n") else out.rstrip("\n")
+
+
+class _Progress:
+    """``noetl run``'s progress: :func:`_print_progress`'s lines, and for each running loop how many
+    iterations are done of how many, the rate and the time since it started: a bar redrawn in place
+    when stdout is a terminal, else a plain line every ``every`` seconds and one when the loop ends."""
+
+    SHOW_FAILED = 3  # failed iterations shown with their error, per loop
+
+    def __init__(self, out=None, tty: bool | None = None, every: float = 2.0):
+        self.out = out if out is not None else sys.stdout
+        self.tty = bool(self.out.isatty()) if tty is None else tty
+        self.every = every
+        self.loops: dict[str, dict] = {}
+        self.shown = False  # a bar is on screen
+        self.drawn = ""  # what it shows
+
+    def __call__(self, event: dict) -> None:
+        name, data = event["name"], event.get("data") or {}
+        key = str(event.get("step_run_id") or event.get("step"))
+        now = time.monotonic()
+        at = event.get("timestamp") if isinstance(event.get("timestamp"), (int, float)) else None
+        if name == "loop.started":
+            items = data.get("items")
+            self.loops[key] = {"step": event.get("step") or "", "total": len(items) if isinstance(items, list) else None,
+                               "done": set(), "failed": set(), "seen": now, "said": now, "t0": at, "t1": at}
+        elif name in ("loop.iteration.done", "loop.iteration.failed") and key in self.loops:
+            loop = self.loops[key]
+            loop["failed" if name.endswith("failed") else "done"].add(event.get("iteration"))
+            loop["t1"] = at if at is not None else loop["t1"]
+            if name.endswith("failed") and len(loop["failed"]) <= self.SHOW_FAILED:
+                error = data.get("error") if isinstance(data.get("error"), dict) else {}
+                more = "; further failures only counted" if len(loop["failed"]) == self.SHOW_FAILED else ""
+                self._line(f"  {'iteration.failed':<18} {loop['step']}[{event.get('iteration')}] "
+                           f"({error.get('message', '')}){more}")
+        ended = self.loops.pop(key, None) if name in ("loop.done", "step.failed") else None
+        if ended is not None:
+            if isinstance(data.get("total"), int):
+                ended["total"] = data["total"]
+            ended["t1"] = at if at is not None else ended["t1"]
+            self._line(self._loop_text(ended, now, bar=False, ended=True))
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            _print_progress(event)
+        if said.getvalue():
+            self._clear()
+            self.out.write(said.getvalue())
+            self.out.flush()
+        self._tick(now)
+
+    @staticmethod
+    def _loop_text(loop: dict, now: float, bar: bool, ended: bool = False) -> str:
+        done, failed = len(loop["done"]), len(loop["failed"])
+        total = loop["total"]
+        # the events' own times when they are known (a poll may bring many at once), else this clock's
+        timed = loop["t0"] is not None and loop["t1"] is not None
+        elapsed = loop["t1"] - loop["t0"] if timed and ended else now - loop["seen"]
+        span = loop["t1"] - loop["t0"] if timed and loop["t1"] > loop["t0"] else elapsed
+        rate = f"{(done + failed) / span:.1f}/s" if span > 0 and done + failed else "-/s"
+        count = f"{done + failed}/{total if total is not None else '?'}"
+        extra = f", {failed} failed" if failed else ""
+        if bar and total:
+            filled = int(20 * (done + failed) / total)
+            return f"{loop['step']} [{'#' * filled}{'.' * (20 - filled)}] {count}{extra} {rate} {elapsed:.1f}s"
+        return f"  {'loop':<18} {loop['step']} {count} iterations{extra}, {rate}, {elapsed:.1f}s"
+
+    def _tick(self, now: float) -> None:
+        if not self.loops:
+            return
+        if self.tty:
+            import shutil
+
+            text = "  " + "  ".join(self._loop_text(loop, now, bar=True) for loop in self.loops.values())
+            text = text[:shutil.get_terminal_size().columns - 1]
+            if text != self.drawn or not self.shown:
+                self.out.write("\r\x1b[K" + text)
+                self.out.flush()
+                self.shown, self.drawn = True, text
+            return
+        for loop in self.loops.values():
+            if now - loop["said"] >= self.every:
+                loop["said"] = now
+                self._line(self._loop_text(loop, now, bar=False))
+
+    def _line(self, text: str) -> None:
+        self._clear()
+        print(text, file=self.out, flush=True)
+
+    def _clear(self) -> None:
+        if self.shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self.shown = False
+
+    def close(self) -> None:
+        self._clear()
 
 
 def _print_progress(event: dict) -> None:
@@ -165,80 +470,223 @@ def _print_progress(event: dict) -> None:
         print(f"  {'child.started' if name == 'task.suspended' else 'child.finished':<18} {where} {extra}", flush=True)
 
 
-async def _embedded_stack(quiet: bool, persistent: str | None = None, processes: bool = False):
-    """NATS and Postgres as local processes (or the ones NOETL_NATS_URL / NOETL_PG_DSN name) and every
-    service; stopped with the stack. The embedded NATS runs with one user per service: credentials in
+class _Servers:
+    """The NATS and Postgres of an embedded stack (or the ones NOETL_NATS_URL / NOETL_PG_DSN name) and
+    its NATS credentials. The embedded NATS runs with one user per service: credentials in
     ``<home>/nats-creds`` (kept and reused), or a temporary directory; an external NATS with those of
     NOETL_NATS_CREDS (a directory or one file), if set."""
-    import shutil
-    import tempfile
 
+    def __init__(self, persistent: str | None):
+        import tempfile
+
+        self.persistent = persistent
+        self.nats = self.pg = self.auth = None
+        self.creds_dir = os.path.join(persistent, "nats-creds") if persistent else tempfile.mkdtemp(prefix="noetl-creds-")
+
+    def stop(self) -> None:
+        import shutil
+
+        immediate = not self.persistent  # a throw-away stack's data: nothing to flush
+        try:
+            if self.nats is not None:
+                self.nats.stop(immediate=immediate)
+        finally:
+            try:
+                if self.pg is not None:
+                    self.pg.stop(immediate=immediate)
+            finally:
+                if not self.persistent:
+                    shutil.rmtree(self.creds_dir, ignore_errors=True)
+
+
+def _provision(persistent: str | None = None) -> _Servers:
+    """Start NATS and Postgres (plain code, so that a signal stops a half-started one at once); data
+    under ``persistent`` (kept), else in temporary directories removed by ``stop()``."""
     from .infra.embedded import ENV_NATS_URL, provision_nats, provision_postgres
     from .infra.nats_auth import NatsAuth
+
+    servers = _Servers(persistent)
+    try:
+        servers.auth = None if os.environ.get(ENV_NATS_URL) else NatsAuth(servers.creds_dir).ensure()
+        servers.nats = provision_nats(store_dir=os.path.join(persistent, "nats") if persistent else None,
+                                      auth=servers.auth)
+        servers.pg = provision_postgres(data_dir=os.path.join(persistent, "pg") if persistent else None,
+                                        fast=not persistent)
+    except BaseException:
+        servers.stop()
+        raise
+    return servers
+
+
+async def _embedded_stack(servers: _Servers, processes: bool = False):
+    """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised.
+    ``stop()`` stops the services; the servers are the caller's to stop."""
     from .stack import InProcessStack, ProcessStack, Settings
 
-    nats_dir = os.path.join(persistent, "nats") if persistent else None
-    pg_dir = os.path.join(persistent, "pg") if persistent else None
-    creds_dir = os.path.join(persistent, "nats-creds") if persistent else tempfile.mkdtemp(prefix="noetl-creds-")
-    auth = None if os.environ.get(ENV_NATS_URL) else NatsAuth(creds_dir).ensure()
-    try:
-        nats_server = provision_nats(store_dir=nats_dir, auth=auth)
-    except BaseException:
-        if not persistent:
-            shutil.rmtree(creds_dir, ignore_errors=True)
-        raise
-    pg = provision_postgres(data_dir=pg_dir, fast=not persistent)
-    creds = str(auth.directory) if auth else os.environ.get("NOETL_NATS_CREDS")
-    settings = Settings(nats_url=nats_server.url, pg_dsn=pg.dsn("postgres"), nats_creds=creds)
+    persistent = servers.persistent
+    creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
+    settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file)
     else:
         stack = InProcessStack(settings, token_file=token_file)
-    inner_stop = stack.stop
-
-    async def stop() -> None:
-        try:
-            await inner_stop()
-        finally:
-            nats_server.stop()
-            pg.stop()
-            if not persistent:
-                shutil.rmtree(creds_dir, ignore_errors=True)
-
-    stack.stop = stop  # type: ignore[method-assign]
     try:
         await stack.start()
     except BaseException:
-        await stop()
+        await stack.stop()
         raise
     return stack
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    async def main() -> None:
-        home = os.path.abspath(args.home)
+    """``noetl up``: the stack in the foreground until SIGINT/SIGTERM (exit 0 then); one per home."""
+    from .infra.embedded import InfraError
+
+    home = os.path.abspath(args.home)
+    try:
         os.makedirs(home, exist_ok=True)
-        first = not os.path.exists(os.path.join(home, "admin.token"))
-        stack = await _embedded_stack(quiet=False, persistent=home, processes=not args.in_process)
-        print(f"noetl stack up; gateway: {stack.gateway_url} (OpenAPI docs at {stack.gateway_url}/docs)", flush=True)
+    except OSError as exc:
+        return _fail(f"--home {home}: cannot make the directory ({exc.strerror or exc})")
+    lock = _HomeLock(home)
+    busy = lock.acquire()
+    if busy:
+        return _fail(busy, EXIT_STACK)
+    try:
+        stale = lock.leftovers()
+        if stale:
+            return _fail(stale, EXIT_STACK)
+        with _Signals() as signals:
+            servers = None
+            try:
+                first = not os.path.exists(os.path.join(home, "admin.token"))
+                servers = _provision(home)
+                _arun(_up(args, home, servers, first, lock), signals)
+            except Interrupted:
+                pass  # how a stack is stopped
+            except InfraError as exc:
+                return _fail(f"cannot start the stack from {home}: {exc}", EXIT_STACK)
+            finally:
+                if servers is not None:
+                    servers.stop()
+    finally:
+        lock.release()
+    return EXIT_OK
+
+
+async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "_HomeLock") -> None:
+    stack = await _embedded_stack(servers, processes=not args.in_process)
+    url, stored = stack.gateway_url, False
+    try:
+        print(f"noetl stack up; gateway: {url} (OpenAPI docs at {url}/docs)", flush=True)
         print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
         if stack.settings.nats_creds:
             print(f"NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)
-        url = stack.gateway_url
+        pids = {"nats-server": servers.nats.pid, "postgres": servers.pg.pid}
+        pids.update({key: proc.pid for key, proc in getattr(stack, "procs", {}).items()})
+        lock.record({"pid": os.getpid(), "gateway": url, "nats": stack.settings.nats_url,
+                     "postgres": stack.settings.pg_dsn, "pids": {k: v for k, v in pids.items() if v}})
         stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await asyncio.Event().wait()  # until a signal cancels this
+    finally:
         print("stopping...", flush=True)
         await stack.stop()
         if stored:
             _forget_local_admin(url, stack.token)
 
-    asyncio.run(main())
-    return EXIT_OK
+
+class _HomeLock:
+    """One stack per home. ``noetl up`` holds an exclusive lock on ``<home>/stack.lock`` while it runs
+    (the kernel releases it when the process ends, however it ends) and describes itself in
+    ``<home>/stack.json`` (its pid, URLs and the pids of the servers and services it started), removed
+    when it stops. A ``stack.json`` found with the lock free is a stack that was killed (SIGKILL)
+    before it could stop its servers: :meth:`leftovers` names those still running."""
+
+    def __init__(self, home: str):
+        self.home = home
+        self.lock_file = os.path.join(home, "stack.lock")
+        self.info_file = os.path.join(home, "stack.json")
+        self.fd: int | None = None
+        self.recorded = False
+
+    def acquire(self) -> str | None:
+        """None when this process holds the lock now, else why it cannot."""
+        import fcntl
+
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            info = self.read()
+            if not info.get("gateway"):
+                return f"a noetl stack is already starting or running from {self.home} ({self.lock_file} is locked)"
+            return (f"a noetl stack already runs from {self.home} (pid {info.get('pid')}): gateway {info['gateway']}, "
+                    f"NATS {info.get('nats')}; use it (export NOETL_GATEWAY_URL={info['gateway']}), stop it "
+                    f"(Ctrl-C where it runs, or kill {info.get('pid')}), or start another with --home DIR")
+        self.fd = fd
+        return None
+
+    def read(self) -> dict:
+        try:
+            with open(self.info_file) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    def record(self, info: dict) -> None:
+        tmp = self.info_file + ".tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(info, f, indent=1)
+        os.replace(tmp, self.info_file)
+        self.recorded = True
+
+    def leftovers(self) -> str | None:
+        """Why a new stack cannot start here: processes of an earlier, killed one still running."""
+        running = {}
+        for name, pid in (self.read().get("pids") or {}).items():
+            if isinstance(pid, int) and _runs(pid, "nats-server" if name == "nats-server" else
+                                              "postgres" if name == "postgres" else "noetl_mesh"):
+                running[name] = pid
+        try:
+            with open(os.path.join(self.home, "pg", "postmaster.pid")) as f:
+                pid = int(f.readline().strip())
+            if _runs(pid, "postgres"):
+                running["postgres"] = pid
+        except (OSError, ValueError):
+            pass
+        if not running:
+            return None
+        listed = ", ".join(f"{name} pid {pid}" for name, pid in running.items())
+        return (f"processes of an earlier noetl up from {self.home} still run ({listed}): it was killed before it "
+                f"could stop them; stop them (kill {' '.join(str(p) for p in running.values())}) and start again")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if self.recorded:  # else it describes an earlier stack (leftovers): keep it
+            try:
+                os.unlink(self.info_file)
+            except OSError:
+                pass
+        os.close(self.fd)  # releases the lock
+        self.fd = None
+
+
+def _runs(pid: int, name: str) -> bool:
+    """Whether process ``pid`` is alive and its command line mentions ``name`` (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return name.encode() in f.read()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")  # no /proc to tell: alive is all we know
 
 
 def _local_admin(url: str, token: str | None, token_file: str, first: bool) -> bool:
@@ -328,6 +776,8 @@ def cmd_nats_credentials(args: argparse.Namespace) -> int:
         auth = NatsAuth(args.out, pools=args.pool or ["default"], partitions=args.partitions).ensure()
     except ValueError as exc:
         return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"--out {args.out}: {exc.strerror or exc}")
     print(f"{auth.config_file}: the server's users ({auth.partitions} partitions, pools {', '.join(auth.pools)})")
     for user in auth.users:
         print(f"{auth.file(user)}: the seed of {user} (keep it secret; NOETL_NATS_CREDS or --nats-creds)")
@@ -349,7 +799,13 @@ def _gateway_call(args: argparse.Namespace, fn) -> int:
     except GatewayError as exc:
         return _gateway_failed(exc, args.gateway)
     except (OSError, httpx.TransportError) as exc:  # e.g. no gateway listening
-        return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
+        return _unreachable(args.gateway, exc)
+
+
+def _unreachable(gateway: str, exc: BaseException, more: str = "") -> int:
+    """One line for a gateway that does not answer (nothing listens, a wrong URL, a timeout)."""
+    reason = str(exc) or type(exc).__name__
+    return _fail(f"cannot reach the gateway at {gateway} ({reason}){more}", EXIT_UNREACHABLE)
 
 
 def _gateway_failed(exc, gateway: str) -> int:
@@ -444,7 +900,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except GatewayError as exc:
         return _gateway_failed(exc, args.gateway)
     except (OSError, httpx.TransportError) as exc:
-        return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
+        return _unreachable(args.gateway, exc)
 
 
 def cmd_credential(args: argparse.Namespace) -> int:
@@ -520,7 +976,7 @@ def cmd_login(args: argparse.Namespace) -> int:
     except GatewayError as exc:
         return _fail(str(exc), EXIT_FAILED)
     except (OSError, httpx.TransportError) as exc:
-        return _fail(f"cannot reach the gateway at {args.gateway}: {exc}", EXIT_FAILED)
+        return _unreachable(args.gateway, exc)
 
 
 def cmd_logout(args: argparse.Namespace) -> int:
@@ -546,7 +1002,7 @@ def cmd_logout(args: argparse.Namespace) -> int:
             if exc.status != 401:  # 401: ended already
                 return _fail(f"{exc}; the token is still stored", EXIT_FAILED)
         except (OSError, httpx.TransportError) as exc:
-            return _fail(f"cannot reach the gateway at {args.gateway}: {exc}; the token is still stored", EXIT_FAILED)
+            return _unreachable(args.gateway, exc, "; the token is still stored")
         store_token(args.gateway, None)
         print(f"logged out of {args.gateway}")
     else:
@@ -604,11 +1060,11 @@ def _auth_commands(sub, gateway_default: str) -> None:
     roles = "admin, developer, operator or viewer"
 
     def gw(p):
-        p.add_argument("--gateway", default=gateway_default, help="the gateway's URL (NOETL_GATEWAY_URL)")
+        p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         return p
 
     p = gw(sub.add_parser("login", help="log in to a gateway and keep the token (password, OIDC or API token)"))
-    p.add_argument("--username", help="asked for when not given")
+    p.add_argument("--username", help="the user to log in as (asked for when not given)")
     p.add_argument("--password-stdin", action="store_true", help="read the password from stdin instead of asking")
     p.add_argument("--token", metavar="TOKEN", help="keep this API token instead of logging in ('-': read it "
                                                     "from stdin, out of the shell's history)")
@@ -620,9 +1076,9 @@ def _auth_commands(sub, gateway_default: str) -> None:
     p = sub.add_parser("session", help="login sessions: list, revoke")
     ssub = p.add_subparsers(dest="action", required=True)
     c = gw(ssub.add_parser("list", help="live sessions (yours, or --user's with session.any)"))
-    c.add_argument("--user", help="a user id or username")
+    c.add_argument("--user", help="a user id or username (default: you)")
     c = gw(ssub.add_parser("revoke", help="end a session, or every session of --user"))
-    c.add_argument("session_id", nargs="?")
+    c.add_argument("session_id", nargs="?", help="the session to end (or --user)")
     c.add_argument("--user", help="a user id or username; me: every session of yours")
     for c in ssub.choices.values():
         c.set_defaults(func=cmd_session)
@@ -630,10 +1086,10 @@ def _auth_commands(sub, gateway_default: str) -> None:
     p = sub.add_parser("user", help="users: add, list, disable, enable, roles, password (admins; password: anyone)")
     usub = p.add_subparsers(dest="action", required=True)
     c = gw(usub.add_parser("add", help="add a user"))
-    c.add_argument("username")
+    c.add_argument("username", help="the new user's login name")
     c.add_argument("--role", action="append", help=f"{roles}; repeatable; default viewer")
-    c.add_argument("--email")
-    c.add_argument("--display-name")
+    c.add_argument("--email", help="the user's e-mail address (matched by OIDC logins)")
+    c.add_argument("--display-name", help="the user's full name, for display")
     c.add_argument("--password", action="store_true", help="ask for a password (else: OIDC logins only)")
     c.add_argument("--password-stdin", action="store_true", help="read the password from stdin")
     gw(usub.add_parser("list", help="every user"))
@@ -654,125 +1110,211 @@ def _auth_commands(sub, gateway_default: str) -> None:
     p = sub.add_parser("token", help="API tokens: create, list, revoke")
     tsub = p.add_subparsers(dest="action", required=True)
     c = gw(tsub.add_parser("create", help="a new API token for you (printed once)"))
-    c.add_argument("name")
+    c.add_argument("name", help="what the token is for (shown by `noetl token list`)")
     c.add_argument("--role", action="append", help=f"{roles}; repeatable; default: your roles")
-    c.add_argument("--expires-in", type=int, metavar="SECONDS")
+    c.add_argument("--expires-in", type=int, metavar="SECONDS", help="seconds until the token expires (default: never)")
     c = gw(tsub.add_parser("list", help="your API tokens (or --user's with token.any)"))
-    c.add_argument("--user", help="a user id or username")
+    c.add_argument("--user", help="a user id or username (default: you)")
     c = gw(tsub.add_parser("revoke", help="revoke an API token"))
-    c.add_argument("token_id")
+    c.add_argument("token_id", help="the token's id (from `noetl token list`)")
     for c in tsub.choices.values():
         c.set_defaults(func=cmd_token)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="noetl", description="Run NoETL playbooks as Petri nets over NATS.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="noetl", description="Run NoETL playbooks as Petri nets over NATS.", epilog=EXIT_CODES)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the version and exit")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check playbooks; every error with its location")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("lint", help="check that playbooks will behave: joins, cycles, ctx races, template names "
                        "(docs/lint.md)")
-    p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
+    p.add_argument("--format", choices=("text", "json", "sarif"), default="text",
+                   help="text for people, json or sarif (code-scanning tools) for machines")
     p.set_defaults(func=cmd_lint)
 
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
     p.set_defaults(func=cmd_schema)
 
     gateway_default = os.environ.get("NOETL_GATEWAY_URL", "http://127.0.0.1:8082")
-    p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("--workload", help="JSON object deep-merged over the playbook's workload")
+    p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)", epilog=RUN_EXIT_CODES)
+    p.add_argument("file", metavar="FILE", help="the playbook (YAML)")
+    p.add_argument("--workload", metavar="JSON", help="JSON object deep-merged over the playbook's workload")
     p.add_argument("--json", action="store_true", help="print one JSON object with the outcome")
-    p.add_argument("--gateway", help="a running gateway's URL instead of an embedded stack")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the end")
+    p.add_argument("--gateway", metavar="URL", help="a running gateway's URL instead of an embedded stack "
+                                                    "(default: NOETL_GATEWAY_URL, else an embedded stack)")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help=f"seconds to wait for the end; then exit {EXIT_TIMEOUT}")
     p.add_argument("--register", action="append", metavar="FILE",
                    help="register this playbook in the catalog first (for `kind: playbook` tasks); repeatable")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("register", help="add playbooks to the catalog of a running gateway")
-    p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--gateway", default=gateway_default)
+    p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("up", help="start NATS, Postgres and every service in the foreground")
-    p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), help="data and logs directory")
-    p.add_argument("--in-process", action="store_true", help="all services in this process")
+    p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), metavar="DIR",
+                   help="data and logs directory (NOETL_HOME); one stack per home")
+    p.add_argument("--in-process", action="store_true", help="all services in this process (default: one process each)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("service", help="run one service")
     p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
-                                    "sessions", "worker", "scheduler"])
-    p.add_argument("--nats-url")
+                                    "sessions", "worker", "scheduler"], help="which service")
+    p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
     p.add_argument("--nats-creds", metavar="FILE",
                    help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
-    p.add_argument("--pg-dsn")
-    p.add_argument("--pool", default="default")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--ack-wait", type=float, default=30.0)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8082)
+    p.add_argument("--pg-dsn", metavar="DSN", help="Postgres, for the event-recorder (default: NOETL_PG_DSN)")
+    p.add_argument("--pool", default="default", help="worker: the pool whose commands it takes")
+    p.add_argument("--concurrency", type=int, default=8, help="worker: commands run at once")
+    p.add_argument("--ack-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="worker: seconds before an unacknowledged command is redelivered")
+    p.add_argument("--host", default="127.0.0.1", help="gateway: the address to listen on")
+    p.add_argument("--port", type=int, default=8082, help="gateway: the port to listen on")
     p.set_defaults(func=cmd_service)
 
     p = sub.add_parser("setup", help="create the streams, bucket and object store (as the NATS admin user)")
-    p.add_argument("--nats-url")
+    p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
     p.add_argument("--nats-creds", metavar="FILE", help="the admin's credentials (NOETL_NATS_CREDS)")
     p.set_defaults(func=cmd_setup)
 
     p = sub.add_parser("nats-credentials", help="generate one NATS user per service and the server's users")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the seeds and nats-auth.conf (0700)")
     p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
-    p.add_argument("--partitions", type=int, help="of the events stream (NOETL_PARTITIONS, default 16)")
+    p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
     p.set_defaults(func=cmd_nats_credentials)
 
     for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
                             ("events", cmd_events, "an execution's events"),
                             ("cancel", cmd_cancel, "cancel an execution")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("execution_id")
-        p.add_argument("--gateway", default=gateway_default)
+        p.add_argument("execution_id", help="the execution's id")
+        p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         p.set_defaults(func=fn)
 
     p = sub.add_parser("signal", help="send a signal to an execution (D30): it resumes the wait task waiting for it")
-    p.add_argument("execution_id")
+    p.add_argument("execution_id", help="the execution's id")
     p.add_argument("name", help="the signal's name (the wait task's `signal`)")
-    p.add_argument("--data", help="the payload, JSON (default: null)")
-    p.add_argument("--gateway", default=gateway_default)
+    p.add_argument("--data", metavar="JSON", help="the payload, JSON (default: null)")
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_signal)
     p = sub.add_parser("waits", help="waits in progress (D30): the inbox of human tasks")
     p.add_argument("--execution-id", dest="execution_id", help="only this execution's")
-    p.add_argument("--gateway", default=gateway_default)
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_waits)
 
     p = sub.add_parser("verify", help="check executions' event logs: finished, every step run ended once, "
                                       "loops complete, nothing run after the end")
-    p.add_argument("execution_ids", nargs="*", metavar="ID")
+    p.add_argument("execution_ids", nargs="*", metavar="ID", help="execution ids (or --all)")
     p.add_argument("--all", action="store_true", help="every execution the gateway lists")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
-    p.add_argument("--gateway", default=gateway_default)
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("credential", help="the credential store (add, list, delete)")
     csub = p.add_subparsers(dest="action", required=True)
     c = csub.add_parser("add", help="create or replace a credential")
-    c.add_argument("name")
+    c.add_argument("name", help="the credential's name (what keychain entries refer to)")
     c.add_argument("--kind", default="generic", help="postgres, http, generic, ...")
-    c.add_argument("--data", required=True, help="the secret fields, a JSON object")
-    c.add_argument("--description")
+    c.add_argument("--data", required=True, metavar="JSON", help="the secret fields, a JSON object")
+    c.add_argument("--description", help="what the credential is for")
     c = csub.add_parser("list", help="credentials without their data")
     c2 = csub.add_parser("delete", help="delete a credential")
-    c2.add_argument("name")
+    c2.add_argument("name", help="the credential's name")
     for c in (csub.choices["add"], csub.choices["list"], c2):
-        c.add_argument("--gateway", default=gateway_default)
+        c.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         c.set_defaults(func=cmd_credential)
     _auth_commands(sub, gateway_default)
     from .schedule_cli import add_commands
 
     add_commands(sub, gateway_default)
+    _everywhere(parser, "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    _common_help(parser)
     return parser
+
+
+def _common_help(parser: argparse.ArgumentParser) -> None:
+    """The help of an option every gateway command has (``--gateway``), for a command that gives none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _common_help(child)
+        elif action.dest == "gateway" and not action.help:
+            action.help, action.metavar = GATEWAY_HELP, action.metavar or "URL"
+
+
+def _everywhere(parser: argparse.ArgumentParser, *names: str, **kw) -> None:
+    """Add an option to every subcommand too (``noetl run X --debug`` as well as ``noetl --debug run X``);
+    ``default=SUPPRESS`` keeps a subcommand from overwriting the top level's value."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                child.add_argument(*names, **kw)
+                _everywhere(child, *names, **kw)
+
+
+GATEWAY_HELP = "the gateway's URL (NOETL_GATEWAY_URL)"
+DEBUG_HELP = "on an unexpected error, print its traceback"
+RUN_EXIT_CODES = (f"exit status: {EXIT_OK} COMPLETED, {EXIT_FAILED} FAILED or CANCELLED, {EXIT_INVALID} an invalid "
+                  f"playbook or arguments, {EXIT_TIMEOUT} --timeout passed, {EXIT_UNREACHABLE} no gateway at --gateway, "
+                  f"{EXIT_STACK} the embedded stack cannot start, 130/143 interrupted (SIGINT/SIGTERM)")
+EXIT_CODES = (f"exit status: {EXIT_OK} success; {EXIT_FAILED} failed (an execution, a check, a refusal of the gateway); "
+              f"{EXIT_INVALID} invalid input; {EXIT_TIMEOUT} noetl run --timeout passed; {EXIT_UNREACHABLE} no gateway "
+              f"answers at the URL; {EXIT_STACK} the embedded stack cannot start (e.g. one runs from that home "
+              f"already); {EXIT_INTERNAL} an unexpected error (--debug shows the traceback); 130/143 interrupted "
+              "(SIGINT/SIGTERM). See docs/operations.md.")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown after each option's help, except the empty ones (None, False, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or action.default == [] or \
+                "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: defaults shown in the help."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kw)
+
+
+def _bad_url(url: str | None) -> str | None:
+    """Why ``--gateway URL`` cannot be a gateway's URL (None when it can be)."""
+    if not url:
+        return None
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        return f"--gateway {url}: not a valid URL ({exc})"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"--gateway {url}: not an http:// or https:// URL with a host"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"--gateway {url}: the port is not between 1 and 65535"
+    return None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("noetl-mesh")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -781,7 +1323,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad arguments, as D26 wants
         return int(exc.code or 0)
-    return int(args.func(args) or 0)
+    problem = _bad_url(getattr(args, "gateway", None))
+    if problem:
+        return _fail(problem, EXIT_INVALID)
+    try:
+        return int(args.func(args) or 0)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        return _fail(f"interrupted ({signal.Signals(signum).name})", 128 + signum)
+    except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback unasked
+        if getattr(args, "debug", False):
+            import traceback
+
+            traceback.print_exc()
+        lines = str(exc).strip().splitlines()
+        what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        hint = "" if getattr(args, "debug", False) else "; run with --debug for the traceback"
+        return _fail(f"unexpected error: {what}{hint}", EXIT_INTERNAL)
 
 
 if __name__ == "__main__":

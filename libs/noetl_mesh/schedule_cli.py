@@ -19,11 +19,11 @@ def add_commands(sub, gateway_default: str) -> None:
     c.add_argument("--name", help="the schedule's id (default: generated)")
     ssub.add_parser("list", help="every schedule with its next fire time")
     c = ssub.add_parser("get", help="one schedule with its next fire times")
-    c.add_argument("schedule_id")
+    c.add_argument("schedule_id", help="the schedule's id")
     c.add_argument("--next", type=int, default=5, help="how many next fire times (default 5)")
     for verb, help_ in (("pause", "stop a schedule's firings"), ("resume", "fire again from now on"),
                         ("delete", "delete a schedule (its executions stay)")):
-        ssub.add_parser(verb, help=help_).add_argument("schedule_id")
+        ssub.add_parser(verb, help=help_).add_argument("schedule_id", help="the schedule's id")
     for c in ssub.choices.values():
         c.add_argument("--gateway", default=gateway_default, help="the gateway's URL (NOETL_GATEWAY_URL)")
         c.set_defaults(func=cmd_schedule)

@@ -174,12 +174,13 @@ class InProcessStack:
     def services(self, name: str) -> list[Any]:
         return [r.service for r in self.running if r.name == name]
 
-    async def stop(self) -> None:
-        # workers and gateway first, then the control plane, the recorder last (it drains the log)
+    async def stop(self, ordered: bool = True) -> None:
+        """``ordered``: workers and gateway first, then the control plane, the recorder last (it drains
+        the log); else every service at once (a stack whose data is thrown away next: ``noetl run``)."""
         order = {"gateway": 0, "worker": 1, "sessions": 2, "admission": 2, "router": 2, "loop-coordinator": 2,
                  "scheduler": 2, "event-recorder": 3}
-        for rank in range(4):
-            await asyncio.gather(*(stop_service(r) for r in self.running if order[r.name] == rank),
+        for rank in range(4) if ordered else (None,):
+            await asyncio.gather(*(stop_service(r) for r in self.running if rank is None or order[r.name] == rank),
                                  return_exceptions=True)
         self.running.clear()
 

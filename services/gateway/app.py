@@ -90,6 +90,7 @@ from noetl_mesh.core import access, signals
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.auth import PUBLIC, SIGNED_IN, need
 from noetl_mesh.services.gateway.body import INT64_MAX, BodyError, decode_utf8, location, parse_json
+from noetl_mesh.services.gateway.docs import mount as mount_docs
 from noetl_mesh.services.sessions import service as sessions
 
 
@@ -540,7 +541,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                   description="Playbook catalog and executions, over the NATS event log. Every route but "
                               "/health, /ready, the docs and POST /api/auth/login needs "
                               "`Authorization: Bearer <token>`.",
-                  responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}})
+                  responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}},
+                  docs_url=None, redoc_url=None)  # mount_docs: the same pages, with no CDN
     app.state.bus = bus
     app.state.auth = auth.Authenticator(bus)
     app.state.auditor = auditor = auth.Auditor(bus)
@@ -970,6 +972,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     from noetl_mesh.services.gateway import schedules
 
     schedules.install(app)  # the schedule routes (D31)
+    mount_docs(app)
     auth.check_declarations(app)
     return app
 

@@ -3,8 +3,12 @@ stack started and stopped for it, exit codes, and exactly one JSON object on std
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +17,20 @@ pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
-def noetl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}  # an embedded stack, always
+SLOW = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: slow, path: tests/slow}
+workflow:
+  - step: start
+    tool: {kind: python, code: "import time\\ntime.sleep(40)\\nresult = 1"}
+"""
+
+
+def noetl(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "noetl_mesh.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env or ENV)
 
 
 def test_run_json_contract_and_workload_merge():
@@ -24,8 +39,8 @@ def test_run_json_contract_and_workload_merge():
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1  # exactly one JSON object on stdout
     out = json.loads(lines[0])
-    assert set(out) == {"execution_id", "status", "workload", "ctx", "steps", "events"}
-    assert out["status"] == "COMPLETED"
+    assert set(out) == {"execution_id", "status", "workload", "ctx", "steps", "error", "events"}
+    assert out["status"] == "COMPLETED" and out["error"] is None
     assert out["workload"]["greeting"] == "hi" and out["workload"]["extra"] == {"a": 1}
     assert out["workload"]["numbers"] == [3, 1, 4, 1, 5, 9, 2, 6]  # merged over, not replaced
     assert out["steps"]["aggregate"] == {"status": "done", "runs": 1, "result": "hi: 8 squares add up to 173"}
@@ -51,6 +66,14 @@ workflow:
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert out["status"] == "FAILED" and out["steps"]["start"]["status"] == "failed"
+    assert out["error"]["kind"] == "python_error" and out["error"]["message"] == "boom"
+    assert "RuntimeError: boom" in out["error"]["traceback"]
+    # for people: the error as YAML, its traceback a block, no Python reprs
+    proc = noetl("run", str(pb))
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"^execution \w+: FAILED in [\d.]+s\n  start  failed\nerror:\n  kind: python_error\n  message: boom\n"
+                     r"  retryable: false\n  traceback: \|\n    Traceback \(most recent call last\):\n", proc.stdout, re.M)
+    assert "{'" not in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_run_invalid_playbook_or_arguments_exit_2(tmp_path):
@@ -70,7 +93,18 @@ def test_run_shows_progress_without_json():
     proc = noetl("run", str(EXAMPLES / "fork_join.yaml"))
     assert proc.returncode == 0, proc.stderr
     assert "step.started       eu" in proc.stdout and "step.done          report" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1].endswith("COMPLETED")
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"execution \w+: COMPLETED in [\d.]+s", lines[-5])
+    assert lines[-4:] == ["  start   done", "  eu      done  {orders: 120, region: eu}",
+                          "  us      done  {orders: 80, region: us}", "  report  done  {total_orders: 200}"]
+
+
+def test_run_shows_loop_progress_when_piped():
+    proc = noetl("run", str(EXAMPLES / "loop.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^  loop               start 3/3 iterations, [\d.]+/s, [\d.]+s\n  loop.done          start$",
+                     proc.stdout, re.M), proc.stdout
+    assert "\r" not in proc.stdout and "\x1b" not in proc.stdout  # no bar: stdout is a pipe
 
 
 def test_run_nested_example_registers_the_child_first():
@@ -100,3 +134,148 @@ def test_run_progress_shows_child_executions():
     finished = [line for line in proc.stdout.splitlines() if "child.finished" in line]
     assert len(started) == 2 and all("summarise -> examples/nested_child" in line for line in started)
     assert len(finished) == 2 and all(line.endswith("COMPLETED") for line in finished)
+
+
+# ------------------------------------------------------------------------------ stopping early
+def test_run_timeout_is_a_message_and_exit_3(tmp_path):
+    pb = tmp_path / "slow.yaml"
+    pb.write_text(SLOW)
+    started = time.monotonic()
+    proc = noetl("run", str(pb), "--timeout", "2")
+    assert proc.returncode == 3, proc.stderr
+    assert re.fullmatch(r"noetl: execution \w+ did not finish within 2s \(--timeout\): cancelling it and stopping "
+                        r"the embedded stack\n", proc.stderr), proc.stderr
+    assert time.monotonic() - started < 30  # not the 40 s the task sleeps: cancelled
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``, with their command lines."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry)] = cmd
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_noetl_run_with_its_nats_and_postgres(tmp_path, sig):
+    pb = tmp_path / "slow.yaml"
+    pb.write_text(SLOW)
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "run", str(pb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while not any("step.started" in line for line in lines):  # the task runs: everything is up
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines) + proc.stderr.read()
+            lines.append(proc.stdout.readline())
+        children = _children(proc.pid)
+        nats = [pid for pid, cmd in children.items() if "nats-server" in cmd]
+        pg = [pid for pid, cmd in children.items() if "postgres" in cmd.split(" ")[0]]
+        runners = [pid for pid, cmd in children.items() if "python_runner" in cmd]
+        assert len(nats) == 1 and len(pg) == 1 and runners, children
+        nats_dir = Path(re.search(r"--ports_file_dir (\S+)", children[nats[0]]).group(1))
+        pg_dir = Path(re.search(r" -D (\S+)", children[pg[0]]).group(1)).parent
+        assert nats_dir.is_dir() and (pg_dir / "data" / "PG_VERSION").exists()
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert re.fullmatch(rf"noetl: interrupted \({sig.name}\): cancelling execution \w+ and stopping the embedded "
+                        r"stack\n", err), err
+    assert took < 10, took  # a running task is cancelled, not waited for (it sleeps 40 s)
+    deadline = time.monotonic() + 10  # orphans would be reparented and stay; the reaped ones go
+    while any(_alive(pid) for pid in nats + pg + runners) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in nats + pg + runners if _alive(pid)]
+    assert not nats_dir.exists() and not pg_dir.exists()
+
+
+def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
+    import shutil
+    import tempfile
+
+    env = {**ENV, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    root = tempfile.mkdtemp(prefix="noetl-up-")  # Postgres's own user must reach its data directory
+    os.chmod(root, 0o755)
+    home = Path(root) / "home"
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "up", "--in-process", "--home", str(home)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("elsewhere:") for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        url = re.search(r"gateway: (http://\S+)", "".join(lines)).group(1)
+        info = json.loads((home / "stack.json").read_text())
+        assert info["pid"] == proc.pid and info["gateway"] == url
+        second = noetl("up", "--in-process", "--home", str(home), env=env, timeout=60)
+        assert second.returncode == 5 and second.stdout == ""
+        assert second.stderr == (f"noetl: a noetl stack already runs from {home} (pid {proc.pid}): gateway {url}, "
+                                 f"NATS {info['nats']}; use it (export NOETL_GATEWAY_URL={url}), stop it (Ctrl-C where "
+                                 f"it runs, or kill {proc.pid}), or start another with --home DIR\n")
+        assert noetl("status", "nope", "--gateway", url, env=env).returncode == 1  # the first one still serves: 404
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+    assert proc.returncode == 0
+    assert not (home / "stack.json").exists()
+
+
+# ------------------------------------------------------------------------------ the examples as the README says
+def test_the_pagination_example_without_its_api_fails_naming_the_url():
+    proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--workload", '{"api_url": "http://127.0.0.1:1"}')
+    assert proc.returncode == 1, proc.stderr
+    assert "iteration.failed   fetch_all_endpoints[0] (GET http://127.0.0.1:1/assessments: cannot connect" in proc.stdout
+    assert ("message: '2 of 2 endpoint(s) could not be read from http://127.0.0.1:1: is the API running? "
+            "(python -m noetl_mesh.testing.fixture_api)'") in proc.stdout
+
+
+def test_the_pagination_example_with_the_fixture_api_started_as_the_readme_says(tmp_path):
+    from noetl_mesh.stack import free_port
+
+    port = free_port()
+    api = subprocess.Popen([sys.executable, "-m", "noetl_mesh.testing.fixture_api", "--port", str(port)],
+                           stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert api.stdout.readline() == f"fixture API at http://127.0.0.1:{port} (Ctrl-C stops it)\n"
+        proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--json",
+                     "--workload", json.dumps({"api_url": f"http://127.0.0.1:{port}"}))
+    finally:
+        api.send_signal(signal.SIGINT)
+        api.wait(10)
+    assert api.returncode == 0
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"]["validate_results"]["result"] == {"endpoints": 2, "items": 25}
+
+
+def test_the_child_example_runs_on_its_own():
+    proc = noetl("run", str(EXAMPLES / "nested_child.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"]["report"]["result"] == "mean 4.0, max 5"
+    proc = noetl("run", str(EXAMPLES / "nested_child.yaml"), "--json", "--workload", '{"temps": [1, 2, 6]}')
+    assert json.loads(proc.stdout)["steps"]["report"]["result"] == "mean 3.0, max 6"

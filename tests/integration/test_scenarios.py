@@ -1,4 +1,4 @@
-"""Every scenario of tests/scenarios.py (DECISIONS D3-D27 as this engine covers them) through the
+"""Every scenario of tests/scenarios.py (D3-D27 of docs/dsl.md as this engine covers them) through the
 in-process reference engine and through the distributed stack: both must give the prescribed outcome,
 and the same one."""
 from __future__ import annotations

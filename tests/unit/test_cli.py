@@ -77,3 +77,249 @@ def test_schema_rejects_unknown_tool_field(schema):
     doc["workflow"][0]["tool"]["codee"] = "x"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, schema)
+
+
+# ------------------------------------------------------------------------------ no traceback, ever
+def test_validate_a_binary_file_exits_2_naming_it(tmp_path, capsys):
+    blob = tmp_path / "logo.png"
+    blob.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
+    assert main(["validate", str(blob)]) == 2
+    out = capsys.readouterr()
+    assert f"{blob}: error: line 1, column 1: the text is not UTF-8" in out.out and "Traceback" not in out.out + out.err
+
+
+def test_a_gateway_that_does_not_answer_is_one_line_and_exit_4(capsys):
+    nothing = "http://127.0.0.1:1"  # nothing listens on port 1
+    assert main(["status", "x1", "--gateway", nothing]) == 4
+    assert main(["run", str(EXAMPLES[0]), "--gateway", nothing]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"noetl: cannot reach the gateway at {nothing} (All connection attempts failed)"] * 2
+
+
+@pytest.mark.parametrize("url", ["foo", "http://[::1", "http://127.0.0.1:99999", "ftp://h/x"])
+def test_a_gateway_url_that_cannot_be_one_exits_2(url, capsys):
+    assert main(["status", "x1", "--gateway", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"noetl: --gateway {url}: ") and err.count("\n") == 1
+
+
+def test_an_unexpected_error_is_one_line_unless_debug(monkeypatch, capsys):
+    import noetl_mesh.cli as cli
+
+    def broken(args):
+        raise RuntimeError("no such thing\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_schema", broken)
+    assert main(["schema"]) == 70
+    err = capsys.readouterr().err
+    assert err == "noetl: unexpected error: RuntimeError: no such thing; run with --debug for the traceback\n"
+    for argv in (["--debug", "schema"], ["schema", "--debug"]):
+        assert main(argv) == 70
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "in broken" in err
+        assert err.rstrip().endswith("noetl: unexpected error: RuntimeError: no such thing")
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
+    import noetl_mesh.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_schema", interrupted)
+    assert main(["schema"]) == 130
+    assert capsys.readouterr().err == "noetl: interrupted (SIGINT)\n"
+
+
+def test_a_home_or_out_directory_that_cannot_be_made_exits_2(capsys):
+    assert main(["up", "--home", "/proc/no/such/home"]) == 2
+    assert capsys.readouterr().err == "noetl: --home /proc/no/such/home: cannot make the directory (No such file or directory)\n"
+    assert main(["nats-credentials", "--out", "/proc/no/such/dir"]) == 2
+    assert capsys.readouterr().err == "noetl: --out /proc/no/such/dir: No such file or directory\n"
+
+
+# ------------------------------------------------------------------------------ one stack per home
+def test_a_second_up_on_a_home_says_a_stack_runs_there(tmp_path, capsys):
+    from noetl_mesh.cli import _HomeLock
+
+    first = _HomeLock(str(tmp_path))
+    assert first.acquire() is None
+    try:
+        assert main(["up", "--home", str(tmp_path)]) == 5  # before starting anything
+        assert "a noetl stack is already starting or running from" in capsys.readouterr().err
+        first.record({"pid": 4242, "gateway": "http://127.0.0.1:5555", "nats": "nats://127.0.0.1:4444"})
+        assert main(["up", "--home", str(tmp_path), "--in-process"]) == 5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert f"a noetl stack already runs from {tmp_path} (pid 4242): gateway http://127.0.0.1:5555" in err
+        assert "export NOETL_GATEWAY_URL=http://127.0.0.1:5555" in err and "kill 4242" in err
+    finally:
+        first.release()
+    assert not (tmp_path / "stack.json").exists()  # a stopped stack leaves no description behind
+    second = _HomeLock(str(tmp_path))
+    assert second.acquire() is None  # free again
+    second.release()
+
+
+def test_up_names_the_servers_a_killed_stack_left_running(tmp_path, capsys):
+    import json
+    import subprocess
+    import sys
+
+    from noetl_mesh.cli import _HomeLock
+
+    # a process that looks like an orphaned nats-server (its command line says so)
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "nats-server"])
+    try:
+        (tmp_path / "stack.json").write_text(json.dumps({"pid": 1, "gateway": "http://127.0.0.1:5555",
+                                                         "pids": {"nats-server": orphan.pid, "postgres": 2 ** 22 + 7}}))
+        assert main(["up", "--home", str(tmp_path)]) == 5
+        err = capsys.readouterr().err
+        assert f"still run (nats-server pid {orphan.pid})" in err and f"kill {orphan.pid}" in err
+        assert (tmp_path / "stack.json").exists()  # kept: it is how the next attempt knows
+    finally:
+        orphan.kill()
+        orphan.wait()
+    lock = _HomeLock(str(tmp_path))
+    assert lock.acquire() is None and lock.leftovers() is None  # gone: a new stack may start
+    lock.release()
+
+
+# ------------------------------------------------------------------------------ help and version
+def _parsers(parser, path=("noetl",)):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                assert helps.get(name), f"{' '.join(path)} {name} has no help"
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    import argparse
+
+    from noetl_mesh.cli import build_parser
+
+    seen = 0
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            seen += 1
+            where = f"{' '.join(path)} {action.option_strings[0]}"
+            assert action.help and len(action.help) > 8, f"{where} has no help"
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.option_strings and isinstance(action.default, (int, float, str)) \
+                    and not isinstance(action.default, bool) and action.default not in ("", argparse.SUPPRESS):
+                assert f"default: {action.default}" in " ".join(text.split()) or "default" in action.help, \
+                    f"{' '.join(path)} {action.option_strings[0]}: default {action.default!r} not shown"
+    assert seen > 60
+
+
+def test_a_gateway_option_given_without_help_gets_the_common_one(monkeypatch):
+    import argparse
+
+    import noetl_mesh.cli as cli
+
+    real = cli._auth_commands
+
+    def more(sub, gateway_default):  # a command added without a word on --gateway
+        real(sub, gateway_default)
+        sub.add_parser("later", help="a later command").add_argument("--gateway", default=gateway_default)
+
+    monkeypatch.setattr(cli, "_auth_commands", more)
+    later = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices["later"]
+    option = next(a for a in later._actions if a.dest == "gateway")
+    assert option.help == "the gateway's URL (NOETL_GATEWAY_URL)" and option.metavar == "URL"
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"noetl {version('noetl-mesh')}\n"
+
+
+def test_help_lists_the_exit_codes(capsys):
+    assert main(["run", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "3 --timeout passed" in text and "4 no gateway at --gateway" in text and "130/143" in text
+    assert "--timeout SECONDS seconds to wait for the end; then exit 3 (default: 3600.0)" in text
+
+
+# ------------------------------------------------------------------------------ what noetl run shows
+def _loop_events(n: int, failed: set[int], t0: float = 1000.0) -> list[dict]:
+    events = [{"name": "step.started", "step": "s", "step_run_id": "r1", "timestamp": t0},
+              {"name": "loop.started", "step": "s", "step_run_id": "r1", "timestamp": t0,
+               "data": {"items": list(range(n))}}]
+    for i in range(n):
+        bad = i in failed
+        events.append({"name": "loop.iteration.failed" if bad else "loop.iteration.done", "step": "s",
+                       "step_run_id": "r1", "iteration": i, "timestamp": t0 + 0.5 * (i + 1),
+                       "data": {"error": {"kind": "python_error", "message": f"boom {i}"}} if bad else {"result": i}})
+    events.append({"name": "loop.done", "step": "s", "step_run_id": "r1", "timestamp": t0 + 0.5 * n,
+                   "data": {"total": n, "done": n - len(failed), "failed": len(failed)}})
+    return events
+
+
+def test_loop_progress_when_piped_is_plain_lines(capsys):
+    import io
+
+    from noetl_mesh.cli import _Progress
+
+    out = io.StringIO()
+    progress = _Progress(out=out, tty=False)
+    for event in _loop_events(8, failed={2, 3, 4, 5}):
+        progress(event)
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "  step.started       s"
+    failures = [line for line in lines if "iteration.failed" in line]
+    assert failures[0] == "  iteration.failed   s[2] (boom 2)"
+    assert len(failures) == 3 and failures[-1].endswith("(boom 4); further failures only counted")
+    assert "  loop               s 8/8 iterations, 4 failed, 2.0/s, 4.0s" in lines  # the events' own times
+    assert lines[-1] == "  loop.done          s"
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_loop_progress_on_a_terminal_is_a_bar_redrawn_in_place():
+    import io
+
+    from noetl_mesh.cli import _Progress
+
+    out = io.StringIO()
+    progress = _Progress(out=out, tty=True)
+    events = _loop_events(4, failed=set())
+    for event in events[:4]:  # started, and two iterations of four
+        progress(event)
+    assert out.getvalue().endswith("\r\x1b[K  s [##########..........] 2/4 2.0/s 0.0s")
+    for event in events[4:]:
+        progress(event)
+    progress.close()
+    text = out.getvalue()
+    assert "\r\x1b[K  loop               s 4/4 iterations, 2.0/s, 2.0s\n  loop.done          s\n" in text
+    assert text.endswith("\n")  # no bar left behind
+
+
+def test_the_outcome_is_yaml_not_python_reprs():
+    from noetl_mesh.cli import _outcome_text
+
+    final = {"execution_id": "x1", "status": "FAILED",
+             "steps": {"start": {"status": "done", "runs": 1, "result": {"count": 2, "names": ["a", "b"]}},
+                       "mid": {"status": "done", "runs": 1, "result": list(range(40))},
+                       "big": {"status": "done", "runs": 3, "result": [{"i": i, "text": "y" * 30} for i in range(50)]},
+                       "boom": {"status": "failed", "runs": 1, "result": None}},
+             "error": {"kind": "python_error", "message": "boom", "retryable": False,
+                       "traceback": "Traceback (most recent call last):\n  File \"<x>\", line 1\nRuntimeError: boom\n"}}
+    text = _outcome_text(final, 1.25)
+    assert text.splitlines()[:2] == ["execution x1: FAILED in 1.2s", "  start  done  {count: 2, names: [a, b]}"]
+    assert "  mid    done\n      [0, 1, 2, 3," in text
+    assert "  big    done (3 runs)\n      - i: 0\n        text: yyyyyyyyyy" in text
+    assert "      ... (70 more lines: --json shows everything)\n  boom" in text
+    assert "  boom   failed\nerror:\n  kind: python_error\n  message: boom\n  retryable: false\n" in text
+    assert "  traceback: |\n    Traceback (most recent call last):\n      File \"<x>\", line 1\n    RuntimeError: boom" in text
+    assert "{'" not in text and "None" not in text and "False" not in text

@@ -1,4 +1,4 @@
-"""The ``secrets`` tool (issue 4): a named secret from the credential store into the task result, the
+"""The ``secrets`` tool (docs/tools.md, D24): a named secret from the credential store into the task result, the
 tasks seeing the real value and every published event masked from the fetch on."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every validation rule (D1, D2, D4, D12, D17, seed 001 §13) with a playbook that breaks it."""
+"""Every validation rule (D1, D2, D4, D12, D17; docs/dsl.md, "Validation") with a playbook that breaks it."""
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,4 @@
-"""The event envelope (D20: seed 001 §10.1 plus seed 000 §5.3's correlation ids) and stable ids (D21).
+"""The event envelope with its correlation ids (D20) and stable ids (D21): docs/dsl.md, "Events and ids".
 
 Events are plain dicts on the wire and in the log; :func:`make_event` is the one place that shapes
 them. Ids are derived, never random, wherever a redelivery must reproduce the same event: a control-
@@ -186,7 +186,7 @@ def make_event(
     timestamp: float | None = None,
     **correlation: Any,
 ) -> dict[str, Any]:
-    """Shape one event. ``status`` is ``in_progress | success | error | paused`` (seed 001 §10.1)."""
+    """Shape one event. ``status`` is ``in_progress | success | error | paused`` (D20)."""
     unknown = set(correlation) - set(CORRELATION_KEYS)
     if unknown:
         raise TypeError(f"unknown correlation keys {sorted(unknown)}")

@@ -169,7 +169,7 @@ def retry_delay(then: Mapping[str, Any], attempt: int, rng: Callable[[], float],
 def _compile_policy(task: Mapping[str, Any]) -> tuple[list[tuple[int, Any, dict]], dict | None] | None:
     """``(when rules [(index, when, then)], else then)`` of a task's ``spec.policy``; None without one.
 
-    The policy is read from the task's own ``spec`` (seed 001 §6: ``task.spec.policy.rules``; control
+    The policy is read from the task's own ``spec`` (D9: ``task.spec.policy.rules``; control
     rules on a step's spec are a validation error).
     """
     spec = task.get("spec")
@@ -211,9 +211,9 @@ async def run_pipeline(
     pipeline ends failed with error kind ``cancelled``; tools also see it as ``ToolContext.cancel``.
 
     Child executions (``kind: playbook``): the task's inputs are rendered, then the run *suspends*
-    instead of waiting, so the worker frees its slot (issue 4: a parent never holds a worker while its
-    child runs). The result is ``status="suspended"`` with the child request and a continuation: the
-    position (task, visit, attempt, action id), the run's ``set_iter``/``set_ctx`` writes, the
+    instead of waiting, so the worker frees its slot (docs/dsl.md, "Child executions": a parent never
+    holds a worker while its child runs). The result is ``status="suspended"`` with the child request
+    and a continuation: the position (task, visit, attempt, action id), the run's ``set_iter``/``set_ctx`` writes, the
     previous result and the outcomes of the tasks that ran. When the child ends, the control plane
     sends a command with ``resume: {continuation, outcome}``; this function then restores the run and
     goes on as if the task had just returned ``outcome`` (its policy applies: retry starts a new child).

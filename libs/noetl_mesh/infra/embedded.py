@@ -272,9 +272,12 @@ class EmbeddedNats:
         text = self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
         return [line for line in text.splitlines() if "Violation" in line]
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the server (SIGKILL after ``timeout``) and remove temp dirs."""
+    def stop(self, timeout: float = 10.0, *, immediate: bool = False) -> None:
+        """SIGTERM the server (SIGKILL after ``timeout``) and remove temp dirs. ``immediate``: SIGKILL at
+        once, for a server whose store is thrown away (nothing to flush)."""
         if self._proc is not None:
+            if immediate:
+                self._proc.kill()
             _terminate(self._proc, signal.SIGTERM, timeout)
             self._proc = None
         if self._finalizer is not None:
@@ -805,9 +808,10 @@ class EmbeddedPostgres(_PgAdmin):
             row = conn.execute("SELECT current_setting('data_directory')").fetchone()
         return row is not None and Path(row[0]).resolve() == self.data_dir.resolve()
 
-    def _stop_process(self, timeout: float = 30.0) -> None:
+    def _stop_process(self, timeout: float = 30.0, immediate: bool = False) -> None:
         if self._proc is not None:
-            _terminate(self._proc, signal.SIGINT, timeout)  # SIGINT = "fast" shutdown
+            # SIGINT = "fast" shutdown (a checkpoint); SIGQUIT = "immediate" (none: for a cluster thrown away)
+            _terminate(self._proc, signal.SIGQUIT if immediate else signal.SIGINT, timeout)
             self._proc = None
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -816,9 +820,10 @@ class EmbeddedPostgres(_PgAdmin):
             self._log_file.close()
             self._log_file = None
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Fast shutdown (SIGINT, SIGKILL after ``timeout``); remove a temp cluster."""
-        self._stop_process(timeout)
+    def stop(self, timeout: float = 30.0, *, immediate: bool = False) -> None:
+        """Fast shutdown (SIGINT, SIGKILL after ``timeout``); remove a temp cluster. ``immediate``:
+        immediate shutdown (SIGQUIT), for a cluster thrown away (a temp one)."""
+        self._stop_process(timeout, immediate)
         self.port = None
         if self._tmp_root is not None:
             shutil.rmtree(self._tmp_root, ignore_errors=True)

@@ -1,11 +1,11 @@
-"""Pydantic models of the canonical v10 playbook (seeds 001, 002; DECISIONS D1-D5, D27, D28).
+"""Pydantic models of the canonical v10 playbook (docs/dsl.md: D1-D5, D27, D28).
 
 The models are the one description of the document's shape: the validator checks each piece of a
 raw document against them (so every error keeps its own location), ``noetl schema`` exports them as
 JSON Schema, and the rest of the engine reads the typed, normalised :class:`Playbook`.
 
 Structural objects forbid unknown keys (D1: unknown keys are errors). ``spec`` objects allow extra
-keys, because seed 002 keeps placeholders there; the validator warns about the ones it does not know.
+keys, because playbooks keep placeholders there; the validator warns about the ones it does not know.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Open(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
-# ---------------------------------------------------------------- task policy (D9, seed 001 §6)
+# ---------------------------------------------------------------- task policy (D9)
 class RuleAction(Strict):
     do: Literal["continue", "retry", "jump", "break", "fail"] = "continue"
     attempts: int | None = Field(None, ge=1, description="retry: total attempts, the first included")

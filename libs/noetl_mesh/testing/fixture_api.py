@@ -1,12 +1,16 @@
 """A small HTTP API on loopback for tests and examples (``examples/pagination.yaml`` pages through it).
 
-Routes: ``/assessments?page=N&pageSize=M`` (25 items, seed 002's paging envelope), ``/status/<code>``,
-``/flaky/<key>/<n>`` (503 for the first n calls of a key, then 200), ``/slow/<seconds>``, ``/echo``
-(POST: the JSON body back). Anything else is 404.
+Routes: ``/assessments?page=N&pageSize=M`` (25 items in the envelope ``{"data": {"data": [...],
+"paging": {"page", "hasMore"}}}``), ``/status/<code>``, ``/flaky/<key>/<n>`` (503 for the first n calls
+of a key, then 200), ``/slow/<seconds>``, ``/echo`` (POST: the JSON body back). Anything else is 404.
+
+``python -m noetl_mesh.testing.fixture_api [--port 8765]`` serves it in the foreground (the port
+``examples/pagination.yaml`` expects) until Ctrl-C.
 """
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -85,3 +89,29 @@ class FixtureApi:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m noetl_mesh.testing.fixture_api",
+                                     description="The tests' HTTP API on loopback, for examples/pagination.yaml.")
+    parser.add_argument("--port", type=int, default=8765, help="the port to listen on (default: 8765)")
+    args = parser.parse_args(argv)
+    try:
+        api = FixtureApi(args.port)
+    except OSError as exc:
+        print(f"fixture_api: cannot listen on 127.0.0.1:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"fixture API at {api.url} (Ctrl-C stops it)", flush=True)
+    try:
+        api.server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        api.server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

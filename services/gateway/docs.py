@@ -1,0 +1,51 @@
+"""The gateway's API documentation pages (``/docs``: Swagger UI, ``/redoc``: ReDoc) with every script,
+style sheet and icon served by the gateway itself, under ``/docs/assets``, so that they work on a
+machine with no internet (FastAPI's own pages load them from a CDN). The files come from the
+``fastapi-offline`` package, which ships them. Like FastAPI's own documentation routes these are plain
+routes, public (``auth.DOCS``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.staticfiles import StaticFiles
+from starlette.responses import HTMLResponse
+
+ASSETS = "/docs/assets"
+
+
+def assets_dir() -> Path:
+    import fastapi_offline
+
+    return Path(fastapi_offline.__file__).parent / "static"
+
+
+def mount(app: FastAPI) -> None:
+    """``/docs``, ``/docs/oauth2-redirect``, ``/redoc`` and the files they load, on an app created with
+    ``docs_url=None, redoc_url=None``."""
+    app.mount(ASSETS, StaticFiles(directory=assets_dir()), name="docs-assets")
+    oauth2_redirect = app.swagger_ui_oauth2_redirect_url or "/docs/oauth2-redirect"
+
+    async def swagger(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - Swagger UI",
+            oauth2_redirect_url=f"{root}{oauth2_redirect}",
+            swagger_js_url=f"{root}{ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{root}{ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{ASSETS}/favicon.png",
+            # no badge from the public validator (it would send the description's URL out)
+            swagger_ui_parameters={**(app.swagger_ui_parameters or {}), "validatorUrl": None})
+
+    async def swagger_redirect(request: Request) -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - ReDoc",
+                              redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{root}{ASSETS}/favicon.png", with_google_fonts=False)
+
+    app.add_route("/docs", swagger, include_in_schema=False)
+    app.add_route(oauth2_redirect, swagger_redirect, include_in_schema=False)
+    app.add_route("/redoc", redoc, include_in_schema=False)
