@@ -328,6 +328,18 @@ def test_unknown_spec_key_is_a_warning():
     assert [(w.location, "priorty" in w.message) for w in result.warnings] == [("workflow[0].step=start.spec.priorty", True)]
 
 
+def test_keychain_entries_warn_only_of_keys_their_kind_does_not_read():
+    d = doc(keychain=[{"name": "a", "kind": "static", "token": "x", "region": "eu"},
+                      {"name": "b", "kind": "env", "var": "HOME"},
+                      {"name": "c", "kind": "credential", "credential": "pg"},
+                      {"name": "d", "kind": "env", "varr": "HOME"},
+                      {"name": "e", "kind": "credential", "credentail": "pg"}])
+    result = validate(d)
+    assert result.ok
+    assert [(w.location, "did you mean" in w.message) for w in result.warnings] == [
+        ("keychain[3].varr", True), ("keychain[4].credentail", True)]
+
+
 def test_d17_admit_without_else_warning():
     d, s = step(1)
     s["spec"] = {"policy": {"admit": {"rules": [{"when": "{{ ctx.x }}", "then": {"allow": True}}]}}}

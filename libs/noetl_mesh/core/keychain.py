@@ -72,7 +72,7 @@ async def resolve(keychain: Any, execution_id: str, resolver: Resolver | None = 
         if kind == "static":
             out[name] = {k: v for k, v in d.items() if k not in ("name", "kind")}
         elif kind == "env":
-            var = d.get("var") or d.get("env") or name
+            var = d.get("var") or name
             if isinstance(var, str) and var in env:
                 out[name] = {"value": env[var]}
         else:

@@ -340,9 +340,18 @@ class Executor(Strict):
 
 
 class KeychainEntry(BaseModel):
+    """A named secret source (D24). A ``static`` entry's other keys are its fields; the other kinds
+    have only the fields below."""
+
     model_config = ConfigDict(extra="allow")
     name: str
     kind: Literal["credential", "static", "env"]
+    credential: str | None = None  # credential: the stored credential's name (default: the entry's name)
+    var: str | None = None  # env: the environment variable (default: the entry's name)
+
+    @property
+    def unknown_keys(self) -> list[str]:
+        return [] if self.kind == "static" else list(self.model_extra or {})
 
 
 class Playbook(Strict):

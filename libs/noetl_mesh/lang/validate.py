@@ -241,7 +241,8 @@ class _Validator:
             return
         if not isinstance(obj, BaseModel):
             return
-        for key in obj.model_extra or {}:
+        extras = obj.unknown_keys if hasattr(obj, "unknown_keys") else list(obj.model_extra or {})
+        for key in extras:
             known = [f.alias or n for n, f in type(obj).model_fields.items()]
             self.warn(path + (key,), f"unknown spec key '{_short(key)}' is ignored{self.suggest(key, known)}")
         if not isinstance(raw, Mapping):
