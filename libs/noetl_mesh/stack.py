@@ -88,24 +88,29 @@ class Running:
     name: str
     bus: Bus
     service: Any
+    micro: Any = None  # its NATS micro service registration (infra/micro.py)
 
 
 async def start_service(name: str, settings: Settings) -> Running:
-    """Connect as the service's NATS user and start it; the streams it needs are made by :func:`setup`
-    (the service waits for them)."""
+    """Connect as the service's NATS user, start it and register it as a NATS micro service (what
+    ``nats micro ls`` and ``noetl ps`` list: infra/micro.py); the streams it needs are made by
+    :func:`setup` (the service waits for them)."""
+    from .infra import micro
+
     tracing.setup(name)
     bus = await Bus.connect(settings.nats_url, f"noetl-{name}", settings.creds_for(name))
     try:
         service = make_service(name, bus, settings)
         try:
             await service.start()
+            registered = await micro.register(name, bus, service)
         except BaseException:
             await asyncio.shield(_quietly(service.stop()))  # whatever it had started
             raise
     except BaseException:
         await _quietly(bus.close())
         raise
-    return Running(name, bus, service)
+    return Running(name, bus, service, registered)
 
 
 async def start_service_retrying(name: str, settings: Settings, *, max_delay: float = 10.0) -> Running:
@@ -142,7 +147,11 @@ async def _quietly(awaitable) -> None:
 
 
 async def stop_service(running: Running) -> None:
+    """Leave the micro services first (the gateway's readiness and ``noetl ps`` stop counting this
+    replica), then stop the service, then close its connection."""
     try:
+        if running.micro is not None:
+            await _quietly(running.micro.stop())
         await running.service.stop()
     finally:
         await running.bus.close()

@@ -13,6 +13,7 @@ from nats.js.errors import NotFoundError
 
 from noetl_mesh.infra.bus import COMMANDS, LOST_COMMANDS, MAX_DELIVERIES, Q_CATALOG_GET, BusError, loads, pull_loop
 from noetl_mesh.infra.control import PartitionedService
+from noetl_mesh.infra.micro import Consumer
 
 log = logging.getLogger("noetl.admission")
 
@@ -29,7 +30,9 @@ class AdmissionService(PartitionedService):
         await self.bus.ensure_lost_commands()
         sub = await self.bus.durable(LOST_COMMANDS, "admission", MAX_DELIVERIES, max_ack_pending=100,
                                      ack_wait=30.0, max_deliver=20)
-        self.tasks.append(asyncio.create_task(pull_loop(sub, self._on_max_deliveries, self.stop_event),
+        lost = Consumer(name="lost-commands", stream=LOST_COMMANDS, subject=MAX_DELIVERIES, durable="admission")
+        self.consumers.append(lost)
+        self.tasks.append(asyncio.create_task(pull_loop(sub, self._on_max_deliveries, self.stop_event, counts=lost),
                                               name="admission-lost-commands"))
 
     async def _on_max_deliveries(self, msg) -> None:

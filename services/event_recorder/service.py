@@ -47,6 +47,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
 from noetl_mesh.core.state import ExecutionState, apply, summary
+from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
     DISPATCH_EVENTS,
@@ -125,6 +126,9 @@ class RecorderService:
         self._subs: list[Any] = []
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
+        # what `nats micro stats` and `noetl ps` show: messages recorded; failed: events recorded as rejected
+        self.events = Consumer(name="events", stream=EVENTS, subject=FILTER, durable=DURABLE)
+        self.consumers = [self.events]
         self._floor = 0  # highest stream sequence acked (everything at or below is recorded)
         self._held: dict[int, Any] = {}  # recorded, not yet acked: stream sequence -> message
 
@@ -311,6 +315,7 @@ class RecorderService:
         """Write one fetched batch (retrying while the database fails), then ack what is safe to ack.
         False when the service is stopping and the batch was handed back instead."""
         records: list[tuple[int, dict[str, Any]]] = []
+        started, rejected, skipped = time.perf_counter_ns(), self.rejected, 0
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             try:
@@ -320,6 +325,7 @@ class RecorderService:
                     raise ValueError("not a list of event envelopes")
             except Exception as exc:  # noqa: BLE001 - a malformed message is skipped, not retried forever
                 log.error("skipping malformed message seq=%s on %s: %s", seq, msg.subject, exc)
+                skipped += 1
                 continue
             # what its subject's writer may not write is not part of the log (the control plane drops it
             # too, so the recorded log folds to the services' state, D22); the others keep their place
@@ -343,6 +349,9 @@ class RecorderService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP)
         self.recorded += len(records)
+        failed = self.rejected - rejected + skipped
+        self.events.record(started, n=len(msgs), failed=failed, error=f"{self.rejected - rejected} events recorded "
+                           f"as rejected, {skipped} malformed messages skipped" if failed else None)
         await self._ack(msgs)
         return True
 

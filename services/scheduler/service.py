@@ -22,6 +22,7 @@ from noetl_mesh import limits
 from noetl_mesh.core import schedules
 from noetl_mesh.core.schedules import DURABLE, FIRE_PREFIX, Q_PREFIX, STREAM, ScheduleError
 from noetl_mesh.infra.bus import Bus, BusError, loads, pull_loop, release, unsubscribe_all
+from noetl_mesh.infra.micro import Consumer
 
 from .store import ScheduleStore
 
@@ -41,6 +42,8 @@ class SchedulerService:
         self.subs: list[Any] = []
         self.tasks: list[asyncio.Task] = []
         self.started = 0  # requests published by this replica
+        self.firings = Consumer(name="firings", stream=STREAM, subject=FIRE_PREFIX + "*", durable=DURABLE)
+        self.consumers = [self.firings]  # what `nats micro stats` and `noetl ps` show (infra/micro.py)
 
     async def start(self) -> None:
         await self.bus.attach()
@@ -65,7 +68,7 @@ class SchedulerService:
         linger = FETCH_TIMEOUT + 0.2  # stopped mid-fetch: the server may deliver until the request expires
         try:
             # one at a time: a fetch for more waits its whole timeout for them, delaying the first
-            await pull_loop(sub, self.fire, self.stop_event, timeout=FETCH_TIMEOUT)
+            await pull_loop(sub, self.fire, self.stop_event, timeout=FETCH_TIMEOUT, counts=self.firings)
             linger = 0.2
         finally:
             await release(sub, linger)  # what arrives late goes back at once, not after ack_wait

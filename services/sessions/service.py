@@ -149,19 +149,22 @@ class SessionsService:
 
     def _on_request(self, subject: str, handler: Callable[[dict], Awaitable[Any]]):
         """Like ``Bus.serve``, but each request is answered in its own task: a login waiting for its
-        password hash never holds up the next request."""
+        password hash never holds up the next request. Counted like ``Bus.serve``'s (``Bus.endpoint``)."""
+        counts = self.bus.endpoint(subject, QUEUE)
 
         async def on_msg(msg) -> None:
             if len(self._tasks) >= MAX_IN_FLIGHT:
+                counts.record(time.perf_counter_ns(), error=f"unavailable: busy: {MAX_IN_FLIGHT} requests in progress")
                 await _respond(msg, _error("unavailable", f"busy: {MAX_IN_FLIGHT} requests in progress"))
                 return
-            task = asyncio.create_task(self._answer(subject, handler, msg))
+            task = asyncio.create_task(self._answer(subject, handler, msg, counts))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
         return on_msg
 
-    async def _answer(self, subject: str, handler, msg) -> None:
+    async def _answer(self, subject: str, handler, msg, counts) -> None:
+        started = time.perf_counter_ns()
         with tracing.consume_span(f"{self.bus.name} {subject}", msg.headers):
             try:
                 req = orjson.loads(msg.data) if msg.data else {}
@@ -180,6 +183,8 @@ class SessionsService:
                 reply = _error("internal", f"{type(exc).__name__}")
         self.answered += 1
         await _respond(msg, reply)
+        error = reply.get("error") if isinstance(reply, dict) and set(reply) == {"error"} else None
+        counts.record(started, error=f"{error.get('kind')}: {error.get('message')}" if isinstance(error, dict) else None)
 
     # ------------------------------------------------------------------ settings
     @staticmethod

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import functools
 import logging
+import time
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -23,6 +24,7 @@ from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter
+from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.tools import close_tools, default_tools
 
@@ -96,6 +98,10 @@ class WorkerService:
         self.loop_task: asyncio.Task | None = None
         self.cancel_sub = None
         self.done = 0
+        # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
+        self.commands = Consumer(name="commands", stream=COMMANDS, subject=",".join(pool_filter(pool)),
+                                 durable=f"pool-{pool}")
+        self.consumers = [self.commands]
 
     async def start(self) -> None:
         await self.bus.attach()
@@ -145,11 +151,13 @@ class WorkerService:
         self.run_of.pop(task, None)
 
     async def _run(self, msg: Msg) -> None:
+        started = time.perf_counter_ns()
         try:
             command = loads(msg.data)
             eid = command["execution_id"]
         except Exception:  # noqa: BLE001 - a malformed command can never succeed: drop it, loudly
             log.error("dropping a malformed command at %s: %r", msg.subject, msg.data[:200])
+            self.commands.record(started, error=f"dropped a malformed command at {msg.subject}")
             await msg.term()
             return
         self.running[asyncio.current_task()] = eid
@@ -169,9 +177,11 @@ class WorkerService:
                                       on_secrets=functools.partial(self.log_masking.track, asyncio.current_task()))
                 await batcher.close()
             self.done += 1
+            self.commands.record(started)
             await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)
         except PayloadMissing as exc:  # D23: a reference past the retention; no redelivery will help
             log.error("command %s: %s", command.get("command_id"), exc)
+            self.commands.record(started, error=f"payload_missing: {exc}")
             await self._fail(command, {"kind": "payload_missing", "message": str(exc), "retryable": False})
             await msg.ack()
         except asyncio.CancelledError:
@@ -179,8 +189,10 @@ class WorkerService:
                 await msg.ack()
             else:
                 raise
-        except Exception:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered
+        except Exception as exc:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered
             log.exception("command %s failed", command.get("command_id"))
+            self.commands.record(started, error=f"retrying command {command.get('command_id')}: "
+                                                f"{type(exc).__name__}: {exc}")
             await msg.nak(delay=2.0)
         finally:
             self.log_masking.forget(asyncio.current_task())

@@ -312,3 +312,29 @@ def test_wrong_credentials_fail_at_once_with_a_clear_error(secured, tmp_path):
 
     message = secured.run(main())
     assert "nats-security.md" in message and "other" in message
+
+
+def test_only_the_admin_asks_services_and_none_answers_for_another(secured):
+    """NATS micro services (infra/micro.py): a service may not ask `$SRV` (the gateway: pings of the
+    control plane only), nor listen on another service's `$SRV` subjects to answer for it."""
+    async def main():
+        async with Conn(secured, "worker-default") as worker:
+            await worker.refused(worker.nc.request("$SRV.PING", b"", timeout=TIMEOUT), "$SRV.PING")
+            for subject in ("$SRV.PING.noetl-router", "$SRV.INFO.noetl-router.>", "$SRV.>", "$SRV.STATS.noetl-worker-other"):
+                await worker.nc.subscribe(subject)
+            await worker.nc.flush()
+            await asyncio.sleep(0.2)
+            for subject in ("$srv.ping.noetl-router", "$srv.info.noetl-router.>", "$srv.>", "$srv.stats.noetl-worker-other"):
+                assert any(f'subscription to "{subject}"' in e.lower() for e in worker.errors), (subject, worker.errors)
+        async with Conn(secured, "gateway") as gateway:
+            answer = await gateway.nc.request("$SRV.PING.noetl-router", b"", timeout=5)  # its readiness
+            assert loads(answer.data)["name"] == "noetl-router"
+            await gateway.refused(gateway.nc.request("$SRV.INFO.noetl-router", b"", timeout=TIMEOUT),
+                                  "$SRV.INFO.noetl-router")
+            await gateway.refused(gateway.nc.request("$SRV.PING", b"", timeout=TIMEOUT), "$SRV.PING")
+        async with Conn(secured, "admin") as admin:  # the operator's tools: every service answers
+            answer = await admin.nc.request("$SRV.STATS.noetl-worker-default", b"", timeout=5)
+            assert loads(answer.data)["metadata"]["pool"] == "default"
+        assert logged(secured, "worker-default", "$SRV.PING")
+
+    secured.run(main())

@@ -11,8 +11,8 @@ import pytest
 from noetl_mesh.cli import main
 from noetl_mesh.core.events import make_event
 from noetl_mesh.infra.bus import admitted, batch_subject, batches, writer_from_subject
-from noetl_mesh.infra.nats_auth import (ADMIN, NatsAuth, check_pool, connect_options, permissions, public_key,
-                                        read_seed, server_config, user_for)
+from noetl_mesh.infra.nats_auth import (ADMIN, NatsAuth, check_pool, connect_options, micro_name, permissions,
+                                        public_key, read_seed, server_config, user_for)
 
 INBOX = "_INBOX.UKEY"
 
@@ -129,7 +129,35 @@ def test_only_the_sessions_service_touches_its_buckets_and_only_the_admin_bootst
     assert not may_subscribe("gateway", "noetl.q.sessions.validate")  # nobody impersonates the service
     assert not may_subscribe("worker-default", "noetl.q.execution.get")
     assert perms("sessions").get("allow_responses") and perms("event-recorder").get("allow_responses")
-    assert not perms("gateway").get("allow_responses")
+
+
+USERS = ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "sessions", "scheduler",
+         "worker-default", "worker-gpu")
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_each_service_answers_the_srv_requests_of_its_own_micro_name_only(user):
+    name = micro_name(user)
+    assert name == f"noetl-{user}"
+    for verb in ("PING", "INFO", "STATS"):
+        for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.ID1"):
+            assert may_subscribe(user, subject), subject
+        for other in USERS:
+            if other != user:
+                assert not may_subscribe(user, f"$SRV.{verb}.noetl-{other}"), other
+                assert not may_subscribe(user, f"$SRV.{verb}.noetl-{other}.ID1"), other
+    for subject in ("$SRV.>", "$SRV.*", "$SRV.PING.>", "$SRV.FOO"):
+        assert not may_subscribe(user, subject), subject
+    assert perms(user)["allow_responses"] is True  # one reply per request received, to its inbox
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_only_the_gateway_asks_services_and_only_pings_the_control_plane(user):
+    for subject in ("$SRV.PING", "$SRV.INFO", "$SRV.STATS", "$SRV.INFO.noetl-router", "$SRV.STATS.noetl-router.X",
+                    "$SRV.PING.noetl-worker-default", "$SRV.PING.noetl-gateway"):
+        assert not may_publish(user, subject), (user, subject)
+    for service in ("admission", "router", "loop-coordinator", "event-recorder", "sessions"):
+        assert may_publish(user, f"$SRV.PING.noetl-{service}") == (user == "gateway"), (user, service)
 
 
 def test_the_admin_is_unrestricted_and_unknown_users_are_refused():

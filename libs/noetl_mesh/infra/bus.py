@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 import nats
@@ -55,6 +55,7 @@ from . import tracing
 from ..lang.durations import rfc3339
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
+from .micro import Endpoint
 from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
@@ -206,6 +207,13 @@ class Bus:
     replicas: int = 1  # of every stream, bucket and object store (the events stream's, once it exists)
     payload_limit: int = DEFAULT_LIMIT  # D23: bigger values travel as object-store references
     _payloads: PayloadStore | None = None
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)  # the subjects it answers (infra/micro.py)
+
+    def endpoint(self, subject: str, queue: str) -> Endpoint:
+        """The counters of a request subject this connection answers (what ``nats micro stats`` shows)."""
+        if subject not in self.endpoints:
+            self.endpoints[subject] = Endpoint(subject=subject, queue=queue)
+        return self.endpoints[subject]
 
     @property
     def payloads(self) -> PayloadStore:
@@ -479,9 +487,12 @@ class Bus:
 
     async def serve(self, subject: str, handler: Callable[[Any], Awaitable[Any]], queue: str):
         """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
-        exception becomes an error reply, so the requester never just times out."""
+        exception becomes an error reply, so the requester never just times out. Requests, error
+        replies and the time taken are counted (:meth:`endpoint`)."""
+        counts = self.endpoint(subject, queue)
 
         async def on_msg(msg: Msg) -> None:
+            started, error = time.perf_counter_ns(), None
             with tracing.consume_span(f"{self.name} {subject}", msg.headers):
                 try:
                     try:
@@ -491,10 +502,13 @@ class Bus:
                     reply = await handler(request)
                 except BusError as exc:
                     reply = {"error": {"kind": exc.kind, "message": exc.message, "details": exc.details}}
+                    error = f"{exc.kind}: {exc.message}"
                 except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
                     log.exception("%s: %s failed", self.name, subject)
                     reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+                    error = f"internal: {type(exc).__name__}: {exc}"
                 await msg.respond(dumps(reply))
+            counts.record(started, error=error)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
@@ -668,9 +682,10 @@ async def release(sub, linger: float) -> None:
 
 
 async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 1,
-                    timeout: float = 1.0) -> None:
+                    timeout: float = 1.0, counts: Any = None) -> None:
     """Fetch and handle messages until ``stop`` is set. Handler errors are logged and the message is
-    nak'ed with a delay (never terminated, never retried in a tight loop)."""
+    nak'ed with a delay (never terminated, never retried in a tight loop). ``counts`` (a
+    :class:`micro.Consumer`) counts the messages handled and those that failed."""
     while not stop.is_set():
         try:
             msgs = await sub.fetch(batch, timeout=timeout)
@@ -683,6 +698,7 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
             await asyncio.sleep(0.5)
             continue
         for msg in msgs:
+            started, error = time.perf_counter_ns(), None
             try:
                 await handle(msg)
             except asyncio.CancelledError:  # stopped mid-message: hand it back now, not after ack_wait
@@ -691,18 +707,22 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
                 except BaseException:  # noqa: BLE001
                     pass
                 raise
-            except (ValueError, KeyError, TypeError, AttributeError):  # noqa: PERF203
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:  # noqa: PERF203
                 # a message that cannot be decoded or folded will never succeed: retrying it would
                 # hold up its whole partition, so it is dropped, loudly
+                error = f"dropped {msg.subject}: {type(exc).__name__}: {exc}"
                 log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject,
                               msg.metadata.num_delivered)
                 try:
                     await msg.term()
                 except Exception:  # noqa: BLE001
                     pass
-            except Exception:  # noqa: BLE001 - transient (NATS, a service not answering): retry later
+            except Exception as exc:  # noqa: BLE001 - transient (NATS, a service not answering): retry later
+                error = f"retrying {msg.subject}: {type(exc).__name__}: {exc}"
                 log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
                 try:
                     await msg.nak(delay=min(30.0, 0.5 * msg.metadata.num_delivered))
                 except Exception:  # noqa: BLE001
                     pass
+            if counts is not None:
+                counts.record(started, error=error)

@@ -33,6 +33,7 @@ from ..core.state import ExecutionState, apply
 from . import tracing
 from .bus import CTL, EVENTS, Bus, admitted, loads, partition_from_subject, pull_loop, release
 from .membership import Membership
+from .micro import Consumer
 
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
@@ -56,6 +57,10 @@ class PartitionedService:
         self.membership: Membership | None = None
         self.handled = 0
         self.rebuilds = 0
+        # what `nats micro stats` and `noetl ps` show of this replica (infra/micro.py)
+        self.events = Consumer(name="events", stream=EVENTS, durable=self.name, partitions=[],
+                               subject=",".join(f"noetl.pevt.*.{c}.*.*" for c in self.classes))
+        self.consumers: list[Consumer] = [self.events]
 
     # --------------------------------------------------------------- the service's slice of the core
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> Decision:
@@ -92,6 +97,7 @@ class PartitionedService:
                 stop = asyncio.Event()
                 self.readers[p] = (asyncio.create_task(self._reader(p, stop), name=f"{self.name}-p{p}"), stop)
         self.tasks = [t for t in self.tasks if not t.done()]
+        self.events.own(self.readers)
 
     async def _reader(self, p: int, stop: asyncio.Event) -> None:
         # a subscription (inbox) per reader: a delivery meant for an earlier reader of this partition
@@ -99,7 +105,7 @@ class PartitionedService:
         sub = await self.bus.js.pull_subscribe_bind(f"{self.name}-p{p}", stream=EVENTS)
         linger = FETCH_TIMEOUT + 0.2  # cancelled mid-fetch: the server may deliver until the request expires
         try:
-            await pull_loop(sub, self.handle, stop, timeout=FETCH_TIMEOUT)
+            await pull_loop(sub, self.handle, stop, timeout=FETCH_TIMEOUT, counts=self.events)
             linger = 0.2  # the last fetch ended: only a delivery racing its deadline can still arrive
         finally:
             await release(sub, linger=linger)
@@ -116,6 +122,7 @@ class PartitionedService:
             stop.set()
             self.tasks.append(task)
         self.readers.clear()
+        self.events.own(())
         if self.tasks:
             _, late = await asyncio.wait(self.tasks, timeout=2 * FETCH_TIMEOUT + 2)
             for t in late:  # stuck in a handler: cancelled, its message nak'ed (pull_loop)

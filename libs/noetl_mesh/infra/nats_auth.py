@@ -13,6 +13,11 @@ permissions; each service holds its own seed in a file (0600). Users:
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
 | ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
 
+Every user but ``admin`` is also a NATS micro service (infra/micro.py) named ``noetl-<user>``: it may
+subscribe to the ``$SRV`` PING/INFO/STATS subjects of that name only and answer them
+(``allow_responses``); only ``admin`` (operators' tools, ``noetl ps``) and the gateway (its readiness
+pings the control plane: ``$SRV.PING.noetl-<service>``) may publish to ``$SRV``.
+
 Every user but ``admin`` gets its own inbox prefix ``_INBOX.<its public key>`` (nats-py
 ``inbox_prefix``): replies and JetStream deliveries reach only the connection that asked. The
 permissions are computed here (:func:`permissions`, pure) and written into the server configuration
@@ -54,6 +59,8 @@ RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<
 SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
 SCHEDULER_AREAS = ("schedule",)
+SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
+READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "sessions")  # the gateway pings them
 
 _POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
@@ -73,6 +80,17 @@ def user_for(service: str, pool: str = "default") -> str:
     if service not in SERVICES and service != ADMIN:
         raise ValueError(f"no NATS user for service {service!r}; known: {', '.join((ADMIN, *SERVICES, 'worker'))}")
     return service
+
+
+def micro_name(user: str) -> str:
+    """The NATS micro service name of a NATS user's processes (``noetl-router``, ``noetl-worker-gpu``)."""
+    return f"noetl-{user}"
+
+
+def srv_subjects(name: str) -> list[str]:
+    """The ``$SRV`` subjects a micro service called ``name`` listens on: every verb to all services, to
+    the name, and to one instance of it (``$SRV.PING``, ``$SRV.PING.<name>``, ``$SRV.PING.<name>.<id>``)."""
+    return [s for verb in SRV_VERBS for s in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.*")]
 
 
 def durables(service: str, partitions: int) -> list[str]:
@@ -156,8 +174,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     if user == ADMIN:
         return None
     pub: list[str] = []
-    sub: list[str] = [f"{inbox}.>"]
-    responses = False
+    sub: list[str] = [f"{inbox}.>", *srv_subjects(micro_name(user))]  # answers its own $SRV requests
     writer = "worker" if user.startswith(WORKER_PREFIX) else user
     purges: set[str] = set()  # streams it may purge
     if writer in WRITERS:
@@ -170,6 +187,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
         pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
         sub.append("noetl.sessions.revoked")
+        pub += [f"$SRV.PING.{micro_name(s)}" for s in READY_SERVICES]  # its readiness (/ready)
         purges.add(PAYLOADS)
     elif user in CONTROL_PLANE:
         own = durables(user, partitions)
@@ -197,7 +215,6 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += _payloads(write=True)  # replies over max_reply_bytes carry their big values by reference
         purges.add(PAYLOADS)
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
-        responses = True
     elif user == "sessions":
         pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
         for stream in SESSION_STREAMS:
@@ -205,7 +222,6 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
             pub += [_js("STREAM", "MSG", "GET", stream), _js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
         pub += [f"$KV.{b}.>" for b in SESSION_BUCKETS] + ["noetl.audit.>", "noetl.sessions.revoked"]
         sub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]
-        responses = True
     elif user == "scheduler":
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]  # attach; a request's big workload
         pub += ["noetl.schedule.def.*", *_durable(SCHEDULES, "scheduler")]  # schedule messages; firings
@@ -215,7 +231,6 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub.append(f"$KV.{SCHEDULES_BUCKET}.*")
         purges |= {PAYLOADS, *SCHEDULE_STREAMS}
         sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
-        responses = True
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
         pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), "noetl.q.credential.resolve",
@@ -236,6 +251,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny.append("noetl.cmd.>")
     if user != "router":
         deny.append("noetl.cancel.>")
+    if user != "gateway":  # only operators' tools ask services (and the gateway pings for its readiness)
+        deny.append("$SRV.>")
     if user != "sessions":  # the sessions service's buckets and audit stream are its own
         deny += [x for stream in SESSION_STREAMS for x in _stream_api(stream)]
         deny += [f"$KV.{b}.>" for b in SESSION_BUCKETS]
@@ -262,11 +279,10 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
                 if not (user == "event-recorder" and a in RECORDER_AREAS or user == "sessions" and a in SESSIONS_AREAS
                         or user == "scheduler" and a in SCHEDULER_AREAS)]
     sub_deny += ["noetl.evt.>", "noetl.cmd.>", "$JS.>", "$KV.>", "$O.>"]  # stored traffic arrives via inboxes only
-    perms: dict[str, Any] = {"publish": {"allow": pub, "deny": sorted(set(deny) - set(pub))},
-                             "subscribe": {"allow": sub, "deny": sub_deny}}
-    if responses:
-        perms["allow_responses"] = True
-    return perms
+    # allow_responses: one reply to each request received (the $SRV requests every service answers, and
+    # the request/reply services' queries), to whatever inbox the requester chose, and nothing else
+    return {"publish": {"allow": pub, "deny": sorted(set(deny) - set(pub))},
+            "subscribe": {"allow": sub, "deny": sub_deny}, "allow_responses": True}
 
 
 def server_config(users: dict[str, str], *, partitions: int) -> str:

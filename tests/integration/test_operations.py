@@ -1,0 +1,150 @@
+"""What an operator sees of a running stack (two replicas of each scalable service): every replica is a
+NATS micro service answering ``$SRV.PING/INFO/STATS`` (what ``nats micro ls|info|stats|ping`` read),
+its figures move with the work done. The stack runs with one NATS user per service: answering ``$SRV``
+must need no permission beyond theirs (the module fails on any violation)."""
+from __future__ import annotations
+
+import time
+
+import nats
+import pytest
+
+from conftest import start_stack, stop_stack
+from noetl_mesh.infra import micro
+from noetl_mesh.infra.nats_auth import connect_options
+
+pytestmark = pytest.mark.integration
+
+REPLICAS = {"noetl-event-recorder": 1, "noetl-sessions": 1, "noetl-gateway": 1, "noetl-admission": 2,
+            "noetl-router": 2, "noetl-loop-coordinator": 2, "noetl-scheduler": 2, "noetl-worker-default": 2}
+PLAYBOOK = {
+    "apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "ops", "path": "tests/ops"},
+    "workflow": [
+        {"step": "start", "next": {"arcs": [{"step": "work"}]}},
+        {"step": "work", "tool": {"kind": "python", "code": "result = {'n': 1}"}, "next": {"arcs": [{"step": "end"}]}},
+        {"step": "end", "tool": {"kind": "noop"}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def ops(module_pg):
+    server, loop, handle = start_stack(module_pg, replicas=2, workers=2)
+    status, _ = handle.execute(PLAYBOOK)
+    assert status["status"] == "COMPLETED", status
+    yield handle
+    stop_stack(server, loop, handle)
+
+
+def ask(handle, verb: str, name: str | None = None, expect: int | None = None) -> list[dict]:
+    async def go():
+        nc = await nats.connect(handle.nats_url, **connect_options(handle.admin))
+        try:
+            return await micro.ask_all(nc, verb, name, timeout=5.0,
+                                       enough=(lambda r: len(r) >= expect) if expect else None)
+        finally:
+            await nc.close()
+
+    return handle.run(go())
+
+
+def by_name(replies: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for reply in replies:
+        out.setdefault(reply["name"], []).append(reply)
+    return out
+
+
+def test_every_replica_answers_ping_info_and_stats(ops):
+    total = sum(REPLICAS.values())
+    for verb, kind in (("PING", "ping"), ("INFO", "info"), ("STATS", "stats")):
+        replies = ask(ops, verb, expect=total)
+        assert {name: len(r) for name, r in by_name(replies).items()} == REPLICAS, verb
+        assert all(r["type"] == f"io.nats.micro.v1.{kind}_response" for r in replies)
+        assert len({r["id"] for r in replies}) == total  # one id per process
+        assert all(r["version"] == micro.version() and r["metadata"]["service"] for r in replies)
+    routers = ask(ops, "PING", "noetl-router", expect=2)  # by name: that service's replicas only
+    assert {r["name"] for r in routers} == {"noetl-router"} and len(routers) == 2
+    one = routers[0]["id"]
+    async def by_id():
+        nc = await nats.connect(ops.nats_url, **connect_options(ops.admin))
+        try:
+            return micro.orjson.loads((await nc.request(f"$SRV.INFO.noetl-router.{one}", b"", timeout=5)).data)
+        finally:
+            await nc.close()
+    assert ops.run(by_id())["id"] == one
+
+
+def test_info_lists_request_endpoints_consumers_and_partitions(ops):
+    info = by_name(ask(ops, "INFO", expect=sum(REPLICAS.values())))
+    recorder = info["noetl-event-recorder"][0]
+    endpoints = {e["subject"]: e for e in recorder["endpoints"]}
+    assert endpoints["noetl.q.execution.get"]["queue_group"] == "event-recorder"
+    assert endpoints["noetl.q.execution.get"]["metadata"] == {"kind": "request"}
+    assert endpoints["noetl.pevt.>"]["metadata"] == {"kind": "consumer", "stream": "NOETL_EVENTS",
+                                                      "durables": "event-recorder"}
+    assert "recorder" in recorder["description"] or "event log" in recorder["description"]
+    worker = info["noetl-worker-default"][0]
+    assert worker["metadata"]["pool"] == "default" and worker["metadata"]["concurrency"]
+    assert worker["endpoints"][0]["metadata"]["durables"] == "pool-default"
+    assert info["noetl-gateway"][0]["metadata"]["url"] == ops.url
+    assert any(e["subject"] == "noetl.q.sessions.validate" for e in info["noetl-sessions"][0]["endpoints"])
+    assert any(e["subject"] == "noetl.q.schedule.add" for e in info["noetl-scheduler"][0]["endpoints"])
+    # the replicas of a control-plane service deal the partitions out between them
+    deadline = time.monotonic() + 15
+    while True:
+        for name in ("noetl-admission", "noetl-router", "noetl-loop-coordinator"):
+            shares = [set(map(int, filter(None, r["metadata"]["partitions"].split(","))))
+                      for r in by_name(ask(ops, "INFO", name, expect=2))[name]]
+            if len(shares) != 2 or shares[0] & shares[1] or shares[0] | shares[1] != set(range(16)):
+                break
+        else:
+            break
+        assert time.monotonic() < deadline, (name, shares)
+        time.sleep(0.5)
+    lc = by_name(ask(ops, "INFO", "noetl-loop-coordinator", expect=2))["noetl-loop-coordinator"][0]
+    events = next(e for e in lc["endpoints"] if e["name"] == "events")
+    assert events["metadata"]["durables"] == ",".join(f"loop-coordinator-p{p}" for p in
+                                                      map(int, lc["metadata"]["partitions"].split(",")))
+    assert lc["metadata"]["partition_count"] == "16"
+
+
+def test_stats_move_with_the_work_done(ops):
+    def totals() -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for reply in ask(ops, "STATS", expect=sum(REPLICAS.values())):
+            for e in reply["endpoints"]:
+                key = f"{reply['name']} {e['name']}"
+                row = out.setdefault(key, {"requests": 0, "errors": 0})
+                row["requests"] += e["num_requests"]
+                row["errors"] += e["num_errors"]
+        return out
+
+    before = totals()
+    status, _ = ops.execute(PLAYBOOK)
+    assert status["status"] == "COMPLETED"
+    deadline = time.monotonic() + 10
+    while True:
+        after = totals()
+        moved = {k for k in after if after[k]["requests"] > before.get(k, {"requests": 0})["requests"]}
+        wanted = {"noetl-router events", "noetl-admission events", "noetl-loop-coordinator events",
+                  "noetl-worker-default commands", "noetl-event-recorder events", "noetl-event-recorder execution-get",
+                  "noetl-sessions sessions-validate"}
+        if wanted <= moved or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert wanted <= moved, (wanted - moved, after)
+    assert after["noetl-worker-default commands"]["errors"] == 0
+    # an error reply is counted as an error of its endpoint, with the last one's reason
+    async def bad_request():
+        nc = await nats.connect(ops.nats_url, **connect_options(ops.admin))
+        try:
+            await nc.request("noetl.q.execution.get", b"[1]", timeout=5)
+        finally:
+            await nc.close()
+    ops.run(bad_request())
+    stats = by_name(ask(ops, "STATS", "noetl-event-recorder", expect=1))["noetl-event-recorder"][0]
+    get = next(e for e in stats["endpoints"] if e["subject"] == "noetl.q.execution.get")
+    assert get["num_errors"] == after["noetl-event-recorder execution-get"]["errors"] + 1
+    assert get["last_error"].startswith("bad_request") and get["average_processing_time"] > 0
+    assert micro.uptime(stats["started"]) is not None and micro.uptime(stats["started"]) < 600
