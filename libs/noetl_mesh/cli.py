@@ -644,15 +644,17 @@ class _HomeLock:
 
     def leftovers(self) -> str | None:
         """Why a new stack cannot start here: processes of an earlier, killed one still running."""
+        from .home import runs
+
         running = {}
         for name, pid in (self.read().get("pids") or {}).items():
-            if isinstance(pid, int) and _runs(pid, "nats-server" if name == "nats-server" else
+            if isinstance(pid, int) and runs(pid, "nats-server" if name == "nats-server" else
                                               "postgres" if name == "postgres" else "noetl_mesh"):
                 running[name] = pid
         try:
             with open(os.path.join(self.home, "pg", "postmaster.pid")) as f:
                 pid = int(f.readline().strip())
-            if _runs(pid, "postgres"):
+            if runs(pid, "postgres"):
                 running["postgres"] = pid
         except (OSError, ValueError):
             pass
@@ -672,21 +674,6 @@ class _HomeLock:
                 pass
         os.close(self.fd)  # releases the lock
         self.fd = None
-
-
-def _runs(pid: int, name: str) -> bool:
-    """Whether process ``pid`` is alive and its command line mentions ``name`` (not a reused pid)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return name.encode() in f.read()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc")  # no /proc to tell: alive is all we know
 
 
 def _local_admin(url: str, token: str | None, token_file: str, first: bool) -> bool:
@@ -1236,6 +1223,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .schedule_cli import add_commands
 
     add_commands(sub, gateway_default)
+    from .operate import add_commands as operate_commands
+
+    operate_commands(sub)
     _everywhere(parser, "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     _common_help(parser)
     return parser

@@ -338,3 +338,15 @@ def test_only_the_admin_asks_services_and_none_answers_for_another(secured):
         assert logged(secured, "worker-default", "$SRV.PING")
 
     secured.run(main())
+
+
+def test_noetl_ps_and_inspect_with_a_services_credentials_are_refused_clearly(secured, capsys):
+    from noetl_mesh.cli import main
+
+    worker = secured.auth.file("worker-default")
+    assert main(["inspect", "streams", "--nats-url", secured.nats_url, "--nats-creds", worker, "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("noetl: NATS refused STREAM.LIST: ") and "use the admin's credentials" in err, err
+    assert main(["ps", "--nats-url", secured.nats_url, "--nats-creds", worker, "--wait", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("noetl: NATS refused $SRV.STATS: ") and err.count("\n") == 1, err

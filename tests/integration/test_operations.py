@@ -4,6 +4,7 @@ its figures move with the work done. The stack runs with one NATS user per servi
 must need no permission beyond theirs (the module fails on any violation)."""
 from __future__ import annotations
 
+import json
 import time
 
 import nats
@@ -148,3 +149,88 @@ def test_stats_move_with_the_work_done(ops):
     assert get["num_errors"] == after["noetl-event-recorder execution-get"]["errors"] + 1
     assert get["last_error"].startswith("bad_request") and get["average_processing_time"] > 0
     assert micro.uptime(stats["started"]) is not None and micro.uptime(stats["started"]) < 600
+
+
+# ------------------------------------------------------------------------------ noetl ps, noetl inspect
+def noetl_json(ops, capsys, *args: str):
+    from noetl_mesh.cli import main
+
+    code = main([*args, "--nats-url", ops.nats_url, "--nats-creds", ops.admin, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def test_ps_lists_every_replica_with_its_partitions_work_and_lag(ops, capsys):
+    rows = noetl_json(ops, capsys, "ps", "--wait", "3")
+    counts = {name: sum(r["name"] == name for r in rows) for name in {r["name"] for r in rows}}
+    assert counts == REPLICAS
+    assert {r["service"] for r in rows} == {n.removeprefix("noetl-").removesuffix("-default") for n in REPLICAS}
+    routers = [r for r in rows if r["service"] == "router"]
+    assert sorted(p for r in routers for p in r["partitions"]) == list(range(16))
+    assert sum(r["handled"] for r in routers) > 0 and all(r["failed"] == 0 for r in routers)
+    assert all(c["durable"] == f"router-p{p}" for r in routers for c, p in zip(r["consumers"], r["partitions"]))
+    assert all(r["uptime"] is not None and r["version"] == micro.version() for r in rows)
+    workers = [r for r in rows if r["service"] == "worker"]
+    assert all(r["pool"] == "default" and r["consumers"][0]["durable"] == "pool-default" for r in workers)
+
+    # a running command is a worker pool's pending acknowledgement: ps shows it while it runs
+    slow = {**PLAYBOOK, "metadata": {"name": "slow", "path": "tests/slow"}, "workflow": [
+        {"step": "start", "tool": {"kind": "python", "code": "import time\ntime.sleep(4)\nresult = 1"}}]}
+
+    async def start():
+        async with ops.client() as client:
+            return await client.start(slow)
+
+    eid = ops.run(start())
+    deadline = time.monotonic() + 15
+    while True:
+        workers = [r for r in noetl_json(ops, capsys, "ps", "--wait", "1") if r["service"] == "worker"]
+        if all(r["ack_pending"] == 1 and r["lag"] == 1 for r in workers):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
+
+    async def finish():
+        async with ops.client() as client:
+            return await client.wait(eid, timeout=30)
+
+    assert ops.run(finish())["status"] == "COMPLETED"
+    deadline = time.monotonic() + 10
+    while any(r["lag"] for r in noetl_json(ops, capsys, "ps", "--wait", "1") if r["service"] == "worker"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_inspect_shows_streams_consumers_buckets_and_object_stores(ops, capsys):
+    streams = {r["name"]: r for r in noetl_json(ops, capsys, "inspect", "streams")}
+    events = streams["NOETL_EVENTS"]
+    assert events["messages"] > 0 and events["bytes"] > 0 and events["consumers"] >= 16 * 3 + 1
+    assert events["subjects"] == ["noetl.evt.*.*.*", "noetl.sched.*.*"] and events["retention"] == "limits"
+    assert streams["NOETL_COMMANDS"]["retention"] == "workqueue"
+    assert [r["name"] for r in noetl_json(ops, capsys, "inspect", "streams", "NOETL_COMMANDS")] == ["NOETL_COMMANDS"]
+    consumers = {(r["stream"], r["name"]): r for r in noetl_json(ops, capsys, "inspect", "consumers")}
+    assert {f"router-p{p}" for p in range(16)} <= {name for _, name in consumers}
+    recorder = consumers[("NOETL_EVENTS", "event-recorder")]
+    assert recorder["ack_policy"] == "all" and recorder["filter"] == ["noetl.pevt.>"]
+    assert recorder["delivered"] and recorder["ack_floor"] <= recorder["delivered"]
+    assert consumers[("NOETL_COMMANDS", "pool-default")]["durable"] is True
+    only = noetl_json(ops, capsys, "inspect", "consumers", "NOETL_COMMANDS")
+    assert {r["stream"] for r in only} == {"NOETL_COMMANDS"}
+    kv = {r["bucket"]: r for r in noetl_json(ops, capsys, "inspect", "kv")}
+    assert kv["noetl_members"]["ttl"] == 6 and kv["noetl_members"]["history"] == 1
+    assert kv["noetl_members"]["keys"] >= 6  # a key per control-plane replica
+    assert {"noetl_sessions", "noetl_users"} <= set(kv)
+    objects = {r["bucket"]: r for r in noetl_json(ops, capsys, "inspect", "objects")}
+    assert objects["noetl_payloads"]["ttl"] == 7 * 24 * 3600
+
+    from noetl_mesh.cli import main  # the tables people read
+
+    assert main(["inspect", "streams", "--nats-url", ops.nats_url, "--nats-creds", ops.admin]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].split() == ["STREAM", "MESSAGES", "SIZE", "CONSUMERS", "RETENTION", "MAX", "AGE", "REPLICAS",
+                               "SUBJECTS"]
+    assert any(line.startswith("NOETL_EVENTS ") and "7d0h" in line for line in text)
+    assert main(["ps", "--nats-url", ops.nats_url, "--nats-creds", ops.admin]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].split()[:4] == ["SERVICE", "ID", "VERSION", "POOL"] and len(text) == 1 + sum(REPLICAS.values())
