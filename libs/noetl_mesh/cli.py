@@ -178,6 +178,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .infra.embedded import InfraError
 
     gateway = args.gateway or os.environ.get("NOETL_GATEWAY_URL")
+    if not gateway:
+        from .home import running_stack
+
+        local = running_stack(args.home)
+        if local:
+            gateway = local["gateway"]
+            print(f"noetl: running on the noetl up of {local.get('home') or args.home or '.noetl'} ({gateway}; "
+                  "--gateway URL for another)", file=sys.stderr)
     if _bad_url(gateway):
         return _fail(_bad_url(gateway))
     with _Signals() as signals:
@@ -518,19 +526,21 @@ def _provision(persistent: str | None = None) -> _Servers:
     return servers
 
 
-async def _embedded_stack(servers: _Servers, processes: bool = False):
-    """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised.
-    ``stop()`` stops the services; the servers are the caller's to stop."""
+async def _embedded_stack(servers: _Servers, processes: bool = False, port: int = 0,
+                          counts: dict[str, int] | None = None):
+    """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised;
+    the gateway on ``port`` (0: any free one), ``counts`` replicas per service. ``stop()`` stops the
+    services; the servers are the caller's to stop."""
     from .stack import InProcessStack, ProcessStack, Settings
 
     persistent = servers.persistent
     creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
-    settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds)
+    settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds, port=port)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
-        stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file)
+        stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file, counts=counts)
     else:
-        stack = InProcessStack(settings, token_file=token_file)
+        stack = InProcessStack(settings, token_file=token_file, counts=counts)
     try:
         await stack.start()
     except BaseException:
@@ -543,7 +553,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     """``noetl up``: the stack in the foreground until SIGINT/SIGTERM (exit 0 then); one per home."""
     from .infra.embedded import InfraError
 
+    from .stack import parse_replicas
+
     home = os.path.abspath(args.home)
+    try:
+        args.counts = parse_replicas(args.replicas)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.port and not _port_free("127.0.0.1", args.port):
+        return _fail(f"--port {args.port}: the port is in use (another gateway or program listens there)")
     try:
         os.makedirs(home, exist_ok=True)
     except OSError as exc:
@@ -574,19 +592,43 @@ def cmd_up(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "_HomeLock") -> None:
-    stack = await _embedded_stack(servers, processes=not args.in_process)
+    from .stack import topology
+
+    stack = await _embedded_stack(servers, processes=not args.in_process, port=args.port, counts=args.counts)
     url, stored = stack.gateway_url, False
+    monitoring = getattr(servers.nats, "monitor_url", None)
+    replicas: dict[str, int] = {}
+    for name, _ in topology(counts=args.counts):
+        replicas[name] = replicas.get(name, 0) + 1
     try:
-        print(f"noetl stack up; gateway: {url} (OpenAPI docs at {url}/docs)", flush=True)
-        print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
+        print(f"noetl stack up from {home}", flush=True)
+        print(f"  gateway: {url} (OpenAPI docs at {url}/docs)", flush=True)
+        print(f"  NATS: {stack.settings.nats_url} (monitoring: {monitoring or 'not known: an external server'})",
+              flush=True)
+        print(f"  Postgres: {stack.settings.pg_dsn}", flush=True)
+        print(f"  services: {', '.join(f'{n} x{c}' if c > 1 else n for n, c in replicas.items())} "
+              f"({'in this process' if args.in_process else f'one process each, logs in {home}'}); "
+              "see them with `noetl ps`", flush=True)
         if stack.settings.nats_creds:
-            print(f"NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)
+            print(f"  NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)
         pids = {"nats-server": servers.nats.pid, "postgres": servers.pg.pid}
         pids.update({key: proc.pid for key, proc in getattr(stack, "procs", {}).items()})
-        lock.record({"pid": os.getpid(), "gateway": url, "nats": stack.settings.nats_url,
-                     "postgres": stack.settings.pg_dsn, "pids": {k: v for k, v in pids.items() if v}})
-        stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first)
+        lock.record({"pid": os.getpid(), "home": home, "gateway": url, "nats": stack.settings.nats_url,
+                     "nats_monitoring": monitoring, "postgres": stack.settings.pg_dsn, "replicas": replicas,
+                     "pids": {k: v for k, v in pids.items() if v}})
+        stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first, home)
         await asyncio.Event().wait()  # until a signal cancels this
     finally:
         print("stopping...", flush=True)
@@ -622,7 +664,7 @@ class _HomeLock:
             if not info.get("gateway"):
                 return f"a noetl stack is already starting or running from {self.home} ({self.lock_file} is locked)"
             return (f"a noetl stack already runs from {self.home} (pid {info.get('pid')}): gateway {info['gateway']}, "
-                    f"NATS {info.get('nats')}; use it (export NOETL_GATEWAY_URL={info['gateway']}), stop it "
+                    f"NATS {info.get('nats')}; use it ({_finding(self.home)}), stop it "
                     f"(Ctrl-C where it runs, or kill {info.get('pid')}), or start another with --home DIR")
         self.fd = fd
         return None
@@ -676,7 +718,16 @@ class _HomeLock:
         self.fd = None
 
 
-def _local_admin(url: str, token: str | None, token_file: str, first: bool) -> bool:
+def _finding(home: str) -> str:
+    """How other commands find the stack of ``home``."""
+    from .home import home_dir
+
+    if home_dir() == home:
+        return "noetl commands run here find it"
+    return f"noetl commands find it with --home {home} or NOETL_HOME={home}"
+
+
+def _local_admin(url: str, token: str | None, token_file: str, first: bool, home: str = "") -> bool:
     """``noetl up``'s word on logging in. The home's admin API token (``admin.token``, 0600) is stored
     in the command line's token store for this gateway's URL, unless a token is stored for it already,
     so that local commands (``--gateway URL``) work at once; ``noetl up`` removes it again when it stops
@@ -693,8 +744,8 @@ def _local_admin(url: str, token: str | None, token_file: str, first: bool) -> b
     stored = stored_token(url) is None
     if stored:
         where = store_token(url, token)
-        print(f"noetl commands use it for this gateway (kept in {where} while the stack runs): "
-              f"export NOETL_GATEWAY_URL={url}", flush=True)
+        print(f"noetl commands use it for this gateway (kept in {where} while the stack runs); "
+              f"{_finding(home)}", flush=True)
     print(f"elsewhere: noetl login --gateway {url} --token - < {token_file}; give the admin a password "
           f"with `noetl user password`, add users with `noetl user add`", flush=True)
     return stored
@@ -1129,13 +1180,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
     p.set_defaults(func=cmd_schema)
 
-    gateway_default = os.environ.get("NOETL_GATEWAY_URL", "http://127.0.0.1:8082")
+    gateway_default = None  # resolved after parsing: NOETL_GATEWAY_URL, the running `noetl up`'s, 127.0.0.1:8082
     p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)", epilog=RUN_EXIT_CODES)
     p.add_argument("file", metavar="FILE", help="the playbook (YAML)")
     p.add_argument("--workload", metavar="JSON", help="JSON object deep-merged over the playbook's workload")
     p.add_argument("--json", action="store_true", help="print one JSON object with the outcome")
     p.add_argument("--gateway", metavar="URL", help="a running gateway's URL instead of an embedded stack "
-                                                    "(default: NOETL_GATEWAY_URL, else an embedded stack)")
+                                                    "(default: NOETL_GATEWAY_URL, else the gateway of the `noetl up` "
+                                                    "running from --home, else an embedded stack)")
     p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
                    help=f"seconds to wait for the end; then exit {EXIT_TIMEOUT}")
     p.add_argument("--register", action="append", metavar="FILE",
@@ -1151,6 +1203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), metavar="DIR",
                    help="data and logs directory (NOETL_HOME); one stack per home")
     p.add_argument("--in-process", action="store_true", help="all services in this process (default: one process each)")
+    p.add_argument("--port", type=int, default=0, metavar="PORT",
+                   help="the gateway's port on 127.0.0.1 (default: any free port; `noetl up` prints it)")
+    p.add_argument("--replicas", metavar="SERVICE=N,...",
+                   help="replicas per service, e.g. admission=2,router=2,worker=3 (admission, router, loop-coordinator, "
+                        "scheduler, sessions, worker; default one each)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("service", help="run one service")
@@ -1228,7 +1285,19 @@ def build_parser() -> argparse.ArgumentParser:
     operate_commands(sub)
     _everywhere(parser, "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     _common_help(parser)
+    _home_where_gateway(parser)
     return parser
+
+
+def _home_where_gateway(parser: argparse.ArgumentParser) -> None:
+    """``--home`` for every command that has ``--gateway`` (the home whose running stack it finds)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _home_where_gateway(child)
+    dests = {a.dest for a in parser._actions}
+    if "gateway" in dests and "home" not in dests:
+        parser.add_argument("--home", metavar="DIR", help=HOME_HELP)
 
 
 def _common_help(parser: argparse.ArgumentParser) -> None:
@@ -1251,7 +1320,9 @@ def _everywhere(parser: argparse.ArgumentParser, *names: str, **kw) -> None:
                 _everywhere(child, *names, **kw)
 
 
-GATEWAY_HELP = "the gateway's URL (NOETL_GATEWAY_URL)"
+GATEWAY_HELP = ("the gateway's URL (default: NOETL_GATEWAY_URL, else the gateway of the `noetl up` running from "
+                "--home, else http://127.0.0.1:8082)")
+HOME_HELP = "the home of a local `noetl up` whose gateway to use (default: NOETL_HOME, else .noetl)"
 DEBUG_HELP = "on an unexpected error, print its traceback"
 RUN_EXIT_CODES = (f"exit status: {EXIT_OK} COMPLETED, {EXIT_FAILED} FAILED or CANCELLED, {EXIT_INVALID} an invalid "
                   f"playbook or arguments, {EXIT_TIMEOUT} --timeout passed, {EXIT_UNREACHABLE} no gateway at --gateway, "
@@ -1313,6 +1384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad arguments, as D26 wants
         return int(exc.code or 0)
+    if getattr(args, "gateway", "") is None and args.func is not cmd_run:  # `noetl run` may start its own stack
+        from .home import gateway_url
+
+        args.gateway = gateway_url(args.home)
     problem = _bad_url(getattr(args, "gateway", None))
     if problem:
         return _fail(problem, EXIT_INVALID)

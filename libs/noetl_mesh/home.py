@@ -37,6 +37,15 @@ def running_stack(home: str | None = None) -> dict[str, Any] | None:
     return info
 
 
+DEFAULT_GATEWAY = "http://127.0.0.1:8082"
+
+
+def gateway_url(home: str | None = None) -> str:
+    """The gateway a command talks to when ``--gateway`` is not given: ``NOETL_GATEWAY_URL``, else the
+    gateway of the ``noetl up`` running from the home, else ``http://127.0.0.1:8082``."""
+    return os.environ.get("NOETL_GATEWAY_URL") or (running_stack(home) or {}).get("gateway") or DEFAULT_GATEWAY
+
+
 def admin_creds(home: str | None = None) -> str | None:
     """The NATS admin's seed file of the home, when there is one."""
     path = os.path.join(home_dir(home), ADMIN_CREDS)

@@ -25,7 +25,7 @@ def add_commands(sub, gateway_default: str) -> None:
                         ("delete", "delete a schedule (its executions stay)")):
         ssub.add_parser(verb, help=help_).add_argument("schedule_id", help="the schedule's id")
     for c in ssub.choices.values():
-        c.add_argument("--gateway", default=gateway_default, help="the gateway's URL (NOETL_GATEWAY_URL)")
+        c.add_argument("--gateway", default=gateway_default, metavar="URL")  # help: cli.GATEWAY_HELP
         c.set_defaults(func=cmd_schedule)
 
 

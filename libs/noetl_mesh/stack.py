@@ -22,6 +22,49 @@ CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator", "s
 ALL_SERVICES = (*CONTROL_PLANE, "sessions", "worker", "gateway")
 
 
+SCALABLE = ("admission", "router", "loop-coordinator", "scheduler", "sessions", "worker")  # any number of replicas
+MAX_REPLICAS = 64  # per service in one stack runner
+
+
+def parse_replicas(text: str | None) -> dict[str, int]:
+    """``noetl up --replicas admission=2,router=2,worker=3``: replicas per service. ValueError naming
+    the mistake (an unknown or unscalable service, a count that is not 1..MAX_REPLICAS)."""
+    counts: dict[str, int] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"--replicas {part.strip()!r}: write SERVICE=N, e.g. worker=3")
+        if name in ("event-recorder", "gateway"):
+            why = "one recorder per events stream" if name == "event-recorder" else "it listens on --port"
+            raise ValueError(f"--replicas {name}: one per stack ({why})")
+        if name not in SCALABLE:
+            raise ValueError(f"--replicas {name!r}: not a service; scalable: {', '.join(SCALABLE)}")
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= MAX_REPLICAS:
+            raise ValueError(f"--replicas {name}={value.strip()}: a number of replicas from 1 to {MAX_REPLICAS}")
+        counts[name] = n
+    return counts
+
+
+def topology(replicas: int = 1, workers: int = 1, counts: dict[str, int] | None = None) -> list[tuple[str, str]]:
+    """The services of a stack runner, in start order, each with its key (``admission-0``, a log file's
+    name): one recorder, the sessions service, ``replicas`` of each control-plane service and the
+    scheduler, ``workers`` workers, one gateway; ``counts`` (:func:`parse_replicas`) overrides."""
+    counts = counts or {}
+    out = [("event-recorder", "event-recorder")]
+    for name in ("sessions", *CONTROL_PLANE[1:], "worker"):
+        default = 1 if name == "sessions" else workers if name == "worker" else replicas
+        n = counts.get(name, default)
+        out += [(name, name if n == 1 and name == "sessions" else f"{name}-{i}") for i in range(n)]
+    return out + [("gateway", "gateway")]
+
+
 @dataclass
 class Settings:
     nats_url: str
@@ -165,13 +208,13 @@ class InProcessStack:
     replicas: int = 1
     workers: int = 1
     token_file: str | None = None  # where the first admin's API token is kept (see bootstrap)
+    counts: dict[str, int] | None = None  # replicas per service, over replicas/workers (parse_replicas)
     running: list[Running] = field(default_factory=list)
     token: str | None = None
 
     async def start(self) -> "InProcessStack":
         await setup(self.settings)
-        names = ["event-recorder", "sessions"] + [n for n in CONTROL_PLANE[1:] for _ in range(self.replicas)]
-        names += ["worker"] * self.workers + ["gateway"]
+        names = [name for name, _ in topology(self.replicas, self.workers, self.counts)]
         self.running = list(await asyncio.gather(*(start_service(n, self.settings) for n in names)))
         self.token = await bootstrap(self.settings, self.token_file)
         return self
@@ -244,6 +287,7 @@ class ProcessStack:
     log_dir: str | None = None
     supervise: bool = False
     token_file: str | None = None  # where the first admin's API token is kept (see bootstrap)
+    counts: dict[str, int] | None = None  # replicas per service, over replicas/workers (parse_replicas)
     token: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
@@ -300,14 +344,11 @@ class ProcessStack:
     async def start(self) -> "ProcessStack":
         await setup(self.settings)
         self.port = self.settings.port or free_port()
-        self.spawn("event-recorder")
-        self.spawn("sessions")
-        for name in CONTROL_PLANE[1:]:
-            for i in range(self.replicas):
-                self.spawn(name, f"{name}-{i}")
-        for i in range(self.workers):
-            self.spawn("worker", f"worker-{i}")
-        self.spawn("gateway", port=self.port)
+        for name, key in topology(self.replicas, self.workers, self.counts):
+            if name == "gateway":
+                self.spawn(name, key, port=self.port)
+            else:
+                self.spawn(name, key)
         await wait_http(f"{self.gateway_url}/health", timeout=60, procs=None if self.supervise else self.procs)
         if self.supervise:
             self._supervisor = asyncio.create_task(self._watch(), name="supervisor")

@@ -232,7 +232,7 @@ def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
         second = noetl("up", "--in-process", "--home", str(home), env=env, timeout=60)
         assert second.returncode == 5 and second.stdout == ""
         assert second.stderr == (f"noetl: a noetl stack already runs from {home} (pid {proc.pid}): gateway {url}, "
-                                 f"NATS {info['nats']}; use it (export NOETL_GATEWAY_URL={url}), stop it (Ctrl-C where "
+                                 f"NATS {info['nats']}; use it (noetl commands find it with --home {home} or NOETL_HOME={home}), stop it (Ctrl-C where "
                                  f"it runs, or kill {proc.pid}), or start another with --home DIR\n")
         assert noetl("status", "nope", "--gateway", url, env=env).returncode == 1  # the first one still serves: 404
         proc.send_signal(signal.SIGTERM)

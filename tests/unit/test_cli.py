@@ -152,7 +152,8 @@ def test_a_second_up_on_a_home_says_a_stack_runs_there(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err
         assert f"a noetl stack already runs from {tmp_path} (pid 4242): gateway http://127.0.0.1:5555" in err
-        assert "export NOETL_GATEWAY_URL=http://127.0.0.1:5555" in err and "kill 4242" in err
+        assert f"use it (noetl commands find it with --home {tmp_path} or NOETL_HOME={tmp_path})" in err
+        assert "kill 4242" in err
     finally:
         first.release()
     assert not (tmp_path / "stack.json").exists()  # a stopped stack leaves no description behind
@@ -234,7 +235,7 @@ def test_a_gateway_option_given_without_help_gets_the_common_one(monkeypatch):
     monkeypatch.setattr(cli, "_auth_commands", more)
     later = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices["later"]
     option = next(a for a in later._actions if a.dest == "gateway")
-    assert option.help == "the gateway's URL (NOETL_GATEWAY_URL)" and option.metavar == "URL"
+    assert option.help == cli.GATEWAY_HELP and "NOETL_GATEWAY_URL" in option.help and option.metavar == "URL"
 
 
 def test_version_comes_from_the_package_metadata(capsys):

@@ -37,6 +37,16 @@ def request(name, requests, errors=0, last_error=""):
             "data": None}
 
 
+def stand_in() -> subprocess.Popen:
+    """A process standing in for a running `noetl up` (its command line says so once it has started)."""
+    import time
+
+    up = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "noetl", "up"])
+    while b"noetl" not in open(f"/proc/{up.pid}/cmdline", "rb").read():
+        time.sleep(0.01)
+    return up
+
+
 def test_ps_rows_add_up_work_and_the_lag_of_the_consumers_each_replica_reads():
     replies = [
         stats("noetl-worker-default", "W1", endpoints=[consumer("commands", "NOETL_COMMANDS", ["pool-default"], 7)],
@@ -147,7 +157,7 @@ def test_nats_is_found_from_the_options_the_environment_or_the_running_stack(tmp
     home = tmp_path / ".noetl"
     (home / "nats-creds").mkdir(parents=True)
     (home / "nats-creds" / "admin.nk").write_text("SU...")
-    up = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "noetl", "up"])
+    up = stand_in()
     try:
         (home / "stack.json").write_text(json.dumps({"pid": up.pid, "gateway": "http://127.0.0.1:9",
                                                       "nats": "nats://127.0.0.1:4"}))
