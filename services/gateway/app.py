@@ -65,7 +65,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from noetl_mesh import limits
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
-from noetl_mesh.infra import tracing
+from noetl_mesh.infra import micro, tracing
+from noetl_mesh.infra.nats_auth import READY_SERVICES
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
@@ -265,10 +266,19 @@ class RecorderCheck(BaseModel):
     lag: int | None = None
 
 
+class ServiceCheck(BaseModel):
+    ok: bool = Field(description="at least one replica answered $SRV.PING.noetl-<service> within 1 s")
+    replicas: int = Field(description="the replicas that answered")
+    error: str | None = None
+
+
 class Ready(BaseModel):
     status: Literal["ready", "not_ready"]
     nats: NatsCheck
     recorder: RecorderCheck
+    services: dict[str, ServiceCheck] = Field(
+        description="the control plane (admission, router, loop-coordinator, event-recorder, sessions), each as "
+                    "its NATS micro service answers")
 
 
 class ErrorDetail(BaseModel):
@@ -948,25 +958,44 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/ready", response_model=Ready, tags=["health"],
              responses={503: {"model": Ready, "description": "not ready: each part shows why"}})
     async def ready(_: None = need(PUBLIC)) -> Any:
-        """Readiness: NATS connected and the event-recorder answering its ping with ok (with the
-        ``database`` and ``consumer`` states when it reports them); 503 with ``Retry-After`` when not."""
+        """Readiness: NATS connected, the event-recorder answering its ping with ok (with the
+        ``database`` and ``consumer`` states when it reports them), and at least one replica of each
+        control-plane service answering its NATS micro service ping (``services``); 503 with
+        ``Retry-After`` when not."""
         state = _nats_state(bus.nc)
-        recorder: dict[str, Any] = {"ok": False, "error": f"NATS is {state}"}
-        if state == "connected":
+
+        async def recorder_check() -> dict[str, Any]:
+            if state != "connected":
+                return {"ok": False, "error": f"NATS is {state}"}
             try:
                 ping = await bus.request(Q_RECORDER_PING, {}, timeout=1.0)
                 ping = ping if isinstance(ping, dict) else {}
-                recorder = {"ok": ping.get("ok") is True,
-                            **{k: ping[k] for k in ("database", "consumer", "lag", "recorded") if k in ping}}
-                if not recorder["ok"]:
-                    recorder["error"] = str(ping.get("error") or "the recorder reports it is not ok")
+                check = {"ok": ping.get("ok") is True,
+                         **{k: ping[k] for k in ("database", "consumer", "lag", "recorded") if k in ping}}
+                if not check["ok"]:
+                    check["error"] = str(ping.get("error") or "the recorder reports it is not ok")
+                return check
             except BusError as exc:
-                recorder = {"ok": False, "error": exc.message}
+                return {"ok": False, "error": exc.message}
             except (nats.errors.Error, TimeoutError) as exc:
-                recorder = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        ok = state == "connected" and recorder["ok"]
+                return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+        async def services_check() -> dict[str, dict[str, Any]]:
+            counts = dict.fromkeys(READY_SERVICES, 0)
+            why = f"NATS is {state}"
+            if state == "connected":
+                try:
+                    counts = await micro.ping_services(bus.nc, READY_SERVICES, timeout=1.0)
+                    why = "no replica answered $SRV.PING.noetl-{} within 1s"
+                except (nats.errors.Error, TimeoutError) as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+            return {name: {"ok": n > 0, "replicas": n, **({} if n else {"error": why.format(name)})}
+                    for name, n in counts.items()}
+
+        recorder, services = await asyncio.gather(recorder_check(), services_check())
+        ok = state == "connected" and recorder["ok"] and all(s["ok"] for s in services.values())
         body = {"status": "ready" if ok else "not_ready", "nats": {"ok": state == "connected", "state": state},
-                "recorder": recorder}
+                "recorder": recorder, "services": services}
         return body if ok else JSONResponse(body, 503, headers=RETRY_AFTER)
 
     from noetl_mesh.services.gateway import schedules

@@ -14,7 +14,9 @@ from nats.js.errors import NotFoundError
 
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
+from noetl_mesh.infra import micro
 from noetl_mesh.infra.bus import EVENTS, Bus, loads
+from noetl_mesh.stack import Settings, start_service, stop_service
 from noetl_mesh.services.event_recorder.service import RecorderService
 from noetl_mesh.services.gateway.app import GatewayService, create_app
 from noetl_mesh.services.sessions.audit import STREAM as AUDIT
@@ -58,17 +60,29 @@ async def fresh_admin(bus: Bus) -> tuple[SessionsService, str]:
 
 
 @contextlib.asynccontextmanager
-async def stack(nats_url: str, pg_dsn: str):
+async def stack(nats_url: str, pg_dsn: str, control_plane: list | None = None):
+    """The recorder and the sessions service on one bus, a gateway app on it; with ``control_plane``
+    (a list, filled with what started) also admission, router and loop-coordinator as the service
+    runtime starts them, each a NATS micro service as the gateway's readiness wants them."""
     bus = await fresh_bus(nats_url)
     rec = RecorderService(bus, pg_dsn=pg_dsn)
     await rec.start()
     sessions, token = await fresh_admin(bus)
+    registered = []
+    if control_plane is not None:
+        registered = [await micro.register("event-recorder", bus, rec), await micro.register("sessions", bus, sessions)]
+        settings = Settings(nats_url=nats_url)
+        control_plane += [await start_service(name, settings) for name in ("admission", "router", "loop-coordinator")]
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(bus)), base_url="http://gw",
                                headers={"Authorization": f"Bearer {token}"})
     try:
         yield bus, rec, client
     finally:
         await client.aclose()
+        await asyncio.gather(*(stop_service(running) for running in control_plane or ()))
+        for service in registered:
+            with contextlib.suppress(Exception):  # a test may have closed the bus
+                await service.stop()
         await sessions.stop()
         await rec.stop()
         await bus.close()
@@ -255,11 +269,27 @@ def test_execution_state_events_and_cancel(nats_url: str, pg_dsn: str) -> None:
 
 def test_health_docs_and_outages(nats_url: str, pg_dsn: str) -> None:
     async def main() -> None:
-        async with stack(nats_url, pg_dsn) as (bus, rec, gw):
+        control_plane: list = []
+        async with stack(nats_url, pg_dsn, control_plane) as (bus, rec, gw):
             assert (await gw.get("/health")).json() == {"status": "ok"}
             ready = await gw.get("/ready")
             assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
             assert ready.json()["nats"] == {"ok": True, "state": "connected"} and ready.json()["recorder"]["ok"] is True
+            assert ready.json()["services"] == {name: {"ok": True, "replicas": 1, "error": None} for name in (
+                "admission", "router", "loop-coordinator", "event-recorder", "sessions")}
+
+            router = next(r for r in control_plane if r.name == "router")  # the control plane without a router
+            control_plane.remove(router)
+            await stop_service(router)
+            ready = await gw.get("/ready")
+            assert ready.status_code == 503 and ready.json()["recorder"]["ok"] is True
+            assert ready.json()["services"]["router"] == {
+                "ok": False, "replicas": 0, "error": "no replica answered $SRV.PING.noetl-router within 1s"}
+            assert all(s["ok"] for name, s in ready.json()["services"].items() if name != "router")
+            control_plane.append(await start_service("router", Settings(nats_url=nats_url)))
+            control_plane.append(await start_service("router", Settings(nats_url=nats_url)))  # two replicas
+            ready = await gw.get("/ready")
+            assert ready.status_code == 200 and ready.json()["services"]["router"]["replicas"] == 2, ready.text
             docs = await gw.get("/docs")
             assert docs.status_code == 200 and "swagger" in docs.text.lower()
             spec = (await gw.get("/openapi.json")).json()

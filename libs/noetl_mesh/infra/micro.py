@@ -254,6 +254,42 @@ async def ask_all(nc: Client, verb: str, name: str | None = None, *, timeout: fl
     return list(replies)
 
 
+async def ping_services(nc: Client, services: Iterable[str], *, timeout: float = 1.0,
+                        grace: float = 0.05) -> dict[str, int]:
+    """How many replicas of each service (noetl names; workers: ``worker-<pool>``) answer
+    ``$SRV.PING.noetl-<service>``: done when each has answered (plus ``grace`` for its other replicas) or
+    after ``timeout``. The gateway's readiness."""
+    names = {micro_name(s): s for s in services}
+    counts = dict.fromkeys(names.values(), 0)
+    seen: set[str] = set()
+    everyone = asyncio.Event()
+
+    async def on_reply(msg) -> None:
+        try:
+            reply = orjson.loads(msg.data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(reply, dict) and reply.get("name") in names and reply.get("id") not in seen and len(seen) < 10_000:
+            seen.add(reply.get("id"))
+            counts[names[reply["name"]]] += 1
+            if all(counts.values()):
+                everyone.set()
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        for name in names:
+            await nc.publish(control_subject("PING", name), b"", reply=inbox)
+        try:
+            await asyncio.wait_for(everyone.wait(), timeout)
+            await asyncio.sleep(grace)
+        except asyncio.TimeoutError:
+            pass
+    finally:
+        await sub.unsubscribe()
+    return counts
+
+
 def uptime(started: str | None, now: datetime | None = None) -> float | None:
     """Seconds since a micro STATS ``started`` (``2024-01-02T03:04:05.678Z``), None if unreadable."""
     if not isinstance(started, str):
