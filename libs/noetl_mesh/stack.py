@@ -402,11 +402,22 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
 async def serve_forever(name: str, settings: Settings) -> None:
     """``noetl service NAME``: run one service until SIGTERM/SIGINT. Its dependencies are waited for
     (retried with a growing delay), never a reason to exit; that includes the streams, which it does
-    not create (``noetl setup`` or the stack runners do, as the admin user)."""
+    not create (``noetl setup`` or the stack runners do, as the admin user).
+
+    The signal stops it gracefully (``stop_service``): it leaves the NATS micro services, stops
+    fetching, finishes or hands back (nak) what it holds, leaves the membership group, closes its
+    connection; then the process exits 0. A failure while stopping is logged, not raised: what was not
+    handed back is redelivered after ``ack_wait`` anyway."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     starting = asyncio.create_task(start_service_retrying(name, settings))
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
@@ -416,5 +427,12 @@ async def serve_forever(name: str, settings: Settings) -> None:
     running = starting.result()
     if name == "gateway":
         print(f"gateway listening on {running.service.url}", flush=True)
+    log.info("%s: started", name)
     await stop.wait()
-    await stop_service(running)
+    log.info("%s: stopping (%s)", name, received[0] if received else "asked")
+    started = time.monotonic()
+    try:
+        await stop_service(running)
+    except Exception as exc:  # noqa: BLE001 - stopping anyway; what it held is redelivered after ack_wait
+        log.warning("%s: stopping failed (%s: %s)", name, type(exc).__name__, exc)
+    log.info("%s: stopped in %.1fs", name, time.monotonic() - started)

@@ -2,7 +2,10 @@
 
 A command is acknowledged only after its terminal event is stored, so a worker that dies mid-task
 leaves it to be redelivered (after ``ack_wait``) to another worker; the rerun reproduces the event
-ids of what was already reported (D21). Long tasks keep their lease with in-progress acks. A
+ids of what was already reported (D21). A worker that is stopped (SIGTERM) fetches nothing more, lets
+its running commands finish for ``NOETL_SHUTDOWN_GRACE`` seconds (default 10), and hands back the
+rest, and whatever it had fetched but not started, with a ``nak``: they are redelivered at once to
+another worker, not after ``ack_wait``. Long tasks keep their lease with in-progress acks. A
 ``noetl.cancel.<execution>`` broadcast aborts the execution's running commands and drops its queued
 ones (D15, D18). While a command runs, its secrets are masked in every log record of the process
 (D24: ``keychain.install_log_masking``; httpx and httpcore, which log request URLs, stay at WARNING).
@@ -13,6 +16,7 @@ import asyncio
 import collections
 import functools
 import logging
+import os
 import time
 from typing import Any
 
@@ -23,7 +27,7 @@ from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import tracing
-from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter
+from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.tools import close_tools, default_tools
@@ -85,8 +89,10 @@ class WorkerService:
     name = "worker"
 
     def __init__(self, bus: Bus, *, pool: str = "default", concurrency: int = 8, ack_wait: float = 30.0,
-                 tools: dict[str, Any] | None = None):
+                 tools: dict[str, Any] | None = None, grace: float | None = None):
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
+        # seconds a stopping worker lets its running commands finish before handing them back
+        self.grace = grace if grace is not None else float(os.environ.get("NOETL_SHUTDOWN_GRACE") or 10)
         self.tools = tools
         self.keychain = bus_resolver(self.bus.request, Q_CREDENTIAL_RESOLVE)  # D24: per-execution TTL cache
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
@@ -112,15 +118,23 @@ class WorkerService:
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
 
     async def stop(self) -> None:
+        """Fetch nothing more; let the running commands finish for ``grace`` seconds; hand back (nak)
+        those still running and whatever was fetched but not started, for another worker at once."""
         self.stop_event.set()
         if self.loop_task:
             self.loop_task.cancel()
             await asyncio.gather(self.loop_task, return_exceptions=True)
-        if self.running:  # let in-flight commands finish (a graceful stop does not force redeliveries)
-            await asyncio.wait(list(self.running), timeout=10)
-        for task in list(self.running):  # still running: their commands are redelivered elsewhere
+        if self.running:
+            log.info("worker %s: stopping; %d commands running, waiting up to %gs for them", self.pool,
+                     len(self.running), self.grace)
+            await asyncio.wait(list(self.running), timeout=self.grace)
+        if self.running:
+            log.warning("worker %s: handing back %d running commands for redelivery", self.pool, len(self.running))
+        for task in list(self.running):  # still running: _run naks its command
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
+        if getattr(self, "sub", None) is not None:  # a fetch cancelled mid-way may still deliver: nak it
+            await release(self.sub, linger=1.2)
         if self.cancel_sub is not None:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})
@@ -187,7 +201,11 @@ class WorkerService:
         except asyncio.CancelledError:
             if eid in self.finished or command.get("step_run_id") in self.stopped_runs:  # cancelled by the control plane: nothing more to report
                 await msg.ack()
-            else:
+            else:  # the worker is stopping: hand the command back now, not after ack_wait
+                try:
+                    await asyncio.wait_for(asyncio.shield(msg.nak()), 2)
+                except BaseException:  # noqa: BLE001 - then it is redelivered after ack_wait
+                    pass
                 raise
         except Exception as exc:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered
             log.exception("command %s failed", command.get("command_id"))
