@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from noetl_mesh.core.local import run_local
-from noetl_mesh.core.signals import check, signal_id
+from noetl_mesh.core.signals import check, schema_refusal, signal_id
 from noetl_mesh.core.state import summary
 from noetl_mesh.lang.durations import DurationError, parse_duration, parse_instant
 from noetl_mesh.lang.validate import validate
@@ -202,8 +202,12 @@ def test_the_signal_rule():
     assert wait["wait_id"] == "w1" and no is None
     _, no = check(WAITING, "approve", {"ok": 1}, user_id="u1", roles=["developer"])
     assert no.status == 403 and "operator" in no.message  # the wait's roles, not the starter
-    _, no = check(WAITING, "approve", {}, user_id="u2", roles=["operator"])
-    assert no.status == 422 and "'ok' is a required property" in no.message
+    schema = WAITING["waits"][0]["schema"]
+    no = schema_refusal("approve", schema, {"ok": {"deep": [1]}, "other": 2})
+    assert no is None
+    no = schema_refusal("approve", {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"}}}},
+                        {"n": [1, "two"]})
+    assert no.status == 422 and no.location == "body['n'][1]" and "'two' is not of type 'integer'" in no.message
     early, no = check(WAITING, "later", 1, user_id="u1", roles=["developer"])
     assert early is None and no is None  # kept; the starter may send it (default: who may cancel)
     _, no = check(WAITING, "later", 1, user_id="u2", roles=["developer"])
