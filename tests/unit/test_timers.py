@@ -218,3 +218,23 @@ def test_the_signal_rule():
     assert check(resumed, "approve", {"ok": 1}, user_id="u1", roles=["admin"])[1].status == 409
     assert check({**WAITING, "status": "COMPLETED"}, "approve", {}, user_id="u1", roles=["admin"])[1].status == 409
     assert signal_id("x", "a", WAITING) != signal_id("x", "a", {"signals": {"a": 1}})  # the next one's id
+
+
+def test_a_loop_step_timeout_cancels_the_child_executions_of_its_iterations():
+    child = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "c"},
+             "workflow": [{"step": "start", "tool": {"kind": "wait", "duration": "1h"}}]}
+    r = asyncio.run(run_local(book("""
+- step: start
+  spec: {policy: {lifecycle: {timeout_s: 5}}}
+  loop: {in: "{{ [1, 2] }}", iterator: x, spec: {mode: parallel}}
+  tool: {kind: playbook, path: c}
+  next: {arcs: [{step: after, when: "{{ event.error.kind == 'timeout' }}"}]}
+- step: after
+  tool: {kind: wait, duration: 1m}
+"""), catalog={"c": child}))
+    assert r.state.status == "COMPLETED"
+    names = [e["name"] for e in r.log]
+    children = [e for e in r.log if e["name"] == "playbook.child.finished"]
+    assert [(e["iteration"], e["data"]["status"]) for e in children] == [(0, "CANCELLED"), (1, "CANCELLED")]
+    # cancelled at the timeout, not at the end of the execution a minute later
+    assert all(names.index("playbook.child.finished") < names.index("wait.ended") for e in children)
