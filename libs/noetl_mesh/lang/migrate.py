@@ -1298,7 +1298,7 @@ class _Migrator:
         for s in self.steps.values():
             if s.name == "end" or "next" in s.node:
                 continue
-            s.node["next"] = _cmap([("arcs", _cseq([_flow(_cmap([("step", "end")]))]))])
+            s.node["next"] = _cmap([("arcs", _cseq([_cmap([("step", "end")])]))])
             self.change("M6", ("workflow", s.index), "a step without 'next' -> an arc to 'end' (the legacy "
                                                     "runtime went there)")
 
