@@ -269,12 +269,19 @@ class _Migrator:
         return where[0] if where else None
 
     def change(self, rule: str, path: Path, message: str) -> None:
-        self.changes.append(Finding(rule, locate(self.doc, path), message, self._line(path)))
+        f = Finding(rule, locate(self.doc, path), message, self._line(path))
+        if f not in self.changes:
+            self.changes.append(f)
 
     def problem(self, rule: str, path: Path, message: str) -> None:
         f = Finding(rule, locate(self.doc, path), message, self._line(path))
         if f not in self.problems:
             self.problems.append(f)
+
+    def reported(self, path: Path) -> bool:
+        """Is something needing a person reported at ``path`` or inside it already?"""
+        where = locate(self.doc, path)
+        return any(p.location == where or p.location.startswith(where + ".") for p in self.problems)
 
     # -------------------------------------------------------------- driver
     def run(self) -> Migration:
@@ -312,6 +319,9 @@ class _Migrator:
 
         result = validate_text(text)
         for d in result.errors:
+            if any(p.location == d.location or p.location.startswith(d.location + ".")
+                   or d.location.startswith(p.location + ".") for p in self.problems):
+                continue  # said already, in the words of the rule that could not translate it
             f = Finding("V", d.location, f"still invalid after the migration: {d.message}", d.line)
             if f not in self.problems:
                 self.problems.append(f)
@@ -534,7 +544,7 @@ class _Migrator:
             self.change("M6", path + ("assert",), "'assert' (input/output contract) dropped: the engine does not check it")
         if isinstance(kind, str) and kind in _FIELDS:
             for key in list(t.keys()):
-                if key not in _FIELDS[kind] and key not in ("return_step",):
+                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)):
                     self.problem("M6", path + (key,), f"the {kind} tool has no field '{key}': "
                                  + _NO_FIELD.get(key, "remove it or express it another way (docs/tools.md)"))
         elif kind is not None and not (isinstance(kind, str) and kind in _FIELDS):
@@ -1409,6 +1419,8 @@ class _Migrator:
 
     def templates(self) -> None:
         for value, site, (container, key, path) in list(self._template_sites()):
+            if self.reported(path):
+                continue  # a construct that could not be translated: its templates stay as they are
             resolver = self._resolver(site, path)
             out = rewrite(value, resolver)
             for problem in out.problems:
