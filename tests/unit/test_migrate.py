@@ -51,7 +51,7 @@ def test_fixture_migrates_fully_to_its_reviewed_form_and_validates(path):
 def test_needs_person_fixture_names_each_construct_with_its_location():
     m = migrate_text((FIXTURES / "needs_person.yaml").read_text())
     said = {(p.rule, p.location) for p in m.problems}
-    assert ("M6", "workflow[0].step=start.tool.verify_ssl") in said
+    assert ("M6", "workflow[0].step=start.tool.verify_ssl") not in said  # it is the http tool's 'verify'
     assert ("M6", "workflow[0].step=start.tool.retry.on_success") in said
     assert ("M5", "workflow[1].step=inspect.tool.script") in said
     assert ("M8", "workflow[2].step=wait_for_approval.case") in said
@@ -274,7 +274,7 @@ def test_m6_policy_and_loop_spellings_legacy_fields_and_implicit_end():
     start = doc["workflow"][0]
     assert start["loop"] == {"in": [1, 2], "iterator": "it", "spec": {"mode": "parallel", "max_in_flight": 4}}
     fetch = start["tool"][0]
-    assert fetch["name"] == "fetch" and fetch["json"] == {"a": 1} and "verify_ssl" not in fetch
+    assert fetch["name"] == "fetch" and fetch["json"] == {"a": 1} and "verify_ssl" not in fetch and fetch["verify"] is True
     assert fetch["spec"]["policy"]["rules"] == [
         {"when": "{{ outcome.status == 'error' }}", "then": {"do": "retry", "attempts": 3, "backoff": "exponential",
                                                             "delay": 0.5}},

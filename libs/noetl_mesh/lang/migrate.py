@@ -57,7 +57,7 @@ for _kind, _model in TASK_MODELS.items():
 _TOOL_FIELDS_AT_STEP = {"code", "code_b64", "code_base64", "args", "input", "with", "data", "url", "endpoint",
                         "method", "headers", "params", "payload", "json", "body", "command", "commands", "query",
                         "auth", "credential", "credentials", "db_path", "database", "path", "version", "workload",
-                        "script", "libs", "timeout", "return_step", "verify_ssl", "pool", "secret", "key",
+                        "script", "libs", "timeout", "return_step", "verify_ssl", "verify", "follow_redirects", "pool", "secret", "key",
                         "provider", "result", "task"}
 _STEP_KEYS = {"step", "desc", "spec", "loop", "tool", "next"}
 
@@ -602,14 +602,12 @@ class _Migrator:
             _rename(t, key, target)
             self.change("M6", path + (key,), f"http '{key}' -> '{target}' (the {method} request's "
                                              + ("query parameters)" if target == "params" else "JSON body)"))
-        for key in ("verify_ssl", "verify"):
-            if key in t:
-                if t[key] is True:
-                    t.pop(key)
-                    self.change("M6", path + (key,), f"'{key}: true' dropped (certificates are always verified)")
-                else:
-                    self.problem("M6", path + (key,), f"'{key}: {t[key]}': the engine always verifies TLS "
-                                 "certificates; trust the server's CA on the workers (SSL_CERT_FILE) instead")
+        if "verify_ssl" in t:
+            if "verify" in t:
+                self.problem("M6", path + ("verify_ssl",), "'verify_ssl' and 'verify' both given: keep one")
+            else:
+                _rename(t, "verify_ssl", "verify")
+                self.change("M6", path + ("verify_ssl",), "http 'verify_ssl' -> 'verify'")
 
     def sql_fields(self, t: Any, path: Path, kind: str) -> None:
         if "commands" in t and "command" not in t and "query" not in t:
@@ -1745,8 +1743,6 @@ class _Migrator:
 
 _NO_FIELD = {
     "database": "store a credential for that database and name it in 'auth'",
-    "verify_ssl": "the engine always verifies TLS certificates",
-    "follow_redirects": "the engine does not follow redirects",
     "script": "put the code inline in 'code'",
     "return_step": "read the child's step from the result: <task>.result.steps.<step>.result",
 }
