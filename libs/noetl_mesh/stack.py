@@ -193,8 +193,8 @@ async def stop_service(running: Running) -> None:
     """Leave the micro services first (the gateway's readiness and ``noetl ps`` stop counting this
     replica), then stop the service, then close its connection."""
     try:
-        if running.micro is not None:
-            await _quietly(running.micro.stop())
+        if running.micro is not None:  # nats.micro drains each subscription (a flush each): bounded here
+            await _quietly(asyncio.wait_for(running.micro.stop(), 2))
         await running.service.stop()
     finally:
         await running.bus.close()

@@ -3,6 +3,7 @@ command back (nak: another worker runs it at once, not after ack_wait), a router
 membership group at once; both exit 0, and the execution they were working on completes."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import nats
 import pytest
 
 from conftest import start_stack, stop_stack
+from noetl_mesh.client import GatewayError
 from noetl_mesh.infra import micro
 from noetl_mesh.infra.membership import PREFIX, STREAM
 from noetl_mesh.infra.nats_auth import connect_options
@@ -73,10 +75,14 @@ def test_sigterm_hands_back_the_work_leaves_the_group_and_exits_0(module_pg, tmp
             async with handle.client() as client:
                 eid = await client.start(PLAYBOOK)
                 deadline = time.monotonic() + 30
-                while not any(e["name"] == "task.started" for e in await client.all_events(eid)):
+                while True:
+                    try:
+                        if any(e["name"] == "task.started" for e in await client.all_events(eid)):
+                            return eid
+                    except GatewayError as exc:  # not recorded yet
+                        assert exc.status == 404, exc
                     assert time.monotonic() < deadline
-                    await __import__("asyncio").sleep(0.1)
-                return eid
+                    await asyncio.sleep(0.1)
 
         eid = handle.run(start_and_wait_for_the_task())
         time.sleep(0.5)  # well into the task
