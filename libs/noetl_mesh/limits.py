@@ -66,6 +66,14 @@ LIMITS: tuple[Limit, ...] = (
           "validator (literal values) and the worker (templated ones); timers live in the events stream"),
     Limit("max_signal_bytes", 256 * KIB, "bytes", "a signal's payload",
           "gateway, POST /api/executions/{id}/signals/{name} (413)"),
+    Limit("max_state_events", 500_000, "events", "the events folded for one view of an execution's state",
+          "event-recorder, the console's view (GET /api/executions/{id}/state): 413"),
+    Limit("max_live_streams", 1_000, "streams", "the live streams (server-sent events) one gateway serves at once",
+          "gateway, GET /api/live/...: 503 with Retry-After"),
+    Limit("max_live_streams_per_session", 8, "streams", "the live streams of one session or API token at once",
+          "gateway, GET /api/live/...: 429 with Retry-After"),
+    Limit("live_stream_seconds", 900, "seconds", "how long one live stream lasts",
+          "gateway: the stream ends with an event `bye`; the console opens a new one"),
 
     # ---- templates (every render, in every service)
     Limit("template_max_ms", 250, "ms", "the time one template render takes",

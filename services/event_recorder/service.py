@@ -46,6 +46,7 @@ from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
+from noetl_mesh.core import view
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
@@ -59,23 +60,31 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_EVENTS,
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
+    Q_EXECUTION_RESULT,
+    Q_EXECUTION_STATE,
     Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
+    LIVE_LIST,
     Bus,
     BusError,
     admitted,
     dumps,
+    live_subject,
     log_seq,
 )
 from noetl_mesh.lang.validate import validate_text
 from noetl_mesh.limits import LimitExceeded
 
-from . import credentials, replies, schema
+from . import credentials, live, replies, schema
 
 log = logging.getLogger("noetl.event-recorder")
 
 DURABLE = "event-recorder"
 NOT_SUMMARY = sorted(INFO_EVENTS | LOOP_EVENTS | DISPATCH_EVENTS)
+NOT_STATE = sorted(set(NOT_SUMMARY) - {"step.started"})  # the console's view also shows which runs started
+ITERATION_EVENTS = ["loop.iteration.started", "loop.iteration.done", "loop.iteration.failed"]
+LOOP_ENDS = ("loop.done", "step.failed")  # a loop run's terminal events: they carry its counts
+MAX_FILTER_NAMES = 50
 QUEUE = "event-recorder"
 FILTER = "noetl.pevt.>"
 
@@ -138,7 +147,8 @@ class RecorderService:
             (Q_CATALOG_REGISTER, self.catalog_register), (Q_CATALOG_GET, self.catalog_get),
             (Q_CATALOG_LIST, self.catalog_list), (Q_EXECUTION_GET, self.execution_get),
             (Q_EXECUTION_EVENTS, self.execution_events), (Q_EXECUTION_LIST, self.execution_list),
-            (Q_EXECUTION_WAITS, self.execution_waits),
+            (Q_EXECUTION_WAITS, self.execution_waits), (Q_EXECUTION_STATE, self.execution_state),
+            (Q_EXECUTION_RESULT, self.execution_result),
             (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
@@ -343,8 +353,20 @@ class RecorderService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP)
         self.recorded += len(records)
+        await self._announce(records)
         await self._ack(msgs)
         return True
+
+    async def _announce(self, records: list[tuple[int, dict[str, Any]]]) -> None:
+        """Tell the console what was just committed (live.py); best effort, never in the way of recording."""
+        try:
+            per, listed = live.notices(records)
+            for xid, notice in per.items():
+                await self.bus.nc.publish(live_subject(xid), dumps(notice))
+            if listed is not None:
+                await self.bus.nc.publish(LIVE_LIST, dumps(listed))
+        except Exception as exc:  # noqa: BLE001 - a notice lost costs a page's freshness only
+            log.debug("live notices not sent: %s", exc)
 
     async def _ack(self, msgs: list) -> None:
         for msg in msgs:
@@ -524,15 +546,7 @@ class RecorderService:
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
         events = [schema.row_event(r) for r in rows]
-        state = ExecutionState(xid)
-        for event in events:  # what no writer of the engine sends (rejected, odd data) folds to nothing
-            if isinstance(event["data"], dict) and not schema.is_rejected(event):
-                try:
-                    apply(state, event)
-                except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                    log.warning("execution %s: event %s (%s) does not fold: %s", xid, event["event_id"],
-                                event["name"], exc)
-        out = summary(state)
+        out = summary(_fold(xid, events))
         finished = [e["data"] for e in events if e["name"] == "workflow.finished" and isinstance(e["data"], dict)]
         p = _execution_row(proj) if proj else {}
         out.update({
@@ -546,43 +560,161 @@ class RecorderService:
 
     async def execution_events(self, req: dict[str, Any]) -> dict[str, Any]:
         """A page of the execution's events: at most ``limit`` and at most what fits in the reply
-        budget; ``next_offset`` is where the next page starts (None after the last event)."""
+        budget; ``next_offset`` is where the next page starts (None after the last event). Optional
+        filters (``names``, ``step``, ``task``, ``iteration``, ``step_run_id``) select among the events;
+        ``offset``, ``total`` and ``next_offset`` then count the selected ones, and ``log_total`` is the
+        whole log's."""
         xid = _execution_id(req)
         offset = max(_int(req.get("offset")) or 0, 0)
         limit = min(max(_int(req.get("limit")) if req.get("limit") is not None else 100, 0), MAX_PAGE)
+        where, params = _event_filters(req)
         async with self._connection() as conn:
-            total = (await (await conn.execute(
+            log_total = (await (await conn.execute(
                 "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            total = log_total if not where else (await (await conn.execute(
+                f"SELECT count(*) FROM event WHERE execution_id = %s{where}", (xid, *params))).fetchone())[0]
             cur = await conn.execute(
-                f"{schema.SELECT_EVENT} WHERE execution_id = %s ORDER BY seq OFFSET %s LIMIT %s",
-                (xid, offset, limit))
+                f"{schema.SELECT_EVENT} WHERE execution_id = %s{where} ORDER BY seq OFFSET %s LIMIT %s",
+                (xid, *params, offset, limit))
             rows = await cur.fetchall()
-        if not total:
+        if not log_total:
             raise BusError("not_found", f"execution {xid} is not known")
         events, n = await replies.page([schema.row_event(r) for r in rows], limits.current().max_reply_bytes,
                                        self.bus.payloads.put)
         end = offset + n
-        return {"events": events, "total": total, "offset": offset, "limit": limit,
-                "next_offset": end if end < total else None}
+        out = {"events": events, "total": total, "offset": offset, "limit": limit,
+               "next_offset": end if end < total else None}
+        if where:
+            out["log_total"] = log_total
+        return out
+
+    async def execution_state(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The console's view of the execution (core/view.py) as it stood after event ``upto`` (a
+        count: the first ``upto`` events of the log) or after the event of log sequence ``seq``; by
+        default after the last one. The state is the engine's fold (``state.apply``, D22) of the
+        ``ctl`` events (and ``step.started``) up to that point — what admission and the router hold —
+        and each loop run's iterations are counted in the log up to the same point. ``net``: also the
+        playbook's net. At most ``max_state_events`` events are folded (``too_large`` past it)."""
+        xid = _execution_id(req)
+        upto, seq = req.get("upto"), req.get("seq")
+        if upto is not None and (_int(upto) is None or upto < 0):
+            raise BusError("bad_request", "upto must be a count of events (an integer from 0)")
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or abs(seq) >= 2**63):
+            raise BusError("bad_request", "seq must be an event's log sequence (an integer)")
+        bound_limit = limits.current().max_state_events
+        async with self._connection() as conn:
+            proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
+            total = (await (await conn.execute(
+                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            if not total:
+                raise BusError("not_found", f"execution {xid} is not known")
+            bound, position = None, total
+            if upto is not None and upto < total:
+                position = upto
+                bound = -(2**62) if upto == 0 else (await (await conn.execute(
+                    "SELECT seq FROM event WHERE execution_id = %s ORDER BY seq OFFSET %s LIMIT 1",
+                    (xid, upto - 1))).fetchone())[0]
+            elif seq is not None:
+                bound = seq
+                position = (await (await conn.execute(
+                    "SELECT count(*) FROM event WHERE execution_id = %s AND seq <= %s", (xid, seq))).fetchone())[0]
+            upto_sql, upto_params = ("", ()) if bound is None else (" AND seq <= %s", (bound,))
+            cur = await conn.execute(
+                f"{schema.SELECT_EVENT} WHERE execution_id = %s AND NOT (name = ANY(%s)){upto_sql} ORDER BY seq LIMIT %s",
+                (xid, NOT_STATE, *upto_params, bound_limit + 1))
+            rows = await cur.fetchall()
+            if len(rows) > bound_limit:
+                raise BusError("too_large", str(LimitExceeded(
+                    "max_state_events", None, f"execution {xid}", what="the events folded for a view of the state")))
+            events = [schema.row_event(r) for r in rows]
+            state = _fold(xid, events)
+            loop_runs = [rid for step, ids in state.runs_of.items()
+                         if isinstance((state.steps_by_name().get(step) or {}).get("loop"), dict) for rid in ids]
+            counts: dict[str, dict[str, Any]] = {}
+            totals: dict[str, int] = {}
+            if loop_runs:
+                cur = await conn.execute(
+                    "SELECT step_run_id, name, count(DISTINCT iteration), extract(epoch FROM min(\"timestamp\"))::float8,"
+                    " extract(epoch FROM max(\"timestamp\"))::float8 FROM event WHERE execution_id = %s"
+                    f" AND name = ANY(%s) AND step_run_id = ANY(%s){upto_sql} GROUP BY step_run_id, name",
+                    (xid, ITERATION_EVENTS, loop_runs, *upto_params))
+                counts = view.loop_counts(await cur.fetchall())
+                cur = await conn.execute(
+                    "SELECT step_run_id, CASE WHEN jsonb_typeof(data->'total') = 'number' THEN (data->>'total')::numeric"
+                    " WHEN jsonb_typeof(data->'items') = 'array' THEN jsonb_array_length(data->'items') END"
+                    " FROM event WHERE execution_id = %s AND name = 'loop.started' AND step_run_id = ANY(%s)"
+                    f"{upto_sql}", (xid, loop_runs, *upto_params))
+                totals = {rid: int(n) for rid, n in await cur.fetchall() if n is not None and 0 <= n < 2**31}
+            at = None
+            if bound is not None and position:
+                row = await (await conn.execute(
+                    f"{schema.SELECT_EVENT} WHERE execution_id = %s AND seq <= %s ORDER BY seq DESC LIMIT 1",
+                    (xid, bound))).fetchone()
+                at = live.compact(schema.row_event(row)) if row else None
+        loop_set = set(loop_runs)
+        ended = {e["step_run_id"]: e["data"] for e in events if e["name"] in LOOP_ENDS and e.get("step_run_id") in loop_set
+                 and isinstance(e["data"], dict) and "total" in e["data"]}
+        out = view.fitted(state, limits.current().max_reply_bytes - 64 * 1024, loops=counts, loop_totals=totals,
+                          ended_counts=ended)
+        p = _execution_row(proj) if proj else {}
+        out.update({"position": position, "total": total, "at": at, "path": p.get("path"), "version": p.get("version"),
+                    "created_at": p.get("created_at"), "started_at": p.get("started_at"),
+                    "finished_at": p.get("finished_at"), "requested_by": p.get("requested_by"),
+                    "parent_execution_id": out.get("parent_execution_id") or p.get("parent_execution_id")})
+        if req.get("net"):
+            out["net"] = view.net(state.playbook)
+        return out
+
+    async def execution_result(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One step run's outcome as its terminal event carries it: ``{run_id, step, event, result,
+        error}`` (a big result travels by reference: the gateway expands it for a download)."""
+        xid = _execution_id(req)
+        run_id = req.get("run_id")
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 256:
+            raise BusError("bad_request", "run_id is required")
+        async with self._connection() as conn:
+            row = await (await conn.execute(
+                "SELECT step, name, data FROM event WHERE execution_id = %s AND step_run_id = %s"
+                " AND name IN ('step.done', 'step.failed', 'loop.done') ORDER BY seq LIMIT 1",
+                (xid, schema.text(run_id)))).fetchone()
+        if row is None:
+            raise BusError("not_found", f"execution {xid} has no ended step run {run_id}")
+        data = row[2] if isinstance(row[2], dict) else {}
+        return {"execution_id": xid, "run_id": run_id, "step": row[0], "event": row[1],
+                "result": data.get("result"), "error": data.get("error")}
 
     async def execution_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        """Projection rows, newest first: optional ``status``, ``user`` (a user id), ``path`` (a
+        playbook), ``since`` and ``until`` (created at, epoch seconds). Each row also has
+        ``requested_by_name``: the username its request event recorded (null for a child)."""
         limit = min(max(_int(req.get("limit")) or 50, 1), MAX_PAGE)
         offset = max(_int(req.get("offset")) or 0, 0)
         status = req.get("status")
         if status is not None and str(status).upper() not in STATUSES:
             raise BusError("bad_request", f"status must be one of {', '.join(STATUSES)}")
-        user = req.get("user")
-        if user is not None and not isinstance(user, str):
-            raise BusError("bad_request", "user must be a user id")
-        conditions = [(c, v) for c, v in (("status = %s", str(status).upper() if status else None),
-                                          ("requested_by = %s", user)) if v is not None]
+        for key in ("user", "path"):
+            if req.get(key) is not None and not isinstance(req.get(key), str):
+                raise BusError("bad_request", f"{key} must be a string")
+        for key in ("since", "until"):
+            value = req.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not -1e11 < value < 1e11):
+                raise BusError("bad_request", f"{key} must be a time in epoch seconds")
+        conditions = [(c, v) for c, v in (
+            ("status = %s", str(status).upper() if status else None), ("requested_by = %s", req.get("user")),
+            ("path = %s", schema.text(req["path"]) if req.get("path") else None),
+            ("created_at >= to_timestamp(%s)", req.get("since")), ("created_at < to_timestamp(%s)", req.get("until")),
+        ) if v is not None]
         where = f"WHERE {' AND '.join(c for c, _ in conditions)}" if conditions else ""
         async with self._connection() as conn:
             cur = await conn.execute(
-                f"{_SELECT_EXECUTION} {where} ORDER BY created_at DESC NULLS LAST, execution_id OFFSET %s LIMIT %s",
+                f"SELECT {', '.join(_EXECUTION_COLUMNS)}, (SELECT e.data->'requested_by'->>'username' FROM event e"
+                " WHERE e.execution_id = execution.execution_id AND e.name = 'playbook.execution.requested'"
+                f" ORDER BY e.seq LIMIT 1) FROM execution {where}"
+                " ORDER BY created_at DESC NULLS LAST, execution_id OFFSET %s LIMIT %s",
                 (*[v for _, v in conditions], offset, limit))
             rows = await cur.fetchall()
-        return [_execution_row(r) for r in rows]
+        return [{**_execution_row(r[:-1]), "requested_by_name": r[-1]} for r in rows]
 
     async def execution_waits(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         """D30: waits in progress of running executions, oldest first (``execution_id``, ``kind``
@@ -637,6 +769,46 @@ class RecorderService:
             raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
                                           "the event-recorder keeps trying")
         return self._pool.connection(timeout=5)
+
+
+def _fold(xid: str, events: list[dict[str, Any]]) -> ExecutionState:
+    """The engine's fold of recorded events; what no writer of the engine sends (rejected, odd data)
+    folds to nothing."""
+    state = ExecutionState(xid)
+    for event in events:
+        if isinstance(event["data"], dict) and not schema.is_rejected(event):
+            try:
+                apply(state, event)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("execution %s: event %s (%s) does not fold: %s", xid, event["event_id"],
+                            event["name"], exc)
+    return state
+
+
+def _event_filters(req: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The SQL conditions of an events query's filters (``names``, ``step``, ``task``, ``iteration``,
+    ``step_run_id``), each checked."""
+    where, params = "", []
+    names = req.get("names")
+    if names is not None:
+        if not isinstance(names, list) or not names or len(names) > MAX_FILTER_NAMES or \
+                not all(isinstance(n, str) and n for n in names):
+            raise BusError("bad_request", f"names must be a list of 1 to {MAX_FILTER_NAMES} event names")
+        where += " AND name = ANY(%s)"
+        params.append([schema.text(n) for n in names])
+    for key in ("step", "task", "step_run_id"):
+        value = req.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise BusError("bad_request", f"{key} must be a string")
+            where += f" AND {key} = %s"
+            params.append(schema.text(value))
+    if req.get("iteration") is not None:
+        if _int(req["iteration"]) is None:
+            raise BusError("bad_request", "iteration must be an integer")
+        where += " AND iteration = %s"
+        params.append(req["iteration"])
+    return where, params
 
 
 def _int(value: Any) -> int | None:

@@ -677,11 +677,22 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                               status: Literal["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"] | None = None,
                               user: str | None = Query(None, pattern=r"^(me|[0-9a-f]{32})$", description=(
                                   "only the executions this user started (a user id, or `me`)")),
+                              path: str | None = Query(None, max_length=1024, description="only this playbook's"),
+                              since: str | None = Query(None, max_length=64, description=(
+                                  "created at or after: ISO 8601, or epoch seconds")),
+                              until: str | None = Query(None, max_length=64, description=(
+                                  "created before: ISO 8601, or epoch seconds")),
                               ) -> list[dict[str, Any]]:
-        """Executions, newest first."""
+        """Executions, newest first; each with ``requested_by_name``, the username of who started it."""
+        from noetl_mesh.services.gateway.console import _instant
+
         query: dict[str, Any] = {"limit": limit, "offset": offset, "status": status}
         if user is not None:
             query["user"] = who["user_id"] if user == "me" else user
+        for key, value in (("path", path or None), ("since", _instant(since, "query.since")),
+                           ("until", _instant(until, "query.until"))):
+            if value is not None:
+                query[key] = value
         with tracing.span("gateway GET /api/executions"):
             return await shell.ask(Q_EXECUTION_LIST, query)
 
@@ -700,11 +711,27 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
     async def get_execution_events(execution_id: str, who: dict = need("execution.read"),
                                    offset: int = Query(0, ge=0, le=INT64_MAX),
-                                   limit: int = Query(100, ge=0, le=1000)) -> dict[str, Any]:
-        """The execution's events in log order, a page at a time."""
+                                   limit: int = Query(100, ge=0, le=1000),
+                                   name: list[str] | None = Query(None, description=(
+                                       "only events of these names (repeat it: at most 50)")),
+                                   step: str | None = Query(None, max_length=256),
+                                   task: str | None = Query(None, max_length=256),
+                                   iteration: int | None = Query(None, ge=0, le=2**31 - 1),
+                                   step_run_id: str | None = Query(None, max_length=256),
+                                   ) -> dict[str, Any]:
+        """The execution's events in log order, a page at a time; filtered by event ``name``,
+        ``step``, ``task``, ``iteration`` or ``step_run_id``, ``total`` and the offsets count the
+        events selected (``log_total``: the whole log's)."""
+        query: dict[str, Any] = {"execution_id": execution_id, "offset": offset, "limit": limit}
+        if name:
+            if len(name) > 50 or any(not n or len(n) > 128 for n in name):
+                raise problem(422, "query.name: at most 50 names, each of 1 to 128 characters", "query.name")
+            query["names"] = name
+        for key, value in (("step", step), ("task", task), ("iteration", iteration), ("step_run_id", step_run_id)):
+            if value is not None:
+                query[key] = value
         with tracing.span("gateway GET /api/executions/{id}/events"):
-            return await shell.ask(Q_EXECUTION_EVENTS,
-                                   {"execution_id": execution_id, "offset": offset, "limit": limit})
+            return await shell.ask(Q_EXECUTION_EVENTS, query)
 
     @app.post("/api/executions/{execution_id}/cancel", status_code=202, response_model=Accepted,
               tags=["executions"], openapi_extra=_json_request(CancelRequest, required=False))
@@ -972,6 +999,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     from noetl_mesh.services.gateway import schedules
 
     schedules.install(app)  # the schedule routes (D31)
+    from noetl_mesh.services.gateway import console
+
+    console.install(app)  # the web console (/ui) and its routes: time travel, lint, live streams
     mount_docs(app)
     auth.check_declarations(app)
     return app
@@ -1024,6 +1054,7 @@ class GatewayService:
         if self._server is not None:
             self._server.should_exit = True
         if self.app is not None:
+            await self.app.state.live.close()
             await self.app.state.auth.close()
         if self._task is not None:
             try:

@@ -675,8 +675,8 @@ def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
         return
     max_in_flight = int(lspec.get("max_in_flight", 16)) if mode == "parallel" else 1
     out.event("loop.started", step=run.step, step_run_id=run.id, status="in_progress",
-              data={"items": list(items), "mode": mode, "max_in_flight": max_in_flight,
-                    "iterator": loop["iterator"]})
+              data={"items": list(items), "total": len(items), "mode": mode, "max_in_flight": max_in_flight,
+                    "iterator": loop["iterator"]})  # total: readable without the items (a D23 reference)
     if not items:  # D19: an empty collection ends at once
         out.event("loop.done", step=run.step, step_run_id=run.id,
                   data={"result": [], "total": 0, "done": 0, "failed": 0})

@@ -80,7 +80,17 @@ Q_EXECUTION_GET = "noetl.q.execution.get"
 Q_EXECUTION_EVENTS = "noetl.q.execution.events"
 Q_EXECUTION_LIST = "noetl.q.execution.list"
 Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
+Q_EXECUTION_STATE = "noetl.q.execution.state"  # the console's view of the state after event N (core/view.py)
+Q_EXECUTION_RESULT = "noetl.q.execution.result"  # one step run's whole result (the console's download)
 Q_RECORDER_PING = "noetl.q.recorder.ping"
+# What the recorder has just committed (core NATS, after each batch's transaction): the console's live
+# updates (services/gateway/live.py). Per execution, and one subject for changes of the executions list.
+LIVE_EXECUTION = "noetl.live.x"  # noetl.live.x.<execution_id>
+LIVE_LIST = "noetl.live.list"
+
+
+def live_subject(execution_id: str) -> str:
+    return f"{LIVE_EXECUTION}.{execution_id}"
 Q_CREDENTIAL_PUT = "noetl.q.credential.put"
 Q_CREDENTIAL_LIST = "noetl.q.credential.list"
 Q_CREDENTIAL_GET = "noetl.q.credential.get"

@@ -6,9 +6,9 @@ permissions; each service holds its own seed in a file (0600). Users:
 | user | may |
 |---|---|
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
-| ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas |
+| ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
-| ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*`` |
+| ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*``, publish notices of what it committed (``noetl.live.>``) |
 | ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
 | ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
@@ -54,6 +54,7 @@ RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<
 SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
 SCHEDULER_AREAS = ("schedule",)
+LIVE = "noetl.live"  # the recorder's notices of committed batches (infra/bus.py LIVE_EXECUTION, LIVE_LIST)
 
 _POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
@@ -170,6 +171,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
         pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
         sub.append("noetl.sessions.revoked")
+        sub.append(f"{LIVE}.>")  # what the recorder has committed: the console's live streams
         purges.add(PAYLOADS)
     elif user in CONTROL_PLANE:
         own = durables(user, partitions)
@@ -197,6 +199,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += _payloads(write=True)  # replies over max_reply_bytes carry their big values by reference
         purges.add(PAYLOADS)
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
+        pub.append(f"{LIVE}.>")  # notices of committed batches, for the console
         responses = True
     elif user == "sessions":
         pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
@@ -230,6 +233,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     deny += [f"noetl.evt.{w}.>" for w in WRITERS if w != writer]  # nobody publishes as another writer
     deny.append("noetl.pevt.>")  # stored subjects are the stream's transform's, never published
     deny.append("noetl.evt.timer.>")  # the NATS scheduler's own writer (D29): no client publishes as it
+    if user != "event-recorder":
+        deny.append(f"{LIVE}.>")  # only the recorder says what is recorded
     if user not in CONTROL_PLANE:
         deny.append("noetl.sched.>")
     if user not in ("admission", "loop-coordinator"):
