@@ -50,10 +50,7 @@ from noetl_mesh.core import view
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
-    DISPATCH_EVENTS,
     EVENTS,
-    INFO_EVENTS,
-    LOOP_EVENTS,
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
     Q_CATALOG_REGISTER,
@@ -80,9 +77,6 @@ from . import credentials, live, replies, schema
 log = logging.getLogger("noetl.event-recorder")
 
 DURABLE = "event-recorder"
-NOT_SUMMARY = sorted(INFO_EVENTS | LOOP_EVENTS | DISPATCH_EVENTS)
-NOT_STATE = sorted(set(NOT_SUMMARY) - {"step.started"})  # the console's view also shows which runs started
-ITERATION_EVENTS = ["loop.iteration.started", "loop.iteration.done", "loop.iteration.failed"]
 LOOP_ENDS = ("loop.done", "step.failed")  # a loop run's terminal events: they carry its counts
 MAX_FILTER_NAMES = 50
 QUEUE = "event-recorder"
@@ -96,6 +90,7 @@ _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execu
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 SECRET_SUBJECTS = "noetl.q.credential."  # replies with secret data: never moved to the object store
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
+YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
 
 
 def _iso(value: Any) -> Any:
@@ -321,7 +316,9 @@ class RecorderService:
         """Write one fetched batch (retrying while the database fails), then ack what is safe to ack.
         False when the service is stopping and the batch was handed back instead."""
         records: list[tuple[int, dict[str, Any]]] = []
-        for msg in msgs:
+        for n, msg in enumerate(msgs):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # queries are answered on this loop too: let them in between
             seq = msg.metadata.sequence.stream
             try:
                 events = schema.decode(msg.data)  # one message holds the events of one decision (bus.batches)
@@ -449,16 +446,25 @@ class RecorderService:
         """One transaction: COPY the rows into the staging table, insert them, update the projection."""
         if self._pool is None:
             raise psycopg.OperationalError("the event-recorder's connection pool is closed")
-        rows = [schema.event_row(seq, event) for seq, event in records]
+        rows = []
+        for start in range(0, len(records), 16 * YIELD_EVERY):  # answering queries in between (see _record)
+            rows += [schema.event_row(seq, event) for seq, event in records[start:start + 16 * YIELD_EVERY]]
+            await asyncio.sleep(0)
         async with self._pool.connection() as conn:
             async with conn.transaction():
                 async with conn.cursor() as cur:
                     async with cur.copy(schema.COPY_STAGE) as copy:
-                        for row in rows:
+                        for n, row in enumerate(rows):
                             await copy.write_row(row)
+                            if n % (16 * YIELD_EVERY) == 16 * YIELD_EVERY - 1:
+                                await asyncio.sleep(0)
                     await cur.execute(schema.INSERT_FROM_STAGE)
+                    inserted = await cur.fetchall()
                     for sql, params in schema.projection([event for _, event in records]).items():
                         await cur.executemany(sql, params)
+                    for sql, params in schema.counters(inserted).items():  # after the projection made the rows
+                        if params:
+                            await cur.executemany(sql, params)
 
     # ------------------------------------------------------------------ catalog
     async def catalog_register(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -532,16 +538,15 @@ class RecorderService:
         xid = _execution_id(req)
         async with self._connection() as conn:
             proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
-            count = (await (await conn.execute(
-                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            count = await _event_count(conn, xid)
             if req.get("brief"):
                 if proj is None:
                     raise BusError("not_found", f"execution {xid} is not known")
                 return {**_execution_row(proj), "event_count": count}
             # the summary is a fold of the ``ctl`` events alone (bus.event_class): task progress and loop
             # bookkeeping change no step's status or result (a loop's result is on its loop.done)
-            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND NOT (name = ANY(%s))"
-                                     " ORDER BY seq", (xid, NOT_SUMMARY))
+            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
+                                     " ORDER BY seq", (xid,))
             rows = await cur.fetchall()
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
@@ -554,6 +559,7 @@ class RecorderService:
             "error": finished[-1].get("error") if finished else None,
             "parent_execution_id": p.get("parent_execution_id"), "created_at": p.get("created_at"),
             "started_at": p.get("started_at"), "finished_at": p.get("finished_at"),
+            "requested_by": p.get("requested_by"),  # who started it: D30's default signal rule reads it
             "event_count": count,
         })
         return out
@@ -569,8 +575,7 @@ class RecorderService:
         limit = min(max(_int(req.get("limit")) if req.get("limit") is not None else 100, 0), MAX_PAGE)
         where, params = _event_filters(req)
         async with self._connection() as conn:
-            log_total = (await (await conn.execute(
-                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            log_total = await _event_count(conn, xid)
             total = log_total if not where else (await (await conn.execute(
                 f"SELECT count(*) FROM event WHERE execution_id = %s{where}", (xid, *params))).fetchone())[0]
             cur = await conn.execute(
@@ -604,8 +609,7 @@ class RecorderService:
         bound_limit = limits.current().max_state_events
         async with self._connection() as conn:
             proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
-            total = (await (await conn.execute(
-                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            total = await _event_count(conn, xid)
             if not total:
                 raise BusError("not_found", f"execution {xid} is not known")
             bound, position = None, total
@@ -620,8 +624,8 @@ class RecorderService:
                     "SELECT count(*) FROM event WHERE execution_id = %s AND seq <= %s", (xid, seq))).fetchone())[0]
             upto_sql, upto_params = ("", ()) if bound is None else (" AND seq <= %s", (bound,))
             cur = await conn.execute(
-                f"{schema.SELECT_EVENT} WHERE execution_id = %s AND NOT (name = ANY(%s)){upto_sql} ORDER BY seq LIMIT %s",
-                (xid, NOT_STATE, *upto_params, bound_limit + 1))
+                f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}{upto_sql} ORDER BY seq LIMIT %s",
+                (xid, *upto_params, bound_limit + 1))
             rows = await cur.fetchall()
             if len(rows) > bound_limit:
                 raise BusError("too_large", str(LimitExceeded(
@@ -633,18 +637,7 @@ class RecorderService:
             counts: dict[str, dict[str, Any]] = {}
             totals: dict[str, int] = {}
             if loop_runs:
-                cur = await conn.execute(
-                    "SELECT step_run_id, name, count(DISTINCT iteration), extract(epoch FROM min(\"timestamp\"))::float8,"
-                    " extract(epoch FROM max(\"timestamp\"))::float8 FROM event WHERE execution_id = %s"
-                    f" AND name = ANY(%s) AND step_run_id = ANY(%s){upto_sql} GROUP BY step_run_id, name",
-                    (xid, ITERATION_EVENTS, loop_runs, *upto_params))
-                counts = view.loop_counts(await cur.fetchall())
-                cur = await conn.execute(
-                    "SELECT step_run_id, CASE WHEN jsonb_typeof(data->'total') = 'number' THEN (data->>'total')::numeric"
-                    " WHEN jsonb_typeof(data->'items') = 'array' THEN jsonb_array_length(data->'items') END"
-                    " FROM event WHERE execution_id = %s AND name = 'loop.started' AND step_run_id = ANY(%s)"
-                    f"{upto_sql}", (xid, loop_runs, *upto_params))
-                totals = {rid: int(n) for rid, n in await cur.fetchall() if n is not None and 0 <= n < 2**31}
+                counts, totals = await _loop_counts(conn, xid, loop_runs, upto_sql, upto_params)
             at = None
             if bound is not None and position:
                 row = await (await conn.execute(
@@ -659,7 +652,8 @@ class RecorderService:
         p = _execution_row(proj) if proj else {}
         out.update({"position": position, "total": total, "at": at, "path": p.get("path"), "version": p.get("version"),
                     "created_at": p.get("created_at"), "started_at": p.get("started_at"),
-                    "finished_at": p.get("finished_at"), "requested_by": p.get("requested_by"),
+                    "finished_at": p.get("finished_at"),
+                    "requested_by": out.get("requested_by") or ({"user_id": p["requested_by"]} if p.get("requested_by") else None),
                     "parent_execution_id": out.get("parent_execution_id") or p.get("parent_execution_id")})
         if req.get("net"):
             out["net"] = view.net(state.playbook)
@@ -769,6 +763,42 @@ class RecorderService:
             raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
                                           "the event-recorder keeps trying")
         return self._pool.connection(timeout=5)
+
+
+async def _event_count(conn: Any, xid: str) -> int:
+    """The execution's number of events: its counter (kept with the events, schema.counters), or for an
+    execution recorded before the counter existed, counted."""
+    row = await (await conn.execute("SELECT event_count FROM execution WHERE execution_id = %s", (xid,))).fetchone()
+    if row is not None and row[0] is not None:
+        return row[0]
+    return (await (await conn.execute("SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+
+
+async def _loop_counts(conn: Any, xid: str, runs: list[str], upto_sql: str,
+                       upto_params: tuple) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """Each loop run's iterations (view.loop_counts) and number of items: after the last event from the
+    counters, up to a point of the log (time travel) counted through the partial index ``event_loops``."""
+    if upto_sql:
+        cur = await conn.execute(
+            "SELECT step_run_id, name, count(*), extract(epoch FROM min(\"timestamp\"))::float8,"
+            " extract(epoch FROM max(\"timestamp\"))::float8 FROM event WHERE execution_id = %s"
+            f" AND {schema.LOOP_EVENTS_SQL} AND name <> 'loop.started' AND step_run_id = ANY(%s){upto_sql}"
+            " GROUP BY step_run_id, name", (xid, runs, *upto_params))
+        counts = view.loop_counts(await cur.fetchall())  # first and last: of the ended iterations (the rate)
+    else:
+        cur = await conn.execute(
+            "SELECT step_run_id, started, done, failed, extract(epoch FROM first_at)::float8,"
+            " extract(epoch FROM last_at)::float8 FROM loop_progress WHERE execution_id = %s AND step_run_id = ANY(%s)",
+            (xid, runs))
+        counts = {r: {"started": a, "done": d, "failed": f, "first_at": t0, "last_at": t1}
+                  for r, a, d, f, t0, t1 in await cur.fetchall()}
+    cur = await conn.execute(
+        "SELECT step_run_id, CASE WHEN jsonb_typeof(data->'total') = 'number' THEN (data->>'total')::numeric"
+        " WHEN jsonb_typeof(data->'items') = 'array' THEN jsonb_array_length(data->'items') END"
+        f" FROM event WHERE execution_id = %s AND {schema.LOOP_EVENTS_SQL} AND name = 'loop.started'"
+        f" AND step_run_id = ANY(%s){upto_sql}", (xid, runs, *upto_params))
+    totals = {rid: int(n) for rid, n in await cur.fetchall() if n is not None and 0 <= n < 2**31}
+    return counts, totals
 
 
 def _fold(xid: str, events: list[dict[str, Any]]) -> ExecutionState:

@@ -112,8 +112,8 @@ def net(doc: Mapping[str, Any] | None, arg_limit: int = 512) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ the execution
 def loop_counts(rows: Iterable[tuple[str, str, int, float | None, float | None]]) -> dict[str, dict[str, Any]]:
-    """Iteration counts per loop run from ``(step_run_id, event name, distinct iterations, first
-    timestamp, last timestamp)`` rows (``loop.iteration.started``/``done``/``failed``): ``{run_id:
+    """Iteration counts per loop run from ``(step_run_id, event name, count, first timestamp, last
+    timestamp)`` rows (each iteration's event is stored once: its id is derived, D21) (``loop.iteration.started``/``done``/``failed``): ``{run_id:
     {started, done, failed, first_at, last_at}}``."""
     out: dict[str, dict[str, Any]] = {}
     for run_id, name, count, first, last in rows:
@@ -130,10 +130,11 @@ def loop_counts(rows: Iterable[tuple[str, str, int, float | None, float | None]]
 
 
 def loop_progress(counts: Mapping[str, Any] | None, total: int | None, ended: Mapping[str, Any] | None,
-                  mode: str | None = None, max_in_flight: int | None = None) -> dict[str, Any]:
+                  mode: str | None = None, max_in_flight: int | None = None, over: bool = False) -> dict[str, Any]:
     """A loop run's progress: ``{total, done, failed, in_flight, rate}`` (``rate``: iterations ended
     per second between the first and the last one). ``ended``: the counts its terminal event
-    (``loop.done`` / ``step.failed``) carries, which are the loop-coordinator's own and win."""
+    (``loop.done`` / ``step.failed``) carries, which are the loop-coordinator's own and win; ``over``: the
+    run has ended (also without them: cancelled), so nothing is in flight any more."""
     c = dict(counts or {})
     done, failed, started = int(c.get("done") or 0), int(c.get("failed") or 0), int(c.get("started") or 0)
     if ended:
@@ -143,7 +144,7 @@ def loop_progress(counts: Mapping[str, Any] | None, total: int | None, ended: Ma
     span = (last - first) if isinstance(first, (int, float)) and isinstance(last, (int, float)) else 0
     finished = done + failed
     return {"total": total, "done": done, "failed": failed,
-            "in_flight": 0 if ended else max(0, started - finished),
+            "in_flight": 0 if ended or over else max(0, started - finished),
             "rate": round(finished / span, 1) if span > 0 and finished > 1 else None,
             "mode": mode, "max_in_flight": max_in_flight}
 
@@ -192,13 +193,14 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
         for rid in ids[-max_runs:]:
             run = state.runs[rid]
             status = run.status if run.ended else ("cancelled" if state.finished else "running")
-            item: dict[str, Any] = {"run_id": rid, "status": status, "started": run.started, "ended": run.ended,
+            item: dict[str, Any] = {"run_id": rid, "status": status, "ended": run.ended,
                                     "routed": run.routed, "args": preview(run.args, limit),
                                     "result": preview(run.result, limit), "error": preview(run.error, limit)}
             if loop is not None:
                 mode = lspec.get("mode", "sequential")
                 item["loop"] = loop_progress(loops.get(rid), loop_totals.get(rid), ended_counts.get(rid), mode,
-                                             lspec.get("max_in_flight", 16) if mode == "parallel" else 1)
+                                             lspec.get("max_in_flight", 16) if mode == "parallel" else 1,
+                                             over=run.ended or state.finished)
             shown.append(item)
         runs[step] = {"total": len(ids), "shown": shown}
     out: dict[str, Any] = {
@@ -216,9 +218,12 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
         "signals": {name: len(sent) for name, sent in state.signals.items()},
         "kept_signals": list(state.kept), "folded": state.events,
     }
-    parent = state.request.get("parent_execution_id") if isinstance(state.request, dict) else None
-    if parent:
-        out["parent_execution_id"] = parent
+    request = state.request if isinstance(state.request, dict) else {}
+    if request.get("parent_execution_id"):
+        out["parent_execution_id"] = request["parent_execution_id"]
+    who = request.get("requested_by")
+    if isinstance(who, Mapping):  # ids and names only (the gateway's auth.requested_by)
+        out["requested_by"] = {k: who.get(k) for k in ("user_id", "username") if isinstance(who.get(k), str)}
     return out
 
 
