@@ -578,7 +578,7 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
     stack = await _embedded_stack(servers, processes=not args.in_process)
     url, stored = stack.gateway_url, False
     try:
-        print(f"noetl stack up; gateway: {url} (OpenAPI docs at {url}/docs)", flush=True)
+        print(f"noetl stack up; gateway: {url} (web console at {url}/ui, OpenAPI docs at {url}/docs)", flush=True)
         print(f"NATS: {stack.settings.nats_url}  Postgres: {stack.settings.pg_dsn}", flush=True)
         if stack.settings.nats_creds:
             print(f"NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)

@@ -257,6 +257,29 @@ def test_live_streams_are_limited_per_session_and_end_with_their_lifetime(stack)
     stack.run(go())
 
 
+def test_a_stream_ends_when_its_session_is_revoked(stack, monkeypatch):
+    from noetl_mesh.services.gateway import live
+
+    monkeypatch.setattr(live, "RECHECK", 0.5)  # the token is checked again every RECHECK seconds (30 s)
+
+    async def go():
+        async with http(stack) as admin:
+            await admin.post("/api/users", json={"username": "viv", "password": "a long enough password 1",
+                                                 "roles": ["viewer"]})
+            token = (await admin.post("/api/auth/login", json={"username": "viv", "password":
+                                                                "a long enough password 1"})).json()["token"]
+        async with httpx.AsyncClient(base_url=stack.url, headers={"Authorization": f"Bearer {token}"},
+                                     trust_env=False, timeout=30) as viv:
+            async with viv.stream("GET", "/api/live/executions") as resp:
+                sse = Sse(resp)
+                assert (await sse.next())[0] == "hello"
+                assert (await viv.post("/api/auth/logout")).status_code == 200
+                event, data = await sse.next(timeout=10)
+                assert event == "bye" and data["reason"] == "unauthorized"
+
+    stack.run(go())
+
+
 def test_the_console_files_are_served_offline_with_a_strict_policy(stack):
     with httpx.Client(base_url=stack.url, trust_env=False) as client:  # no token: the files hold no data
         page = client.get("/ui/")

@@ -181,6 +181,7 @@ def test_fork_join_from_the_catalog_the_join_the_timeline_and_time_travel(consol
     page.click("#catalog a:text('examples/fork_join')")
     page.wait_for_selector("#preview-net g.node[data-step=report].join")
     assert page.locator("#yaml li").count() == len((ROOT / "examples" / "fork_join.yaml").read_text().split("\n"))
+    assert page.evaluate(CONTRAST) == []
     console.shot("03-catalog-entry")
     page.click("#run")
     page.wait_for_url("**/ui/#/executions/*")
@@ -205,6 +206,7 @@ def test_fork_join_from_the_catalog_the_join_the_timeline_and_time_travel(consol
     page.keyboard.press("Enter")
     page.wait_for_selector("#step-detail article.run")
     assert '"total_orders": 200' in page.inner_text("#step-detail")
+    assert page.evaluate(CONTRAST) == []
     console.shot("04-execution")
     # time travel: the state after the events before the join's admission
     before = next(i for i, (n, _, step) in enumerate(rows) if n == "step.admitted" and step == "report")
@@ -253,6 +255,7 @@ def test_a_100000_iteration_loop_renders_fast_as_counts_and_is_cancelled_from_it
     console.wait_api(progress, timeout=120)
     console.go("/executions")
     page.wait_for_selector("#executions tbody tr")
+    assert page.evaluate(CONTRAST) == []
     console.shot("02-executions")
     started = time.perf_counter()
     console.go(f"/executions/{eid}")
