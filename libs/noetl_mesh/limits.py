@@ -74,6 +74,8 @@ LIMITS: tuple[Limit, ...] = (
           "gateway, GET /api/live/...: 429 with Retry-After"),
     Limit("live_stream_seconds", 900, "seconds", "how long one live stream lasts",
           "gateway: the stream ends with an event `bye`; the console opens a new one"),
+    Limit("signal_check_seconds", 2, "seconds", "checking a signal's payload against its wait's schema",
+          "gateway, POST /api/executions/{id}/signals/{name}: in a child process capped at 1 GiB (422)"),
 
     # ---- templates (every render, in every service)
     Limit("template_max_ms", 250, "ms", "the time one template render takes",

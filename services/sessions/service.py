@@ -80,6 +80,7 @@ Q_USERS_DISABLE = "noetl.q.users.disable"
 Q_USERS_ENABLE = "noetl.q.users.enable"
 Q_USERS_ROLES = "noetl.q.users.roles"
 Q_USERS_PASSWORD = "noetl.q.users.password"
+Q_USERS_STANDING = "noetl.q.users.standing"  # services (the scheduler): may this user still act? no token
 Q_TOKENS_CREATE = "noetl.q.tokens.create"
 Q_TOKENS_LIST = "noetl.q.tokens.list"
 Q_TOKENS_REVOKE = "noetl.q.tokens.revoke"
@@ -142,7 +143,7 @@ class SessionsService:
             Q_REVOKE: self.revoke, Q_LIST: self.list_sessions,
             Q_USERS_ADD: self.users_add, Q_USERS_LIST: self.users_list, Q_USERS_GET: self.users_get,
             Q_USERS_DISABLE: self.users_disable, Q_USERS_ENABLE: self.users_enable, Q_USERS_ROLES: self.users_roles,
-            Q_USERS_PASSWORD: self.users_password,
+            Q_USERS_PASSWORD: self.users_password, Q_USERS_STANDING: self.users_standing,
             Q_TOKENS_CREATE: self.tokens_create, Q_TOKENS_LIST: self.tokens_list, Q_TOKENS_REVOKE: self.tokens_revoke,
             Q_AUDIT_LIST: self.audit_list,
         }
@@ -678,6 +679,16 @@ class SessionsService:
         if user["user_id"] != caller["user_id"]:
             await self._require(caller, "user.admin", req.get("client_ip"), {"user_id": user["user_id"]})
         return {"user": access.public_user(user)}
+
+    async def users_standing(self, req: dict) -> dict:
+        """Whether a user still exists and is enabled, and its roles: what a service acting for the user
+        later (the scheduler, for a schedule's creator) checks. Asked with no token: only services whose
+        NATS user may publish this subject ask it (infra/nats_auth.py)."""
+        got = await self._user(access.an_id(req.get("user_id"), "user_id"))
+        if got is None:
+            return {"exists": False, "active": False, "roles": []}
+        user = got[0]
+        return {"exists": True, "active": not user.get("disabled"), "roles": list(user.get("roles") or [])}
 
     async def users_disable(self, req: dict) -> dict:
         caller = await self._caller(req)

@@ -36,6 +36,7 @@ from .membership import Membership
 
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
+IDLE = ExecutionState("")  # in the cache, for an execution this service will decide nothing more for
 
 
 class PartitionedService:
@@ -63,6 +64,11 @@ class PartitionedService:
 
     async def after(self, state: ExecutionState, outputs: list[dict[str, Any]], cancel_runs: list[str]) -> None:
         """Side effects beyond publishing (router: cancel broadcasts)."""
+
+    def idle(self, state: ExecutionState) -> bool:
+        """Whether no later event of the execution can need a decision of this service: its events are
+        then acknowledged without being folded (the loop-coordinator, for a playbook without loops)."""
+        return False
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -140,6 +146,11 @@ class PartitionedService:
             return
         eid = events[0]["execution_id"]
         state = self.cache.get(eid)
+        if state is IDLE:
+            self.handled += 1
+            await msg.ack()
+            self.last_consumer_seq[p] = seq.consumer
+            return
         first = events[0]
         if state is None and first["name"] == "playbook.execution.requested" and (
                 not (first.get("data") or {}).get("parent")
@@ -168,6 +179,8 @@ class PartitionedService:
                 # service dies in between, the redelivered cause decides again and sends both
                 await self.bus.publish_all(foreign + outputs, commands, timers=timers)
                 await self.after(state, outputs, cancel_runs)
+        if self.idle(state):
+            self.cache[eid] = IDLE
         self.handled += 1
         # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
         # means a redelivery, which folds to nothing (D21).
