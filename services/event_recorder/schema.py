@@ -293,19 +293,26 @@ SELECT execution_id, it, CASE WHEN it THEN name END, CASE WHEN it THEN step_run_
 FROM (SELECT *, name IN ({", ".join(f"'{n}'" for n in ITERATION_EVENTS)}) AND step_run_id IS NOT NULL AS it
       FROM inserted) x
 GROUP BY 1, 2, 3, 4"""
-ADD_EVENT_COUNT = "UPDATE execution SET event_count = event_count + %(n)s WHERE execution_id = %(id)s"
+# one statement each per batch, whatever the number of executions in it (arrays, unnested)
+ADD_EVENT_COUNT = """
+UPDATE execution AS x SET event_count = x.event_count + u.n
+FROM unnest(%(ids)s::text[], %(ns)s::bigint[]) AS u(id, n) WHERE x.execution_id = u.id"""
 ADD_LOOP_PROGRESS = """
 INSERT INTO loop_progress AS p (execution_id, step_run_id, started, done, failed, first_at, last_at)
-VALUES (%(id)s, %(run)s, %(started)s, %(done)s, %(failed)s, to_timestamp(%(first)s), to_timestamp(%(last)s))
+SELECT id, run, started, done, failed, to_timestamp(first), to_timestamp(last)
+FROM unnest(%(ids)s::text[], %(runs)s::text[], %(started)s::bigint[], %(done)s::bigint[], %(failed)s::bigint[],
+            %(first)s::float8[], %(last)s::float8[]) AS u(id, run, started, done, failed, first, last)
 ON CONFLICT (execution_id, step_run_id) DO UPDATE SET
     started = p.started + excluded.started, done = p.done + excluded.done, failed = p.failed + excluded.failed,
     first_at = least(p.first_at, excluded.first_at), last_at = greatest(p.last_at, excluded.last_at)"""
 
 
-def counters(rows: Sequence[Sequence[Any]]) -> dict[str, list[dict[str, Any]]]:
+def counters(rows: Sequence[Sequence[Any]]) -> dict[str, dict[str, list[Any]]]:
     """The counter updates of a batch from :data:`INSERT_FROM_STAGE`'s rows ``(execution id, is an
     iteration, name, step run id, count, first, last)``: each execution's events, each loop run's
-    iterations started, done and failed (first and last: of the iterations that ended, for the rate)."""
+    iterations started, done and failed (first and last: of the iterations that ended, for the rate).
+    Each statement's parameters are arrays (one statement per batch); a statement with nothing to add
+    is left out."""
     events: dict[str, int] = {}
     loops: dict[tuple[str, str], dict[str, Any]] = {}
     for xid, iteration, name, run, n, first, last in rows:
@@ -318,8 +325,14 @@ def counters(rows: Sequence[Sequence[Any]]) -> dict[str, list[dict[str, Any]]]:
             if key != "started":
                 c["first"] = first if c["first"] is None else min(c["first"], first)
                 c["last"] = last if c["last"] is None else max(c["last"], last)
-    return {ADD_EVENT_COUNT: [{"id": xid, "n": n} for xid, n in events.items()],
-            ADD_LOOP_PROGRESS: list(loops.values())}
+    out: dict[str, dict[str, list[Any]]] = {}
+    if events:
+        out[ADD_EVENT_COUNT] = {"ids": list(events), "ns": list(events.values())}
+    if loops:
+        out[ADD_LOOP_PROGRESS] = {key: [c[field] for c in loops.values()] for key, field in (
+            ("ids", "id"), ("runs", "run"), ("started", "started"), ("done", "done"), ("failed", "failed"),
+            ("first", "first"), ("last", "last"))}
+    return out
 
 SELECT_EVENT = f"""SELECT seq, {', '.join(_TEXT)}, extract(epoch FROM "timestamp")::float8,
     attempt, iteration, data, extra FROM event"""

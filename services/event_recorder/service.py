@@ -463,8 +463,7 @@ class RecorderService:
                     for sql, params in schema.projection([event for _, event in records]).items():
                         await cur.executemany(sql, params)
                     for sql, params in schema.counters(inserted).items():  # after the projection made the rows
-                        if params:
-                            await cur.executemany(sql, params)
+                        await cur.execute(sql, params)
 
     # ------------------------------------------------------------------ catalog
     async def catalog_register(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from noetl_mesh import limits
-from noetl_mesh.core import view
+from noetl_mesh.core import access, view
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Q_CATALOG_GET, Q_EXECUTION_RESULT, Q_EXECUTION_STATE, dumps
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
@@ -144,14 +144,16 @@ def install(app: FastAPI) -> None:
         except live.Busy as exc:
             raise problem(exc.status, str(exc), headers={"Retry-After": "5"}) from None
 
-    def _still_allowed(request: Request, token: str, permission: str):
+    def _still_allowed(token: str, permission: str):
+        """Why a stream may go on no more (None: it may): its token revoked or expired, its roles changed."""
         async def check() -> str | None:
             try:
                 who = await app.state.auth.principal(token)
             except Exception as exc:  # noqa: BLE001 - revoked, expired, or the sessions service away
                 detail = getattr(exc, "detail", None)
                 return detail.get("message") if isinstance(detail, dict) else str(exc)
-            return None if app_allowed(who, permission) else f"this needs the permission {permission}"
+            return None if access.allowed(who.get("roles") or [], permission) else \
+                f"this needs the permission {permission}"
         return check
 
     def _seconds(seconds: int | None) -> float:
@@ -168,7 +170,7 @@ def install(app: FastAPI) -> None:
         token = auth.bearer(request.headers.get("authorization"))
         _refuse_busy(token)
         body = live.stream(hub, live.LIST, token, hello={"topic": "executions"}, seconds=_seconds(seconds),
-                           still_allowed=_still_allowed(request, token, "execution.read"))
+                           still_allowed=_still_allowed(token, "execution.read"))
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     @app.get("/api/live/executions/{execution_id}", tags=["console"], response_class=StreamingResponse,
@@ -183,17 +185,11 @@ def install(app: FastAPI) -> None:
         token = auth.bearer(request.headers.get("authorization"))
         _refuse_busy(token)  # an id not recorded yet is fine: an execution just started is watched from its start
         body = live.stream(hub, execution_id, token, hello={"topic": "execution", "execution_id": execution_id},
-                           seconds=_seconds(seconds), still_allowed=_still_allowed(request, token, "execution.read"))
+                           seconds=_seconds(seconds), still_allowed=_still_allowed(token, "execution.read"))
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     # ------------------------------------------------------------------ the files
     app.mount(UI, _ConsoleFiles(directory=UI_DIR, html=True), name="console")
-
-
-def app_allowed(who: dict[str, Any], permission: str) -> bool:
-    from noetl_mesh.core import access
-
-    return access.allowed(who.get("roles") or [], permission)
 
 
 _SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}

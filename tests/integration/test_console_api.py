@@ -186,6 +186,45 @@ def test_event_filters_loop_counts_and_a_runs_whole_result(stack):
     stack.run(go())
 
 
+def test_the_counters_equal_the_log_and_a_redelivered_event_counts_once(stack):
+    """event_count and loop_progress are added in the transaction that inserts the events: a message
+    published again (a redelivery past JetStream's duplicate window) inserts nothing and adds nothing."""
+    import psycopg
+
+    from noetl_mesh.infra.bus import Bus, EVENTS, batch_subject, dumps
+
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, LOOPED)
+            final = await finished(client, eid)
+            events = await all_events(client, eid)
+        with psycopg.connect(stack.stack.settings.pg_dsn) as conn:
+            counted = conn.execute("SELECT count(*) FROM event WHERE execution_id = %s", (eid,)).fetchone()[0]
+            done = conn.execute("SELECT done, started FROM loop_progress WHERE execution_id = %s", (eid,)).fetchone()
+        assert final["total"] == counted == len(events) and done == (40, 40)
+        again = [{k: v for k, v in e.items() if k != "seq"} for e in events if e["name"] == "loop.iteration.done"][:5]
+        bus = await Bus.connect(stack.nats_url, "test", stack.admin)
+        try:
+            await bus.js.publish(batch_subject(again), dumps(again), stream=EVENTS, headers={"Nats-Msg-Id": "again-1"})
+            marker = await bus.js.publish(batch_subject(again), dumps(again[:1]), stream=EVENTS,
+                                          headers={"Nats-Msg-Id": "again-2"})
+        finally:
+            await bus.close()
+        deadline = time.monotonic() + 20
+        while True:  # the recorder has passed both messages once its consumer's ack floor has
+            with psycopg.connect(stack.stack.settings.pg_dsn) as conn:
+                now = conn.execute("SELECT event_count FROM execution WHERE execution_id = %s", (eid,)).fetchone()[0]
+                loops = conn.execute("SELECT done FROM loop_progress WHERE execution_id = %s", (eid,)).fetchone()[0]
+            async with http(stack) as client:
+                lag = (await client.get("/ready")).json()["recorder"].get("lag")
+            if lag == 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert marker.seq and now == counted and loops == 40
+
+    stack.run(go())
+
+
 def test_a_catalog_entrys_findings_at_their_lines_and_its_net(stack):
     async def go():
         async with http(stack) as client:

@@ -153,10 +153,10 @@ def test_counters_add_what_was_inserted_per_execution_and_loop_run():
             ("x", True, "loop.iteration.done", "r", 3, 2.0, 4.0), ("y", False, None, None, 1, 3.0, 3.0),
             ("x", True, "loop.iteration.failed", "r", 1, 1.5, 1.5)]
     out = schema.counters(rows)
-    assert sorted(out[schema.ADD_EVENT_COUNT], key=lambda p: p["id"]) == [{"id": "x", "n": 13}, {"id": "y", "n": 1}]
-    assert out[schema.ADD_LOOP_PROGRESS] == [{"id": "x", "run": "r", "started": 4, "done": 3, "failed": 1,
-                                              "first": 1.5, "last": 4.0}]
-    assert schema.counters([]) == {schema.ADD_EVENT_COUNT: [], schema.ADD_LOOP_PROGRESS: []}
+    assert out[schema.ADD_EVENT_COUNT] == {"ids": ["x", "y"], "ns": [13, 1]}
+    assert out[schema.ADD_LOOP_PROGRESS] == {"ids": ["x"], "runs": ["r"], "started": [4], "done": [3], "failed": [1],
+                                             "first": [1.5], "last": [4.0]}
+    assert schema.counters([]) == {}
 
 
 def test_the_state_condition_is_the_partial_indexs_predicate():
