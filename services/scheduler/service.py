@@ -21,6 +21,7 @@ from typing import Any
 from noetl_mesh import limits
 from noetl_mesh.core import schedules
 from noetl_mesh.core.schedules import DURABLE, FIRE_PREFIX, Q_PREFIX, STREAM, ScheduleError
+from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Bus, BusError, loads, pull_loop, release, unsubscribe_all
 
 from .store import ScheduleStore
@@ -52,6 +53,12 @@ class SchedulerService:
         self.tasks = [asyncio.create_task(self._firings(sub), name="scheduler-fire"),
                       asyncio.create_task(self._reconciling(), name="scheduler-reconcile")]
 
+    async def ready(self) -> dict[str, Any]:
+        """Answering its subjects and reading the firings."""
+        ok = bool(self.subs) and bool(self.tasks) and not any(t.done() for t in self.tasks) \
+            and not self.stop_event.is_set()
+        return {"ok": ok, **({} if ok else {"error": "not reading the firings"})}
+
     async def stop(self) -> None:
         self.stop_event.set()
         await unsubscribe_all(self.subs)
@@ -77,7 +84,10 @@ class SchedulerService:
         decision = schedules.on_firing(msg.subject, fired, found[0] if found else None, msg.headers or {},
                                        msg.metadata.timestamp.timestamp(), time.time())
         if decision.start is not None:
-            await self.bus.publish_event(decision.start)  # Nats-Msg-Id: the request's event id
+            eid = decision.start["execution_id"]
+            with tracing.span("scheduler playbook.execution.requested", service=self.name, execution_id=eid,
+                              **{"noetl.schedule_id": str(fired.get("id"))}):
+                await self.bus.publish_event(decision.start)  # Nats-Msg-Id: the request's event id
             self.started += 1
         else:
             log.info("scheduler: firing dropped: %s", decision.reason)

@@ -55,8 +55,8 @@ import orjson
 from noetl_mesh import limits
 from noetl_mesh.core import access
 from noetl_mesh.core.access import AccessError, iso, principal
-from noetl_mesh.infra import tracing
-from noetl_mesh.infra.bus import unsubscribe_all
+from noetl_mesh.infra import metrics, tracing
+from noetl_mesh.infra.bus import ERROR_KINDS, unsubscribe_all
 
 from . import audit
 from .oidc import OidcConfig, OidcVerifier
@@ -162,7 +162,8 @@ class SessionsService:
         return on_msg
 
     async def _answer(self, subject: str, handler, msg) -> None:
-        with tracing.consume_span(f"{self.bus.name} {subject}", msg.headers):
+        t0 = time.perf_counter()
+        with tracing.consume_span(f"{self.bus.name} {subject}", msg.headers, service=self.name):
             try:
                 req = orjson.loads(msg.data) if msg.data else {}
                 if not isinstance(req, dict):
@@ -178,8 +179,17 @@ class SessionsService:
             except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
                 log.exception("%s failed", subject)
                 reply = _error("internal", f"{type(exc).__name__}")
+            exemplar = metrics.exemplar()
         self.answered += 1
         await _respond(msg, reply)
+        kind = (reply.get("error") or {}).get("kind") if isinstance(reply, dict) else None
+        metrics.REQUESTS.labels(self.name, subject, "ok" if kind is None else kind if kind in ERROR_KINDS else "error") \
+            .observe(time.perf_counter() - t0, exemplar)
+
+    async def ready(self) -> dict[str, Any]:
+        """Its buckets open and its subjects answered (the store is NATS KV: no database)."""
+        ok = bool(self._subs) and all(getattr(self, b, None) is not None for b in ("sessions", "users", "logins"))
+        return {"ok": ok, **({} if ok else {"error": "not answering yet"})}
 
     # ------------------------------------------------------------------ settings
     @staticmethod

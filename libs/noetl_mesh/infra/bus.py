@@ -51,7 +51,7 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from . import tracing
+from . import logs, metrics, tracing
 from ..lang.durations import rfc3339
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
@@ -208,33 +208,50 @@ class Bus:
     _payloads: PayloadStore | None = None
 
     @property
+    def service(self) -> str:
+        """The service this connection is for (its name without ``noetl-``): metrics and spans say it."""
+        return self.name[6:] if self.name.startswith("noetl-") else self.name
+
+    @property
     def payloads(self) -> PayloadStore:
         if self._payloads is None:
-            self._payloads = PayloadStore(self.js, replicas=self.replicas)
+            self._payloads = PayloadStore(self.js, replicas=self.replicas, service=self.service)
         return self._payloads
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
     async def connect(cls, url: str, name: str, creds: str | None = None) -> "Bus":
-        """Connect, retrying for as long as it takes (NATS may start after the service, or restart);
-        connection trouble is logged as one line at most every 10 s, never as a traceback. ``creds``:
-        the service's NATS credentials (an nkey seed file, infra/nats_auth.py); None connects without."""
+        """Connect, retrying for as long as it takes (NATS may start after the service): each failed
+        attempt is one log line, never a traceback, and the next waits twice as long (0.5 s up to
+        10 s). Once connected, the client reconnects by itself after a loss (every 0.5 s; one line at
+        most every 10 s). ``creds``: the service's NATS credentials (an nkey seed file,
+        infra/nats_auth.py); None connects without. Credentials the server refuses are not retried."""
         from .nats_auth import connect_options
 
         quiet = _QuietLog(name)
         servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any node will do
-        connecting = asyncio.ensure_future(nats.connect(
-            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=quiet.error,
-            disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds)))
-        while not connecting.done():  # a server that is away is waited for; one that refuses us is not
-            await asyncio.wait([connecting], timeout=0.1)
-            if quiet.refused is not None and not connecting.done():
-                connecting.cancel()
-                await asyncio.gather(connecting, return_exceptions=True)
-                raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
-                                  f"credentials ({creds or 'none given'}; docs/nats-security.md)")
-        nc = connecting.result()
+        delay, attempt = 0.5, 1
+        while True:
+            try:  # each server tried twice (0.5 s apart): the retries, with their backoff, are ours
+                nc = await nats.connect(
+                    servers, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
+                    error_cb=quiet.error,
+                    disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds))
+                break
+            except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+                if quiet.refused is not None:
+                    raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
+                                      f"credentials ({creds or 'none given'}; docs/nats-security.md)") from None
+                why = quiet.last_error or exc
+                log.warning("%s: cannot reach NATS at %s (attempt %d: %s: %s); retrying in %.1fs", name, url,
+                            attempt, type(why).__name__, why, delay)
+                quiet.last_error = None
+                await asyncio.sleep(delay)
+                delay, attempt = min(delay * 2, 10.0), attempt + 1
+        nc.options["max_reconnect_attempts"] = -1  # connected: from now on the client reconnects forever itself
         quiet.connected = True
+        if attempt > 1:
+            log.warning("%s: connected to NATS at %s (attempt %d)", name, url, attempt)
         bus = cls(nc, nc.jetstream(timeout=10), name)
         return bus
 
@@ -482,19 +499,27 @@ class Bus:
         exception becomes an error reply, so the requester never just times out."""
 
         async def on_msg(msg: Msg) -> None:
-            with tracing.consume_span(f"{self.name} {subject}", msg.headers):
+            t0 = time.perf_counter()
+            outcome = "ok"
+            with tracing.consume_span(f"{self.name} {subject}", msg.headers, service=self.service):
                 try:
                     try:
                         request = loads(msg.data) if msg.data else {}
                     except ValueError as exc:  # e.g. an unpaired surrogate: the requester's, not ours
                         raise BusError("bad_request", f"{subject}: the request is not valid JSON: {exc}") from None
-                    reply = await handler(request)
+                    xid = request.get("execution_id") if isinstance(request, dict) else None
+                    with logs.bind(xid if isinstance(xid, str) else None):
+                        reply = await handler(request)
                 except BusError as exc:
+                    outcome = exc.kind if exc.kind in ERROR_KINDS else "error"
                     reply = {"error": {"kind": exc.kind, "message": exc.message, "details": exc.details}}
                 except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
                     log.exception("%s: %s failed", self.name, subject)
+                    outcome = "internal"
                     reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
                 await msg.respond(dumps(reply))
+                exemplar = metrics.exemplar()
+            metrics.REQUESTS.labels(self.service, subject, outcome).observe(time.perf_counter() - t0, exemplar)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
@@ -597,10 +622,13 @@ class _QuietLog:
         self.name, self.last = name, 0.0
         self.connected = False
         self.refused: str | None = None  # an authorization error before the first connection
+        self.last_error: Exception | None = None  # before the first connection: said by Bus.connect
 
     async def error(self, exc: Exception) -> None:
-        if not self.connected and "authorization violation" in str(exc).lower():
-            self.refused = str(exc)
+        if not self.connected:
+            if "authorization violation" in str(exc).lower():
+                self.refused = str(exc)
+            self.last_error = exc
             return
         if "permissions violation" in str(exc).lower():  # never expected: every one is worth a line
             log.error("%s: NATS refused: %s (this connection's user may not do that: docs/nats-security.md)",
@@ -617,6 +645,12 @@ class _QuietLog:
     async def reconnected(self) -> None:
         self.last = 0.0
         log.warning("%s: reconnected to NATS after losing the connection", self.name)
+
+
+# the error kinds of request/reply answers (docs/architecture.md §5); others count as "error" in metrics
+ERROR_KINDS = frozenset({"bad_request", "not_found", "invalid_playbook", "conflict", "too_large", "unavailable",
+                         "internal", "forbidden", "unauthenticated", "locked", "invalid_schedule", "timeout", "payload_missing", "unsupported",
+                         "too_many"})
 
 
 class BusError(Exception):
