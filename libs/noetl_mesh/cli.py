@@ -145,6 +145,20 @@ def cmd_schema(args: argparse.Namespace) -> int:
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
+def cmd_asyncapi(args: argparse.Namespace) -> int:
+    """``noetl asyncapi``: the contract of every subject (contracts/asyncapi.py)."""
+    from .contracts.asyncapi import document
+
+    doc = document(_version())
+    if args.yaml:
+        import yaml
+
+        print(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), end="")
+    else:
+        print(json.dumps(doc, indent=2))
+    return EXIT_OK
+
+
 def _fail(message: str, code: int = EXIT_INVALID) -> int:
     print(f"noetl: {message}", file=sys.stderr)
     return code
@@ -1170,6 +1184,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
     p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("asyncapi", help="print the AsyncAPI 3.0 document of the NATS subjects, streams, buckets "
+                                        "and messages")
+    p.add_argument("--yaml", action="store_true", help="YAML instead of JSON")
+    p.set_defaults(func=cmd_asyncapi)
 
     gateway_default = os.environ.get("NOETL_GATEWAY_URL", "http://127.0.0.1:8082")
     p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)", epilog=RUN_EXIT_CODES)

@@ -66,25 +66,12 @@ from .store import (BOOTSTRAP, LOGINS, SESSIONS, UNAVAILABLE, USERS, Bucket, Con
 
 log = logging.getLogger("noetl.sessions")
 
-# ---- subjects (the one list; the gateway and CLI import them from here)
-Q_BOOTSTRAP = "noetl.q.sessions.bootstrap"
-Q_LOGIN = "noetl.q.sessions.login"
-Q_VALIDATE = "noetl.q.sessions.validate"
-Q_REFRESH = "noetl.q.sessions.refresh"
-Q_REVOKE = "noetl.q.sessions.revoke"
-Q_LIST = "noetl.q.sessions.list"
-Q_USERS_ADD = "noetl.q.users.add"
-Q_USERS_LIST = "noetl.q.users.list"
-Q_USERS_GET = "noetl.q.users.get"
-Q_USERS_DISABLE = "noetl.q.users.disable"
-Q_USERS_ENABLE = "noetl.q.users.enable"
-Q_USERS_ROLES = "noetl.q.users.roles"
-Q_USERS_PASSWORD = "noetl.q.users.password"
-Q_TOKENS_CREATE = "noetl.q.tokens.create"
-Q_TOKENS_LIST = "noetl.q.tokens.list"
-Q_TOKENS_REVOKE = "noetl.q.tokens.revoke"
-Q_AUDIT_LIST = "noetl.q.audit.list"
-REVOKED = "noetl.sessions.revoked"  # core NATS notice: drop cached validations
+# ---- subjects (named in contracts/subjects.py; the gateway and CLI import them from here)
+from noetl_mesh.contracts.subjects import (  # noqa: E402 - the one list: contracts/subjects.py
+    Q_AUDIT_LIST, Q_BOOTSTRAP, Q_LIST, Q_LOGIN, Q_REFRESH, Q_REVOKE, Q_TOKENS_CREATE, Q_TOKENS_LIST, Q_TOKENS_REVOKE,
+    Q_USERS_ADD, Q_USERS_DISABLE, Q_USERS_ENABLE, Q_USERS_GET, Q_USERS_LIST, Q_USERS_PASSWORD, Q_USERS_ROLES,
+    Q_VALIDATE)
+from noetl_mesh.contracts.subjects import SESSIONS_REVOKED as REVOKED  # noqa: E402 - notice: drop cached validations
 QUEUE = "sessions"
 
 MAX_IN_FLIGHT = 1024  # requests handled at once per replica; more are answered "unavailable"

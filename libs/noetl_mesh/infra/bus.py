@@ -1,6 +1,6 @@
 """The NATS side of every service: streams, subjects, consumers, publishing, request/reply.
 
-One module names every subject and stream (see docs/architecture.md):
+Streams and subjects (their names: :mod:`noetl_mesh.contracts.subjects`; docs/architecture.md §3):
 
 - ``NOETL_EVENTS`` (JetStream, limits retention, file storage): every event. Publishers write
   ``noetl.evt.<writer>.<class>.<execution_id>`` (writer: ``gateway``, ``admission``, ``router``,
@@ -59,33 +59,16 @@ from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
 
-EVENTS = "NOETL_EVENTS"
-EVENT_SUBJECTS = "noetl.evt.*.*.*"  # writer, class, execution
-TIMER_SUBJECTS = "noetl.sched.*.*"  # execution, timer: D29 timers, JetStream message schedules of the events stream
+from ..contracts.subjects import (  # noqa: F401 - the names of every stream and subject: contracts/subjects.py
+    COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
+    Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
+    Q_CREDENTIAL_PUT, Q_CREDENTIAL_RESOLVE, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_WAITS,
+    Q_RECORDER_PING, TIMER_SUBJECTS, batch_subject_of, cancel_subject, command_subject, pool_filter, timer_subject,
+    timer_target)
+
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
-LEGACY_EVENT_SUBJECTS = "noetl.evt.*.*"  # class, execution: the layout of earlier versions (setup migrates it)
-COMMANDS = "NOETL_COMMANDS"
-COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
-LOST_COMMANDS = "NOETL_LOST_COMMANDS"  # the server's advisories of commands that ran out of deliveries
-MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 DEFAULT_PARTITIONS = 16
 # Subject classes (which events each control-plane service folds) live in the core: core/events.py.
-
-
-# request/reply reads, answered by the event-recorder (queue group ``event-recorder``)
-Q_CATALOG_REGISTER = "noetl.q.catalog.register"
-Q_CATALOG_GET = "noetl.q.catalog.get"
-Q_CATALOG_LIST = "noetl.q.catalog.list"
-Q_EXECUTION_GET = "noetl.q.execution.get"
-Q_EXECUTION_EVENTS = "noetl.q.execution.events"
-Q_EXECUTION_LIST = "noetl.q.execution.list"
-Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
-Q_RECORDER_PING = "noetl.q.recorder.ping"
-Q_CREDENTIAL_PUT = "noetl.q.credential.put"
-Q_CREDENTIAL_LIST = "noetl.q.credential.list"
-Q_CREDENTIAL_GET = "noetl.q.credential.get"
-Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
-Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"  # workers resolve keychain entries (D24)
 
 
 def dumps(value: Any) -> bytes:
@@ -113,7 +96,7 @@ def batch_subject(events: list[dict[str, Any]]) -> str:
         raise ValueError(f"event {first.get('name')!r} of execution {first.get('execution_id')}: source "
                          f"{first.get('source')!r} names no writer (gateway, admission, router, loop-coordinator, "
                          "worker:<pool>)")
-    return f"noetl.evt.{writer}.{batch_class(events)}.{first['execution_id']}"
+    return batch_subject_of(writer, batch_class(events), first["execution_id"])
 
 
 def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -165,25 +148,6 @@ def _describe(event: Any) -> str:
     if not isinstance(event, dict):
         return repr(event)[:80]
     return f"{event.get('name')!r} ({event.get('event_id')}, source {event.get('source')!r})"
-
-
-def command_subject(pool: str, execution_id: str) -> str:
-    """A command's subject: by pool (the workers' filter) and execution (so the queued commands of a
-    finished execution can be purged, :meth:`Bus.purge_commands`)."""
-    return f"noetl.cmd.{pool}.{execution_id}"
-
-
-def pool_filter(pool: str) -> list[str]:
-    """What a pool's workers read: its commands (and the per-pool subject of earlier versions)."""
-    return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
-
-
-def timer_subject(execution_id: str, timer_id: str) -> str:
-    return f"noetl.sched.{execution_id}.{timer_id}"
-
-
-def cancel_subject(execution_id: str) -> str:
-    return f"noetl.cancel.{execution_id}"
 
 
 async def unsubscribe_all(subs: list[Any]) -> None:
@@ -448,7 +412,7 @@ class Bus:
         timer's identity: setting the same timer again (a redelivered decision) replaces it."""
         eid, tid = timer["execution_id"], timer["timer_id"]
         headers = tracing.inject({"Nats-Schedule": f"@at {rfc3339(timer['due'])}",
-                                  "Nats-Schedule-Target": f"noetl.evt.timer.ctl.{eid}"})
+                                  "Nats-Schedule-Target": timer_target(eid)})
         return await self.js.publish_async(timer_subject(eid, tid), dumps([timer["event"]]), stream=EVENTS,
                                            headers=headers)
 

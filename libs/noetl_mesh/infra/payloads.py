@@ -25,7 +25,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from . import metrics
 
-BUCKET = "noetl_payloads"
+from ..contracts.subjects import PAYLOADS_BUCKET as BUCKET  # noqa: E402
 STORE = f"nats-object:{BUCKET}"
 DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
 MARKER = f'"store":"{STORE}"'.encode()  # cheap test on raw message bytes
