@@ -28,7 +28,7 @@ from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.app import GatewayService
 from noetl_mesh.services.sessions.service import SessionsService
-from noetl_mesh.stack import bootstrap
+from noetl_mesh.stack import Settings, bootstrap
 
 PASSWORD = "benchmark password 1"
 
@@ -129,7 +129,7 @@ async def main(quick: bool) -> None:
     gateway = GatewayService(await Bus.connect(nats.url, "bench-gateway"))
     await gateway.start()
     try:
-        token = await bootstrap(nats.url)
+        token = await bootstrap(Settings(nats_url=nats.url))
         await added_latency(gateway, token, 300 if quick else 3000)
         await check_alone(gateway, token, 2000 if quick else 50_000)
         await logins(gateway, token, 30 if quick else 200, 8)

@@ -142,6 +142,62 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+EXIT_NEEDS_PERSON = 3  # noetl migrate: something could not be translated (listed)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """``noetl migrate FILE...`` (docs/migrate.md): the canonical form of legacy playbooks. Prints it (or a
+    unified diff with --diff, or rewrites the files with --write, or only says whether they would change
+    with --check); the changes and what needs a person go to stderr (stdout with --write/--check), each
+    with its location. Exit 2 when a file is not a playbook, else 3 when something needs a person, else
+    (--check) 1 when a file would change, else 0."""
+    import difflib
+
+    from .lang.documents import read_document
+    from .lang.migrate import migrate_text
+
+    report = sys.stdout if (args.write or args.check) else sys.stderr
+    status = EXIT_OK
+    several = len(args.files) > 1
+    for path in args.files:
+        text, problems = read_document(path)
+        if text is None:
+            for d in problems:
+                print(f"{path}: invalid: {d}", file=report)
+            status = EXIT_INVALID
+            continue
+        m = migrate_text(text)
+        if m.invalid:
+            for reason in m.invalid:
+                print(f"{path}: invalid: {reason}", file=report)
+            status = EXIT_INVALID
+            continue
+        for f in m.changes:
+            print(f"{path}:{f.line or 0}: changed: {f.rule}: {f.location or '<document>'}: {f.message}", file=report)
+        for f in m.problems:
+            print(f"{path}:{f.line or 0}: needs a person: {f.rule}: {f.location or '<document>'}: {f.message}",
+                  file=report)
+        if args.write:
+            if m.changed:
+                with open(path, "w", encoding="utf-8") as out:
+                    out.write(m.text)
+        elif args.diff:
+            sys.stdout.writelines(difflib.unified_diff(
+                text.splitlines(keepends=True), m.text.splitlines(keepends=True), f"{path}", f"{path} (canonical)"))
+        elif not args.check:
+            if several:
+                print(f"# noetl migrate: {path}")
+            sys.stdout.write(m.text)
+        verdict = ("already canonical" if not m.changed else "rewritten" if args.write else "would change"
+                   if args.check else "changed")
+        print(f"{path}: {verdict}: {len(m.changes)} change(s), {len(m.problems)} need(s) a person", file=report)
+        if m.problems:
+            status = max(status, EXIT_NEEDS_PERSON) if status != EXIT_INVALID else status
+        elif m.changed and args.check and status == EXIT_OK:
+            status = EXIT_FAILED
+    return status
+
+
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
@@ -169,11 +225,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     passed, 4 no gateway at --gateway, 5 the embedded stack cannot start, 128 + the signal's number when
     SIGINT/SIGTERM stopped it (after stopping what it started)."""
     from .lang.documents import read_document
-    from .lang.validate import validate_file
+    from .lang.validate import validate_file, validate_text
 
     invalid = False
+    texts: dict[str, str] = {}
     for path in [args.file, *(args.register or [])]:  # every playbook checked before anything starts
-        result = validate_file(path)
+        if getattr(args, "migrate", False):
+            text = _migrated(path)
+            if text is None:
+                invalid = True
+                continue
+            texts[path] = text
+            result = validate_text(text)
+        else:
+            result = validate_file(path)
         for d in result.errors:
             print(f"{path}: {d}", file=sys.stderr)
         invalid = invalid or not result.ok
@@ -185,7 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail(f"--workload is not valid JSON: {exc}")
     if not isinstance(workload, dict):
         return _fail("--workload must be a JSON object")
-    text = read_document(args.file)[0]  # decoded as it was validated (UTF-8/16/32)
+    text = texts.get(args.file) or read_document(args.file)[0]  # decoded as it was validated (UTF-8/16/32)
     import httpx
 
     from .client import GatewayError
@@ -199,7 +264,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             if not gateway:
                 servers = _provision()
-            return _arun(run.main(text, workload, servers), signals)
+            return _arun(run.main(text, workload, servers, texts), signals)
         except Interrupted as exc:
             run.stopping(exc.signum)
             return 128 + exc.signum
@@ -219,6 +284,32 @@ def cmd_run(args: argparse.Namespace) -> int:
                 servers.stop()
 
 
+def _migrated(path: str) -> str | None:
+    """``noetl run --migrate``: the playbook through ``noetl migrate`` in memory. What needs a person is
+    printed (the run goes on when the result validates); None when the file is not a playbook."""
+    from .lang.documents import read_document
+    from .lang.migrate import migrate_text
+
+    text, problems = read_document(path)
+    if text is None:
+        for d in problems:
+            print(f"{path}: {d}", file=sys.stderr)
+        return None
+    m = migrate_text(text)
+    if m.invalid:
+        for reason in m.invalid:
+            print(f"{path}: {reason}", file=sys.stderr)
+        return None
+    if m.changed:
+        print(f"{path}: migrated in memory: {len(m.changes)} change(s) (noetl migrate {path} shows them)",
+              file=sys.stderr)
+    for f in m.problems:
+        if f.rule != "V":
+            print(f"{path}:{f.line or 0}: migrate: needs a person: {f.rule}: {f.location}: {f.message}",
+                  file=sys.stderr)
+    return m.text
+
+
 class _TimedOut(Exception):
     """``noetl run --timeout`` passed (said already)."""
 
@@ -236,7 +327,7 @@ class _Run:
         self.started = time.monotonic()
         self.said = False
 
-    async def main(self, text: str, workload: dict, servers: "_Servers | None") -> int:
+    async def main(self, text: str, workload: dict, servers: "_Servers | None", texts: dict | None = None) -> int:
         from .client import GatewayClient
         from .lang.documents import read_document
 
@@ -250,7 +341,7 @@ class _Run:
             # the throw-away stack's own admin token; a running gateway gets the command line's (noetl login)
             async with GatewayClient(gateway, token=stack.token if stack is not None else None) as client:
                 for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
-                    await client.register(read_document(path)[0])
+                    await client.register((texts or {}).get(path) or read_document(path)[0])
                 self.execution_id = await client.start(text, workload)
                 self.started = time.monotonic()
                 try:
@@ -1204,7 +1295,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, metavar="PORT", default=_env_int("NOETL_METRICS_PORT"),
                    help="embedded stack: serve /metrics, /livez, /readyz of its services on this port (0: a free "
                         "one, printed; NOETL_METRICS_PORT; default: none)")
+    p.add_argument("--migrate", action="store_true",
+                   help="run the playbook (and the --register ones) through `noetl migrate` in memory first, for "
+                        "a quick try of a legacy playbook; what needs a person is printed")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("migrate", help="rewrite legacy NoETL playbooks into the canonical language (docs/migrate.md)",
+                       epilog=MIGRATE_EXIT_CODES)
+    p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the files in place (comments and key order kept)")
+    mode.add_argument("--diff", action="store_true", help="print a unified diff instead of the rewritten playbook")
+    mode.add_argument("--check", action="store_true",
+                      help=f"print nothing but the report; exit {EXIT_FAILED} when a file would change")
+    p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("register", help="add playbooks to the catalog of a running gateway")
     p.add_argument("files", nargs="+", metavar="FILE", help="playbook files (YAML)")
@@ -1338,6 +1442,9 @@ def _everywhere(parser: argparse.ArgumentParser, *names: str, **kw) -> None:
 
 GATEWAY_HELP = "the gateway's URL (NOETL_GATEWAY_URL)"
 DEBUG_HELP = "on an unexpected error, print its traceback"
+MIGRATE_EXIT_CODES = (f"exit status: {EXIT_OK} every file translated fully (or already canonical), {EXIT_FAILED} "
+                      f"--check: a file would change, {EXIT_INVALID} a file is not a playbook, {EXIT_NEEDS_PERSON} "
+                      "something needs a person (listed, with its location)")
 RUN_EXIT_CODES = (f"exit status: {EXIT_OK} COMPLETED, {EXIT_FAILED} FAILED or CANCELLED, {EXIT_INVALID} an invalid "
                   f"playbook or arguments, {EXIT_TIMEOUT} --timeout passed, {EXIT_UNREACHABLE} no gateway at --gateway, "
                   f"{EXIT_STACK} the embedded stack cannot start, 130/143 interrupted (SIGINT/SIGTERM)")

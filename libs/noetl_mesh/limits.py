@@ -66,6 +66,8 @@ LIMITS: tuple[Limit, ...] = (
           "validator (literal values) and the worker (templated ones); timers live in the events stream"),
     Limit("max_signal_bytes", 256 * KIB, "bytes", "a signal's payload",
           "gateway, POST /api/executions/{id}/signals/{name} (413)"),
+    Limit("signal_check_seconds", 2, "seconds", "checking a signal's payload against its wait's schema",
+          "gateway, POST /api/executions/{id}/signals/{name}: in a child process capped at 1 GiB (422)"),
 
     # ---- templates (every render, in every service)
     Limit("template_max_ms", 250, "ms", "the time one template render takes",

@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from noetl_mesh import limits
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
-from noetl_mesh.infra import metrics, tracing
+from noetl_mesh.infra import bounded, metrics, tracing
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
@@ -563,6 +563,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     app.state.trusted_proxies = (auth.trusted_networks(trusted_proxies) if trusted_proxies is not None
                                  else auth.trusted_from_environment())
     heavy = asyncio.Semaphore(2)
+    # a signal's payload against its wait's schema: the author's patterns may backtrack without end
+    app.state.schema_check = schema_check = bounded.Bounded(limits.current().signal_check_seconds,
+                                                                 preload=("jsonschema",))
 
     async def offload(fn: Callable[..., T], *args: Any) -> T:
         async with heavy:
@@ -759,6 +762,13 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
+            if refusal is None and wait is not None and wait.get("schema") is not None:
+                try:
+                    refusal = await schema_check(signals.schema_refusal, name, wait["schema"], payload)
+                except bounded.Overrun as exc:
+                    refusal = signals.Refusal(422, f"signal {name!r}: checking the payload against the wait's "
+                                                   f"schema {exc} (limit signal_check_seconds: a schema whose "
+                                                   "patterns backtrack?); nothing was recorded", "body")
             if refusal is not None:
                 if refusal.status == 403:
                     raise auth.deny(request, who, "execution.cancel.any", f" ({refusal.message})",
@@ -1041,6 +1051,7 @@ class GatewayService:
             self._server.should_exit = True
         if self.app is not None:
             await self.app.state.auth.close()
+            self.app.state.schema_check.close(kill=True)
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, 10)

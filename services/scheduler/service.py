@@ -24,6 +24,8 @@ from noetl_mesh.core.schedules import DURABLE, FIRE_PREFIX, Q_PREFIX, STREAM, Sc
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Bus, BusError, loads, pull_loop, release, unsubscribe_all
 
+from noetl_mesh.services.sessions.service import Q_USERS_STANDING
+
 from .store import ScheduleStore
 
 log = logging.getLogger("noetl.scheduler")
@@ -84,6 +86,17 @@ class SchedulerService:
         decision = schedules.on_firing(msg.subject, fired, found[0] if found else None, msg.headers or {},
                                        msg.metadata.timestamp.timestamp(), time.time())
         if decision.start is not None:
+            record, revision = found
+            # the schedule acts for its creator: not once the creator could not start it (no answer: retried)
+            creator = (record.get("created_by") or {}).get("user_id")
+            standing = await self.bus.request(Q_USERS_STANDING, {"user_id": creator}) if creator else None
+            refusal = schedules.creator_refusal(record, standing)
+            if refusal is not None:
+                log.warning("scheduler: schedule %s paused: %s", record["id"], refusal)
+                await self.store.update(schedules.with_paused(record, True, time.time(), refusal), revision)
+                await self.store.disarm(record["id"])
+                await msg.ack_sync()
+                return
             eid = decision.start["execution_id"]
             with tracing.span("scheduler playbook.execution.requested", service=self.name, execution_id=eid,
                               **{"noetl.schedule_id": str(fired.get("id"))}):

@@ -70,7 +70,7 @@ log = logging.getLogger("noetl.sessions")
 from noetl_mesh.contracts.subjects import (  # noqa: E402 - the one list: contracts/subjects.py
     Q_AUDIT_LIST, Q_BOOTSTRAP, Q_LIST, Q_LOGIN, Q_REFRESH, Q_REVOKE, Q_TOKENS_CREATE, Q_TOKENS_LIST, Q_TOKENS_REVOKE,
     Q_USERS_ADD, Q_USERS_DISABLE, Q_USERS_ENABLE, Q_USERS_GET, Q_USERS_LIST, Q_USERS_PASSWORD, Q_USERS_ROLES,
-    Q_VALIDATE)
+    Q_USERS_STANDING, Q_VALIDATE)
 from noetl_mesh.contracts.subjects import SESSIONS_REVOKED as REVOKED  # noqa: E402 - notice: drop cached validations
 QUEUE = "sessions"
 
@@ -129,7 +129,7 @@ class SessionsService:
             Q_REVOKE: self.revoke, Q_LIST: self.list_sessions,
             Q_USERS_ADD: self.users_add, Q_USERS_LIST: self.users_list, Q_USERS_GET: self.users_get,
             Q_USERS_DISABLE: self.users_disable, Q_USERS_ENABLE: self.users_enable, Q_USERS_ROLES: self.users_roles,
-            Q_USERS_PASSWORD: self.users_password,
+            Q_USERS_PASSWORD: self.users_password, Q_USERS_STANDING: self.users_standing,
             Q_TOKENS_CREATE: self.tokens_create, Q_TOKENS_LIST: self.tokens_list, Q_TOKENS_REVOKE: self.tokens_revoke,
             Q_AUDIT_LIST: self.audit_list,
         }
@@ -675,6 +675,16 @@ class SessionsService:
         if user["user_id"] != caller["user_id"]:
             await self._require(caller, "user.admin", req.get("client_ip"), {"user_id": user["user_id"]})
         return {"user": access.public_user(user)}
+
+    async def users_standing(self, req: dict) -> dict:
+        """Whether a user still exists and is enabled, and its roles: what a service acting for the user
+        later (the scheduler, for a schedule's creator) checks. Asked with no token: only services whose
+        NATS user may publish this subject ask it (infra/nats_auth.py)."""
+        got = await self._user(access.an_id(req.get("user_id"), "user_id"))
+        if got is None:
+            return {"exists": False, "active": False, "roles": []}
+        user = got[0]
+        return {"exists": True, "active": not user.get("disabled"), "roles": list(user.get("roles") or [])}
 
     async def users_disable(self, req: dict) -> dict:
         caller = await self._caller(req)

@@ -206,6 +206,15 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
                 own = await dev.schedule_add("tests/tick", every="1h")
                 assert (await dev.schedule_pause(own["id"]))["status"] == "paused"
                 await dev.schedule_delete(own["id"])
+                ticking = await dev.schedule_add("tests/tick", every="1s")
+            # a schedule acts for its creator: disabled, the creator's schedule pauses at its next firing
+            me = next(u for u in await admin.users() if u["username"] == "s-developer")
+            await admin.disable_user(me["user_id"])
+            deadline = time.time() + 20
+            while (got := await admin.schedule(ticking["id"]))["status"] != "paused" and time.time() < deadline:
+                await asyncio.sleep(0.2)
+            assert got["status"] == "paused" and got["paused_reason"] == "its creator s-developer is disabled", got
+            await admin.schedule_delete(ticking["id"])
             async with GatewayClient(stack.url, token=tokens["operator"]) as op:
                 assert (await op.schedule_pause("hourly"))["status"] == "paused"  # execution.cancel.any
                 await refused(op.schedule_resume("hourly"), 403)  # resuming starts executions

@@ -11,6 +11,7 @@ import pytest
 from noetl_mesh.cli import main
 from noetl_mesh.core.events import make_event
 from noetl_mesh.infra.bus import admitted, batch_subject, batches, writer_from_subject
+from noetl_mesh.infra.nats_auth import SERVICES, WRITERS as WRITER_USERS
 from noetl_mesh.infra.nats_auth import (ADMIN, NatsAuth, check_pool, connect_options, permissions, public_key,
                                         read_seed, server_config, user_for)
 
@@ -124,6 +125,9 @@ def test_only_the_sessions_service_touches_its_buckets_and_only_the_admin_bootst
     assert may_subscribe("sessions", "noetl.q.sessions.bootstrap")
     assert not may_publish("gateway", "noetl.q.sessions.bootstrap")
     assert may_publish("gateway", "noetl.q.sessions.validate") and may_publish("gateway", "noetl.q.users.add")
+    # answered without a token (a schedule's creator at each firing): the scheduler's only
+    assert may_publish("scheduler", "noetl.q.users.standing")
+    assert not any(may_publish(u, "noetl.q.users.standing") for u in ("gateway", "router", "worker-default"))
     assert may_publish("gateway", "noetl.audit.credential.read.u1")
     assert not may_publish("gateway", "noetl.audit.session.login.u1")  # the sessions service's record
     assert not may_subscribe("gateway", "noetl.q.sessions.validate")  # nobody impersonates the service
@@ -248,3 +252,48 @@ def test_nats_credentials_command(tmp_path, capsys):
 def test_service_refuses_unreadable_credentials_before_starting(tmp_path, capsys):
     assert main(["service", "router", "--nats-url", "nats://127.0.0.1:1", "--nats-creds", str(tmp_path / "no.nk")]) == 2
     assert "no.nk: cannot read" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the scheduler
+# It alone touches the schedules stream and bucket (a schedule message fires executions), it writes
+# execution requests as itself, and only the gateway may ask it.
+SCHEDULES_API = ("noetl.schedule.def.s1", "noetl.schedule.fire.s1", "$KV.noetl_schedules.s1",
+                 "$JS.API.STREAM.PURGE.NOETL_SCHEDULES", "$JS.API.STREAM.INFO.KV_noetl_schedules",
+                 "$JS.API.DIRECT.GET.KV_noetl_schedules.$KV.noetl_schedules.s1",
+                 "$JS.API.STREAM.MSG.GET.NOETL_SCHEDULES", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_SCHEDULES.scheduler",
+                 "$JS.API.CONSUMER.MSG.NEXT.NOETL_SCHEDULES.scheduler", "$JS.ACK.NOETL_SCHEDULES.scheduler.1.2.3.4.5")
+
+
+SCHEDULER_OTHERS = ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "sessions", "worker-default")
+
+
+@pytest.mark.parametrize("user", SCHEDULER_OTHERS)
+def test_only_the_scheduler_touches_the_schedules(user):
+    for subject in SCHEDULES_API:
+        assert not may_publish(user, subject), (user, subject)
+    assert not may_subscribe(user, "noetl.q.schedule.add")
+    assert not may_publish(user, "noetl.evt.scheduler.ctl.x1")
+
+
+def test_what_the_scheduler_may_do():
+    assert "scheduler" in SERVICES and "scheduler" in WRITER_USERS
+    for subject in (*SCHEDULES_API[:1], *SCHEDULES_API[2:], "noetl.evt.scheduler.ctl.x1", "$JS.API.STREAM.INFO.NOETL_EVENTS",
+                    "$JS.API.STREAM.PURGE.KV_noetl_schedules"):
+        assert may_publish("scheduler", subject), subject
+    assert may_subscribe("scheduler", "noetl.q.schedule.add") and may_subscribe("scheduler", f"{INBOX}.x")
+    for subject in ("noetl.schedule.fire.s1",  # only the server fires
+                    "noetl.evt.gateway.ctl.x1", "noetl.evt.router.ctl.x1", "noetl.cmd.default.x1", "noetl.cancel.x1",
+                    "$JS.API.STREAM.PURGE.NOETL_EVENTS", "$JS.API.STREAM.CREATE.NOETL_SCHEDULES",
+                    "$JS.API.STREAM.DELETE.NOETL_SCHEDULES", "$JS.API.CONSUMER.DELETE.NOETL_SCHEDULES.scheduler",
+                    "$KV.noetl_sessions.x", "$KV.noetl_members.scheduler.x", "noetl.q.sessions.bootstrap"):
+        assert not may_publish("scheduler", subject), subject
+    for subject in ("noetl.q.catalog.get", "noetl.q.sessions.validate", "_INBOX.other.x", "noetl.schedule.fire.s1"):
+        assert not may_subscribe("scheduler", subject), subject
+    assert permissions("scheduler", partitions=4, inbox=INBOX).get("allow_responses") is True
+
+
+def test_the_gateway_asks_the_scheduler():
+    for verb in ("add", "list", "get", "pause", "resume", "delete"):
+        assert may_publish("gateway", f"noetl.q.schedule.{verb}")
+    for user in SCHEDULER_OTHERS[1:]:
+        assert not may_publish(user, "noetl.q.schedule.add"), user

@@ -336,3 +336,16 @@ def test_pages_are_cut_by_count_and_bytes():
 
 def test_a_cron_is_a_value():
     assert parse_cron("0 0 0 * * *") == parse_cron("@daily") and isinstance(parse_cron("@daily"), Cron)
+
+
+def test_a_firing_acts_for_the_creator_only_while_the_creator_could_start_it():
+    record = {"created_by": {"user_id": "u1", "username": "ann"}}
+    ok = {"exists": True, "active": True, "roles": ["developer"]}
+    assert S.creator_refusal(record, ok) is None
+    assert S.creator_refusal(record, {**ok, "active": False}) == "its creator ann is disabled"
+    assert "no longer has a role" in S.creator_refusal(record, {**ok, "roles": ["viewer"]})
+    assert "no longer exists" in S.creator_refusal(record, {"exists": False, "active": False, "roles": []})
+    assert "no longer exists" in S.creator_refusal({}, None)
+    paused = S.with_paused({"id": "x", "paused": False}, True, 0, "its creator ann is disabled")
+    assert paused["paused_reason"] == "its creator ann is disabled"
+    assert "paused_reason" not in S.with_paused(paused, False, 1)  # resumed: the reason goes

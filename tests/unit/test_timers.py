@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from noetl_mesh.core.local import run_local
-from noetl_mesh.core.signals import check, signal_id
+from noetl_mesh.core.signals import check, schema_refusal, signal_id
 from noetl_mesh.core.state import summary
 from noetl_mesh.lang.durations import DurationError, parse_duration, parse_instant
 from noetl_mesh.lang.validate import validate
@@ -202,8 +202,12 @@ def test_the_signal_rule():
     assert wait["wait_id"] == "w1" and no is None
     _, no = check(WAITING, "approve", {"ok": 1}, user_id="u1", roles=["developer"])
     assert no.status == 403 and "operator" in no.message  # the wait's roles, not the starter
-    _, no = check(WAITING, "approve", {}, user_id="u2", roles=["operator"])
-    assert no.status == 422 and "'ok' is a required property" in no.message
+    schema = WAITING["waits"][0]["schema"]
+    no = schema_refusal("approve", schema, {"ok": {"deep": [1]}, "other": 2})
+    assert no is None
+    no = schema_refusal("approve", {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"}}}},
+                        {"n": [1, "two"]})
+    assert no.status == 422 and no.location == "body['n'][1]" and "'two' is not of type 'integer'" in no.message
     early, no = check(WAITING, "later", 1, user_id="u1", roles=["developer"])
     assert early is None and no is None  # kept; the starter may send it (default: who may cancel)
     _, no = check(WAITING, "later", 1, user_id="u2", roles=["developer"])
@@ -214,3 +218,23 @@ def test_the_signal_rule():
     assert check(resumed, "approve", {"ok": 1}, user_id="u1", roles=["admin"])[1].status == 409
     assert check({**WAITING, "status": "COMPLETED"}, "approve", {}, user_id="u1", roles=["admin"])[1].status == 409
     assert signal_id("x", "a", WAITING) != signal_id("x", "a", {"signals": {"a": 1}})  # the next one's id
+
+
+def test_a_loop_step_timeout_cancels_the_child_executions_of_its_iterations():
+    child = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "c", "path": "c"},
+             "workflow": [{"step": "start", "tool": {"kind": "wait", "duration": "1h"}}]}
+    r = asyncio.run(run_local(book("""
+- step: start
+  spec: {policy: {lifecycle: {timeout_s: 5}}}
+  loop: {in: "{{ [1, 2] }}", iterator: x, spec: {mode: parallel}}
+  tool: {kind: playbook, path: c}
+  next: {arcs: [{step: after, when: "{{ event.error.kind == 'timeout' }}"}]}
+- step: after
+  tool: {kind: wait, duration: 1m}
+"""), catalog={"c": child}))
+    assert r.state.status == "COMPLETED"
+    names = [e["name"] for e in r.log]
+    children = [e for e in r.log if e["name"] == "playbook.child.finished"]
+    assert [(e["iteration"], e["data"]["status"]) for e in children] == [(0, "CANCELLED"), (1, "CANCELLED")]
+    # cancelled at the timeout, not at the end of the execution a minute later
+    assert all(names.index("playbook.child.finished") < names.index("wait.ended") for e in children)

