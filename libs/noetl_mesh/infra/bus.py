@@ -187,7 +187,7 @@ class Bus:
     async def connect(cls, url: str, name: str, creds: str | None = None) -> "Bus":
         """Connect, retrying for as long as it takes (NATS may start after the service): each failed
         attempt is one log line, never a traceback, and the next waits twice as long (0.5 s up to
-        10 s). Once connected, the client reconnects by itself after a loss (every 0.5 s; one line at
+        5 s). Once connected, the client reconnects by itself after a loss (every 0.5 s; one line at
         most every 10 s). ``creds``: the service's NATS credentials (an nkey seed file,
         infra/nats_auth.py); None connects without. Credentials the server refuses are not retried."""
         from .nats_auth import connect_options
@@ -211,7 +211,7 @@ class Bus:
                             attempt, type(why).__name__, why, delay)
                 quiet.last_error = None
                 await asyncio.sleep(delay)
-                delay, attempt = min(delay * 2, 10.0), attempt + 1
+                delay, attempt = min(delay * 2, 5.0), attempt + 1
         nc.options["max_reconnect_attempts"] = -1  # connected: from now on the client reconnects forever itself
         quiet.connected = True
         if attempt > 1:
