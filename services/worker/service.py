@@ -153,9 +153,16 @@ class RunObserver:
             if self.tracing:
                 run = self._run_of(event.get("iteration"))
                 run.set_attribute(tracing.STATUS, status)
+                if name == "task.suspended":  # its task waits (a child, a signal): its span ends here
+                    s = self.task_spans.pop((event.get("iteration"), event.get("action_id"), event.get("attempt")),
+                                            None)
+                    if s is not None:
+                        s.set_attribute(tracing.STATUS, "suspended")
+                        s.end()
                 if status == "error":
                     error = (event.get("data") or {}).get("error") or {}
-                    run.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error.get("kind") or "error")))
+                    run.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR,
+                                                        str(error.get("kind") or "error")))
                 exemplar = {"trace_id": format(run.get_span_context().trace_id, "032x")}
                 if self.chunk:
                     self.iteration_spans.pop(event.get("iteration"), None)

@@ -104,8 +104,8 @@ def _masked(event: dict[str, Any], mask: Masker) -> dict[str, Any]:
     return event if masked is data else {**event, "data": masked}
 
 
-async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *,
-                       source: str, sleep: Callable[[float], Awaitable[Any]], note: Note | None) -> list[dict[str, Any]]:
+async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *, source: str,
+                       sleep: Callable[[float], Awaitable[Any]], note: Note | None) -> list[dict[str, Any]]:
     chunk = command.get("chunk")
     if not chunk:
         return [await execute(command, tools, publish, source=source, sleep=sleep, note=note)]

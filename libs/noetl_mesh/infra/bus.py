@@ -612,9 +612,9 @@ class _QuietLog:
 
 
 # the error kinds of request/reply answers (docs/architecture.md §5); others count as "error" in metrics
-ERROR_KINDS = frozenset({"bad_request", "not_found", "invalid_playbook", "conflict", "too_large", "unavailable",
-                         "internal", "forbidden", "unauthenticated", "locked", "invalid_schedule", "timeout", "payload_missing", "unsupported",
-                         "too_many"})
+ERROR_KINDS = frozenset({
+    "bad_request", "not_found", "invalid_playbook", "conflict", "too_large", "unavailable", "internal", "forbidden",
+    "unauthenticated", "locked", "invalid_schedule", "timeout", "payload_missing", "unsupported", "too_many"})
 
 
 class BusError(Exception):
