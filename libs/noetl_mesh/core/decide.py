@@ -615,6 +615,12 @@ class EventName(str):
 
 
 # =============================================================== loops
+def loops_idle(state: ExecutionState) -> bool:
+    """The loop-coordinator decides only on loop steps (their runs, iterations, waits, timeouts and
+    children): an execution whose playbook has none needs nothing more from it."""
+    return state.playbook is not None and not any(s.get("loop") for s in state.playbook.get("workflow") or ())
+
+
 def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
     out = _Out(state, event, "loop-coordinator")
     if state.halted:

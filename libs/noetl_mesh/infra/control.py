@@ -38,6 +38,7 @@ from .membership import Membership
 
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
+IDLE = ExecutionState("")  # in the cache, for an execution this service will decide nothing more for
 
 
 class PartitionedService:
@@ -70,6 +71,11 @@ class PartitionedService:
 
     async def after(self, state: ExecutionState, outputs: list[dict[str, Any]], cancel_runs: list[str]) -> None:
         """Side effects beyond publishing (router: cancel broadcasts)."""
+
+    def idle(self, state: ExecutionState) -> bool:
+        """Whether no later event of the execution can need a decision of this service: its events are
+        then acknowledged without being folded (the loop-coordinator, for a playbook without loops)."""
+        return False
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -172,6 +178,11 @@ class PartitionedService:
     async def _handle(self, msg: Msg, p: int, seq: Any, eid: str, events: list[dict[str, Any]]) -> dict | None:
         """Fold, decide, publish, ack; the trace id of the decision's span (an exemplar), if exported."""
         state = self.cache.get(eid)
+        if state is IDLE:
+            self.handled += 1
+            await msg.ack()
+            self.last_consumer_seq[p] = seq.consumer
+            return None
         first = events[0]
         if state is None and first["name"] == "playbook.execution.requested" and (
                 not (first.get("data") or {}).get("parent")
@@ -209,6 +220,8 @@ class PartitionedService:
                 elif out["name"] == "workflow.finished":
                     status = str((out.get("data") or {}).get("status") or "unknown")
                     metrics.EXECUTIONS_FINISHED.labels(self.name, status).inc()
+        if self.idle(state):
+            self.cache[eid] = IDLE
         self.handled += 1
         # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
         # means a redelivery, which folds to nothing (D21).
