@@ -14,6 +14,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from noetl_mesh import limits
 from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.infra.probes import PortTaken, ProbeServer
 
@@ -157,4 +158,24 @@ def test_the_metrics_port_answers_live_ready_and_metrics(loop):
         with pytest.raises(PortTaken, match="cannot listen"):
             ProbeServer(loop, "127.0.0.1", probes.port).start()
     finally:
+        probes.stop()
+
+
+def test_the_metrics_port_bounds_its_connections(loop, monkeypatch):
+    import socket
+
+    with limits.override(metrics_connections=2, metrics_request_seconds=1):
+        probes = ProbeServer(loop, "127.0.0.1", 0).start()
+    idle = []
+    try:
+        for _ in range(2):  # two clients that connect and say nothing hold both slots ...
+            idle.append(socket.create_connection(("127.0.0.1", probes.port)))
+        time.sleep(0.2)
+        with pytest.raises(httpx.TransportError):  # ... so a third is closed unanswered
+            httpx.get(f"{probes.url}/livez", timeout=3)
+        time.sleep(1.5)  # the idle ones are dropped after IO_TIMEOUT: the port answers again
+        assert httpx.get(f"{probes.url}/livez", timeout=3).status_code == 200
+    finally:
+        for s in idle:
+            s.close()
         probes.stop()

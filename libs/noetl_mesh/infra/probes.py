@@ -25,11 +25,13 @@ from typing import Any, Awaitable, Callable
 
 from prometheus_client.exposition import choose_encoder
 
+from .. import limits
 from . import metrics
 
 log = logging.getLogger("noetl.probes")
 LIVE_TIMEOUT = 5.0
 READY_TIMEOUT = 2.0
+
 DEFAULT_PORT = 9464  # the port Prometheus exporters of OpenTelemetry use; containers listen here
 
 Check = Callable[[], Awaitable[dict[str, Any]]]
@@ -70,7 +72,7 @@ class ProbeServer:
     def start(self) -> "ProbeServer":
         """Listen (:class:`PortTaken` when it cannot) and serve in a daemon thread."""
         try:
-            server = ThreadingHTTPServer((self.host, self.port), _handler(self))
+            server = _Server((self.host, self.port), _handler(self))
         except OSError as exc:
             raise PortTaken(f"cannot listen on {self.host}:{self.port} for metrics ({exc.strerror or exc})") from None
         server.daemon_threads = True
@@ -125,9 +127,36 @@ class ProbeServer:
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
 
 
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``metrics_connections`` at once (a flood of connections costs at
+    most that many threads; the rest are closed unanswered)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.slots = threading.BoundedSemaphore(int(limits.current().metrics_connections))
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def _handler(probes: ProbeServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "noetl-probes"
+        # the request line and headers (their size bounded by the standard library) must come in time
+        timeout = float(limits.current().metrics_request_seconds)
 
         def do_GET(self) -> None:  # noqa: N802 - the standard library's name
             path = self.path.split("?", 1)[0]
