@@ -48,7 +48,7 @@ from psycopg_pool import AsyncConnectionPool
 from noetl_mesh import limits
 from noetl_mesh.core.events import event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
-from noetl_mesh.infra import metrics
+from noetl_mesh.infra import logs, metrics
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
     DISPATCH_EVENTS,
@@ -330,7 +330,8 @@ class RecorderService:
                 continue
             # what its subject's writer may not write is not part of the log (the control plane drops it
             # too, so the recorded log folds to the services' state, D22); the others keep their place
-            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
+            with logs.bind(_execution_of(msg.subject)):  # a drop is logged with its execution
+                kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
             records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
         delay = 0.1
         while True:
@@ -675,6 +676,12 @@ class RecorderService:
             raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
                                           "the event-recorder keeps trying")
         return self._pool.connection(timeout=5)
+
+
+def _execution_of(subject: str) -> str | None:
+    """The execution of a stored events message (``noetl.pevt.<P>.<class>.<execution_id>.<writer>``)."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) >= 5 else None
 
 
 def _int(value: Any) -> int | None:

@@ -267,6 +267,9 @@ class WorkerService:
     async def _run(self, msg: Msg) -> None:
         started = time.perf_counter()
         self._m_in_flight.inc()
+        parts = msg.subject.split(".")  # noetl.cmd.<pool>.<execution_id>: this task's log records name it
+        if len(parts) == 4:
+            logs.set_execution(parts[3])
         try:
             self._m_pending.set(msg.metadata.num_pending)
             await self._run_command(msg, started)

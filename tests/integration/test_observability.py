@@ -255,3 +255,49 @@ def test_one_trace_per_execution_across_services(obs_stack, otlp) -> None:
 
 async def _flush() -> None:
     tracing.flush()
+
+
+def test_log_lines_name_the_execution_and_its_trace(obs_stack) -> None:
+    """A record a service makes while handling an execution's message carries the execution's id and
+    trace id (here: the control plane dropping an event its subject's writer may not write)."""
+    import io
+    import json
+    import logging
+
+    from noetl_mesh.core.events import make_event
+    from noetl_mesh.infra import logs
+    from noetl_mesh.infra.bus import EVENTS, Bus, dumps
+
+    final, _ = run(obs_stack, {"apiVersion": "noetl.io/v2", "kind": "Playbook",
+                               "metadata": {"name": "l", "path": "tests/logs"},
+                               "workflow": [{"step": "start", "tool": {"kind": "noop"}}]})
+    eid = final["execution_id"]
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(logs.ContextFilter())
+    handler.setFormatter(logs.JsonFormatter())
+    logging.getLogger("noetl.bus").addHandler(handler)
+    try:
+        async def forge():
+            bus = await Bus.connect(obs_stack.nats_url, "forger", obs_stack.admin)
+            try:  # the router may not write task.started: every control-plane reader drops it, loudly
+                event = make_event("task.started", eid, event_id="forged-log", source="router", status="in_progress")
+                await bus.js.publish(f"noetl.evt.router.ctl.{eid}", dumps([event]), stream=EVENTS)
+            finally:
+                await bus.close()
+
+        obs_stack.run(forge())
+        deadline = time.monotonic() + 10
+        while True:
+            lines = [json.loads(line) for line in out.getvalue().splitlines()]
+            dropped = [line for line in lines if "forged-log" in line["message"]]
+            if {line["service"] for line in dropped} >= {"admission", "router", "event-recorder"}:
+                break
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.1)
+    finally:
+        logging.getLogger("noetl.bus").removeHandler(handler)
+    for line in dropped:
+        assert line["execution_id"] == eid and line["level"] == "ERROR", line
+        if line["service"] != "event-recorder":  # the control plane handles it in the execution's trace
+            assert line["trace_id"] == eid, line

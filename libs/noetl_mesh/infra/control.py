@@ -154,6 +154,15 @@ class PartitionedService:
 
     # --------------------------------------------------------------- one event
     async def handle(self, msg: Msg) -> None:
+        """One delivery; its log records name its execution and trace (the subject names the execution:
+        ``noetl.pevt.<P>.<class>.<execution_id>.<writer>``)."""
+        parts = msg.subject.split(".")
+        if len(parts) < 5:
+            return await self._handle_delivery(msg)
+        with logs.bind(parts[4]), tracing.received(msg.headers, parts[4]):
+            await self._handle_delivery(msg)
+
+    async def _handle_delivery(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         p = partition_from_subject(msg.subject)
         seq = msg.metadata.sequence
@@ -171,8 +180,7 @@ class PartitionedService:
             self.last_consumer_seq[p] = seq.consumer
             return
         eid = events[0]["execution_id"]
-        with logs.bind(eid):
-            exemplar = await self._handle(msg, p, seq, eid, events)
+        exemplar = await self._handle(msg, p, seq, eid, events)
         self._m_decision.observe(time.perf_counter() - t0, exemplar)
 
     async def _handle(self, msg: Msg, p: int, seq: Any, eid: str, events: list[dict[str, Any]]) -> dict | None:

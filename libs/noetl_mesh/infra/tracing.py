@@ -224,6 +224,20 @@ def _parent(incoming: Any, execution_id: str | None) -> tuple[Any, list[Link] | 
 
 
 @contextlib.contextmanager
+def received(headers: Mapping[str, str] | None, execution_id: str) -> Iterator[None]:
+    """While a received message of ``execution_id`` is handled: its trace context is the current one
+    (the sender's, or the execution's root when the sender's is of another trace), with no span of its
+    own, so log records made meanwhile name the trace and spans started inside join it."""
+    incoming = _propagator.extract(headers) if headers else otel_context.Context()
+    parent, _ = _parent(incoming, execution_id)
+    token = otel_context.attach(parent)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+@contextlib.contextmanager
 def consume_span(name: str, headers: Mapping[str, str] | None, *, service: str,
                  execution_id: str | None = None, **attributes: Any) -> Iterator[trace.Span]:
     """A span for a received message, continuing the sender's trace (or the execution's: see the module)."""
