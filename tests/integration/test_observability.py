@@ -298,6 +298,4 @@ def test_log_lines_name_the_execution_and_its_trace(obs_stack) -> None:
     finally:
         logging.getLogger("noetl.bus").removeHandler(handler)
     for line in dropped:
-        assert line["execution_id"] == eid and line["level"] == "ERROR", line
-        if line["service"] != "event-recorder":  # the control plane handles it in the execution's trace
-            assert line["trace_id"] == eid, line
+        assert line["execution_id"] == eid and line["trace_id"] == eid and line["level"] == "ERROR", line

@@ -157,9 +157,7 @@ class PartitionedService:
         """One delivery; its log records name its execution and trace (the subject names the execution:
         ``noetl.pevt.<P>.<class>.<execution_id>.<writer>``)."""
         parts = msg.subject.split(".")
-        if len(parts) < 5:
-            return await self._handle_delivery(msg)
-        with logs.bind(parts[4]), tracing.received(msg.headers, parts[4]):
+        with logs.bind(parts[4] if len(parts) >= 5 else None):
             await self._handle_delivery(msg)
 
     async def _handle_delivery(self, msg: Msg) -> None:

@@ -2,7 +2,8 @@
 
 The shells bind the execution a piece of work is for (:func:`bind`: a control-plane delivery, a
 worker's command, a request naming one); every record made meanwhile, by any logger, carries
-``execution_id`` and the current ``trace_id``/``span_id`` (none when there are none), and ``service``
+``execution_id`` and the current ``trace_id``/``span_id`` (outside a span, the execution's trace id:
+everything done for an execution is in its trace; none when there is neither), and ``service``
 (set for each service's tasks by the stack runners, :func:`set_service`). Two formats
 (``--log-format``): ``text``, one line ``time service LEVEL logger: message [execution=… trace=…]``,
 and ``json``, one JSON object per line (``time``, ``level``, ``service``, ``logger``, ``message``,
@@ -59,8 +60,10 @@ class ContextFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.service = _service.get() or self.default_service or "noetl"
-        record.execution_id = _execution.get()
+        record.execution_id = eid = _execution.get()
         record.trace_id, record.span_id = tracing.current_ids()
+        if record.trace_id is None and eid:  # outside a span, work for an execution is in its trace
+            record.trace_id = format(tracing.trace_id_of(eid), "032x")
         return True
 
 

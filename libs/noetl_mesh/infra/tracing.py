@@ -210,6 +210,25 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+def extract(headers: Mapping[str, str] | None) -> Any:
+    """The context a message's ``traceparent`` names (W3C version 00 parsed here, quickly: every
+    delivery pays it; anything else through OpenTelemetry's propagator); an empty one without."""
+    tp = headers.get("traceparent") if headers else None
+    if not tp:
+        return otel_context.Context()
+    parts = tp.split("-")
+    if len(parts) != 4 or parts[0] != "00" or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return _propagator.extract(dict(headers))
+    try:
+        tid, sid, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return otel_context.Context()
+    if not tid or not sid:
+        return otel_context.Context()
+    return trace.set_span_in_context(NonRecordingSpan(SpanContext(tid, sid, is_remote=True,
+                                                                  trace_flags=TraceFlags(flags))))
+
+
 def _parent(incoming: Any, execution_id: str | None) -> tuple[Any, list[Link] | None]:
     """The context to start a span in and its links: the incoming one, unless it belongs to another
     trace than the execution's (then the execution's root, linked to the incoming span)."""
@@ -224,25 +243,18 @@ def _parent(incoming: Any, execution_id: str | None) -> tuple[Any, list[Link] | 
 
 
 @contextlib.contextmanager
-def received(headers: Mapping[str, str] | None, execution_id: str) -> Iterator[None]:
-    """While a received message of ``execution_id`` is handled: its trace context is the current one
-    (the sender's, or the execution's root when the sender's is of another trace), with no span of its
-    own, so log records made meanwhile name the trace and spans started inside join it."""
-    incoming = _propagator.extract(headers) if headers else otel_context.Context()
-    parent, _ = _parent(incoming, execution_id)
-    token = otel_context.attach(parent)
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
-
-
-@contextlib.contextmanager
 def consume_span(name: str, headers: Mapping[str, str] | None, *, service: str,
                  execution_id: str | None = None, **attributes: Any) -> Iterator[trace.Span]:
     """A span for a received message, continuing the sender's trace (or the execution's: see the module)."""
-    incoming = _propagator.extract(headers) if headers else otel_context.Context()
+    incoming = extract(headers)
     parent, links = _parent(incoming, execution_id)
+    if not _exporting:  # no span: the received context is the current one (for what is sent meanwhile)
+        token = otel_context.attach(parent)
+        try:
+            yield trace.get_current_span(parent)
+        finally:
+            otel_context.detach(token)
+        return
     if execution_id is not None:
         attributes[EXECUTION_ID] = execution_id
     with tracer(service).start_as_current_span(name, context=parent, kind=SpanKind.CONSUMER,
