@@ -58,10 +58,11 @@ def _operations(c: Channel) -> dict[str, Any]:
     msgs = [{"$ref": f"#/channels/{c.id}/messages/{c.message}"}]
     out: dict[str, Any] = {}
     if c.kind == "request":
+        group = f" (queue group {c.queue})" if c.queue else " (each replica)"
         out[f"{c.id}.answer"] = {
             "action": "receive", "channel": ref, "messages": msgs,
-            "summary": f"{', '.join(c.receivers)} answers (queue group {c.queue}), asked by {', '.join(c.senders)}",
-            "bindings": {"nats": {"queue": c.queue, "bindingVersion": "0.1.0"}},
+            "summary": f"{', '.join(c.receivers)} answers{group}, asked by {', '.join(c.senders)}",
+            **({"bindings": {"nats": {"queue": c.queue, "bindingVersion": "0.1.0"}}} if c.queue else {}),
             "reply": {"address": {"location": "$message.header#/replyTo",
                                   "description": "the requester's inbox (_INBOX.<its public key>.>)"},
                       "channel": {"$ref": f"#/channels/{c.id}-reply"},

@@ -408,6 +408,23 @@ class ScheduleFiring(_Open):
     id: str
 
 
+# ---- NATS micro discovery (the nats-py micro library's answers)
+class MicroPing(_Open):
+    type: str = Field(description="io.nats.micro.v1.ping_response")
+    name: str
+    id: str
+    version: str
+    metadata: Optional[dict[str, str]] = None
+
+
+class MicroInfo(MicroPing):
+    """io.nats.micro.v1.info_response: also ``description`` and ``endpoints``."""
+
+
+class MicroStats(MicroPing):
+    """io.nats.micro.v1.stats_response: also ``started`` and each endpoint's counts."""
+
+
 # ---- KV values and objects
 class Member(_Open):
     """A replica's heartbeat value."""

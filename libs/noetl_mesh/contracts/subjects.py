@@ -279,6 +279,16 @@ CHANNELS: tuple[Channel, ...] = (
             "A schedule fired (written by the server); the scheduler (durable scheduler) turns it into an "
             "execution request.", "ScheduleFiring", senders=("nats-server",), receivers=("scheduler",),
             stream=SCHEDULES, parameters={"schedule_id": "the schedule's id"}),
+    *(Channel(f"micro-{verb.lower()}{suffix}", f"$SRV.{verb}{address}", "request",
+              f"NATS micro service discovery (the nats CLI's `nats micro`): every service process that registers "
+              f"as a micro service (noetl-<service>) answers {verb}{what}.", "Empty",
+              senders=("operators' tools", "gateway"), receivers=("every service",), reply=f"Micro{verb.title()}",
+              parameters=params)
+      for verb in ("PING", "INFO", "STATS")
+      for suffix, address, what, params in (
+          ("", "", " for all", {}),
+          ("-name", ".{name}", " for its name", {"name": "noetl-<service>"}),
+          ("-id", ".{name}.{id}", " for one replica", {"name": "noetl-<service>", "id": "the replica's id"}))),
     Channel("kv-members", f"$KV.{MEMBERS_BUCKET}.{{service}}.{{replica}}", "kv",
             "Membership of the control-plane replicas: each puts its key every third of the bucket's TTL "
             "(NOETL_MEMBERSHIP_TTL) and deletes it when it stops; the live keys deal the partitions out.",
