@@ -185,6 +185,8 @@ class PartitionedService:
         """Fold, decide, publish, ack; the trace id of the decision's span (an exemplar), if exported."""
         state = self.cache.get(eid)
         if state is IDLE:
+            for event in events:
+                self._count(event["name"])
             self.handled += 1
             await msg.ack()
             self.last_consumer_seq[p] = seq.consumer
