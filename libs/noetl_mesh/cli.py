@@ -1513,6 +1513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         return _fail(f"interrupted ({signal.Signals(signum).name})", 128 + signum)
+    except BrokenPipeError:  # the reader went away (`noetl schema | head`): nothing to say, nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + signal.SIGPIPE
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback unasked
         if getattr(args, "debug", False):
             import traceback
