@@ -133,6 +133,12 @@ LIMITS: tuple[Limit, ...] = (
           "gateway (413) and scheduler (refused)"),
     Limit("schedule_fire_ttl", 3600, "seconds", "how long a firing waits for the scheduler",
           "NATS drops a firing no scheduler took within it (set on the schedule message when added or resumed)"),
+
+    # ---- the metrics port of every service process (infra/probes.py)
+    Limit("metrics_connections", 32, "connections", "the connections the metrics port answers at once",
+          "every service's metrics port: more are closed unanswered"),
+    Limit("metrics_request_seconds", 10, "seconds", "the time a metrics-port client has to send its request",
+          "every service's metrics port: a slower or idle connection is dropped"),
 )
 
 _BY_NAME = {limit.name: limit for limit in LIMITS}

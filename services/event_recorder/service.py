@@ -47,7 +47,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
 from noetl_mesh.core import view
+from noetl_mesh.core.events import event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
+from noetl_mesh.infra import logs, metrics
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
     EVENTS,
@@ -131,6 +133,11 @@ class RecorderService:
         self._stopping = asyncio.Event()
         self._floor = 0  # highest stream sequence acked (everything at or below is recorded)
         self._held: dict[int, Any] = {}  # recorded, not yet acked: stream sequence -> message
+        self._m_batch = metrics.RECORDER_BATCH.labels(self.name)
+        self._m_lag = metrics.RECORDER_LAG.labels(self.name)
+        self._m_pending = metrics.PENDING.labels(self.name, DURABLE, "-")
+        self._m_rejected = metrics.RECORDER_REJECTED.labels(self.name)
+        self._m_handled: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -330,7 +337,8 @@ class RecorderService:
                 continue
             # what its subject's writer may not write is not part of the log (the control plane drops it
             # too, so the recorded log folds to the services' state, D22); the others keep their place
-            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
+            with logs.bind(_execution_of(msg.subject)):  # a drop is logged with its execution
+                kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
             records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
         delay = 0.1
         while True:
@@ -350,6 +358,7 @@ class RecorderService:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP)
         self.recorded += len(records)
+        self._measure(msgs, records)
         await self._announce(records)
         await self._ack(msgs)
         return True
@@ -364,6 +373,20 @@ class RecorderService:
                 await self.bus.nc.publish(LIVE_LIST, dumps(listed))
         except Exception as exc:  # noqa: BLE001 - a notice lost costs a page's freshness only
             log.debug("live notices not sent: %s", exc)
+
+    def _measure(self, msgs: list, records: list[tuple[int, dict[str, Any]]]) -> None:
+        if not msgs:  # an empty fetch
+            return
+        self._m_batch.observe(len(records))
+        oldest = min(msg.metadata.timestamp.timestamp() for msg in msgs)
+        self._m_lag.observe(max(0.0, time.time() - oldest))
+        self._m_pending.set(msgs[-1].metadata.num_pending)
+        for _, event in records:
+            name = event.get("name")
+            counter = self._m_handled.get(name)
+            if counter is None:
+                counter = self._m_handled[name] = metrics.EVENTS_HANDLED.labels(self.name, event_class(str(name)))
+            counter.inc()
 
     async def _ack(self, msgs: list) -> None:
         for msg in msgs:
@@ -441,6 +464,7 @@ class RecorderService:
                       event.get("event_id"), type(again).__name__, again)
             return
         self.rejected += 1
+        self._m_rejected.inc()
 
     async def _write(self, records: list[tuple[int, dict[str, Any]]]) -> None:
         """One transaction: COPY the rows into the staging table, insert them, update the projection."""
@@ -732,16 +756,6 @@ class RecorderService:
     async def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         """The real state: ``ok`` when the database answers and the consumer is bound."""
 
-        async def database() -> bool:
-            if self._pool is None:
-                return False
-            try:
-                async with self._pool.connection(timeout=0.5) as conn:
-                    await asyncio.wait_for(conn.execute("SELECT 1"), 0.5)
-                return True
-            except Exception:  # noqa: BLE001 - any failure means "not reachable"
-                return False
-
         async def lag() -> int | None:
             try:
                 info = await self.bus.js.consumer_info(EVENTS, DURABLE, timeout=0.8)
@@ -749,10 +763,35 @@ class RecorderService:
             except Exception:  # noqa: BLE001 - lag is best effort
                 return None
 
-        db, pending = await asyncio.gather(database(), lag())
-        consumer = self._sub is not None and self._task is not None and not self._task.done()
+        db, pending = await asyncio.gather(self._database_ok(), lag())
+        consumer = self._consuming()
         return {"ok": db and consumer, "database": db, "consumer": consumer, "lag": pending,
                 "recorded": self.recorded, "rejected": self.rejected}
+
+    async def ready(self) -> dict[str, Any]:
+        """Readiness (the metrics port): Postgres reachable and the events consumer bound."""
+        db = await self._database_ok()
+        consumer = self._consuming()
+        out: dict[str, Any] = {"ok": db and consumer, "database": db, "consumer": consumer}
+        if not db:
+            out["error"] = f"the event database is not reachable ({self._db_error})" if self._pool is None \
+                else "the event database does not answer"
+        elif not consumer:
+            out["error"] = "the events consumer is not bound"
+        return out
+
+    async def _database_ok(self) -> bool:
+        if self._pool is None:
+            return False
+        try:
+            async with self._pool.connection(timeout=0.5) as conn:
+                await asyncio.wait_for(conn.execute("SELECT 1"), 0.5)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+            return False
+
+    def _consuming(self) -> bool:
+        return self._sub is not None and self._task is not None and not self._task.done()
 
     # ------------------------------------------------------------------ helpers
     def _connection(self):
@@ -838,6 +877,12 @@ def _event_filters(req: dict[str, Any]) -> tuple[str, list[Any]]:
         where += " AND iteration = %s"
         params.append(req["iteration"])
     return where, params
+
+
+def _execution_of(subject: str) -> str | None:
+    """The execution of a stored events message (``noetl.pevt.<P>.<class>.<execution_id>.<writer>``)."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) >= 5 else None
 
 
 def _int(value: Any) -> int | None:

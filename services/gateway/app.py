@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Literal, TypeVar
 
@@ -65,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from noetl_mesh import limits
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
-from noetl_mesh.infra import bounded, tracing
+from noetl_mesh.infra import bounded, metrics, tracing
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
@@ -348,7 +349,8 @@ class _Guard:
     """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
     ``request.state.request_id`` for handlers), NUL in
     the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
-    the request id for an exception nothing else handled (a bug: logged with the id)."""
+    the request id for an exception nothing else handled (a bug: logged with the id); the request's
+    duration by route template and status (``noetl_http_request_duration_seconds``)."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -358,12 +360,24 @@ class _Guard:
             return await self.app(scope, receive, send)
         request_id = secrets.token_hex(8)
         scope.setdefault("state", {})["request_id"] = request_id
+        t0, status = time.perf_counter(), 500
+        try:
+            await self._guarded(scope, receive, send, request_id)
+        finally:
+            route = scope.get("route")  # FastAPI's matched route: its template, never the raw path
+            template = getattr(route, "path", None) or ("/docs/assets" if scope["path"].startswith("/docs/assets/")
+                                                        else "unmatched")
+            status = scope.get("state", {}).get("status", status)
+            metrics.HTTP.labels("gateway", scope["method"], template, str(status)).observe(time.perf_counter() - t0)
+
+    async def _guarded(self, scope: dict[str, Any], receive: Callable, send: Callable, request_id: str) -> None:
         started = False
 
         async def send_with_id(message: dict[str, Any]) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                scope["state"]["status"] = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
@@ -535,7 +549,7 @@ class _Shell:
 def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     """``trusted_proxies``: addresses or networks whose ``X-Forwarded-For`` is believed (default: the
     environment's ``NOETL_TRUSTED_PROXIES``; none: the connection's peer is the client)."""
-    tracing.setup("gateway")  # spans need a real provider for trace context to propagate
+    tracing.setup("gateway")  # its tracer: spans exported as the OTEL_* variables say (infra/tracing.py)
     shell = _Shell(bus)
     app = FastAPI(title="NoETL mesh gateway", version="0.1.0",
                   description="Playbook catalog and executions, over the NATS event log. Every route but "
@@ -608,7 +622,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         else:
             raise problem(415, f"the body is {media}: send application/json {{content}} or YAML "
                                f"({', '.join(YAML_TYPES)})", "body")
-        with tracing.span("gateway POST /api/catalog"):
+        with tracing.span("gateway POST /api/catalog", service="gateway"):
             reply = await shell.ask(Q_CATALOG_REGISTER, {"content": content}, where)
         reply.setdefault("warnings", [])
         return reply
@@ -616,20 +630,20 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/api/catalog", tags=["catalog"])
     async def list_catalog(who: dict = need("catalog.read"), path: str | None = None) -> list[dict[str, Any]]:
         """Catalog entries, newest first (``path`` filters one playbook's versions)."""
-        with tracing.span("gateway GET /api/catalog"):
+        with tracing.span("gateway GET /api/catalog", service="gateway"):
             return await shell.ask(Q_CATALOG_LIST, {"path": path} if path else {})
 
     @app.get("/api/catalog/by-path/{path:path}", tags=["catalog"])
     async def get_catalog_by_path(path: str, who: dict = need("catalog.read"),
                                   version: int | None = Query(None, ge=1, le=INT64_MAX)) -> dict[str, Any]:
         """One playbook by path: the latest version, or ``version``."""
-        with tracing.span("gateway GET /api/catalog/by-path"):
+        with tracing.span("gateway GET /api/catalog/by-path", service="gateway"):
             return await shell.ask(Q_CATALOG_GET, {"path": path, "version": version}, expand=True)
 
     @app.get("/api/catalog/{catalog_id}", tags=["catalog"])
     async def get_catalog(who: dict = need("catalog.read"),
                           catalog_id: int = Path(ge=0, le=INT64_MAX)) -> dict[str, Any]:
-        with tracing.span("gateway GET /api/catalog/{id}"):
+        with tracing.span("gateway GET /api/catalog/{id}", service="gateway"):
             return await shell.ask(Q_CATALOG_GET, {"id": catalog_id}, expand=True)
 
     # ------------------------------------------------------------------ executions
@@ -640,7 +654,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         """Start an execution. The playbook is resolved and validated here, so a bad reference (404)
         or an invalid playbook (422, every error listed) is reported at once. The request records
         who started it (``requested_by``)."""
-        with tracing.span("gateway POST /api/executions") as span:
+        with tracing.span("gateway POST /api/executions", service="gateway") as span:
             workload = body.workload or {}
             size = len(dumps(workload))
             if size > limits.current().max_workload_bytes:
@@ -665,13 +679,15 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                 if diags:  # registered under other limits, say: not startable as it is
                     raise problem(422, "invalid playbook", "catalog", _diagnostics(diags))
             execution_id = new_execution_id()
-            span.set_attribute("noetl.execution_id", execution_id)
-            await shell.publish(make_event(
-                "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
-                source="gateway", status="in_progress",
-                data={"playbook": doc, "catalog": catalog, "workload": workload,
-                      "parent_execution_id": body.parent_execution_id,
-                      "requested_by": auth.requested_by(who)}), "body.playbook")
+            span.set_attribute(tracing.EXECUTION_ID, execution_id)
+            # the request travels in the execution's own trace (its id is the trace id), linked to this one
+            with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=execution_id):
+                await shell.publish(make_event(
+                    "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
+                    source="gateway", status="in_progress",
+                    data={"playbook": doc, "catalog": catalog, "workload": workload,
+                          "parent_execution_id": body.parent_execution_id,
+                          "requested_by": auth.requested_by(who)}), "body.playbook")
         return {"execution_id": execution_id, "status": "PENDING"}
 
     @app.get("/api/executions", tags=["executions"])
@@ -696,7 +712,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                            ("until", _instant(until, "query.until"))):
             if value is not None:
                 query[key] = value
-        with tracing.span("gateway GET /api/executions"):
+        with tracing.span("gateway GET /api/executions", service="gateway"):
             return await shell.ask(Q_EXECUTION_LIST, query)
 
     @app.get("/api/executions/{execution_id}", tags=["executions"])
@@ -704,7 +720,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             "only the status projection and the event count (cheap: for polling); without it the "
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
-        with tracing.span("gateway GET /api/executions/{id}"):
+        with tracing.span("gateway GET /api/executions/{id}", service="gateway"):
             reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
             try:
                 return await bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
@@ -733,7 +749,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         for key, value in (("step", step), ("task", task), ("iteration", iteration), ("step_run_id", step_run_id)):
             if value is not None:
                 query[key] = value
-        with tracing.span("gateway GET /api/executions/{id}/events"):
+        with tracing.span("gateway GET /api/executions/{id}/events", service="gateway"):
             return await shell.ask(Q_EXECUTION_EVENTS, query)
 
     @app.post("/api/executions/{execution_id}/cancel", status_code=202, response_model=Accepted,
@@ -742,7 +758,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                                body: CancelRequest | None = json_body(CancelRequest, optional=True)) -> dict[str, Any]:
         """Ask for cancellation (409 when the execution has already finished). One's own executions
         with ``execution.cancel.own``; another user's need ``execution.cancel.any``."""
-        with tracing.span("gateway POST /api/executions/{id}/cancel"):
+        with tracing.span("gateway POST /api/executions/{id}/cancel", service="gateway"):
             current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": True})
             if current.get("requested_by") != who["user_id"] and \
                     not access.allowed(who["roles"], "execution.cancel.any"):
@@ -769,7 +785,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         """Send a signal to the execution: it resumes the wait task waiting for it, or is kept until
         such a wait begins. 403 for a sender the wait's ``roles`` (default: who may cancel the
         execution) do not allow; 422 for a payload its ``schema`` refuses; 409 for a second signal."""
-        with tracing.span("gateway POST /api/executions/{id}/signals/{name}"):
+        with tracing.span("gateway POST /api/executions/{id}/signals/{name}", service="gateway"):
             summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
@@ -811,7 +827,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                          limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
         """Waits in progress (D30): the inbox of human tasks — what each waits for, its assignee and
         form, the roles that may answer it."""
-        with tracing.span("gateway GET /api/waits"):
+        with tracing.span("gateway GET /api/waits", service="gateway"):
             query = {k: v for k, v in (("execution_id", execution_id), ("kind", kind), ("limit", limit)) if v is not None}
             rows = await shell.ask(Q_EXECUTION_WAITS, query)
         if mine:
@@ -824,7 +840,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     async def put_credential(request: Request, who: dict = need("credential.write"),
                              body: CredentialBody = json_body(CredentialBody)) -> dict[str, Any]:
         """Create or replace a credential; the answer has no data."""
-        with tracing.span("gateway POST /api/credentials"):
+        with tracing.span("gateway POST /api/credentials", service="gateway"):
             reply = await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
             await auditor.record("credential.written", who, request, target={"credential": body.name},
                                  details={"kind": body.kind, "fields": sorted(body.data)[:50]})
@@ -833,7 +849,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/api/credentials", tags=["credentials"])
     async def list_credentials(who: dict = need("credential.list")) -> list[dict[str, Any]]:
         """Every credential's name, kind, description and times (never its data)."""
-        with tracing.span("gateway GET /api/credentials"):
+        with tracing.span("gateway GET /api/credentials", service="gateway"):
             return await shell.ask(Q_CREDENTIAL_LIST, {})
 
     @app.get("/api/credentials/{name}", tags=["credentials"])
@@ -844,7 +860,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         if include_data and not access.allowed(who["roles"], "credential.read_data"):
             raise auth.deny(request, who, "credential.read_data", " to read a credential's data (include_data)",
                             {"credential": name})
-        with tracing.span("gateway GET /api/credentials/{name}"):
+        with tracing.span("gateway GET /api/credentials/{name}", service="gateway"):
             reply = await shell.ask(Q_CREDENTIAL_GET, {"name": name, "include_data": include_data})
             if include_data:  # no record, no secret
                 await auditor.record("credential.read", who, request, required=True, target={"credential": name},
@@ -853,7 +869,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
 
     @app.delete("/api/credentials/{name}", status_code=204, tags=["credentials"])
     async def delete_credential(name: str, request: Request, who: dict = need("credential.write")) -> Response:
-        with tracing.span("gateway DELETE /api/credentials/{name}"):
+        with tracing.span("gateway DELETE /api/credentials/{name}", service="gateway"):
             await shell.ask(Q_CREDENTIAL_DELETE, {"name": name})
             await auditor.record("credential.deleted", who, request, target={"credential": name})
         return Response(status_code=204)

@@ -49,7 +49,8 @@ MAX_CACHED = 100_000  # entries; past it, expired entries are swept (and, if sti
 VALIDATE_TIMEOUT = 5.0  # seconds for the sessions service's answer
 REALM = 'Bearer realm="noetl"'
 INVALID = 'Bearer realm="noetl", error="invalid_token"'
-DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/docs/assets"})  # public
+DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/docs/assets",  # public
+                  "/asyncapi.json"})
 CONSOLE = frozenset({"/ui"})  # the web console's files (services/gateway/console.py): public, they hold no data
 TRUSTED_PROXIES_ENV = "NOETL_TRUSTED_PROXIES"
 

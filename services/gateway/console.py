@@ -102,7 +102,7 @@ def install(app: FastAPI) -> None:
         event it stands after). Default: after the last event."""
         if upto is not None and seq is not None:
             raise problem(422, "give upto or seq, not both", "query")
-        with tracing.span("gateway GET /api/executions/{id}/state"):
+        with tracing.span("gateway GET /api/executions/{id}/state", service="gateway", execution_id=execution_id):
             request = {"execution_id": execution_id, "net": net}
             if upto is not None:
                 request["upto"] = upto
@@ -115,7 +115,7 @@ def install(app: FastAPI) -> None:
                          run_id: str = Path(max_length=256)) -> Response:
         """A step run's whole outcome (``{run_id, step, event, result, error}``), as a JSON file: what
         the console's previews link to. Values stored by reference (D23) are read back."""
-        with tracing.span("gateway GET /api/executions/{id}/runs/{run_id}/result"):
+        with tracing.span("gateway GET /api/executions/{id}/runs/{run_id}/result", service="gateway", execution_id=execution_id):
             reply = await shell.ask(Q_EXECUTION_RESULT, {"execution_id": execution_id, "run_id": run_id})
             try:
                 if MARKER in dumps(reply):
@@ -131,7 +131,7 @@ def install(app: FastAPI) -> None:
     async def catalog_lint(who: dict = need("catalog.read"), catalog_id: int = Path(ge=0, le=INT64_MAX)) -> dict[str, Any]:
         """The entry's validation diagnostics and lint findings (docs/lint.md), each at its line and
         column, and its net (nodes and edges) when it is valid."""
-        with tracing.span("gateway GET /api/catalog/{id}/lint"):
+        with tracing.span("gateway GET /api/catalog/{id}/lint", service="gateway"):
             entry = await shell.ask(Q_CATALOG_GET, {"id": catalog_id}, expand=True)
             report, doc = await app.state.offload(_lint, entry["content"])
         return {"id": entry["id"], "path": entry["path"], "version": entry["version"], "valid": report.valid,

@@ -40,21 +40,19 @@ META_FILE = "nats-auth.json"  # what the configuration was made for (partitions,
 SEED_SUFFIX = ".nk"
 DEFAULT_PARTITIONS = 16
 
-# stream and bucket names (infra/bus.py, membership.py, payloads.py; services/sessions)
-EVENTS, COMMANDS, LOST = "NOETL_EVENTS", "NOETL_COMMANDS", "NOETL_LOST_COMMANDS"
-MEMBERS_BUCKET, PAYLOADS_BUCKET = "noetl_members", "noetl_payloads"
+# stream and bucket names: contracts/subjects.py
+from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
+                                  RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
+                                  SESSIONS_AREAS)
+from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
+
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
-SESSION_BUCKETS = ("noetl_sessions", "noetl_users", "noetl_logins")
-AUDIT = "NOETL_AUDIT"
 SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
-SCHEDULES, SCHEDULES_BUCKET = "NOETL_SCHEDULES", "noetl_schedules"  # core/schedules.py
 SCHEDULE_STREAMS = (SCHEDULES, f"KV_{SCHEDULES_BUCKET}")
 ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
-RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<area>.<verb>
-SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
-SCHEDULER_AREAS = ("schedule",)
-LIVE = "noetl.live"  # the recorder's notices of committed batches (infra/bus.py LIVE_EXECUTION, LIVE_LIST)
+from ..contracts.subjects import LIVE_PREFIX  # noqa: E402 - the recorder's notices (the console's live streams)
+LIVE = LIVE_PREFIX.rstrip(".")
 
 _POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
