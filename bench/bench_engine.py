@@ -46,6 +46,52 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its reaped children, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / TICKS  # utime stime cutime cstime
+    except OSError:
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def cpu_by_process(procs: dict, nats, pg) -> dict[str, float]:
+    """CPU seconds so far of each service process, of NATS, and of Postgres (the postmaster and its
+    backends): sample before and after a scenario, and subtract."""
+    out = {key: _cpu(proc.pid) for key, proc in procs.items()}
+    if nats.pid:
+        out["nats"] = _cpu(nats.pid)
+    if getattr(pg, "pid", None):
+        out["postgres"] = _cpu(pg.pid) + sum(_cpu(c) for c in _children(pg.pid))
+    return out
+
+
+def cpu_rows(scenario: str, before: dict, after: dict, steps: int) -> list[tuple]:
+    used = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    total = sum(used.values())
+    rows = [(scenario, f"CPU seconds, all processes ({total / steps * 1000:.2f} ms per step)", f"{total:.1f}")]
+    for key, sec in sorted(used.items(), key=lambda kv: -kv[1]):
+        rows.append((scenario, f"CPU seconds {key}", f"{sec:.2f}"))
+    return rows
+
+
 class RssSampler(threading.Thread):
     """Peak resident memory of each service process, sampled from /proc every 100 ms."""
 
@@ -230,7 +276,10 @@ async def main(args: argparse.Namespace) -> None:
                 if "chain" in which:
                     rows += await bench_chain(stack.gateway_url, stack.token, 20, 3 if quick else 20)
                 if "burst" in which:
-                    rows += await bench_burst(stack.gateway_url, stack.token, 50 if quick else 1000)
+                    n = 50 if quick else 1000
+                    before = cpu_by_process(stack.procs, nats, pg)
+                    rows += await bench_burst(stack.gateway_url, stack.token, n)
+                    rows += cpu_rows("burst", before, cpu_by_process(stack.procs, nats, pg), n * 5)
                 if "child" in which:
                     rows += await bench_child(stack.gateway_url, stack.token, 20 if quick else 100, 100 if quick else 1000)
                 if "loop" in which:

@@ -201,6 +201,20 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
+def cmd_asyncapi(args: argparse.Namespace) -> int:
+    """``noetl asyncapi``: the contract of every subject (contracts/asyncapi.py)."""
+    from .contracts.asyncapi import document
+
+    doc = document(_version())
+    if args.yaml:
+        import yaml
+
+        print(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), end="")
+    else:
+        print(json.dumps(doc, indent=2))
+    return EXIT_OK
+
+
 def _fail(message: str, code: int = EXIT_INVALID) -> int:
     print(f"noetl: {message}", file=sys.stderr)
     return code
@@ -328,7 +342,9 @@ class _Run:
         args, stack = self.args, None
         try:
             if servers is not None:
-                stack = await _embedded_stack(servers)
+                stack = await _embedded_stack(servers, metrics_port=args.metrics_port)
+                if stack.metrics_url and not args.json:
+                    print(f"metrics: {stack.metrics_url}/metrics (and /livez, /readyz)", file=sys.stderr, flush=True)
             gateway = stack.gateway_url if stack is not None else self.gateway
             # the throw-away stack's own admin token; a running gateway gets the command line's (noetl login)
             async with GatewayClient(gateway, token=stack.token if stack is not None else None) as client:
@@ -617,16 +633,19 @@ def _provision(persistent: str | None = None) -> _Servers:
     return servers
 
 
-async def _embedded_stack(servers: _Servers, processes: bool = False, port: int = 0,
-                          counts: dict[str, int] | None = None):
+async def _embedded_stack(servers: _Servers, processes: bool = False, metrics_port: int | None = None,
+                          log_format: str | None = None, port: int = 0, counts: dict[str, int] | None = None):
     """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised;
-    the gateway on ``port`` (0: any free one), ``counts`` replicas per service. ``stop()`` stops the
-    services; the servers are the caller's to stop."""
+    the gateway on ``port`` (0: any free one), ``counts`` replicas per service (stack.parse_replicas).
+    ``stop()`` stops the services; the servers are the caller's to stop. ``metrics_port``: in this
+    process, the port of its one metrics server (0: a free one; None: none); with ``processes``, the
+    first of the services' ports (0 or None: free ones)."""
     from .stack import InProcessStack, ProcessStack, Settings
 
     persistent = servers.persistent
     creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
-    settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds, port=port)
+    settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds,
+                        metrics_port=metrics_port, log_format=log_format, port=port)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file, counts=counts)
@@ -697,7 +716,13 @@ def _port_free(host: str, port: int) -> bool:
 async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "_HomeLock") -> None:
     from .stack import topology
 
-    stack = await _embedded_stack(servers, processes=not args.in_process, port=args.port, counts=args.counts)
+    if args.in_process:
+        from .infra import logs
+
+        logs.configure(None, args.log_format)
+    stack = await _embedded_stack(servers, processes=not args.in_process,
+                                  metrics_port=args.metrics_port if not args.in_process else (args.metrics_port or 0),
+                                  log_format=args.log_format, port=args.port, counts=args.counts)
     url, stored = stack.gateway_url, False
     monitoring = getattr(servers.nats, "monitor_url", None)
     replicas: dict[str, int] = {}
@@ -705,7 +730,7 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
         replicas[name] = replicas.get(name, 0) + 1
     try:
         print(f"noetl stack up from {home}", flush=True)
-        print(f"  gateway: {url} (OpenAPI docs at {url}/docs)", flush=True)
+        print(f"  gateway: {url} (web console at {url}/ui, OpenAPI docs at {url}/docs)", flush=True)
         print(f"  NATS: {stack.settings.nats_url} (monitoring: {monitoring or 'not known: an external server'})",
               flush=True)
         print(f"  Postgres: {stack.settings.pg_dsn}", flush=True)
@@ -714,11 +739,14 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
               "see them with `noetl ps`", flush=True)
         if stack.settings.nats_creds:
             print(f"  NATS credentials (one per service; admin.nk for tools): {stack.settings.nats_creds}", flush=True)
+        metrics_urls = getattr(stack, "metrics_urls", None) or {"all services": stack.metrics_url}
+        print("  metrics (/metrics, /livez, /readyz): " + ", ".join(f"{k} {v}" for k, v in metrics_urls.items()),
+              flush=True)
         pids = {"nats-server": servers.nats.pid, "postgres": servers.pg.pid}
         pids.update({key: proc.pid for key, proc in getattr(stack, "procs", {}).items()})
         lock.record({"pid": os.getpid(), "home": home, "gateway": url, "nats": stack.settings.nats_url,
-                     "nats_monitoring": monitoring, "postgres": stack.settings.pg_dsn, "replicas": replicas,
-                     "pids": {k: v for k, v in pids.items() if v}})
+                     "nats_monitoring": monitoring, "metrics": metrics_urls, "postgres": stack.settings.pg_dsn,
+                     "replicas": replicas, "pids": {k: v for k, v in pids.items() if v}})
         stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first, home)
         await asyncio.Event().wait()  # until a signal cancels this
     finally:
@@ -874,11 +902,25 @@ def cmd_service(args: argparse.Namespace) -> int:
         settings = _nats_settings(args)
     except ValueError as exc:
         return _fail(str(exc))
+    from .infra import logs
+    from .infra.probes import PortTaken, port_free
+
+    logs.configure(args.name, args.log_format)
+    port = args.metrics_port
+    if port is None:  # the default: taken (another service on this host), the service runs without it
+        port = DEFAULT_METRICS_PORT
+        if not port_free(args.metrics_host, port):
+            logging.getLogger("noetl.stack").warning(
+                "%s: port %s:%d is taken: no metrics port (give one with --metrics-port, 0 for any free one)",
+                args.name, args.metrics_host, port)
+            port = -1
     settings = replace(settings, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"), concurrency=args.concurrency,
-                       host=args.host, port=args.port, ack_wait=args.ack_wait)
-    logging.basicConfig(level=os.environ.get("NOETL_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve_forever(args.name, settings))
+                       host=args.host, port=args.port, ack_wait=args.ack_wait,
+                       metrics_port=None if port < 0 else port, metrics_host=args.metrics_host)
+    try:
+        asyncio.run(serve_forever(args.name, settings))
+    except PortTaken as exc:
+        return _fail(f"{args.name}: {exc}; choose another --metrics-port (0: any free one, -1: none)")
     return EXIT_OK
 
 
@@ -1271,6 +1313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schema", help="print the JSON Schema of the playbook language")
     p.set_defaults(func=cmd_schema)
 
+    p = sub.add_parser("asyncapi", help="print the AsyncAPI 3.0 document of the NATS subjects, streams, buckets "
+                                        "and messages")
+    p.add_argument("--yaml", action="store_true", help="YAML instead of JSON")
+    p.set_defaults(func=cmd_asyncapi)
+
     gateway_default = None  # resolved after parsing: NOETL_GATEWAY_URL, the running `noetl up`'s, 127.0.0.1:8082
     p = sub.add_parser("run", help="run a playbook to its end (embedded stack unless --gateway)", epilog=RUN_EXIT_CODES)
     p.add_argument("file", metavar="FILE", help="the playbook (YAML)")
@@ -1283,6 +1330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds to wait for the end; then exit {EXIT_TIMEOUT}")
     p.add_argument("--register", action="append", metavar="FILE",
                    help="register this playbook in the catalog first (for `kind: playbook` tasks); repeatable")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", default=_env_int("NOETL_METRICS_PORT"),
+                   help="embedded stack: serve /metrics, /livez, /readyz of its services on this port (0: a free "
+                        "one, printed; NOETL_METRICS_PORT; default: none)")
     p.add_argument("--migrate", action="store_true",
                    help="run the playbook (and the --register ones) through `noetl migrate` in memory first, for "
                         "a quick try of a legacy playbook; what needs a person is printed")
@@ -1312,6 +1362,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", metavar="SERVICE=N,...",
                    help="replicas per service, e.g. admission=2,router=2,worker=3 (admission, router, loop-coordinator, "
                         "scheduler, sessions, worker; default one each)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", default=_env_int("NOETL_METRICS_PORT"),
+                   help="metrics ports (/metrics, /livez, /readyz): the services take PORT, PORT+1, ... (one port "
+                        "for --in-process); 0 or unset: free ports, printed (NOETL_METRICS_PORT)")
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("NOETL_LOG_FORMAT", "text"),
+                   help="the services' log lines: text, or one JSON object per line (NOETL_LOG_FORMAT)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("service", help="run one service")
@@ -1327,6 +1382,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker: seconds before an unacknowledged command is redelivered")
     p.add_argument("--host", default="127.0.0.1", help="gateway: the address to listen on")
     p.add_argument("--port", type=int, default=8082, help="gateway: the port to listen on")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", default=_env_int("NOETL_METRICS_PORT"),
+                   help=f"serve /metrics, /livez, /readyz on this port (0: a free one, logged; -1: none; "
+                        f"NOETL_METRICS_PORT; default {DEFAULT_METRICS_PORT}, skipped with a warning when taken)")
+    p.add_argument("--metrics-host", default=os.environ.get("NOETL_METRICS_HOST", "127.0.0.1"), metavar="HOST",
+                   help="the address of the metrics port (NOETL_METRICS_HOST; 0.0.0.0 in a container)")
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("NOETL_LOG_FORMAT", "text"),
+                   help="text lines, or one JSON object per line (NOETL_LOG_FORMAT); with the execution and trace "
+                        "ids where there are some")
     p.set_defaults(func=cmd_service)
 
     p = sub.add_parser("setup", help="create the streams, bucket and object store (as the NATS admin user)")
@@ -1402,6 +1465,17 @@ def _home_where_gateway(parser: argparse.ArgumentParser) -> None:
     dests = {a.dest for a in parser._actions}
     if "gateway" in dests and "home" not in dests:
         parser.add_argument("--home", metavar="DIR", help=HOME_HELP)
+
+
+DEFAULT_METRICS_PORT = 9464
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value) if value else default
+    except ValueError:
+        return default  # reported where it is used: argparse checks --metrics-port, not the variable
 
 
 def _common_help(parser: argparse.ArgumentParser) -> None:
@@ -1503,6 +1577,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         return _fail(f"interrupted ({signal.Signals(signum).name})", 128 + signum)
+    except BrokenPipeError:  # the reader went away (`noetl schema | head`): nothing to say, nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + signal.SIGPIPE
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback unasked
         if getattr(args, "debug", False):
             import traceback

@@ -66,6 +66,14 @@ LIMITS: tuple[Limit, ...] = (
           "validator (literal values) and the worker (templated ones); timers live in the events stream"),
     Limit("max_signal_bytes", 256 * KIB, "bytes", "a signal's payload",
           "gateway, POST /api/executions/{id}/signals/{name} (413)"),
+    Limit("max_state_events", 500_000, "events", "the events folded for one view of an execution's state",
+          "event-recorder, the console's view (GET /api/executions/{id}/state): 413"),
+    Limit("max_live_streams", 1_000, "streams", "the live streams (server-sent events) one gateway serves at once",
+          "gateway, GET /api/live/...: 503 with Retry-After"),
+    Limit("max_live_streams_per_session", 8, "streams", "the live streams of one session or API token at once",
+          "gateway, GET /api/live/...: 429 with Retry-After"),
+    Limit("live_stream_seconds", 900, "seconds", "how long one live stream lasts",
+          "gateway: the stream ends with an event `bye`; the console opens a new one"),
     Limit("signal_check_seconds", 2, "seconds", "checking a signal's payload against its wait's schema",
           "gateway, POST /api/executions/{id}/signals/{name}: in a child process capped at 1 GiB (422)"),
 
@@ -125,6 +133,12 @@ LIMITS: tuple[Limit, ...] = (
           "gateway (413) and scheduler (refused)"),
     Limit("schedule_fire_ttl", 3600, "seconds", "how long a firing waits for the scheduler",
           "NATS drops a firing no scheduler took within it (set on the schedule message when added or resumed)"),
+
+    # ---- the metrics port of every service process (infra/probes.py)
+    Limit("metrics_connections", 32, "connections", "the connections the metrics port answers at once",
+          "every service's metrics port: more are closed unanswered"),
+    Limit("metrics_request_seconds", 10, "seconds", "the time a metrics-port client has to send its request",
+          "every service's metrics port: a slower or idle connection is dropped"),
 )
 
 _BY_NAME = {limit.name: limit for limit in LIMITS}

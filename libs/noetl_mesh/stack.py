@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .infra.bus import DEFAULT_PARTITIONS, Bus, BusError
-from .infra import tracing
+from .infra import logs, metrics, tracing
+from .infra.probes import ProbeServer, readiness
 
 log = logging.getLogger("noetl.stack")
 
@@ -78,6 +79,10 @@ class Settings:
     # NATS credentials (infra/nats_auth.py): a directory holds one file per user (each service takes its
     # own, the stack's setup the admin's); a file is used by every service; None connects without
     nats_creds: str | None = None
+    # the metrics port (/metrics, /livez, /readyz, infra/probes.py): None serves none, 0 any free port
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # NOETL_METRICS_HOST, else 127.0.0.1
+    log_format: str | None = None  # text or json (process stacks pass it to each service)
 
     def creds_for(self, service: str) -> str | None:
         """The credentials file of ``service`` (``admin`` for the stack's setup)."""
@@ -137,9 +142,10 @@ class Running:
 async def start_service(name: str, settings: Settings) -> Running:
     """Connect as the service's NATS user, start it and register it as a NATS micro service (what
     ``nats micro ls`` and ``noetl ps`` list: infra/micro.py); the streams it needs are made by
-    :func:`setup` (the service waits for them)."""
+    :func:`setup` (the service waits for them). Its log records, spans and metrics carry its name."""
     from .infra import micro
 
+    logs.set_service(name)
     tracing.setup(name)
     bus = await Bus.connect(settings.nats_url, f"noetl-{name}", settings.creds_for(name))
     try:
@@ -153,6 +159,7 @@ async def start_service(name: str, settings: Settings) -> Running:
     except BaseException:
         await _quietly(bus.close())
         raise
+    metrics.started(name)
     return Running(name, bus, service, registered)
 
 
@@ -198,6 +205,7 @@ async def stop_service(running: Running) -> None:
         await running.service.stop()
     finally:
         await running.bus.close()
+        metrics.stopped(running.name)
 
 
 @dataclass
@@ -211,13 +219,26 @@ class InProcessStack:
     counts: dict[str, int] | None = None  # replicas per service, over replicas/workers (parse_replicas)
     running: list[Running] = field(default_factory=list)
     token: str | None = None
+    probes: ProbeServer | None = None  # the process's metrics port, when settings.metrics_port is set
 
     async def start(self) -> "InProcessStack":
         await setup(self.settings)
         names = [name for name, _ in topology(self.replicas, self.workers, self.counts)]
+        if self.settings.metrics_port is not None:  # one server for the process: services by label
+            self.probes = ProbeServer(asyncio.get_running_loop(), self.settings.metrics_host,
+                                      self.settings.metrics_port).start()
+            for key in _keys(names):
+                self.probes.expect(key)
         self.running = list(await asyncio.gather(*(start_service(n, self.settings) for n in names)))
+        if self.probes is not None:
+            for key, r in zip(_keys(names), self.running):
+                self.probes.add(key, readiness(r.service, r.bus))
         self.token = await bootstrap(self.settings, self.token_file)
         return self
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.probes.url if self.probes is not None else None
 
     @property
     def gateway_url(self) -> str:
@@ -235,6 +256,20 @@ class InProcessStack:
             await asyncio.gather(*(stop_service(r) for r in self.running if rank is None or order[r.name] == rank),
                                  return_exceptions=True)
         self.running.clear()
+        tracing.flush()
+        if self.probes is not None:
+            self.probes.stop()
+            self.probes = None
+
+
+def _keys(names: list[str]) -> list[str]:
+    """Each service's name, numbered when it runs more than once (``router-1``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, -1) + 1
+        out.append(n if names.count(n) == 1 else f"{n}-{seen[n]}")
+    return out
 
 
 async def bootstrap(settings: Settings, token_file: str | None = None, username: str = "admin",
@@ -291,6 +326,7 @@ class ProcessStack:
     token: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # each service's metrics port, by key
     _specs: dict[str, tuple[str, dict]] = field(default_factory=dict)
     _supervisor: asyncio.Task | None = None
 
@@ -306,6 +342,14 @@ class ProcessStack:
         if name == "gateway":
             args += ["--host", s.host, "--port", str(extra.get("port", s.port))]
         key = key or name
+        if key not in self.metrics_ports:  # its own port (kept across restarts): BASE + n, or a free one
+            base = s.metrics_port
+            self.metrics_ports[key] = base + len(self.metrics_ports) if base else free_port()
+        args += ["--metrics-port", str(self.metrics_ports[key])]
+        if s.metrics_host:
+            args += ["--metrics-host", s.metrics_host]
+        if s.log_format:
+            args += ["--log-format", s.log_format]
         out = open(os.path.join(self.log_dir, f"{key}.log"), "ab") if self.log_dir else subprocess.DEVNULL
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         if out is not subprocess.DEVNULL:
@@ -359,6 +403,13 @@ class ProcessStack:
     def gateway_url(self) -> str:
         return f"http://{self.settings.host}:{self.port}"
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's metrics port (``/metrics``, ``/livez``, ``/readyz``), by key."""
+        host = self.settings.metrics_host or os.environ.get("NOETL_METRICS_HOST") or "127.0.0.1"
+        host = "127.0.0.1" if host == "0.0.0.0" else host
+        return {key: f"http://{host}:{port}" for key, port in self.metrics_ports.items()}
+
     def kill(self, key: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[key]
         proc.send_signal(sig)
@@ -402,7 +453,9 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
 async def serve_forever(name: str, settings: Settings) -> None:
     """``noetl service NAME``: run one service until SIGTERM/SIGINT. Its dependencies are waited for
     (retried with a growing delay), never a reason to exit; that includes the streams, which it does
-    not create (``noetl setup`` or the stack runners do, as the admin user).
+    not create (``noetl setup`` or the stack runners do, as the admin user). Its metrics port (when
+    ``settings.metrics_port`` is not None) answers from the start: ``/livez`` at once, ``/readyz`` once
+    the service has started and while it is ready.
 
     The signal stops it gracefully (``stop_service``): it leaves the NATS micro services, stops
     fetching, finishes or hands back (nak) what it holds, leaves the membership group, closes its
@@ -418,21 +471,37 @@ async def serve_forever(name: str, settings: Settings) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    starting = asyncio.create_task(start_service_retrying(name, settings))
-    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        return
-    running = starting.result()
-    if name == "gateway":
-        print(f"gateway listening on {running.service.url}", flush=True)
-    log.info("%s: started", name)
-    await stop.wait()
-    log.info("%s: stopping (%s)", name, received[0] if received else "asked")
-    started = time.monotonic()
+    logs.set_service(name)
+    probes = None
+    if settings.metrics_port is not None:
+        probes = ProbeServer(loop, settings.metrics_host, settings.metrics_port).start()  # OSError: port taken
+        probes.expect(name)
+        log.info("%s: metrics, liveness and readiness on %s (/metrics, /livez, /readyz)", name, probes.url)
     try:
-        await stop_service(running)
-    except Exception as exc:  # noqa: BLE001 - stopping anyway; what it held is redelivered after ack_wait
-        log.warning("%s: stopping failed (%s: %s)", name, type(exc).__name__, exc)
-    log.info("%s: stopped in %.1fs", name, time.monotonic() - started)
+        starting = asyncio.create_task(start_service_retrying(name, settings))
+        await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        running = starting.result()
+        if probes is not None:
+            probes.add(name, readiness(running.service, running.bus))
+        if name == "gateway":
+            print(f"gateway listening on {running.service.url}", flush=True)
+        log.info("%s: started", name)
+        await stop.wait()
+        log.info("%s: stopping (%s)", name, received[0] if received else "asked")
+        began = time.monotonic()
+        if probes is not None:
+            probes.remove(name)
+        try:
+            await stop_service(running)
+        except Exception as exc:  # noqa: BLE001 - stopping anyway; what it held is redelivered after ack_wait
+            log.warning("%s: stopping failed (%s: %s)", name, type(exc).__name__, exc)
+        log.info("%s: stopped in %.1fs", name, time.monotonic() - began)
+    finally:
+        tracing.flush()
+        if probes is not None:
+            probes.stop()
+

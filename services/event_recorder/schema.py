@@ -37,8 +37,18 @@ from psycopg_pool import PoolTimeout
 
 from noetl_mesh.core.events import CORRELATION_KEYS
 from noetl_mesh.core.state import FINAL
+from noetl_mesh.infra.bus import DISPATCH_EVENTS, INFO_EVENTS, LOOP_EVENTS
 
 from . import credentials as _credentials
+
+# What a view of an execution's state folds: its ``ctl`` events (bus.event_class): task progress and loop
+# bookkeeping change no step's status or result (a loop's result and counts are on its loop.done). The
+# condition is written out (not a parameter) so that the planner can use the partial index of migration 5,
+# whose predicate is the same text; loop iterations are counted through the other one.
+NOT_STATE = tuple(sorted(INFO_EVENTS | LOOP_EVENTS | DISPATCH_EVENTS))
+STATE_EVENTS_SQL = "NOT (name = ANY (ARRAY[" + ", ".join(f"'{n}'" for n in NOT_STATE) + "]::text[]))"
+ITERATION_EVENTS = ("loop.iteration.started", "loop.iteration.done", "loop.iteration.failed")
+LOOP_EVENTS_SQL = "name = ANY (ARRAY[" + ", ".join(f"'{n}'" for n in ("loop.started", *ITERATION_EVENTS)) + "]::text[])"
 
 MIGRATIONS: list[tuple[int, str, str]] = [
     (1, "event log, catalog, execution projection", """
@@ -111,6 +121,29 @@ CREATE TABLE IF NOT EXISTS wait (
 );
 CREATE INDEX IF NOT EXISTS wait_open ON wait (started_at DESC) WHERE ended_at IS NULL;
 CREATE INDEX IF NOT EXISTS wait_execution ON wait (execution_id);
+"""),
+    # An execution's state is a fold of its few ctl events: without this index it reads every row of the
+    # execution (400,000 for a 100,000-iteration loop). Partial, so only those rows pay for an entry. The
+    # counters are kept in the transaction that inserts the events (counters() below): an execution's number
+    # of events (NULL for one recorded before this migration: counted then) and each loop run's iterations;
+    # the second index counts iterations up to a point of the log (time travel). On a big existing table
+    # the indexes take a while to build, once.
+    (5, "the state events of an execution; counters of events and of loop iterations", f"""
+CREATE INDEX IF NOT EXISTS event_state ON event (execution_id, seq) WHERE {STATE_EVENTS_SQL};
+CREATE INDEX IF NOT EXISTS event_loops ON event (execution_id, step_run_id, name, seq) INCLUDE ("timestamp")
+    WHERE {LOOP_EVENTS_SQL};
+ALTER TABLE execution ADD COLUMN IF NOT EXISTS event_count bigint;
+ALTER TABLE execution ALTER COLUMN event_count SET DEFAULT 0;
+CREATE TABLE IF NOT EXISTS loop_progress (
+    execution_id text NOT NULL,
+    step_run_id  text NOT NULL,
+    started      bigint NOT NULL DEFAULT 0,
+    done         bigint NOT NULL DEFAULT 0,
+    failed       bigint NOT NULL DEFAULT 0,
+    first_at     timestamptz,
+    last_at      timestamptz,
+    PRIMARY KEY (execution_id, step_run_id)
+);
 """),
 ]
 
@@ -250,8 +283,56 @@ CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS event_in (
 COPY_STAGE = f"COPY event_in ({', '.join(STAGE_COLUMNS)}) FROM STDIN"
 _EVENT_COLUMNS = ", ".join(c if c != "ts" else '"timestamp"' for c in STAGE_COLUMNS)
 _STAGE_SELECT = ", ".join(c if c != "ts" else "to_timestamp(ts)" for c in STAGE_COLUMNS)
-INSERT_FROM_STAGE = f"""INSERT INTO event ({_EVENT_COLUMNS})
-    SELECT {_STAGE_SELECT} FROM event_in ORDER BY seq ON CONFLICT (event_id) DO NOTHING"""
+# Insert the staged rows; answer what was inserted (a duplicate, D21, is not), counted per execution and,
+# for loop iterations, per loop run and name: the counters (:func:`counters`) add exactly these.
+INSERT_FROM_STAGE = f"""WITH inserted AS (INSERT INTO event ({_EVENT_COLUMNS})
+    SELECT {_STAGE_SELECT} FROM event_in ORDER BY seq ON CONFLICT (event_id) DO NOTHING
+    RETURNING execution_id, name, step_run_id, "timestamp")
+SELECT execution_id, it, CASE WHEN it THEN name END, CASE WHEN it THEN step_run_id END, count(*),
+       extract(epoch FROM min("timestamp"))::float8, extract(epoch FROM max("timestamp"))::float8
+FROM (SELECT *, name IN ({", ".join(f"'{n}'" for n in ITERATION_EVENTS)}) AND step_run_id IS NOT NULL AS it
+      FROM inserted) x
+GROUP BY 1, 2, 3, 4"""
+# one statement each per batch, whatever the number of executions in it (arrays, unnested)
+ADD_EVENT_COUNT = """
+UPDATE execution AS x SET event_count = x.event_count + u.n
+FROM unnest(%(ids)s::text[], %(ns)s::bigint[]) AS u(id, n) WHERE x.execution_id = u.id"""
+ADD_LOOP_PROGRESS = """
+INSERT INTO loop_progress AS p (execution_id, step_run_id, started, done, failed, first_at, last_at)
+SELECT id, run, started, done, failed, to_timestamp(first), to_timestamp(last)
+FROM unnest(%(ids)s::text[], %(runs)s::text[], %(started)s::bigint[], %(done)s::bigint[], %(failed)s::bigint[],
+            %(first)s::float8[], %(last)s::float8[]) AS u(id, run, started, done, failed, first, last)
+ON CONFLICT (execution_id, step_run_id) DO UPDATE SET
+    started = p.started + excluded.started, done = p.done + excluded.done, failed = p.failed + excluded.failed,
+    first_at = least(p.first_at, excluded.first_at), last_at = greatest(p.last_at, excluded.last_at)"""
+
+
+def counters(rows: Sequence[Sequence[Any]]) -> dict[str, dict[str, list[Any]]]:
+    """The counter updates of a batch from :data:`INSERT_FROM_STAGE`'s rows ``(execution id, is an
+    iteration, name, step run id, count, first, last)``: each execution's events, each loop run's
+    iterations started, done and failed (first and last: of the iterations that ended, for the rate).
+    Each statement's parameters are arrays (one statement per batch); a statement with nothing to add
+    is left out."""
+    events: dict[str, int] = {}
+    loops: dict[tuple[str, str], dict[str, Any]] = {}
+    for xid, iteration, name, run, n, first, last in rows:
+        events[xid] = events.get(xid, 0) + n
+        if iteration:
+            c = loops.setdefault((xid, run), {"id": xid, "run": run, "started": 0, "done": 0, "failed": 0,
+                                              "first": None, "last": None})
+            key = name.rsplit(".", 1)[-1]
+            c[key] += n
+            if key != "started":
+                c["first"] = first if c["first"] is None else min(c["first"], first)
+                c["last"] = last if c["last"] is None else max(c["last"], last)
+    out: dict[str, dict[str, list[Any]]] = {}
+    if events:
+        out[ADD_EVENT_COUNT] = {"ids": list(events), "ns": list(events.values())}
+    if loops:
+        out[ADD_LOOP_PROGRESS] = {key: [c[field] for c in loops.values()] for key, field in (
+            ("ids", "id"), ("runs", "run"), ("started", "started"), ("done", "done"), ("failed", "failed"),
+            ("first", "first"), ("last", "last"))}
+    return out
 
 SELECT_EVENT = f"""SELECT seq, {', '.join(_TEXT)}, extract(epoch FROM "timestamp")::float8,
     attempt, iteration, data, extra FROM event"""

@@ -46,37 +46,42 @@ from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
+from noetl_mesh.core import view
+from noetl_mesh.core.events import event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
+from noetl_mesh.infra import logs, metrics
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
-    DISPATCH_EVENTS,
     EVENTS,
-    INFO_EVENTS,
-    LOOP_EVENTS,
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
     Q_CATALOG_REGISTER,
     Q_EXECUTION_EVENTS,
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
+    Q_EXECUTION_RESULT,
+    Q_EXECUTION_STATE,
     Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
+    LIVE_LIST,
     Bus,
     BusError,
     admitted,
     dumps,
+    live_subject,
     log_seq,
 )
 from noetl_mesh.lang.validate import validate_text
 from noetl_mesh.limits import LimitExceeded
 
-from . import credentials, replies, schema
+from . import credentials, live, replies, schema
 
 log = logging.getLogger("noetl.event-recorder")
 
 DURABLE = "event-recorder"
-NOT_SUMMARY = sorted(INFO_EVENTS | LOOP_EVENTS | DISPATCH_EVENTS)
+LOOP_ENDS = ("loop.done", "step.failed")  # a loop run's terminal events: they carry its counts
+MAX_FILTER_NAMES = 50
 QUEUE = "event-recorder"
 FILTER = "noetl.pevt.>"
 
@@ -88,6 +93,7 @@ _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execu
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 SECRET_SUBJECTS = "noetl.q.credential."  # replies with secret data: never moved to the object store
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
+YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
 
 
 def _iso(value: Any) -> Any:
@@ -131,6 +137,11 @@ class RecorderService:
         self.consumers = [self.events]
         self._floor = 0  # highest stream sequence acked (everything at or below is recorded)
         self._held: dict[int, Any] = {}  # recorded, not yet acked: stream sequence -> message
+        self._m_batch = metrics.RECORDER_BATCH.labels(self.name)
+        self._m_lag = metrics.RECORDER_LAG.labels(self.name)
+        self._m_pending = metrics.PENDING.labels(self.name, DURABLE, "-")
+        self._m_rejected = metrics.RECORDER_REJECTED.labels(self.name)
+        self._m_handled: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -142,7 +153,8 @@ class RecorderService:
             (Q_CATALOG_REGISTER, self.catalog_register), (Q_CATALOG_GET, self.catalog_get),
             (Q_CATALOG_LIST, self.catalog_list), (Q_EXECUTION_GET, self.execution_get),
             (Q_EXECUTION_EVENTS, self.execution_events), (Q_EXECUTION_LIST, self.execution_list),
-            (Q_EXECUTION_WAITS, self.execution_waits),
+            (Q_EXECUTION_WAITS, self.execution_waits), (Q_EXECUTION_STATE, self.execution_state),
+            (Q_EXECUTION_RESULT, self.execution_result),
             (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
@@ -316,7 +328,9 @@ class RecorderService:
         False when the service is stopping and the batch was handed back instead."""
         records: list[tuple[int, dict[str, Any]]] = []
         started, rejected, skipped = time.perf_counter_ns(), self.rejected, 0
-        for msg in msgs:
+        for n, msg in enumerate(msgs):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # queries are answered on this loop too: let them in between
             seq = msg.metadata.sequence.stream
             try:
                 events = schema.decode(msg.data)  # one message holds the events of one decision (bus.batches)
@@ -329,7 +343,8 @@ class RecorderService:
                 continue
             # what its subject's writer may not write is not part of the log (the control plane drops it
             # too, so the recorded log folds to the services' state, D22); the others keep their place
-            kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
+            with logs.bind(_execution_of(msg.subject)):  # a drop is logged with its execution
+                kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
             records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
         delay = 0.1
         while True:
@@ -352,8 +367,35 @@ class RecorderService:
         failed = self.rejected - rejected + skipped
         self.events.record(started, n=len(msgs), failed=failed, error=f"{self.rejected - rejected} events recorded "
                            f"as rejected, {skipped} malformed messages skipped" if failed else None)
+        self._measure(msgs, records)
+        await self._announce(records)
         await self._ack(msgs)
         return True
+
+    async def _announce(self, records: list[tuple[int, dict[str, Any]]]) -> None:
+        """Tell the console what was just committed (live.py); best effort, never in the way of recording."""
+        try:
+            per, listed = live.notices(records)
+            for xid, notice in per.items():
+                await self.bus.nc.publish(live_subject(xid), dumps(notice))
+            if listed is not None:
+                await self.bus.nc.publish(LIVE_LIST, dumps(listed))
+        except Exception as exc:  # noqa: BLE001 - a notice lost costs a page's freshness only
+            log.debug("live notices not sent: %s", exc)
+
+    def _measure(self, msgs: list, records: list[tuple[int, dict[str, Any]]]) -> None:
+        if not msgs:  # an empty fetch
+            return
+        self._m_batch.observe(len(records))
+        oldest = min(msg.metadata.timestamp.timestamp() for msg in msgs)
+        self._m_lag.observe(max(0.0, time.time() - oldest))
+        self._m_pending.set(msgs[-1].metadata.num_pending)
+        for _, event in records:
+            name = event.get("name")
+            counter = self._m_handled.get(name)
+            if counter is None:
+                counter = self._m_handled[name] = metrics.EVENTS_HANDLED.labels(self.name, event_class(str(name)))
+            counter.inc()
 
     async def _ack(self, msgs: list) -> None:
         for msg in msgs:
@@ -431,21 +473,30 @@ class RecorderService:
                       event.get("event_id"), type(again).__name__, again)
             return
         self.rejected += 1
+        self._m_rejected.inc()
 
     async def _write(self, records: list[tuple[int, dict[str, Any]]]) -> None:
         """One transaction: COPY the rows into the staging table, insert them, update the projection."""
         if self._pool is None:
             raise psycopg.OperationalError("the event-recorder's connection pool is closed")
-        rows = [schema.event_row(seq, event) for seq, event in records]
+        rows = []
+        for start in range(0, len(records), 16 * YIELD_EVERY):  # answering queries in between (see _record)
+            rows += [schema.event_row(seq, event) for seq, event in records[start:start + 16 * YIELD_EVERY]]
+            await asyncio.sleep(0)
         async with self._pool.connection() as conn:
             async with conn.transaction():
                 async with conn.cursor() as cur:
                     async with cur.copy(schema.COPY_STAGE) as copy:
-                        for row in rows:
+                        for n, row in enumerate(rows):
                             await copy.write_row(row)
+                            if n % (16 * YIELD_EVERY) == 16 * YIELD_EVERY - 1:
+                                await asyncio.sleep(0)
                     await cur.execute(schema.INSERT_FROM_STAGE)
+                    inserted = await cur.fetchall()
                     for sql, params in schema.projection([event for _, event in records]).items():
                         await cur.executemany(sql, params)
+                    for sql, params in schema.counters(inserted).items():  # after the projection made the rows
+                        await cur.execute(sql, params)
 
     # ------------------------------------------------------------------ catalog
     async def catalog_register(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -519,29 +570,20 @@ class RecorderService:
         xid = _execution_id(req)
         async with self._connection() as conn:
             proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
-            count = (await (await conn.execute(
-                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            count = await _event_count(conn, xid)
             if req.get("brief"):
                 if proj is None:
                     raise BusError("not_found", f"execution {xid} is not known")
                 return {**_execution_row(proj), "event_count": count}
             # the summary is a fold of the ``ctl`` events alone (bus.event_class): task progress and loop
             # bookkeeping change no step's status or result (a loop's result is on its loop.done)
-            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND NOT (name = ANY(%s))"
-                                     " ORDER BY seq", (xid, NOT_SUMMARY))
+            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
+                                     " ORDER BY seq", (xid,))
             rows = await cur.fetchall()
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
         events = [schema.row_event(r) for r in rows]
-        state = ExecutionState(xid)
-        for event in events:  # what no writer of the engine sends (rejected, odd data) folds to nothing
-            if isinstance(event["data"], dict) and not schema.is_rejected(event):
-                try:
-                    apply(state, event)
-                except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                    log.warning("execution %s: event %s (%s) does not fold: %s", xid, event["event_id"],
-                                event["name"], exc)
-        out = summary(state)
+        out = summary(_fold(xid, events))
         finished = [e["data"] for e in events if e["name"] == "workflow.finished" and isinstance(e["data"], dict)]
         p = _execution_row(proj) if proj else {}
         out.update({
@@ -549,49 +591,156 @@ class RecorderService:
             "error": finished[-1].get("error") if finished else None,
             "parent_execution_id": p.get("parent_execution_id"), "created_at": p.get("created_at"),
             "started_at": p.get("started_at"), "finished_at": p.get("finished_at"),
+            "requested_by": p.get("requested_by"),  # who started it: D30's default signal rule reads it
             "event_count": count,
         })
         return out
 
     async def execution_events(self, req: dict[str, Any]) -> dict[str, Any]:
         """A page of the execution's events: at most ``limit`` and at most what fits in the reply
-        budget; ``next_offset`` is where the next page starts (None after the last event)."""
+        budget; ``next_offset`` is where the next page starts (None after the last event). Optional
+        filters (``names``, ``step``, ``task``, ``iteration``, ``step_run_id``) select among the events;
+        ``offset``, ``total`` and ``next_offset`` then count the selected ones, and ``log_total`` is the
+        whole log's."""
         xid = _execution_id(req)
         offset = max(_int(req.get("offset")) or 0, 0)
         limit = min(max(_int(req.get("limit")) if req.get("limit") is not None else 100, 0), MAX_PAGE)
+        where, params = _event_filters(req)
         async with self._connection() as conn:
-            total = (await (await conn.execute(
-                "SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+            log_total = await _event_count(conn, xid)
+            total = log_total if not where else (await (await conn.execute(
+                f"SELECT count(*) FROM event WHERE execution_id = %s{where}", (xid, *params))).fetchone())[0]
             cur = await conn.execute(
-                f"{schema.SELECT_EVENT} WHERE execution_id = %s ORDER BY seq OFFSET %s LIMIT %s",
-                (xid, offset, limit))
+                f"{schema.SELECT_EVENT} WHERE execution_id = %s{where} ORDER BY seq OFFSET %s LIMIT %s",
+                (xid, *params, offset, limit))
             rows = await cur.fetchall()
-        if not total:
+        if not log_total:
             raise BusError("not_found", f"execution {xid} is not known")
         events, n = await replies.page([schema.row_event(r) for r in rows], limits.current().max_reply_bytes,
                                        self.bus.payloads.put)
         end = offset + n
-        return {"events": events, "total": total, "offset": offset, "limit": limit,
-                "next_offset": end if end < total else None}
+        out = {"events": events, "total": total, "offset": offset, "limit": limit,
+               "next_offset": end if end < total else None}
+        if where:
+            out["log_total"] = log_total
+        return out
+
+    async def execution_state(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The console's view of the execution (core/view.py) as it stood after event ``upto`` (a
+        count: the first ``upto`` events of the log) or after the event of log sequence ``seq``; by
+        default after the last one. The state is the engine's fold (``state.apply``, D22) of the
+        ``ctl`` events (and ``step.started``) up to that point — what admission and the router hold —
+        and each loop run's iterations are counted in the log up to the same point. ``net``: also the
+        playbook's net. At most ``max_state_events`` events are folded (``too_large`` past it)."""
+        xid = _execution_id(req)
+        upto, seq = req.get("upto"), req.get("seq")
+        if upto is not None and (_int(upto) is None or upto < 0):
+            raise BusError("bad_request", "upto must be a count of events (an integer from 0)")
+        if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or abs(seq) >= 2**63):
+            raise BusError("bad_request", "seq must be an event's log sequence (an integer)")
+        bound_limit = limits.current().max_state_events
+        async with self._connection() as conn:
+            proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
+            total = await _event_count(conn, xid)
+            if not total:
+                raise BusError("not_found", f"execution {xid} is not known")
+            bound, position = None, total
+            if upto is not None and upto < total:
+                position = upto
+                bound = -(2**62) if upto == 0 else (await (await conn.execute(
+                    "SELECT seq FROM event WHERE execution_id = %s ORDER BY seq OFFSET %s LIMIT 1",
+                    (xid, upto - 1))).fetchone())[0]
+            elif seq is not None:
+                bound = seq
+                position = (await (await conn.execute(
+                    "SELECT count(*) FROM event WHERE execution_id = %s AND seq <= %s", (xid, seq))).fetchone())[0]
+            upto_sql, upto_params = ("", ()) if bound is None else (" AND seq <= %s", (bound,))
+            cur = await conn.execute(
+                f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}{upto_sql} ORDER BY seq LIMIT %s",
+                (xid, *upto_params, bound_limit + 1))
+            rows = await cur.fetchall()
+            if len(rows) > bound_limit:
+                raise BusError("too_large", str(LimitExceeded(
+                    "max_state_events", None, f"execution {xid}", what="the events folded for a view of the state")))
+            events = [schema.row_event(r) for r in rows]
+            state = _fold(xid, events)
+            loop_runs = [rid for step, ids in state.runs_of.items()
+                         if isinstance((state.steps_by_name().get(step) or {}).get("loop"), dict) for rid in ids]
+            counts: dict[str, dict[str, Any]] = {}
+            totals: dict[str, int] = {}
+            if loop_runs:
+                counts, totals = await _loop_counts(conn, xid, loop_runs, upto_sql, upto_params)
+            at = None
+            if bound is not None and position:
+                row = await (await conn.execute(
+                    f"{schema.SELECT_EVENT} WHERE execution_id = %s AND seq <= %s ORDER BY seq DESC LIMIT 1",
+                    (xid, bound))).fetchone()
+                at = live.compact(schema.row_event(row)) if row else None
+        loop_set = set(loop_runs)
+        ended = {e["step_run_id"]: e["data"] for e in events if e["name"] in LOOP_ENDS and e.get("step_run_id") in loop_set
+                 and isinstance(e["data"], dict) and "total" in e["data"]}
+        out = view.fitted(state, limits.current().max_reply_bytes - 64 * 1024, loops=counts, loop_totals=totals,
+                          ended_counts=ended)
+        p = _execution_row(proj) if proj else {}
+        out.update({"position": position, "total": total, "at": at, "path": p.get("path"), "version": p.get("version"),
+                    "created_at": p.get("created_at"), "started_at": p.get("started_at"),
+                    "finished_at": p.get("finished_at"),
+                    "requested_by": out.get("requested_by") or ({"user_id": p["requested_by"]} if p.get("requested_by") else None),
+                    "parent_execution_id": out.get("parent_execution_id") or p.get("parent_execution_id")})
+        if req.get("net"):
+            out["net"] = view.net(state.playbook)
+        return out
+
+    async def execution_result(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One step run's outcome as its terminal event carries it: ``{run_id, step, event, result,
+        error}`` (a big result travels by reference: the gateway expands it for a download)."""
+        xid = _execution_id(req)
+        run_id = req.get("run_id")
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 256:
+            raise BusError("bad_request", "run_id is required")
+        async with self._connection() as conn:
+            row = await (await conn.execute(
+                "SELECT step, name, data FROM event WHERE execution_id = %s AND step_run_id = %s"
+                " AND name IN ('step.done', 'step.failed', 'loop.done') ORDER BY seq LIMIT 1",
+                (xid, schema.text(run_id)))).fetchone()
+        if row is None:
+            raise BusError("not_found", f"execution {xid} has no ended step run {run_id}")
+        data = row[2] if isinstance(row[2], dict) else {}
+        return {"execution_id": xid, "run_id": run_id, "step": row[0], "event": row[1],
+                "result": data.get("result"), "error": data.get("error")}
 
     async def execution_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
+        """Projection rows, newest first: optional ``status``, ``user`` (a user id), ``path`` (a
+        playbook), ``since`` and ``until`` (created at, epoch seconds). Each row also has
+        ``requested_by_name``: the username its request event recorded (null for a child)."""
         limit = min(max(_int(req.get("limit")) or 50, 1), MAX_PAGE)
         offset = max(_int(req.get("offset")) or 0, 0)
         status = req.get("status")
         if status is not None and str(status).upper() not in STATUSES:
             raise BusError("bad_request", f"status must be one of {', '.join(STATUSES)}")
-        user = req.get("user")
-        if user is not None and not isinstance(user, str):
-            raise BusError("bad_request", "user must be a user id")
-        conditions = [(c, v) for c, v in (("status = %s", str(status).upper() if status else None),
-                                          ("requested_by = %s", user)) if v is not None]
+        for key in ("user", "path"):
+            if req.get(key) is not None and not isinstance(req.get(key), str):
+                raise BusError("bad_request", f"{key} must be a string")
+        for key in ("since", "until"):
+            value = req.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not -1e11 < value < 1e11):
+                raise BusError("bad_request", f"{key} must be a time in epoch seconds")
+        conditions = [(c, v) for c, v in (
+            ("status = %s", str(status).upper() if status else None), ("requested_by = %s", req.get("user")),
+            ("path = %s", schema.text(req["path"]) if req.get("path") else None),
+            ("created_at >= to_timestamp(%s)", req.get("since")), ("created_at < to_timestamp(%s)", req.get("until")),
+        ) if v is not None]
         where = f"WHERE {' AND '.join(c for c, _ in conditions)}" if conditions else ""
         async with self._connection() as conn:
             cur = await conn.execute(
-                f"{_SELECT_EXECUTION} {where} ORDER BY created_at DESC NULLS LAST, execution_id OFFSET %s LIMIT %s",
+                f"SELECT {', '.join(_EXECUTION_COLUMNS)}, (SELECT e.data->'requested_by'->>'username' FROM event e"
+                " WHERE e.execution_id = execution.execution_id AND e.name = 'playbook.execution.requested'"
+                f" ORDER BY e.seq LIMIT 1) FROM execution {where}"
+                " ORDER BY created_at DESC NULLS LAST, execution_id OFFSET %s LIMIT %s",
                 (*[v for _, v in conditions], offset, limit))
             rows = await cur.fetchall()
-        return [_execution_row(r) for r in rows]
+        return [{**_execution_row(r[:-1]), "requested_by_name": r[-1]} for r in rows]
 
     async def execution_waits(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         """D30: waits in progress of running executions, oldest first (``execution_id``, ``kind``
@@ -616,16 +765,6 @@ class RecorderService:
     async def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         """The real state: ``ok`` when the database answers and the consumer is bound."""
 
-        async def database() -> bool:
-            if self._pool is None:
-                return False
-            try:
-                async with self._pool.connection(timeout=0.5) as conn:
-                    await asyncio.wait_for(conn.execute("SELECT 1"), 0.5)
-                return True
-            except Exception:  # noqa: BLE001 - any failure means "not reachable"
-                return False
-
         async def lag() -> int | None:
             try:
                 info = await self.bus.js.consumer_info(EVENTS, DURABLE, timeout=0.8)
@@ -633,10 +772,35 @@ class RecorderService:
             except Exception:  # noqa: BLE001 - lag is best effort
                 return None
 
-        db, pending = await asyncio.gather(database(), lag())
-        consumer = self._sub is not None and self._task is not None and not self._task.done()
+        db, pending = await asyncio.gather(self._database_ok(), lag())
+        consumer = self._consuming()
         return {"ok": db and consumer, "database": db, "consumer": consumer, "lag": pending,
                 "recorded": self.recorded, "rejected": self.rejected}
+
+    async def ready(self) -> dict[str, Any]:
+        """Readiness (the metrics port): Postgres reachable and the events consumer bound."""
+        db = await self._database_ok()
+        consumer = self._consuming()
+        out: dict[str, Any] = {"ok": db and consumer, "database": db, "consumer": consumer}
+        if not db:
+            out["error"] = f"the event database is not reachable ({self._db_error})" if self._pool is None \
+                else "the event database does not answer"
+        elif not consumer:
+            out["error"] = "the events consumer is not bound"
+        return out
+
+    async def _database_ok(self) -> bool:
+        if self._pool is None:
+            return False
+        try:
+            async with self._pool.connection(timeout=0.5) as conn:
+                await asyncio.wait_for(conn.execute("SELECT 1"), 0.5)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+            return False
+
+    def _consuming(self) -> bool:
+        return self._sub is not None and self._task is not None and not self._task.done()
 
     # ------------------------------------------------------------------ helpers
     def _connection(self):
@@ -646,6 +810,88 @@ class RecorderService:
             raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
                                           "the event-recorder keeps trying")
         return self._pool.connection(timeout=5)
+
+
+async def _event_count(conn: Any, xid: str) -> int:
+    """The execution's number of events: its counter (kept with the events, schema.counters), or for an
+    execution recorded before the counter existed, counted."""
+    row = await (await conn.execute("SELECT event_count FROM execution WHERE execution_id = %s", (xid,))).fetchone()
+    if row is not None and row[0] is not None:
+        return row[0]
+    return (await (await conn.execute("SELECT count(*) FROM event WHERE execution_id = %s", (xid,))).fetchone())[0]
+
+
+async def _loop_counts(conn: Any, xid: str, runs: list[str], upto_sql: str,
+                       upto_params: tuple) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """Each loop run's iterations (view.loop_counts) and number of items: after the last event from the
+    counters, up to a point of the log (time travel) counted through the partial index ``event_loops``."""
+    if upto_sql:
+        cur = await conn.execute(
+            "SELECT step_run_id, name, count(*), extract(epoch FROM min(\"timestamp\"))::float8,"
+            " extract(epoch FROM max(\"timestamp\"))::float8 FROM event WHERE execution_id = %s"
+            f" AND {schema.LOOP_EVENTS_SQL} AND name <> 'loop.started' AND step_run_id = ANY(%s){upto_sql}"
+            " GROUP BY step_run_id, name", (xid, runs, *upto_params))
+        counts = view.loop_counts(await cur.fetchall())  # first and last: of the ended iterations (the rate)
+    else:
+        cur = await conn.execute(
+            "SELECT step_run_id, started, done, failed, extract(epoch FROM first_at)::float8,"
+            " extract(epoch FROM last_at)::float8 FROM loop_progress WHERE execution_id = %s AND step_run_id = ANY(%s)",
+            (xid, runs))
+        counts = {r: {"started": a, "done": d, "failed": f, "first_at": t0, "last_at": t1}
+                  for r, a, d, f, t0, t1 in await cur.fetchall()}
+    cur = await conn.execute(
+        "SELECT step_run_id, CASE WHEN jsonb_typeof(data->'total') = 'number' THEN (data->>'total')::numeric"
+        " WHEN jsonb_typeof(data->'items') = 'array' THEN jsonb_array_length(data->'items') END"
+        f" FROM event WHERE execution_id = %s AND {schema.LOOP_EVENTS_SQL} AND name = 'loop.started'"
+        f" AND step_run_id = ANY(%s){upto_sql}", (xid, runs, *upto_params))
+    totals = {rid: int(n) for rid, n in await cur.fetchall() if n is not None and 0 <= n < 2**31}
+    return counts, totals
+
+
+def _fold(xid: str, events: list[dict[str, Any]]) -> ExecutionState:
+    """The engine's fold of recorded events; what no writer of the engine sends (rejected, odd data)
+    folds to nothing."""
+    state = ExecutionState(xid)
+    for event in events:
+        if isinstance(event["data"], dict) and not schema.is_rejected(event):
+            try:
+                apply(state, event)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("execution %s: event %s (%s) does not fold: %s", xid, event["event_id"],
+                            event["name"], exc)
+    return state
+
+
+def _event_filters(req: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The SQL conditions of an events query's filters (``names``, ``step``, ``task``, ``iteration``,
+    ``step_run_id``), each checked."""
+    where, params = "", []
+    names = req.get("names")
+    if names is not None:
+        if not isinstance(names, list) or not names or len(names) > MAX_FILTER_NAMES or \
+                not all(isinstance(n, str) and n for n in names):
+            raise BusError("bad_request", f"names must be a list of 1 to {MAX_FILTER_NAMES} event names")
+        where += " AND name = ANY(%s)"
+        params.append([schema.text(n) for n in names])
+    for key in ("step", "task", "step_run_id"):
+        value = req.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise BusError("bad_request", f"{key} must be a string")
+            where += f" AND {key} = %s"
+            params.append(schema.text(value))
+    if req.get("iteration") is not None:
+        if _int(req["iteration"]) is None:
+            raise BusError("bad_request", "iteration must be an integer")
+        where += " AND iteration = %s"
+        params.append(req["iteration"])
+    return where, params
+
+
+def _execution_of(subject: str) -> str | None:
+    """The execution of a stored events message (``noetl.pevt.<P>.<class>.<execution_id>.<writer>``)."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) >= 5 else None
 
 
 def _int(value: Any) -> int | None:

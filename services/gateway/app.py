@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Literal, TypeVar
 
@@ -65,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from noetl_mesh import limits
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
-from noetl_mesh.infra import bounded, micro, tracing
+from noetl_mesh.infra import bounded, metrics, micro, tracing
 from noetl_mesh.infra.nats_auth import READY_SERVICES
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
 from noetl_mesh.infra.bus import (
@@ -358,7 +359,8 @@ class _Guard:
     """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
     ``request.state.request_id`` for handlers), NUL in
     the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
-    the request id for an exception nothing else handled (a bug: logged with the id)."""
+    the request id for an exception nothing else handled (a bug: logged with the id); the request's
+    duration by route template and status (``noetl_http_request_duration_seconds``)."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -368,12 +370,24 @@ class _Guard:
             return await self.app(scope, receive, send)
         request_id = secrets.token_hex(8)
         scope.setdefault("state", {})["request_id"] = request_id
+        t0, status = time.perf_counter(), 500
+        try:
+            await self._guarded(scope, receive, send, request_id)
+        finally:
+            route = scope.get("route")  # FastAPI's matched route: its template, never the raw path
+            template = getattr(route, "path", None) or ("/docs/assets" if scope["path"].startswith("/docs/assets/")
+                                                        else "unmatched")
+            status = scope.get("state", {}).get("status", status)
+            metrics.HTTP.labels("gateway", scope["method"], template, str(status)).observe(time.perf_counter() - t0)
+
+    async def _guarded(self, scope: dict[str, Any], receive: Callable, send: Callable, request_id: str) -> None:
         started = False
 
         async def send_with_id(message: dict[str, Any]) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                scope["state"]["status"] = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
@@ -545,7 +559,7 @@ class _Shell:
 def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     """``trusted_proxies``: addresses or networks whose ``X-Forwarded-For`` is believed (default: the
     environment's ``NOETL_TRUSTED_PROXIES``; none: the connection's peer is the client)."""
-    tracing.setup("gateway")  # spans need a real provider for trace context to propagate
+    tracing.setup("gateway")  # its tracer: spans exported as the OTEL_* variables say (infra/tracing.py)
     shell = _Shell(bus)
     app = FastAPI(title="NoETL mesh gateway", version="0.1.0",
                   description="Playbook catalog and executions, over the NATS event log. Every route but "
@@ -618,7 +632,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         else:
             raise problem(415, f"the body is {media}: send application/json {{content}} or YAML "
                                f"({', '.join(YAML_TYPES)})", "body")
-        with tracing.span("gateway POST /api/catalog"):
+        with tracing.span("gateway POST /api/catalog", service="gateway"):
             reply = await shell.ask(Q_CATALOG_REGISTER, {"content": content}, where)
         reply.setdefault("warnings", [])
         return reply
@@ -626,20 +640,20 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/api/catalog", tags=["catalog"])
     async def list_catalog(who: dict = need("catalog.read"), path: str | None = None) -> list[dict[str, Any]]:
         """Catalog entries, newest first (``path`` filters one playbook's versions)."""
-        with tracing.span("gateway GET /api/catalog"):
+        with tracing.span("gateway GET /api/catalog", service="gateway"):
             return await shell.ask(Q_CATALOG_LIST, {"path": path} if path else {})
 
     @app.get("/api/catalog/by-path/{path:path}", tags=["catalog"])
     async def get_catalog_by_path(path: str, who: dict = need("catalog.read"),
                                   version: int | None = Query(None, ge=1, le=INT64_MAX)) -> dict[str, Any]:
         """One playbook by path: the latest version, or ``version``."""
-        with tracing.span("gateway GET /api/catalog/by-path"):
+        with tracing.span("gateway GET /api/catalog/by-path", service="gateway"):
             return await shell.ask(Q_CATALOG_GET, {"path": path, "version": version}, expand=True)
 
     @app.get("/api/catalog/{catalog_id}", tags=["catalog"])
     async def get_catalog(who: dict = need("catalog.read"),
                           catalog_id: int = Path(ge=0, le=INT64_MAX)) -> dict[str, Any]:
-        with tracing.span("gateway GET /api/catalog/{id}"):
+        with tracing.span("gateway GET /api/catalog/{id}", service="gateway"):
             return await shell.ask(Q_CATALOG_GET, {"id": catalog_id}, expand=True)
 
     # ------------------------------------------------------------------ executions
@@ -650,7 +664,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         """Start an execution. The playbook is resolved and validated here, so a bad reference (404)
         or an invalid playbook (422, every error listed) is reported at once. The request records
         who started it (``requested_by``)."""
-        with tracing.span("gateway POST /api/executions") as span:
+        with tracing.span("gateway POST /api/executions", service="gateway") as span:
             workload = body.workload or {}
             size = len(dumps(workload))
             if size > limits.current().max_workload_bytes:
@@ -675,13 +689,15 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                 if diags:  # registered under other limits, say: not startable as it is
                     raise problem(422, "invalid playbook", "catalog", _diagnostics(diags))
             execution_id = new_execution_id()
-            span.set_attribute("noetl.execution_id", execution_id)
-            await shell.publish(make_event(
-                "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
-                source="gateway", status="in_progress",
-                data={"playbook": doc, "catalog": catalog, "workload": workload,
-                      "parent_execution_id": body.parent_execution_id,
-                      "requested_by": auth.requested_by(who)}), "body.playbook")
+            span.set_attribute(tracing.EXECUTION_ID, execution_id)
+            # the request travels in the execution's own trace (its id is the trace id), linked to this one
+            with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=execution_id):
+                await shell.publish(make_event(
+                    "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
+                    source="gateway", status="in_progress",
+                    data={"playbook": doc, "catalog": catalog, "workload": workload,
+                          "parent_execution_id": body.parent_execution_id,
+                          "requested_by": auth.requested_by(who)}), "body.playbook")
         return {"execution_id": execution_id, "status": "PENDING"}
 
     @app.get("/api/executions", tags=["executions"])
@@ -690,12 +706,23 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                               status: Literal["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"] | None = None,
                               user: str | None = Query(None, pattern=r"^(me|[0-9a-f]{32})$", description=(
                                   "only the executions this user started (a user id, or `me`)")),
+                              path: str | None = Query(None, max_length=1024, description="only this playbook's"),
+                              since: str | None = Query(None, max_length=64, description=(
+                                  "created at or after: ISO 8601, or epoch seconds")),
+                              until: str | None = Query(None, max_length=64, description=(
+                                  "created before: ISO 8601, or epoch seconds")),
                               ) -> list[dict[str, Any]]:
-        """Executions, newest first."""
+        """Executions, newest first; each with ``requested_by_name``, the username of who started it."""
+        from noetl_mesh.services.gateway.console import _instant
+
         query: dict[str, Any] = {"limit": limit, "offset": offset, "status": status}
         if user is not None:
             query["user"] = who["user_id"] if user == "me" else user
-        with tracing.span("gateway GET /api/executions"):
+        for key, value in (("path", path or None), ("since", _instant(since, "query.since")),
+                           ("until", _instant(until, "query.until"))):
+            if value is not None:
+                query[key] = value
+        with tracing.span("gateway GET /api/executions", service="gateway"):
             return await shell.ask(Q_EXECUTION_LIST, query)
 
     @app.get("/api/executions/{execution_id}", tags=["executions"])
@@ -703,7 +730,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             "only the status projection and the event count (cheap: for polling); without it the "
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
-        with tracing.span("gateway GET /api/executions/{id}"):
+        with tracing.span("gateway GET /api/executions/{id}", service="gateway"):
             reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
             try:
                 return await bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
@@ -713,11 +740,27 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/api/executions/{execution_id}/events", tags=["executions"])
     async def get_execution_events(execution_id: str, who: dict = need("execution.read"),
                                    offset: int = Query(0, ge=0, le=INT64_MAX),
-                                   limit: int = Query(100, ge=0, le=1000)) -> dict[str, Any]:
-        """The execution's events in log order, a page at a time."""
-        with tracing.span("gateway GET /api/executions/{id}/events"):
-            return await shell.ask(Q_EXECUTION_EVENTS,
-                                   {"execution_id": execution_id, "offset": offset, "limit": limit})
+                                   limit: int = Query(100, ge=0, le=1000),
+                                   name: list[str] | None = Query(None, description=(
+                                       "only events of these names (repeat it: at most 50)")),
+                                   step: str | None = Query(None, max_length=256),
+                                   task: str | None = Query(None, max_length=256),
+                                   iteration: int | None = Query(None, ge=0, le=2**31 - 1),
+                                   step_run_id: str | None = Query(None, max_length=256),
+                                   ) -> dict[str, Any]:
+        """The execution's events in log order, a page at a time; filtered by event ``name``,
+        ``step``, ``task``, ``iteration`` or ``step_run_id``, ``total`` and the offsets count the
+        events selected (``log_total``: the whole log's)."""
+        query: dict[str, Any] = {"execution_id": execution_id, "offset": offset, "limit": limit}
+        if name:
+            if len(name) > 50 or any(not n or len(n) > 128 for n in name):
+                raise problem(422, "query.name: at most 50 names, each of 1 to 128 characters", "query.name")
+            query["names"] = name
+        for key, value in (("step", step), ("task", task), ("iteration", iteration), ("step_run_id", step_run_id)):
+            if value is not None:
+                query[key] = value
+        with tracing.span("gateway GET /api/executions/{id}/events", service="gateway"):
+            return await shell.ask(Q_EXECUTION_EVENTS, query)
 
     @app.post("/api/executions/{execution_id}/cancel", status_code=202, response_model=Accepted,
               tags=["executions"], openapi_extra=_json_request(CancelRequest, required=False))
@@ -725,7 +768,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                                body: CancelRequest | None = json_body(CancelRequest, optional=True)) -> dict[str, Any]:
         """Ask for cancellation (409 when the execution has already finished). One's own executions
         with ``execution.cancel.own``; another user's need ``execution.cancel.any``."""
-        with tracing.span("gateway POST /api/executions/{id}/cancel"):
+        with tracing.span("gateway POST /api/executions/{id}/cancel", service="gateway"):
             current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": True})
             if current.get("requested_by") != who["user_id"] and \
                     not access.allowed(who["roles"], "execution.cancel.any"):
@@ -752,7 +795,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         """Send a signal to the execution: it resumes the wait task waiting for it, or is kept until
         such a wait begins. 403 for a sender the wait's ``roles`` (default: who may cancel the
         execution) do not allow; 422 for a payload its ``schema`` refuses; 409 for a second signal."""
-        with tracing.span("gateway POST /api/executions/{id}/signals/{name}"):
+        with tracing.span("gateway POST /api/executions/{id}/signals/{name}", service="gateway"):
             summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
@@ -794,7 +837,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                          limit: int = Query(100, ge=1, le=1000)) -> list[dict[str, Any]]:
         """Waits in progress (D30): the inbox of human tasks — what each waits for, its assignee and
         form, the roles that may answer it."""
-        with tracing.span("gateway GET /api/waits"):
+        with tracing.span("gateway GET /api/waits", service="gateway"):
             query = {k: v for k, v in (("execution_id", execution_id), ("kind", kind), ("limit", limit)) if v is not None}
             rows = await shell.ask(Q_EXECUTION_WAITS, query)
         if mine:
@@ -807,7 +850,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     async def put_credential(request: Request, who: dict = need("credential.write"),
                              body: CredentialBody = json_body(CredentialBody)) -> dict[str, Any]:
         """Create or replace a credential; the answer has no data."""
-        with tracing.span("gateway POST /api/credentials"):
+        with tracing.span("gateway POST /api/credentials", service="gateway"):
             reply = await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
             await auditor.record("credential.written", who, request, target={"credential": body.name},
                                  details={"kind": body.kind, "fields": sorted(body.data)[:50]})
@@ -816,7 +859,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     @app.get("/api/credentials", tags=["credentials"])
     async def list_credentials(who: dict = need("credential.list")) -> list[dict[str, Any]]:
         """Every credential's name, kind, description and times (never its data)."""
-        with tracing.span("gateway GET /api/credentials"):
+        with tracing.span("gateway GET /api/credentials", service="gateway"):
             return await shell.ask(Q_CREDENTIAL_LIST, {})
 
     @app.get("/api/credentials/{name}", tags=["credentials"])
@@ -827,7 +870,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         if include_data and not access.allowed(who["roles"], "credential.read_data"):
             raise auth.deny(request, who, "credential.read_data", " to read a credential's data (include_data)",
                             {"credential": name})
-        with tracing.span("gateway GET /api/credentials/{name}"):
+        with tracing.span("gateway GET /api/credentials/{name}", service="gateway"):
             reply = await shell.ask(Q_CREDENTIAL_GET, {"name": name, "include_data": include_data})
             if include_data:  # no record, no secret
                 await auditor.record("credential.read", who, request, required=True, target={"credential": name},
@@ -836,7 +879,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
 
     @app.delete("/api/credentials/{name}", status_code=204, tags=["credentials"])
     async def delete_credential(name: str, request: Request, who: dict = need("credential.write")) -> Response:
-        with tracing.span("gateway DELETE /api/credentials/{name}"):
+        with tracing.span("gateway DELETE /api/credentials/{name}", service="gateway"):
             await shell.ask(Q_CREDENTIAL_DELETE, {"name": name})
             await auditor.record("credential.deleted", who, request, target={"credential": name})
         return Response(status_code=204)
@@ -1011,6 +1054,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     from noetl_mesh.services.gateway import schedules
 
     schedules.install(app)  # the schedule routes (D31)
+    from noetl_mesh.services.gateway import console
+
+    console.install(app)  # the web console (/ui) and its routes: time travel, lint, live streams
     mount_docs(app)
     auth.check_declarations(app)
     return app
@@ -1063,6 +1109,7 @@ class GatewayService:
         if self._server is not None:
             self._server.should_exit = True
         if self.app is not None:
+            await self.app.state.live.close()
             await self.app.state.auth.close()
             self.app.state.schema_check.close(kill=True)
         if self._task is not None:

@@ -49,7 +49,9 @@ MAX_CACHED = 100_000  # entries; past it, expired entries are swept (and, if sti
 VALIDATE_TIMEOUT = 5.0  # seconds for the sessions service's answer
 REALM = 'Bearer realm="noetl"'
 INVALID = 'Bearer realm="noetl", error="invalid_token"'
-DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/docs/assets"})  # public
+DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc", "/docs/assets",  # public
+                  "/asyncapi.json"})
+CONSOLE = frozenset({"/ui"})  # the web console's files (services/gateway/console.py): public, they hold no data
 TRUSTED_PROXIES_ENV = "NOETL_TRUSTED_PROXIES"
 
 
@@ -394,7 +396,7 @@ def declarations(routes: Iterable[Any]) -> dict[tuple[str, str], str | None]:
             found = {r.permission for r in _requires(route.dependant)}
             permission = found.pop() if len(found) == 1 and len(_requires(route.dependant)) == 1 else None
         else:
-            permission = PUBLIC if path in DOCS else None
+            permission = PUBLIC if path in DOCS or path in CONSOLE else None
         for method in methods:
             if method != "HEAD":
                 out[(method, path)] = permission

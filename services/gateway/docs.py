@@ -1,8 +1,9 @@
 """The gateway's API documentation pages (``/docs``: Swagger UI, ``/redoc``: ReDoc) with every script,
 style sheet and icon served by the gateway itself, under ``/docs/assets``, so that they work on a
 machine with no internet (FastAPI's own pages load them from a CDN). The files come from the
-``fastapi-offline`` package, which ships them. Like FastAPI's own documentation routes these are plain
-routes, public (``auth.DOCS``)."""
+``fastapi-offline`` package, which ships them. ``/asyncapi.json``: the AsyncAPI 3.0 document of the
+NATS side (``contracts/asyncapi.py``). Like FastAPI's own documentation routes these are plain routes,
+public (``auth.DOCS``): they describe the interfaces, never data."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.staticfiles import StaticFiles
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, JSONResponse
 
 ASSETS = "/docs/assets"
 
@@ -46,6 +47,12 @@ def mount(app: FastAPI) -> None:
                               redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",
                               redoc_favicon_url=f"{root}{ASSETS}/favicon.png", with_google_fonts=False)
 
+    async def asyncapi(request: Request) -> JSONResponse:
+        from noetl_mesh.contracts.asyncapi import document
+
+        return JSONResponse(document(app.version))
+
     app.add_route("/docs", swagger, include_in_schema=False)
+    app.add_route("/asyncapi.json", asyncapi, include_in_schema=False)
     app.add_route(oauth2_redirect, swagger_redirect, include_in_schema=False)
     app.add_route("/redoc", redoc, include_in_schema=False)

@@ -97,7 +97,7 @@ def install(app: FastAPI) -> None:
                            body: ScheduleBody = json_body(ScheduleBody)) -> dict[str, Any]:
         """Start a catalog playbook on a schedule; each firing starts one execution, requested by the
         caller. Answers the schedule with its next fire times."""
-        with tracing.span("gateway POST /api/schedules"):
+        with tracing.span("gateway POST /api/schedules", service="gateway"):
             fields = body.model_dump(exclude_none=True)
             _checked(fields)
             await _Shell(request.app.state.bus).ask(Q_CATALOG_GET, {"path": body.path, "version": body.version},
@@ -113,7 +113,7 @@ def install(app: FastAPI) -> None:
                              ) -> dict[str, Any]:
         """Schedules, newest first, without their workloads, each with its next fire time; a page is cut
         by size too (``next_offset`` says where the next starts)."""
-        with tracing.span("gateway GET /api/schedules"):
+        with tracing.span("gateway GET /api/schedules", service="gateway"):
             return await _ask(request, "list", {"offset": offset, "limit": limit})
 
     @app.get("/api/schedules/{schedule_id}", tags=["schedules"])
@@ -121,7 +121,7 @@ def install(app: FastAPI) -> None:
                            next: int = Query(5, ge=0, le=schedules.MAX_NEXT, description="how many next fire times")
                            ) -> dict[str, Any]:
         """One schedule with its next fire times."""
-        with tracing.span("gateway GET /api/schedules/{id}"):
+        with tracing.span("gateway GET /api/schedules/{id}", service="gateway"):
             return await _ask(request, "get", {"id": schedule_id, "next": next})
 
     @app.post("/api/schedules/{schedule_id}/pause", tags=["schedules"])
@@ -129,7 +129,7 @@ def install(app: FastAPI) -> None:
                              schedule_id: str = _schedule_id()) -> dict[str, Any]:
         """Stop the firings (those not taken yet are dropped); another user's schedule needs
         ``execution.cancel.any``."""
-        with tracing.span("gateway POST /api/schedules/{id}/pause"):
+        with tracing.span("gateway POST /api/schedules/{id}/pause", service="gateway"):
             await _own(request, who, schedule_id, "pause")
             reply = await _ask(request, "pause", {"id": schedule_id})
             await request.app.state.auditor.record("schedule.paused", who, request, target={"schedule": schedule_id})
@@ -140,7 +140,7 @@ def install(app: FastAPI) -> None:
                               schedule_id: str = _schedule_id()) -> dict[str, Any]:
         """Fire again from now on (an ``at`` whose instant has passed is 409); another user's schedule
         needs ``execution.cancel.any`` too."""
-        with tracing.span("gateway POST /api/schedules/{id}/resume"):
+        with tracing.span("gateway POST /api/schedules/{id}/resume", service="gateway"):
             await _own(request, who, schedule_id, "resume")
             reply = await _ask(request, "resume", {"id": schedule_id})
             await request.app.state.auditor.record("schedule.resumed", who, request, target={"schedule": schedule_id})
@@ -150,7 +150,7 @@ def install(app: FastAPI) -> None:
     async def delete_schedule(request: Request, who: dict = need("execution.cancel.own"),
                               schedule_id: str = _schedule_id()) -> Response:
         """Delete a schedule: no more firings; executions it started are not touched."""
-        with tracing.span("gateway DELETE /api/schedules/{id}"):
+        with tracing.span("gateway DELETE /api/schedules/{id}", service="gateway"):
             await _own(request, who, schedule_id, "delete")
             await _ask(request, "delete", {"id": schedule_id})
             await request.app.state.auditor.record("schedule.deleted", who, request, target={"schedule": schedule_id})

@@ -17,3 +17,6 @@ class LoopCoordinatorService(PartitionedService):
 
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
         return decide.loops(state, event)
+
+    def idle(self, state: ExecutionState) -> bool:
+        return decide.loops_idle(state)

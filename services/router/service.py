@@ -6,6 +6,7 @@ from typing import Any
 
 from noetl_mesh.core import decide
 from noetl_mesh.core.state import ExecutionState
+from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import cancel_subject
 from noetl_mesh.infra.control import PartitionedService
 
@@ -32,3 +33,12 @@ class RouterService(PartitionedService):
                 pending = [t.id for t in state.timers.values() if not t.fired]
                 if pending:  # D29: its pending timers never fire (one that did would fold to nothing)
                     await self.bus.cancel_timers(state.execution_id, pending)
+                # the execution's root span: from its request to now (its trace's root; a child's links
+                # to its parent's)
+                parent = (state.request.get("parent") or {}).get("execution_id") \
+                    or state.request.get("parent_execution_id")
+                catalog = state.request.get("catalog") or {}
+                tracing.execution_root(self.name, state.execution_id, start_time=state.requested_at,
+                                       status=out["data"]["status"], path=catalog.get("path")
+                                       or ((state.playbook or {}).get("metadata") or {}).get("path"),
+                                       parent_execution_id=parent if isinstance(parent, str) else None)

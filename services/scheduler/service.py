@@ -21,6 +21,7 @@ from typing import Any
 from noetl_mesh import limits
 from noetl_mesh.core import schedules
 from noetl_mesh.core.schedules import DURABLE, FIRE_PREFIX, Q_PREFIX, STREAM, ScheduleError
+from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Bus, BusError, loads, pull_loop, release, unsubscribe_all
 from noetl_mesh.infra.micro import Consumer
 
@@ -56,6 +57,12 @@ class SchedulerService:
                                      ack_wait=self.ack_wait, max_deliver=20)
         self.tasks = [asyncio.create_task(self._firings(sub), name="scheduler-fire"),
                       asyncio.create_task(self._reconciling(), name="scheduler-reconcile")]
+
+    async def ready(self) -> dict[str, Any]:
+        """Answering its subjects and reading the firings."""
+        ok = bool(self.subs) and bool(self.tasks) and not any(t.done() for t in self.tasks) \
+            and not self.stop_event.is_set()
+        return {"ok": ok, **({} if ok else {"error": "not reading the firings"})}
 
     async def stop(self) -> None:
         self.stop_event.set()
@@ -93,7 +100,10 @@ class SchedulerService:
                 await self.store.disarm(record["id"])
                 await msg.ack_sync()
                 return
-            await self.bus.publish_event(decision.start)  # Nats-Msg-Id: the request's event id
+            eid = decision.start["execution_id"]
+            with tracing.span("scheduler playbook.execution.requested", service=self.name, execution_id=eid,
+                              **{"noetl.schedule_id": str(fired.get("id"))}):
+                await self.bus.publish_event(decision.start)  # Nats-Msg-Id: the request's event id
             self.started += 1
         else:
             log.info("scheduler: firing dropped: %s", decision.reason)

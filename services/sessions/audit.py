@@ -24,8 +24,10 @@ from nats.js.errors import NotFoundError
 from noetl_mesh import limits
 from noetl_mesh.core.access import ACTION, ID, AccessError, audit_record, audit_subject, epoch
 
-STREAM = "NOETL_AUDIT"
-SUBJECTS = ["noetl.audit.>"]
+from noetl_mesh.contracts.subjects import AUDIT as STREAM
+from noetl_mesh.contracts.subjects import AUDIT_SUBJECTS
+
+SUBJECTS = list(AUDIT_SUBJECTS)
 MAX_RECORDS = 1000  # per query
 
 

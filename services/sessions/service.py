@@ -55,8 +55,8 @@ import orjson
 from noetl_mesh import limits
 from noetl_mesh.core import access
 from noetl_mesh.core.access import AccessError, iso, principal
-from noetl_mesh.infra import tracing
-from noetl_mesh.infra.bus import unsubscribe_all
+from noetl_mesh.infra import metrics, tracing
+from noetl_mesh.infra.bus import ERROR_KINDS, unsubscribe_all
 
 from . import audit
 from .oidc import OidcConfig, OidcVerifier
@@ -66,26 +66,12 @@ from .store import (BOOTSTRAP, LOGINS, SESSIONS, UNAVAILABLE, USERS, Bucket, Con
 
 log = logging.getLogger("noetl.sessions")
 
-# ---- subjects (the one list; the gateway and CLI import them from here)
-Q_BOOTSTRAP = "noetl.q.sessions.bootstrap"
-Q_LOGIN = "noetl.q.sessions.login"
-Q_VALIDATE = "noetl.q.sessions.validate"
-Q_REFRESH = "noetl.q.sessions.refresh"
-Q_REVOKE = "noetl.q.sessions.revoke"
-Q_LIST = "noetl.q.sessions.list"
-Q_USERS_ADD = "noetl.q.users.add"
-Q_USERS_LIST = "noetl.q.users.list"
-Q_USERS_GET = "noetl.q.users.get"
-Q_USERS_DISABLE = "noetl.q.users.disable"
-Q_USERS_ENABLE = "noetl.q.users.enable"
-Q_USERS_ROLES = "noetl.q.users.roles"
-Q_USERS_PASSWORD = "noetl.q.users.password"
-Q_USERS_STANDING = "noetl.q.users.standing"  # services (the scheduler): may this user still act? no token
-Q_TOKENS_CREATE = "noetl.q.tokens.create"
-Q_TOKENS_LIST = "noetl.q.tokens.list"
-Q_TOKENS_REVOKE = "noetl.q.tokens.revoke"
-Q_AUDIT_LIST = "noetl.q.audit.list"
-REVOKED = "noetl.sessions.revoked"  # core NATS notice: drop cached validations
+# ---- subjects (named in contracts/subjects.py; the gateway and CLI import them from here)
+from noetl_mesh.contracts.subjects import (  # noqa: E402 - the one list: contracts/subjects.py
+    Q_AUDIT_LIST, Q_BOOTSTRAP, Q_LIST, Q_LOGIN, Q_REFRESH, Q_REVOKE, Q_TOKENS_CREATE, Q_TOKENS_LIST, Q_TOKENS_REVOKE,
+    Q_USERS_ADD, Q_USERS_DISABLE, Q_USERS_ENABLE, Q_USERS_GET, Q_USERS_LIST, Q_USERS_PASSWORD, Q_USERS_ROLES,
+    Q_USERS_STANDING, Q_VALIDATE)
+from noetl_mesh.contracts.subjects import SESSIONS_REVOKED as REVOKED  # noqa: E402 - notice: drop cached validations
 QUEUE = "sessions"
 
 MAX_IN_FLIGHT = 1024  # requests handled at once per replica; more are answered "unavailable"
@@ -166,7 +152,8 @@ class SessionsService:
 
     async def _answer(self, subject: str, handler, msg, counts) -> None:
         started = time.perf_counter_ns()
-        with tracing.consume_span(f"{self.bus.name} {subject}", msg.headers):
+        t0 = time.perf_counter()
+        with tracing.consume_span(f"{self.bus.name} {subject}", msg.headers, service=self.name):
             try:
                 req = orjson.loads(msg.data) if msg.data else {}
                 if not isinstance(req, dict):
@@ -182,10 +169,19 @@ class SessionsService:
             except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
                 log.exception("%s failed", subject)
                 reply = _error("internal", f"{type(exc).__name__}")
+            exemplar = metrics.exemplar()
         self.answered += 1
         await _respond(msg, reply)
+        kind = (reply.get("error") or {}).get("kind") if isinstance(reply, dict) else None
+        metrics.REQUESTS.labels(self.name, subject, "ok" if kind is None else kind if kind in ERROR_KINDS else "error") \
+            .observe(time.perf_counter() - t0, exemplar)
         error = reply.get("error") if isinstance(reply, dict) and set(reply) == {"error"} else None
         counts.record(started, error=f"{error.get('kind')}: {error.get('message')}" if isinstance(error, dict) else None)
+
+    async def ready(self) -> dict[str, Any]:
+        """Its buckets open and its subjects answered (the store is NATS KV: no database)."""
+        ok = bool(self._subs) and all(getattr(self, b, None) is not None for b in ("sessions", "users", "logins"))
+        return {"ok": ok, **({} if ok else {"error": "not answering yet"})}
 
     # ------------------------------------------------------------------ settings
     @staticmethod

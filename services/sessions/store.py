@@ -31,7 +31,9 @@ from noetl_mesh.core.access import key_part
 
 log = logging.getLogger("noetl.sessions.store")
 
-SESSIONS, USERS, LOGINS = "noetl_sessions", "noetl_users", "noetl_logins"
+from noetl_mesh.contracts.subjects import LOGINS_BUCKET as LOGINS  # noqa: E402
+from noetl_mesh.contracts.subjects import SESSIONS_BUCKET as SESSIONS  # noqa: E402
+from noetl_mesh.contracts.subjects import USERS_BUCKET as USERS  # noqa: E402
 MARKER_TTL = 60  # seconds a purge marker stays (then the key is gone without a trace)
 WRONG_LAST = (10071, 10164)  # JSStreamWrongLastSequence(Constant)Err
 _DELETED = ("DEL", "PURGE")

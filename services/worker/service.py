@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
-from noetl_mesh.infra import tracing
+from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -85,6 +85,115 @@ class EventBatcher:
         await asyncio.wait_for(asyncio.gather(*self.acks), 30)
 
 
+TERMINALS = {"step.done": ("run", "success"), "step.failed": ("run", "error"),
+             "loop.iteration.done": ("iteration", "success"), "loop.iteration.failed": ("iteration", "error"),
+             "task.suspended": (None, "suspended")}
+
+
+class RunObserver:
+    """The metrics and spans of one command, from the events it publishes (and the pipeline's notes):
+    a task's duration by tool kind and status, a run's (or iteration's) from the command's start to
+    its terminal event; when spans are exported, a span per task attempt (under the run's) and span
+    events for retries and policy directives on the run's span."""
+
+    def __init__(self, service: str, pool: str, command: dict, run_span: Any, started: float):
+        self.service, self.pool, self.started = service, pool, started
+        self.kinds = {t.get("name"): str(t.get("kind")) for t in command.get("tasks") or () if isinstance(t, dict)}
+        self.chunk = bool(command.get("chunk"))
+        self.run_span = run_span
+        self.tracing = tracing.exporting()
+        self.step, self.eid = command.get("step"), command.get("execution_id")
+        self.iteration_spans: dict[Any, Any] = {}
+        self.task_spans: dict[tuple, Any] = {}
+
+    def _run_of(self, iteration: Any) -> Any:
+        """The span of the run (or, in a chunk, the iteration) an event belongs to."""
+        if not self.chunk:
+            return self.run_span
+        s = self.iteration_spans.get(iteration)
+        if s is None:
+            with tracing.otel_context_of(self.run_span):
+                s = self.iteration_spans[iteration] = tracing.start_span(
+                    f"iteration {self.step}[{iteration}]", service=self.service,
+                    start_time=int(time.time_ns() - (time.perf_counter() - self.started) * 1e9),
+                    **{tracing.EXECUTION_ID: self.eid, tracing.STEP: self.step, tracing.ITERATION: iteration})
+        return s
+
+    def event(self, event: dict) -> None:
+        name = event["name"]
+        if name == "task.processed":
+            outcome = (event.get("data") or {}).get("outcome") or {}
+            kind = self.kinds.get(event.get("task"), "unknown")
+            status = str(outcome.get("status") or "unknown")
+            exemplar = None
+            if self.tracing:
+                s = self.task_spans.pop((event.get("iteration"), event.get("action_id"), event.get("attempt")), None)
+                if s is not None:
+                    s.set_attribute(tracing.STATUS, status)
+                    if status != "ok":
+                        error = outcome.get("error") or {}
+                        s.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR,
+                                                          str(error.get("kind") or "error")))
+                    exemplar = {"trace_id": format(s.get_span_context().trace_id, "032x")}
+                    s.end()
+            duration = ((outcome.get("meta") or {}).get("duration_ms") or 0) / 1000.0
+            metrics.TASK_DURATION.labels(self.service, self.pool, kind, status).observe(duration, exemplar)
+        elif name == "task.started":
+            if self.tracing:
+                run = self._run_of(event.get("iteration"))
+                attempt = event.get("attempt") or 1
+                if attempt > 1:
+                    run.add_event("retry", {tracing.TASK: event.get("task") or "", tracing.ATTEMPT: attempt})
+                with tracing.otel_context_of(run):
+                    key = (event.get("iteration"), event.get("action_id"), attempt)
+                    self.task_spans[key] = tracing.start_span(
+                        f"task {event.get('task')}", service=self.service,
+                        **{tracing.EXECUTION_ID: self.eid, tracing.STEP: self.step, tracing.TASK: event.get("task"),
+                           tracing.ATTEMPT: attempt, tracing.TOOL_KIND: self.kinds.get(event.get("task"), "unknown"),
+                           **({tracing.ITERATION: event["iteration"]} if event.get("iteration") is not None else {})})
+        elif name in TERMINALS:
+            kind, status = TERMINALS[name]
+            kind = kind or ("run" if event.get("iteration") is None else "iteration")
+            exemplar = None
+            if self.tracing:
+                run = self._run_of(event.get("iteration"))
+                run.set_attribute(tracing.STATUS, status)
+                if name == "task.suspended":  # its task waits (a child, a signal): its span ends here
+                    s = self.task_spans.pop((event.get("iteration"), event.get("action_id"), event.get("attempt")),
+                                            None)
+                    if s is not None:
+                        s.set_attribute(tracing.STATUS, "suspended")
+                        s.end()
+                if status == "error":
+                    error = (event.get("data") or {}).get("error") or {}
+                    run.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR,
+                                                        str(error.get("kind") or "error")))
+                exemplar = {"trace_id": format(run.get_span_context().trace_id, "032x")}
+                if self.chunk:
+                    self.iteration_spans.pop(event.get("iteration"), None)
+                    run.end()
+            metrics.STEP_DURATION.labels(self.service, self.pool, kind, status).observe(
+                time.perf_counter() - self.started, exemplar)
+
+    def note(self, what: str, fields: dict) -> None:
+        """A policy directive (pipeline ``note``): a span event on the run's span."""
+        if not self.tracing:
+            return
+        attributes = {tracing.TASK: fields.get("task") or "", tracing.ATTEMPT: fields.get("attempt") or 1,
+                      "noetl.policy.do": str(fields.get("do"))}
+        for key in ("to", "delay", "exhausted"):
+            if fields.get(key) is not None:
+                attributes[f"noetl.policy.{key}"] = fields[key]
+        self._run_of(fields.get("iteration")).add_event(what, attributes)
+
+    def close(self) -> None:
+        """End what a cancelled or failed command left open."""
+        for s in [*self.task_spans.values(), *self.iteration_spans.values()]:
+            s.end()
+        self.task_spans.clear()
+        self.iteration_spans.clear()
+
+
 class WorkerService:
     name = "worker"
 
@@ -104,6 +213,10 @@ class WorkerService:
         self.loop_task: asyncio.Task | None = None
         self.cancel_sub = None
         self.done = 0
+        self._m_in_flight = metrics.IN_FLIGHT.labels(self.name, pool)
+        self._m_pending = metrics.PENDING.labels(self.name, f"pool-{pool}", "-")
+        self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
+                           for o in ("acked", "retried", "dropped", "payload_missing", "cancelled")}
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=",".join(pool_filter(pool)),
                                  durable=f"pool-{pool}")
@@ -116,6 +229,12 @@ class WorkerService:
                                           max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
+
+    async def ready(self) -> dict[str, Any]:
+        """Bound to its pool's commands and pulling."""
+        ok = self.loop_task is not None and not self.loop_task.done() and not self.stop_event.is_set()
+        return {"ok": ok, "pool": self.pool, "in_flight": len(self.running),
+                **({} if ok else {"error": "not pulling commands"})}
 
     async def stop(self) -> None:
         """Fetch nothing more; let the running commands finish for ``grace`` seconds; hand back (nak)
@@ -165,42 +284,72 @@ class WorkerService:
         self.run_of.pop(task, None)
 
     async def _run(self, msg: Msg) -> None:
-        started = time.perf_counter_ns()
+        started = time.perf_counter()
+        self._m_in_flight.inc()
+        parts = msg.subject.split(".")  # noetl.cmd.<pool>.<execution_id>: this task's log records name it
+        if len(parts) == 4:
+            logs.set_execution(parts[3])
+        try:
+            self._m_pending.set(msg.metadata.num_pending)
+            await self._run_command(msg, started)
+        finally:
+            self._m_in_flight.dec()
+
+    async def _run_command(self, msg: Msg, started: float) -> None:
+        started_ns = time.perf_counter_ns()  # the micro stats' clock (infra/micro.py)
         try:
             command = loads(msg.data)
             eid = command["execution_id"]
         except Exception:  # noqa: BLE001 - a malformed command can never succeed: drop it, loudly
             log.error("dropping a malformed command at %s: %r", msg.subject, msg.data[:200])
-            self.commands.record(started, error=f"dropped a malformed command at {msg.subject}")
+            self.commands.record(started_ns, error=f"dropped a malformed command at {msg.subject}")
             await msg.term()
+            self._m_outcome["dropped"].inc()
             return
         self.running[asyncio.current_task()] = eid
         self.run_of[asyncio.current_task()] = command.get("step_run_id")
         if eid in self.finished or command.get("step_run_id") in self.stopped_runs:
             await msg.ack()
+            self._m_outcome["cancelled"].inc()
             return
+        logs.set_execution(eid)  # this task's log records (each command runs in a task of its own)
         heartbeat = asyncio.create_task(self._keep_lease(msg))
         batcher: EventBatcher | None = None
+        observer: RunObserver | None = None
         try:
-            with tracing.consume_span(f"worker {command['step']}", msg.headers,
-                                      **{"noetl.execution_id": eid, "noetl.step": command["step"]}):
+            step = command["step"]
+            attributes = {tracing.STEP: step, tracing.POOL: self.pool, tracing.STEP_RUN_ID: command.get("step_run_id")}
+            if command.get("iteration") is not None:
+                attributes[tracing.ITERATION] = command["iteration"]
+            with tracing.consume_span(f"step {step}" if not command.get("chunk") else f"step {step} (chunk)",
+                                      msg.headers, service=self.name, execution_id=eid,
+                                      **{k: v for k, v in attributes.items() if v is not None}) as run_span:
                 command = await self.bus.expand(msg.data, command)  # D23: references -> values
                 batcher = EventBatcher(self.bus, limit=payload_limit(command))
-                await execute_command(command, self.tools, batcher.add, source=f"worker:{self.pool}",
-                                      keychain_resolver=self.keychain,
+                observer = RunObserver(self.name, self.pool, command, run_span, started)
+
+                async def publish(event: dict, add=batcher.add, seen=observer.event) -> None:
+                    seen(event)
+                    await add(event)
+
+                await execute_command(command, self.tools, publish, source=f"worker:{self.pool}",
+                                      keychain_resolver=self.keychain, note=observer.note,
                                       on_secrets=functools.partial(self.log_masking.track, asyncio.current_task()))
                 await batcher.close()
             self.done += 1
-            self.commands.record(started)
+            self.commands.record(started_ns)
             await msg.ack()  # every event is stored; a lost ack only means a redelivery (D21)
+            self._m_outcome["acked"].inc()
         except PayloadMissing as exc:  # D23: a reference past the retention; no redelivery will help
             log.error("command %s: %s", command.get("command_id"), exc)
-            self.commands.record(started, error=f"payload_missing: {exc}")
+            self.commands.record(started_ns, error=f"payload_missing: {exc}")
             await self._fail(command, {"kind": "payload_missing", "message": str(exc), "retryable": False})
             await msg.ack()
+            self._m_outcome["payload_missing"].inc()
         except asyncio.CancelledError:
             if eid in self.finished or command.get("step_run_id") in self.stopped_runs:  # cancelled by the control plane: nothing more to report
                 await msg.ack()
+                self._m_outcome["cancelled"].inc()
             else:  # the worker is stopping: hand the command back now, not after ack_wait
                 try:
                     await asyncio.wait_for(asyncio.shield(msg.nak()), 2)
@@ -209,14 +358,17 @@ class WorkerService:
                 raise
         except Exception as exc:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered
             log.exception("command %s failed", command.get("command_id"))
-            self.commands.record(started, error=f"retrying command {command.get('command_id')}: "
+            self.commands.record(started_ns, error=f"retrying command {command.get('command_id')}: "
                                                 f"{type(exc).__name__}: {exc}")
             await msg.nak(delay=2.0)
+            self._m_outcome["retried"].inc()
         finally:
             self.log_masking.forget(asyncio.current_task())
             heartbeat.cancel()
             if batcher is not None:
                 batcher.abandon()
+            if observer is not None:
+                observer.close()
 
     async def _fail(self, command: dict, error: dict) -> None:
         """End the command's step run or iterations failed without running them."""

@@ -49,6 +49,11 @@ class StackHandle:
         return self.stack.settings.nats_url
 
     @property
+    def metrics_url(self) -> str | None:
+        """The stack's metrics port (``settings_kw={"metrics_port": 0}``): /metrics, /livez, /readyz."""
+        return self.stack.metrics_url
+
+    @property
     def admin(self) -> str:
         """The admin's NATS credentials (for tests that inspect streams)."""
         return self.stack.settings.creds_for("admin")
@@ -108,11 +113,12 @@ def fixture_api() -> Iterator[FixtureApi]:
     api.stop()
 
 
-def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), nats_kw: dict | None = None, **kw: Any):
+def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), nats_kw: dict | None = None,
+                settings_kw: dict | None = None, **kw: Any):
     auth = NatsAuth(tempfile.mkdtemp(prefix="noetl-creds-"), pools=pools).ensure()
     nats = EmbeddedNats(auth=auth, **(nats_kw or {})).start()
     loop = LoopThread()
-    settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory))
+    settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory), **(settings_kw or {}))
     stack = loop.run(InProcessStack(settings, **kw).start())
     return nats, loop, StackHandle(loop, stack)
 

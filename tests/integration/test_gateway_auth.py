@@ -94,6 +94,8 @@ def sample(method: str, path: str) -> tuple[str, dict[str, Any]]:
                         ("{token_id}", NONE)):
         url = url.replace(name, value)
     body = {"json": {}} if method == "POST" and not path.endswith("/cancel") else {}
+    if path.startswith("/api/live/"):  # a live stream: one that ends at once
+        body = {"params": {"seconds": 1}}
     return url, body
 
 

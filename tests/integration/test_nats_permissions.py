@@ -169,7 +169,7 @@ async def _events(admin: Conn, xid: str, until, timeout: float = 15) -> list[dic
                 msgs = await sub.fetch(100, timeout=0.5)
                 for m in msgs:
                     events += [{**e, "_writer": m.subject.rsplit(".", 1)[1]} for e in loads(m.data)]
-        except nats.errors.TimeoutError:
+        except asyncio.TimeoutError:
             pass
         finally:
             await sub.unsubscribe()

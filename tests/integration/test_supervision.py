@@ -38,7 +38,10 @@ def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
         time.sleep(4)
         assert proc.poll() is None, log_path.read_text()
         nats = EmbeddedNats(port=port, auth=auth).start()
-        time.sleep(2)
+        deadline = time.monotonic() + 15  # its next attempt (the delay doubles, up to 5 s) connects
+        while "connected to NATS" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
         assert proc.poll() is None, log_path.read_text()  # connected, waiting for the events stream
         asyncio.run(setup(Settings(nats_url=nats.url, nats_creds=str(auth.directory))))
 

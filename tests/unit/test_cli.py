@@ -324,3 +324,15 @@ def test_the_outcome_is_yaml_not_python_reprs():
     assert "  boom   failed\nerror:\n  kind: python_error\n  message: boom\n  retryable: false\n" in text
     assert "  traceback: |\n    Traceback (most recent call last):\n      File \"<x>\", line 1\n    RuntimeError: boom" in text
     assert "{'" not in text and "None" not in text and "False" not in text
+
+
+def test_a_reader_that_goes_away_is_not_an_error():
+    """`noetl schema | head -1`: the rest of the output has nowhere to go; no traceback, no message."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "schema"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes away before the command writes (its imports take longer)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == ""

@@ -13,8 +13,11 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
-from noetl_mesh.cli import build_parser
+from noetl_mesh.infra import metrics as metrics_module
+
+from noetl_mesh.cli import DEFAULT_METRICS_PORT, build_parser
 from noetl_mesh.infra.nats_auth import user_for
 from noetl_mesh.stack import ALL_SERVICES, SCALABLE
 
@@ -23,10 +26,15 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 NOETL = {name: s for name, s in SERVICES.items() if "build" in s}  # the services of the project's image
-METRICS_PORT = 9464  # `noetl service`'s metrics port (/metrics, /livez, /readyz), by default in the containers
+METRICS_PORT = DEFAULT_METRICS_PORT  # `noetl service`'s metrics port (/metrics, /livez, /readyz)
 # what each image has to run a health check with
 PROGRAMS = {"noetl": {"python", "noetl"}, "nats": {"wget"}, "postgres": {"pg_isready"}, "nginx": {"wget"},
             "prom/prometheus": {"wget"}}
+
+
+METRICS = {f.name + ("_total" if f.type == "counter" else "") for m in vars(metrics_module).values()
+           if isinstance(m, MetricWrapperBase) for f in m.describe()}  # the names Prometheus stores
+PROBE_PATHS = set(re.findall(r'path == "(/[a-z]+)"', (ROOT / "libs" / "noetl_mesh" / "infra" / "probes.py").read_text()))
 
 
 def image_of(service: dict) -> str:
@@ -89,11 +97,13 @@ def test_health_checks_run_programs_their_images_have_against_ports_that_serve_t
         urls = [urlparse(u) for u in re.findall(r"http://[^\s'\"]+", " ".join(test))]
         if image_of(service) == "noetl":
             assert [(u.hostname, u.port, u.path) for u in urls] == [("127.0.0.1", METRICS_PORT, "/readyz")], name
+            assert "/readyz" in PROBE_PATHS and "/livez" in PROBE_PATHS
         elif name == "nats":
             assert [(u.port, u.path) for u in urls] == [(monitoring, "/healthz")]
         checked.add(name)
     assert set(NOETL) - {"setup"} <= checked and {"nats", "postgres", "proxy"} <= checked
-    assert f"EXPOSE {METRICS_PORT}" in DOCKERFILE
+    assert f"EXPOSE {METRICS_PORT}" in DOCKERFILE and f"NOETL_METRICS_PORT={METRICS_PORT}" in DOCKERFILE
+    assert "NOETL_METRICS_HOST=0.0.0.0" in DOCKERFILE  # Prometheus scrapes it from another container
 
 
 def test_depends_on_conditions_name_services_that_can_meet_them():
@@ -164,7 +174,10 @@ def test_prometheus_scrapes_every_service_and_grafana_has_its_dashboard():
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] in uids
         for target in panel["targets"]:
-            assert re.findall(r"\bnoetl_[a-z0-9_]+|\bup\{", target["expr"]), target["expr"]
+            names = re.findall(r"\bnoetl_[A-Za-z0-9_:]+", target["expr"])
+            assert names or "up{" in target["expr"], target["expr"]
+            for name in names:  # a metric of infra/metrics.py (histograms: _bucket, _count; counters: _total)
+                assert re.sub(r"_(bucket|count|sum)$", "", name) in METRICS, (name, target["expr"])
     assert SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == \
         f"{provider['options']['path']}/noetl.json"
     assert NOETL["worker"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"

@@ -29,8 +29,8 @@ def test_every_route_declares_exactly_one_permission_or_a_public_marker(app):
     for (method, path), permission in found.items():
         assert permission in (auth.PUBLIC, auth.SIGNED_IN) or permission in access.PERMISSIONS, (method, path)
     public = sorted(path for (_, path), p in found.items() if p == auth.PUBLIC)
-    assert public == ["/api/auth/login", "/docs", "/docs/assets", "/docs/oauth2-redirect", "/health", "/openapi.json",
-                      "/ready", "/redoc"]
+    assert public == ["/api/auth/login", "/asyncapi.json", "/docs", "/docs/assets", "/docs/oauth2-redirect", "/health",
+                      "/openapi.json", "/ready", "/redoc", "/ui"]  # /ui: the console's files (they hold no data)
     signed_in = sorted(f"{m} {p}" for (m, p), perm in found.items() if perm == auth.SIGNED_IN)
     assert signed_in == ["GET /api/auth/whoami", "POST /api/auth/logout", "POST /api/users/{user_id}/password"]
     # the ones the roles are about
@@ -39,6 +39,11 @@ def test_every_route_declares_exactly_one_permission_or_a_public_marker(app):
     assert found[("POST", "/api/executions/{execution_id}/cancel")] == "execution.cancel.own"  # .any inside
     assert found[("POST", "/api/executions")] == "execution.start"
     assert found[("GET", "/api/audit")] == "audit.read"
+    # the console's own routes read what execution.read and catalog.read allow
+    for path in ("/api/executions/{execution_id}/state", "/api/executions/{execution_id}/runs/{run_id}/result",
+                 "/api/live/executions", "/api/live/executions/{execution_id}"):
+        assert found[("GET", path)] == "execution.read", path
+    assert found[("GET", "/api/catalog/{catalog_id}/lint")] == "catalog.read"
 
 
 def test_a_route_added_without_a_declaration_is_refused(app):

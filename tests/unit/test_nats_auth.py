@@ -73,6 +73,18 @@ def test_who_publishes_commands_purges_and_broadcasts():
         assert not may_publish(user, "$JS.API.STREAM.CREATE.NOETL_EVENTS"), user
 
 
+def test_only_the_recorder_says_what_is_recorded_and_only_gateways_hear_it():
+    """The console's live notices (noetl.live.*): a service that could publish them could make a page
+    show what is not in the log."""
+    for subject in ("noetl.live.x.x1", "noetl.live.list"):
+        assert may_publish("event-recorder", subject)
+        assert may_subscribe("gateway", subject)
+        for user in ("gateway", "admission", "router", "loop-coordinator", "worker-default", "sessions", "scheduler"):
+            assert not may_publish(user, subject), (user, subject)
+        for user in ("admission", "router", "loop-coordinator", "worker-default", "sessions", "event-recorder"):
+            assert not may_subscribe(user, subject), (user, subject)
+
+
 def test_control_plane_durables_are_each_services_own():
     assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p3")
     assert may_publish("router", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.router-p3")

@@ -14,6 +14,7 @@ import yaml
 from noetl_mesh.core import decide, schedules
 from noetl_mesh.core.events import MAY_WRITE, make_event, refused, split_by_writer, writer_of, writers_of
 from noetl_mesh.core.local import run_local
+from noetl_mesh.core.state import ExecutionState, apply
 from noetl_mesh.testing.fixture_api import FixtureApi
 from noetl_mesh.tools import close_tools, default_tools
 from scenarios import SCENARIOS
@@ -113,6 +114,9 @@ async def _run(doc, workload=None, catalog=(), signals=()):
         await close_tools(tools)
 
 
+LOGS: list[list[dict]] = []  # every run's events, as the written fixture made them
+
+
 @pytest.fixture(scope="module")
 def written():
     """(writer, event name) -> how often, over every run (run_local's root request is the gateway's)."""
@@ -120,6 +124,7 @@ def written():
     bad: list[tuple[str, str, str]] = []
 
     def note(run) -> None:
+        LOGS.append(run.events)
         for e in run.events:
             writer = writer_of(e["source"])
             why = refused(writer, e) if writer else f"unknown source {e['source']!r}"
@@ -161,6 +166,22 @@ def written():
         bad.append((firing["source"], firing["name"], why))
     seen[(writer_of(firing["source"]), firing["name"])] += 1
     return seen, bad
+
+
+def test_the_loop_coordinator_has_nothing_to_decide_once_it_is_idle(written):
+    """It acknowledges an idle execution's events unread (infra/control.py): fold each log, and after
+    ``loops_idle`` every event must have needed no decision of it."""
+    idle_runs = 0
+    for log in LOGS:
+        states: dict[str, ExecutionState] = {}
+        for e in log:
+            state = states.setdefault(e["execution_id"], ExecutionState(e["execution_id"]))
+            was_idle = decide.loops_idle(state)
+            if apply(state, e) and was_idle:
+                d = decide.loops(state, e)
+                assert not (d.events or d.commands or d.foreign or d.timers or d.cancel_runs), (e["name"], d)
+        idle_runs += sum(decide.loops_idle(s) for s in states.values())
+    assert idle_runs > 20  # most scenarios have no loop
 
 
 def test_every_event_the_engine_writes_is_allowed_for_its_writer(written):

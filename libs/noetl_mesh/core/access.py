@@ -353,7 +353,9 @@ AUDIT_ACTIONS = (
 
 def audit_subject(action: str, user_id: str | None) -> str:
     """``noetl.audit.<area>.<verb>.<user id or ->``: filters by action, by user or both are subject filters."""
-    return f"noetl.audit.{action}.{user_id if user_id and ID.match(user_id) else '-'}"
+    from ..contracts.subjects import audit_subject as subject
+
+    return subject(action, user_id if user_id and ID.match(user_id) else "-")
 
 
 def audit_record(action: str, *, actor: dict[str, Any] | None, now: float, client_ip: str | None = None,

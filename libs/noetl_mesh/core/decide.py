@@ -615,6 +615,12 @@ class EventName(str):
 
 
 # =============================================================== loops
+def loops_idle(state: ExecutionState) -> bool:
+    """The loop-coordinator decides only on loop steps (their runs, iterations, waits, timeouts and
+    children): an execution whose playbook has none needs nothing more from it."""
+    return state.playbook is not None and not any(s.get("loop") for s in state.playbook.get("workflow") or ())
+
+
 def loops(state: ExecutionState, event: dict[str, Any]) -> Decision:
     out = _Out(state, event, "loop-coordinator")
     if state.halted:
@@ -675,8 +681,8 @@ def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
         return
     max_in_flight = int(lspec.get("max_in_flight", 16)) if mode == "parallel" else 1
     out.event("loop.started", step=run.step, step_run_id=run.id, status="in_progress",
-              data={"items": list(items), "mode": mode, "max_in_flight": max_in_flight,
-                    "iterator": loop["iterator"]})
+              data={"items": list(items), "total": len(items), "mode": mode, "max_in_flight": max_in_flight,
+                    "iterator": loop["iterator"]})  # total: readable without the items (a D23 reference)
     if not items:  # D19: an empty collection ends at once
         out.event("loop.done", step=run.step, step_run_id=run.id,
                   data={"result": [], "total": 0, "done": 0, "failed": 0})

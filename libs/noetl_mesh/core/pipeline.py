@@ -31,9 +31,10 @@ from ..tools.noop import NoopTool
 from .events import action_id as _action_id
 from .events import stable_id
 
-__all__ = ["Emit", "PipelineResult", "run_pipeline", "DEFAULT_MAX_STEPS", "retry_delay"]
+__all__ = ["Emit", "Note", "PipelineResult", "run_pipeline", "DEFAULT_MAX_STEPS", "retry_delay"]
 
 Emit = Callable[[str, dict], Awaitable[None]]
+Note = Callable[[str, dict], None]  # told of decisions the events do not carry (policy directives), for traces
 
 DEFAULT_MAX_STEPS = 10_000  # D9
 DEFAULT_RETRY_ATTEMPTS = 2  # a retry rule without `attempts`
@@ -204,8 +205,13 @@ async def run_pipeline(
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     rng: Callable[[], float] = random.random,
     cancel: asyncio.Event | None = None,
+    note: Note | None = None,
 ) -> PipelineResult:
     """Run the command's task pipeline (D9) and return how it ended.
+
+    ``note(what, fields)``: told of what the events do not say, for the shell's traces: ``"policy"``
+    when a task's policy chose a directive (``task``, ``attempt``, ``iteration``, ``do``, ``to``,
+    ``delay`` of a retry).
 
     ``cancel``: when given and set, the running tool call is abandoned (its task cancelled) and the
     pipeline ends failed with error kind ``cancelled``; tools also see it as ``ToolContext.cancel``.
@@ -218,7 +224,7 @@ async def run_pipeline(
     sends a command with ``resume: {continuation, outcome}``; this function then restores the run and
     goes on as if the task had just returned ``outcome`` (its policy applies: retry starts a new child).
     """
-    return await _Run(command, tools, emit, sleep, rng, cancel).run()
+    return await _Run(command, tools, emit, sleep, rng, cancel, note).run()
 
 
 class _Run:
@@ -227,7 +233,7 @@ class _Run:
     __slots__ = (
         "tools", "emit", "sleep", "rng", "cancel", "execution_id", "step", "step_run_id", "iteration",
         "tasks", "layers", "max_steps", "ctx", "iter", "scope", "ctx_patch", "visits", "last", "specs",
-        "workbook", "resume", "last_task",
+        "workbook", "resume", "last_task", "note",
     )
 
     def __init__(
@@ -238,8 +244,10 @@ class _Run:
         sleep: Callable[[float], Awaitable[Any]],
         rng: Callable[[], float],
         cancel: asyncio.Event | None,
+        note: "Note | None" = None,
     ) -> None:
         self.tools, self.emit, self.sleep, self.rng, self.cancel = tools, emit, sleep, rng, cancel
+        self.note = note
         self.execution_id = command["execution_id"]
         self.step = command["step"]
         self.step_run_id = command.get("step_run_id")
@@ -369,16 +377,26 @@ class _Run:
                         then = await self._apply_policy(policy, view, name, aid)
                     do = then.get("do") or "continue"
                     if do != "retry":
+                        if policy is not None and self.note is not None:
+                            self.note("policy", {"task": name, "attempt": attempt, "iteration": iteration, "do": do,
+                                                 "to": then.get("to")})
                         break
                     attempts = then.get("attempts")
                     attempts = DEFAULT_RETRY_ATTEMPTS if attempts is None else int(attempts)
                     if attempt >= attempts:
                         # D9: attempts ran out: the last outcome stands and the pipeline fails.
+                        if self.note is not None:
+                            self.note("policy", {"task": name, "attempt": attempt, "iteration": iteration,
+                                                 "do": "retry", "exhausted": True})
                         return self.finish(
                             "error",
                             outcome["error"] or _err("retries_exhausted", f"task {name!r}: {attempts} attempts exhausted"),
                         )
-                    await self.sleep(self._delay(then, attempt, view, name))
+                    delay = self._delay(then, attempt, view, name)
+                    if self.note is not None:
+                        self.note("policy", {"task": name, "attempt": attempt, "iteration": iteration, "do": "retry",
+                                             "delay": delay})
+                    await self.sleep(delay)
                     attempt += 1
                 except _PolicyError as e:
                     return self.finish("error", _err(e.kind, e.message))

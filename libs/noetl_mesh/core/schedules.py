@@ -31,13 +31,13 @@ from .events import make_event, stable_id
 from .access import allowed
 
 # ------------------------------------------------------------------------------------ names
-STREAM = "NOETL_SCHEDULES"
-BUCKET = "noetl_schedules"  # KV: id -> definition record
-DEF_PREFIX = "noetl.schedule.def."
-FIRE_PREFIX = "noetl.schedule.fire."
-SUBJECTS = (DEF_PREFIX + "*", FIRE_PREFIX + "*")
-Q_PREFIX = "noetl.q.schedule."
-VERBS = ("add", "list", "get", "pause", "resume", "delete")
+from ..contracts.subjects import SCHEDULE_DEF_PREFIX as DEF_PREFIX
+from ..contracts.subjects import SCHEDULE_FIRE_PREFIX as FIRE_PREFIX
+from ..contracts.subjects import SCHEDULE_Q_PREFIX as Q_PREFIX
+from ..contracts.subjects import SCHEDULE_SUBJECTS as SUBJECTS
+from ..contracts.subjects import SCHEDULE_VERBS as VERBS
+from ..contracts.subjects import SCHEDULES as STREAM
+from ..contracts.subjects import SCHEDULES_BUCKET as BUCKET  # KV: id -> definition record
 SOURCE = "scheduler"  # the writer of the requests it makes (core/events.py MAY_WRITE)
 DURABLE = "scheduler"  # its consumer of the firings
 

@@ -130,6 +130,7 @@ class ExecutionState:
     execution_id: str
     status: str = PENDING
     request: dict[str, Any] = field(default_factory=dict)
+    requested_at: float | None = None  # the request's timestamp (the start of the execution's trace)
     playbook: dict[str, Any] | None = None  # the normalised document
     graph: WorkflowGraph | None = None
     workload: dict[str, Any] = field(default_factory=dict)
@@ -230,6 +231,7 @@ def apply(state: ExecutionState, event: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------- handlers
 def _requested(s: ExecutionState, e: dict, d: dict) -> None:
     s.request = d
+    s.requested_at = e.get("timestamp")
 
 
 def _evaluated(s: ExecutionState, e: dict, d: dict) -> None:

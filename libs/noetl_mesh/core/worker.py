@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from ..tools.secrets import SecretsTool
 from .events import make_event, stable_id
 from .keychain import Masker, Resolver, masker, resolve, secrets_of
-from .pipeline import run_pipeline
+from .pipeline import Note, run_pipeline
 
 Publish = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -34,6 +34,7 @@ async def execute_command(
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     keychain_resolver: Resolver | None = None,
     on_secrets: Callable[[list[str]], Any] | None = None,
+    note: Note | None = None,
 ) -> list[dict[str, Any]]:
     """Run a command: one step run or iteration, or a chunk of loop iterations run concurrently
     (each exactly as if it had come alone, with its own ids).
@@ -74,7 +75,7 @@ async def execute_command(
         async def publish(event: dict[str, Any]) -> None:  # noqa: F811 - the masking wrapper
             await raw_publish(_masked(event, current_masker()))
 
-    terminals = await _execute_all(command, tools, publish, source=source, sleep=sleep)
+    terminals = await _execute_all(command, tools, publish, source=source, sleep=sleep, note=note)
     final = current_masker()
     return [_masked(t, final) for t in terminals] if final else terminals
 
@@ -103,13 +104,14 @@ def _masked(event: dict[str, Any], mask: Masker) -> dict[str, Any]:
     return event if masked is data else {**event, "data": masked}
 
 
-async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *,
-                       source: str, sleep: Callable[[float], Awaitable[Any]]) -> list[dict[str, Any]]:
+async def _execute_all(command: Mapping[str, Any], tools: Mapping[str, Any], publish: Publish, *, source: str,
+                       sleep: Callable[[float], Awaitable[Any]], note: Note | None) -> list[dict[str, Any]]:
     chunk = command.get("chunk")
     if not chunk:
-        return [await execute(command, tools, publish, source=source, sleep=sleep)]
+        return [await execute(command, tools, publish, source=source, sleep=sleep, note=note)]
     subs = [{**command, "chunk": None, **entry} for entry in chunk]
-    return list(await asyncio.gather(*(execute(sub, tools, publish, source=source, sleep=sleep) for sub in subs)))
+    return list(await asyncio.gather(*(execute(sub, tools, publish, source=source, sleep=sleep, note=note)
+                                       for sub in subs)))
 
 
 async def execute(
@@ -119,8 +121,10 @@ async def execute(
     *,
     source: str = "worker",
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    note: Note | None = None,
 ) -> dict[str, Any]:
-    """Run the command's pipeline, publishing every event; return the terminal event."""
+    """Run the command's pipeline, publishing every event; return the terminal event. ``note``: see
+    :func:`pipeline.run_pipeline`."""
     execution_id = command["execution_id"]
     step, run_id, iteration = command["step"], command["step_run_id"], command.get("iteration")
     cid = command["command_id"]
@@ -146,7 +150,7 @@ async def execute(
         await publish(event(name, status=status, task=fields.get("task"), data=data, key=(aid, attempt),
                             action_id=aid, attempt=attempt, task_run_id=aid))
 
-    result = await run_pipeline(dict(command), tools, emit, sleep=sleep)
+    result = await run_pipeline(dict(command), tools, emit, sleep=sleep, note=note)
     if result.suspend is not None:
         # A `playbook` task: the run waits for its child without holding this worker (the command is
         # acknowledged); the control plane starts the child and, when it ends, sends a resume command.

@@ -1,6 +1,6 @@
 """The NATS side of every service: streams, subjects, consumers, publishing, request/reply.
 
-One module names every subject and stream (see docs/architecture.md):
+Streams and subjects (their names: :mod:`noetl_mesh.contracts.subjects`; docs/architecture.md §3):
 
 - ``NOETL_EVENTS`` (JetStream, limits retention, file storage): every event. Publishers write
   ``noetl.evt.<writer>.<class>.<execution_id>`` (writer: ``gateway``, ``admission``, ``router``,
@@ -51,7 +51,7 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from . import tracing
+from . import logs, metrics, tracing
 from ..lang.durations import rfc3339
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
@@ -60,33 +60,16 @@ from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
 
-EVENTS = "NOETL_EVENTS"
-EVENT_SUBJECTS = "noetl.evt.*.*.*"  # writer, class, execution
-TIMER_SUBJECTS = "noetl.sched.*.*"  # execution, timer: D29 timers, JetStream message schedules of the events stream
+from ..contracts.subjects import (  # noqa: F401 - the names of every stream and subject: contracts/subjects.py
+    COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
+    Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
+    Q_CREDENTIAL_PUT, Q_CREDENTIAL_RESOLVE, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_WAITS,
+    Q_EXECUTION_RESULT, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_LIST, batch_subject_of, cancel_subject,
+    command_subject, live_subject, pool_filter, timer_subject, timer_target)
+
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
-LEGACY_EVENT_SUBJECTS = "noetl.evt.*.*"  # class, execution: the layout of earlier versions (setup migrates it)
-COMMANDS = "NOETL_COMMANDS"
-COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
-LOST_COMMANDS = "NOETL_LOST_COMMANDS"  # the server's advisories of commands that ran out of deliveries
-MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 DEFAULT_PARTITIONS = 16
 # Subject classes (which events each control-plane service folds) live in the core: core/events.py.
-
-
-# request/reply reads, answered by the event-recorder (queue group ``event-recorder``)
-Q_CATALOG_REGISTER = "noetl.q.catalog.register"
-Q_CATALOG_GET = "noetl.q.catalog.get"
-Q_CATALOG_LIST = "noetl.q.catalog.list"
-Q_EXECUTION_GET = "noetl.q.execution.get"
-Q_EXECUTION_EVENTS = "noetl.q.execution.events"
-Q_EXECUTION_LIST = "noetl.q.execution.list"
-Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
-Q_RECORDER_PING = "noetl.q.recorder.ping"
-Q_CREDENTIAL_PUT = "noetl.q.credential.put"
-Q_CREDENTIAL_LIST = "noetl.q.credential.list"
-Q_CREDENTIAL_GET = "noetl.q.credential.get"
-Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
-Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"  # workers resolve keychain entries (D24)
 
 
 def dumps(value: Any) -> bytes:
@@ -114,7 +97,7 @@ def batch_subject(events: list[dict[str, Any]]) -> str:
         raise ValueError(f"event {first.get('name')!r} of execution {first.get('execution_id')}: source "
                          f"{first.get('source')!r} names no writer (gateway, admission, router, loop-coordinator, "
                          "worker:<pool>)")
-    return f"noetl.evt.{writer}.{batch_class(events)}.{first['execution_id']}"
+    return batch_subject_of(writer, batch_class(events), first["execution_id"])
 
 
 def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -168,25 +151,6 @@ def _describe(event: Any) -> str:
     return f"{event.get('name')!r} ({event.get('event_id')}, source {event.get('source')!r})"
 
 
-def command_subject(pool: str, execution_id: str) -> str:
-    """A command's subject: by pool (the workers' filter) and execution (so the queued commands of a
-    finished execution can be purged, :meth:`Bus.purge_commands`)."""
-    return f"noetl.cmd.{pool}.{execution_id}"
-
-
-def pool_filter(pool: str) -> list[str]:
-    """What a pool's workers read: its commands (and the per-pool subject of earlier versions)."""
-    return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
-
-
-def timer_subject(execution_id: str, timer_id: str) -> str:
-    return f"noetl.sched.{execution_id}.{timer_id}"
-
-
-def cancel_subject(execution_id: str) -> str:
-    return f"noetl.cancel.{execution_id}"
-
-
 async def unsubscribe_all(subs: list[Any]) -> None:
     """Unsubscribe each subscription of ``subs`` (one whose connection is gone already is skipped) and
     empty the list."""
@@ -216,33 +180,50 @@ class Bus:
         return self.endpoints[subject]
 
     @property
+    def service(self) -> str:
+        """The service this connection is for (its name without ``noetl-``): metrics and spans say it."""
+        return self.name[6:] if self.name.startswith("noetl-") else self.name
+
+    @property
     def payloads(self) -> PayloadStore:
         if self._payloads is None:
-            self._payloads = PayloadStore(self.js, replicas=self.replicas)
+            self._payloads = PayloadStore(self.js, replicas=self.replicas, service=self.service)
         return self._payloads
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
     async def connect(cls, url: str, name: str, creds: str | None = None) -> "Bus":
-        """Connect, retrying for as long as it takes (NATS may start after the service, or restart);
-        connection trouble is logged as one line at most every 10 s, never as a traceback. ``creds``:
-        the service's NATS credentials (an nkey seed file, infra/nats_auth.py); None connects without."""
+        """Connect, retrying for as long as it takes (NATS may start after the service): each failed
+        attempt is one log line, never a traceback, and the next waits twice as long (0.5 s up to
+        5 s). Once connected, the client reconnects by itself after a loss (every 0.5 s; one line at
+        most every 10 s). ``creds``: the service's NATS credentials (an nkey seed file,
+        infra/nats_auth.py); None connects without. Credentials the server refuses are not retried."""
         from .nats_auth import connect_options
 
         quiet = _QuietLog(name)
         servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any node will do
-        connecting = asyncio.ensure_future(nats.connect(
-            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, error_cb=quiet.error,
-            disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds)))
-        while not connecting.done():  # a server that is away is waited for; one that refuses us is not
-            await asyncio.wait([connecting], timeout=0.1)
-            if quiet.refused is not None and not connecting.done():
-                connecting.cancel()
-                await asyncio.gather(connecting, return_exceptions=True)
-                raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
-                                  f"credentials ({creds or 'none given'}; docs/nats-security.md)")
-        nc = connecting.result()
+        delay, attempt = 0.5, 1
+        while True:
+            try:  # each server tried twice (0.5 s apart): the retries, with their backoff, are ours
+                nc = await nats.connect(
+                    servers, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
+                    error_cb=quiet.error,
+                    disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds))
+                break
+            except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+                if quiet.refused is not None:
+                    raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
+                                      f"credentials ({creds or 'none given'}; docs/nats-security.md)") from None
+                why = quiet.last_error or exc
+                log.warning("%s: cannot reach NATS at %s (attempt %d: %s: %s); retrying in %.1fs", name, url,
+                            attempt, type(why).__name__, why, delay)
+                quiet.last_error = None
+                await asyncio.sleep(delay)
+                delay, attempt = min(delay * 2, 5.0), attempt + 1
+        nc.options["max_reconnect_attempts"] = -1  # connected: from now on the client reconnects forever itself
         quiet.connected = True
+        if attempt > 1:
+            log.warning("%s: connected to NATS at %s (attempt %d)", name, url, attempt)
         bus = cls(nc, nc.jetstream(timeout=10), name)
         return bus
 
@@ -439,7 +420,7 @@ class Bus:
         timer's identity: setting the same timer again (a redelivered decision) replaces it."""
         eid, tid = timer["execution_id"], timer["timer_id"]
         headers = tracing.inject({"Nats-Schedule": f"@at {rfc3339(timer['due'])}",
-                                  "Nats-Schedule-Target": f"noetl.evt.timer.ctl.{eid}"})
+                                  "Nats-Schedule-Target": timer_target(eid)})
         return await self.js.publish_async(timer_subject(eid, tid), dumps([timer["event"]]), stream=EVENTS,
                                            headers=headers)
 
@@ -493,21 +474,29 @@ class Bus:
 
         async def on_msg(msg: Msg) -> None:
             started, error = time.perf_counter_ns(), None
-            with tracing.consume_span(f"{self.name} {subject}", msg.headers):
+            t0 = time.perf_counter()
+            outcome = "ok"
+            with tracing.consume_span(f"{self.name} {subject}", msg.headers, service=self.service):
                 try:
                     try:
                         request = loads(msg.data) if msg.data else {}
                     except ValueError as exc:  # e.g. an unpaired surrogate: the requester's, not ours
                         raise BusError("bad_request", f"{subject}: the request is not valid JSON: {exc}") from None
-                    reply = await handler(request)
+                    xid = request.get("execution_id") if isinstance(request, dict) else None
+                    with logs.bind(xid if isinstance(xid, str) else None):
+                        reply = await handler(request)
                 except BusError as exc:
+                    outcome = exc.kind if exc.kind in ERROR_KINDS else "error"
                     reply = {"error": {"kind": exc.kind, "message": exc.message, "details": exc.details}}
                     error = f"{exc.kind}: {exc.message}"
                 except Exception as exc:  # noqa: BLE001 - reply instead of leaving the caller to time out
                     log.exception("%s: %s failed", self.name, subject)
+                    outcome = "internal"
                     reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
                     error = f"internal: {type(exc).__name__}: {exc}"
                 await msg.respond(dumps(reply))
+                exemplar = metrics.exemplar()
+            metrics.REQUESTS.labels(self.service, subject, outcome).observe(time.perf_counter() - t0, exemplar)
             counts.record(started, error=error)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
@@ -611,10 +600,13 @@ class _QuietLog:
         self.name, self.last = name, 0.0
         self.connected = False
         self.refused: str | None = None  # an authorization error before the first connection
+        self.last_error: Exception | None = None  # before the first connection: said by Bus.connect
 
     async def error(self, exc: Exception) -> None:
-        if not self.connected and "authorization violation" in str(exc).lower():
-            self.refused = str(exc)
+        if not self.connected:
+            if "authorization violation" in str(exc).lower():
+                self.refused = str(exc)
+            self.last_error = exc
             return
         if "permissions violation" in str(exc).lower():  # never expected: every one is worth a line
             log.error("%s: NATS refused: %s (this connection's user may not do that: docs/nats-security.md)",
@@ -631,6 +623,12 @@ class _QuietLog:
     async def reconnected(self) -> None:
         self.last = 0.0
         log.warning("%s: reconnected to NATS after losing the connection", self.name)
+
+
+# the error kinds of request/reply answers (docs/architecture.md §5); others count as "error" in metrics
+ERROR_KINDS = frozenset({
+    "bad_request", "not_found", "invalid_playbook", "conflict", "too_large", "unavailable", "internal", "forbidden",
+    "unauthenticated", "locked", "invalid_schedule", "timeout", "payload_missing", "unsupported", "too_many"})
 
 
 class BusError(Exception):

@@ -24,19 +24,22 @@ import asyncio
 import collections
 import logging
 import os
+import time
 from typing import Any
 
 from nats.aio.msg import Msg
 
 from ..core.decide import Decision
+from ..core.events import event_class
 from ..core.state import ExecutionState, apply
-from . import tracing
+from . import logs, metrics, tracing
 from .bus import CTL, EVENTS, Bus, admitted, loads, partition_from_subject, pull_loop, release
 from .membership import Membership
 from .micro import Consumer
 
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
+IDLE = ExecutionState("")  # in the cache, for an execution this service will decide nothing more for
 
 
 class PartitionedService:
@@ -57,6 +60,11 @@ class PartitionedService:
         self.membership: Membership | None = None
         self.handled = 0
         self.rebuilds = 0
+        self.started = False  # consumers created and membership joined (readiness)
+        self._m_decision = metrics.DECISION.labels(self.name)
+        self._m_rebuilds = metrics.REBUILDS.labels(self.name)
+        self._m_handled: dict[str, Any] = {}
+        self._m_pending: dict[int, Any] = {}
         # what `nats micro stats` and `noetl ps` show of this replica (infra/micro.py)
         self.events = Consumer(name="events", stream=EVENTS, durable=self.name, partitions=[],
                                subject=",".join(f"noetl.pevt.*.{c}.*.*" for c in self.classes))
@@ -68,6 +76,11 @@ class PartitionedService:
 
     async def after(self, state: ExecutionState, outputs: list[dict[str, Any]], cancel_runs: list[str]) -> None:
         """Side effects beyond publishing (router: cancel broadcasts)."""
+
+    def idle(self, state: ExecutionState) -> bool:
+        """Whether no later event of the execution can need a decision of this service: its events are
+        then acknowledged without being folded (the loop-coordinator, for a playbook without loops)."""
+        return False
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -82,6 +95,18 @@ class PartitionedService:
                                      replicas=self.bus.replicas)
         await self.membership.start()
         self._read(self.membership.owned)
+        self.started = True
+
+    async def ready(self) -> dict[str, Any]:
+        """Its consumers bound: a live reader for every partition it owns."""
+        dead = sorted(p for p, (task, _) in self.readers.items() if task.done())
+        ok = self.started and not self.stop_event.is_set() and bool(self.readers) and not dead
+        out: dict[str, Any] = {"ok": ok, "partitions": len(self.readers)}
+        if dead:
+            out["error"] = f"readers of partitions {dead} stopped"
+        elif not ok:
+            out["error"] = "stopping" if self.stop_event.is_set() else "consumers not bound yet"
+        return out
 
     def _read(self, owned: set[int]) -> None:
         """Run a reader per owned partition (again, if one ended); a partition no longer owned finishes
@@ -92,6 +117,8 @@ class PartitionedService:
             task, stop = self.readers.pop(p)
             stop.set()
             self.tasks.append(task)
+            self._m_pending.pop(p, None)
+            metrics.forget_pending(self.name, f"{self.name}-p{p}", p)
         for p in sorted(owned):
             if p not in self.readers and not self.stop_event.is_set():
                 stop = asyncio.Event()
@@ -134,8 +161,20 @@ class PartitionedService:
 
     # --------------------------------------------------------------- one event
     async def handle(self, msg: Msg) -> None:
+        """One delivery; its log records name its execution and trace (the subject names the execution:
+        ``noetl.pevt.<P>.<class>.<execution_id>.<writer>``)."""
+        parts = msg.subject.split(".")
+        with logs.bind(parts[4] if len(parts) >= 5 else None):
+            await self._handle_delivery(msg)
+
+    async def _handle_delivery(self, msg: Msg) -> None:
+        t0 = time.perf_counter()
         p = partition_from_subject(msg.subject)
         seq = msg.metadata.sequence
+        pending = self._m_pending.get(p)
+        if pending is None:
+            pending = self._m_pending[p] = metrics.PENDING.labels(self.name, f"{self.name}-p{p}", str(p))
+        pending.set(msg.metadata.num_pending)
         if self.last_consumer_seq.get(p) != seq.consumer - 1:
             self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
         self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
@@ -146,7 +185,19 @@ class PartitionedService:
             self.last_consumer_seq[p] = seq.consumer
             return
         eid = events[0]["execution_id"]
+        exemplar = await self._handle(msg, p, seq, eid, events)
+        self._m_decision.observe(time.perf_counter() - t0, exemplar)
+
+    async def _handle(self, msg: Msg, p: int, seq: Any, eid: str, events: list[dict[str, Any]]) -> dict | None:
+        """Fold, decide, publish, ack; the trace id of the decision's span (an exemplar), if exported."""
         state = self.cache.get(eid)
+        if state is IDLE:
+            for event in events:
+                self._count(event["name"])
+            self.handled += 1
+            await msg.ack()
+            self.last_consumer_seq[p] = seq.consumer
+            return None
         first = events[0]
         if state is None and first["name"] == "playbook.execution.requested" and (
                 not (first.get("data") or {}).get("parent")
@@ -160,8 +211,10 @@ class PartitionedService:
         self.partition_of[eid] = p
         self.cache.move_to_end(eid)
         outputs, commands, foreign, timers, cancel_runs = [], [], [], [], []
+        exemplar = None
         for event in events:
             if apply(state, event):
+                self._count(event["name"])
                 decision = await self.decide(state, event)
                 outputs += decision.events
                 commands += decision.commands
@@ -169,21 +222,38 @@ class PartitionedService:
                 timers += decision.timers
                 cancel_runs += decision.cancel_runs
         if outputs or commands or foreign:  # most events need nothing from this service: no span, no publish
-            with tracing.consume_span(f"{self.name} {events[-1]['name']}", msg.headers,
-                                      **{"noetl.execution_id": eid, "noetl.event": events[-1]["name"]}):
+            with tracing.consume_span(f"{self.name} {events[-1]['name']}", msg.headers, service=self.name,
+                                      execution_id=eid, **{tracing.EVENT: events[-1]["name"]}):
                 # other executions' events first (a child's request, a parent's notice): if this
                 # service dies in between, the redelivered cause decides again and sends both
                 await self.bus.publish_all(foreign + outputs, commands, timers=timers)
                 await self.after(state, outputs, cancel_runs)
+                exemplar = metrics.exemplar()
+            for out in outputs:
+                if out["name"] == "workflow.started":
+                    metrics.EXECUTIONS_STARTED.labels(self.name).inc()
+                elif out["name"] == "workflow.finished":
+                    status = str((out.get("data") or {}).get("status") or "unknown")
+                    metrics.EXECUTIONS_FINISHED.labels(self.name, status).inc()
+        if self.idle(state):
+            self.cache[eid] = IDLE
         self.handled += 1
         # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
         # means a redelivery, which folds to nothing (D21).
         await msg.ack()
         self.last_consumer_seq[p] = seq.consumer
         self._evict()
+        return exemplar
+
+    def _count(self, name: str) -> None:
+        counter = self._m_handled.get(name)
+        if counter is None:
+            counter = self._m_handled[name] = metrics.EVENTS_HANDLED.labels(self.name, event_class(name))
+        counter.inc()
 
     async def _rebuild(self, execution_id: str, partition: int, before_seq: int) -> ExecutionState:
         self.rebuilds += 1
+        self._m_rebuilds.inc()
         events = await self.bus.execution_events(execution_id, partition, self.classes + self.rebuild_classes)
         state = ExecutionState(execution_id)
         later_own = []

@@ -25,7 +25,7 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 log = logging.getLogger("noetl.membership")
 
-BUCKET = "noetl_members"
+from ..contracts.subjects import MEMBERS_BUCKET as BUCKET  # noqa: E402
 STREAM = f"KV_{BUCKET}"  # the bucket's stream
 PREFIX = f"$KV.{BUCKET}."  # its subjects: one per key
 

@@ -6,9 +6,9 @@ permissions; each service holds its own seed in a file (0600). Users:
 | user | may |
 |---|---|
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
-| ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas |
+| ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
-| ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*`` |
+| ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*``, publish notices of what it committed (``noetl.live.>``) |
 | ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
 | ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
@@ -45,20 +45,19 @@ META_FILE = "nats-auth.json"  # what the configuration was made for (partitions,
 SEED_SUFFIX = ".nk"
 DEFAULT_PARTITIONS = 16
 
-# stream and bucket names (infra/bus.py, membership.py, payloads.py; services/sessions)
-EVENTS, COMMANDS, LOST = "NOETL_EVENTS", "NOETL_COMMANDS", "NOETL_LOST_COMMANDS"
-MEMBERS_BUCKET, PAYLOADS_BUCKET = "noetl_members", "noetl_payloads"
+# stream and bucket names: contracts/subjects.py
+from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
+                                  RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
+                                  SESSIONS_AREAS)
+from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
+
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
-SESSION_BUCKETS = ("noetl_sessions", "noetl_users", "noetl_logins")
-AUDIT = "NOETL_AUDIT"
 SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
-SCHEDULES, SCHEDULES_BUCKET = "NOETL_SCHEDULES", "noetl_schedules"  # core/schedules.py
 SCHEDULE_STREAMS = (SCHEDULES, f"KV_{SCHEDULES_BUCKET}")
 ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
-RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<area>.<verb>
-SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
-SCHEDULER_AREAS = ("schedule",)
+from ..contracts.subjects import LIVE_PREFIX  # noqa: E402 - the recorder's notices (the console's live streams)
+LIVE = LIVE_PREFIX.rstrip(".")
 SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
 READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "sessions")  # the gateway pings them
 
@@ -187,6 +186,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
         pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
         sub.append("noetl.sessions.revoked")
+        sub.append(f"{LIVE}.>")  # what the recorder has committed: the console's live streams
         pub += [f"$SRV.PING.{micro_name(s)}" for s in READY_SERVICES]  # its readiness (/ready)
         purges.add(PAYLOADS)
     elif user in CONTROL_PLANE:
@@ -215,6 +215,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += _payloads(write=True)  # replies over max_reply_bytes carry their big values by reference
         purges.add(PAYLOADS)
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
+        pub.append(f"{LIVE}.>")  # notices of committed batches, for the console
     elif user == "sessions":
         pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
         for stream in SESSION_STREAMS:
@@ -246,6 +247,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     deny += [f"noetl.evt.{w}.>" for w in WRITERS if w != writer]  # nobody publishes as another writer
     deny.append("noetl.pevt.>")  # stored subjects are the stream's transform's, never published
     deny.append("noetl.evt.timer.>")  # the NATS scheduler's own writer (D29): no client publishes as it
+    if user != "event-recorder":
+        deny.append(f"{LIVE}.>")  # only the recorder says what is recorded
     if user not in CONTROL_PLANE:
         deny.append("noetl.sched.>")
     if user not in ("admission", "loop-coordinator"):

@@ -23,7 +23,9 @@ from typing import Any
 from nats.js.api import ObjectStoreConfig
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-BUCKET = "noetl_payloads"
+from . import metrics
+
+from ..contracts.subjects import PAYLOADS_BUCKET as BUCKET  # noqa: E402
 STORE = f"nats-object:{BUCKET}"
 DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
 MARKER = f'"store":"{STORE}"'.encode()  # cheap test on raw message bytes
@@ -43,8 +45,9 @@ def is_ref(value: Any) -> bool:
 
 
 class PayloadStore:
-    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024, retention_s: float | None = None, replicas: int = 1):
-        self.js, self.replicas = js, replicas
+    def __init__(self, js, cache_bytes: int = 64 * 1024 * 1024, retention_s: float | None = None, replicas: int = 1,
+                 service: str = "noetl"):
+        self.js, self.replicas, self.service = js, replicas, service
         self.retention_s = retention_s or float(os.environ.get("NOETL_PAYLOAD_RETENTION", DEFAULT_RETENTION_S))
         self._bucket = None
         self._cache: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
@@ -69,8 +72,10 @@ class PayloadStore:
             info = await bucket.get_info(digest)
             if _age_s(info.mtime) > self.retention_s / 2:  # refresh: this reference must outlive it
                 await bucket.put(digest, data)
+                self._count("put", len(data))
         except (ObjectNotFoundError, NotFoundError):
             await bucket.put(digest, data)
+            self._count("put", len(data))
         self._remember(digest, len(data), value)
         return {"store": STORE, "key": digest, "size": len(data), "checksum": f"sha256:{digest}"}
 
@@ -86,11 +91,16 @@ class PayloadStore:
         except (ObjectNotFoundError, NotFoundError):
             raise PayloadMissing(f"payload {key} ({ref.get('size')} bytes) is no longer in {BUCKET}: objects are "
                                  f"kept {self.retention_s:.0f} s (NOETL_PAYLOAD_RETENTION)") from None
+        self._count("get", len(data))
         if hashlib.sha256(data).hexdigest() != key:
             raise ValueError(f"payload {key} does not match its checksum")
         value = loads(data)
         self._remember(key, len(data), value)
         return value
+
+    def _count(self, op: str, size: int) -> None:
+        metrics.PAYLOAD_BYTES.labels(self.service, op).inc(size)
+        metrics.PAYLOAD_OBJECTS.labels(self.service, op).inc()
 
     def _remember(self, key: str, size: int, value: Any) -> None:
         if key in self._cache:

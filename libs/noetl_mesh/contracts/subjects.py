@@ -1,0 +1,389 @@
+"""Every NATS name of the engine, in one place: streams, KV buckets, the object store, and every
+subject with who sends it, who receives it and what it carries (pure data, no I/O).
+
+The modules that talk to NATS take their names from here (``infra/bus.py``, ``infra/nats_auth.py``,
+``infra/membership.py``, ``infra/payloads.py``, ``core/schedules.py``, ``core/access.py``, the sessions
+service); :data:`CHANNELS` describes each subject for the AsyncAPI document (``noetl asyncapi``,
+``contracts/asyncapi.py``), and a test fails when the code uses a subject this list does not name.
+An address is a subject with ``{parameters}`` for its variable tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ------------------------------------------------------------------------------ streams and stores
+EVENTS = "NOETL_EVENTS"
+COMMANDS = "NOETL_COMMANDS"
+LOST_COMMANDS = "NOETL_LOST_COMMANDS"
+AUDIT = "NOETL_AUDIT"
+SCHEDULES = "NOETL_SCHEDULES"
+MEMBERS_BUCKET = "noetl_members"
+SESSIONS_BUCKET, USERS_BUCKET, LOGINS_BUCKET = "noetl_sessions", "noetl_users", "noetl_logins"
+SESSION_BUCKETS = (SESSIONS_BUCKET, USERS_BUCKET, LOGINS_BUCKET)
+SCHEDULES_BUCKET = "noetl_schedules"
+PAYLOADS_BUCKET = "noetl_payloads"  # object store (D23)
+
+# ------------------------------------------------------------------------------ subjects
+EVENT_SUBJECTS = "noetl.evt.*.*.*"  # writer, class, execution
+TIMER_SUBJECTS = "noetl.sched.*.*"  # execution, timer: D29 timers, message schedules of the events stream
+LEGACY_EVENT_SUBJECTS = "noetl.evt.*.*"  # class, execution: the layout of earlier versions (setup migrates it)
+STORED_EVENTS = "noetl.pevt.>"  # the events stream's transform: noetl.pevt.<partition>.<class>.<execution>.<writer>
+COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
+MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
+CANCEL_PREFIX = "noetl.cancel."
+AUDIT_PREFIX = "noetl.audit."
+AUDIT_SUBJECTS = (AUDIT_PREFIX + ">",)
+SESSIONS_REVOKED = "noetl.sessions.revoked"  # core NATS notice: drop cached validations
+# What the recorder has just committed (core NATS, after each batch's transaction): the console's live
+# streams (services/gateway/live.py). Per execution, and one subject for changes of the executions list.
+LIVE_PREFIX = "noetl.live."
+LIVE_EXECUTION = LIVE_PREFIX + "x"  # noetl.live.x.<execution_id>
+LIVE_LIST = LIVE_PREFIX + "list"
+SCHEDULE_DEF_PREFIX = "noetl.schedule.def."
+SCHEDULE_FIRE_PREFIX = "noetl.schedule.fire."
+SCHEDULE_SUBJECTS = (SCHEDULE_DEF_PREFIX + "*", SCHEDULE_FIRE_PREFIX + "*")
+SCHEDULE_Q_PREFIX = "noetl.q.schedule."
+SCHEDULE_VERBS = ("add", "list", "get", "pause", "resume", "delete")
+
+# request/reply, answered by the event-recorder (queue group ``event-recorder``)
+Q_CATALOG_REGISTER = "noetl.q.catalog.register"
+Q_CATALOG_GET = "noetl.q.catalog.get"
+Q_CATALOG_LIST = "noetl.q.catalog.list"
+Q_EXECUTION_GET = "noetl.q.execution.get"
+Q_EXECUTION_EVENTS = "noetl.q.execution.events"
+Q_EXECUTION_LIST = "noetl.q.execution.list"
+Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
+Q_EXECUTION_STATE = "noetl.q.execution.state"  # the console's view of the state after event N (core/view.py)
+Q_EXECUTION_RESULT = "noetl.q.execution.result"  # one step run's whole result (the console's download)
+Q_RECORDER_PING = "noetl.q.recorder.ping"
+Q_CREDENTIAL_PUT = "noetl.q.credential.put"
+Q_CREDENTIAL_LIST = "noetl.q.credential.list"
+Q_CREDENTIAL_GET = "noetl.q.credential.get"
+Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
+Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"  # workers resolve keychain entries (D24)
+# ... by the sessions service (queue group ``sessions``)
+Q_BOOTSTRAP = "noetl.q.sessions.bootstrap"
+Q_LOGIN = "noetl.q.sessions.login"
+Q_VALIDATE = "noetl.q.sessions.validate"
+Q_REFRESH = "noetl.q.sessions.refresh"
+Q_REVOKE = "noetl.q.sessions.revoke"
+Q_LIST = "noetl.q.sessions.list"
+Q_USERS_ADD = "noetl.q.users.add"
+Q_USERS_LIST = "noetl.q.users.list"
+Q_USERS_GET = "noetl.q.users.get"
+Q_USERS_DISABLE = "noetl.q.users.disable"
+Q_USERS_ENABLE = "noetl.q.users.enable"
+Q_USERS_ROLES = "noetl.q.users.roles"
+Q_USERS_PASSWORD = "noetl.q.users.password"
+Q_USERS_STANDING = "noetl.q.users.standing"  # services (the scheduler): may this user still act? no token
+Q_TOKENS_CREATE = "noetl.q.tokens.create"
+Q_TOKENS_LIST = "noetl.q.tokens.list"
+Q_TOKENS_REVOKE = "noetl.q.tokens.revoke"
+Q_AUDIT_LIST = "noetl.q.audit.list"
+# ... by the scheduler (queue group ``scheduler``): noetl.q.schedule.<verb>
+Q_SCHEDULE = {verb: SCHEDULE_Q_PREFIX + verb for verb in SCHEDULE_VERBS}
+
+RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<area>.<verb>
+SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
+SCHEDULER_AREAS = ("schedule",)
+
+
+def batch_subject_of(writer: str, cls: str, execution_id: str) -> str:
+    return f"noetl.evt.{writer}.{cls}.{execution_id}"
+
+
+def stored_subject(partition: int | str, cls: str, execution_id: str, writer: str) -> str:
+    return f"noetl.pevt.{partition}.{cls}.{execution_id}.{writer}"
+
+
+def command_subject(pool: str, execution_id: str) -> str:
+    """A command's subject: by pool (the workers' filter) and execution (so the queued commands of a
+    finished execution can be purged)."""
+    return f"noetl.cmd.{pool}.{execution_id}"
+
+
+def pool_filter(pool: str) -> list[str]:
+    """What a pool's workers read: its commands (and the per-pool subject of earlier versions)."""
+    return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
+
+
+def timer_subject(execution_id: str, timer_id: str) -> str:
+    return f"noetl.sched.{execution_id}.{timer_id}"
+
+
+def timer_target(execution_id: str) -> str:
+    """Where the server writes a timer's ``timer.fired`` (the writer ``timer``, D29)."""
+    return f"noetl.evt.timer.ctl.{execution_id}"
+
+
+def live_subject(execution_id: str) -> str:
+    return f"{LIVE_EXECUTION}.{execution_id}"
+
+
+def cancel_subject(execution_id: str) -> str:
+    return CANCEL_PREFIX + execution_id
+
+
+def audit_subject(action: str, user: str) -> str:
+    """``noetl.audit.<area>.<verb>.<user id or ->`` (``action`` is ``area.verb``)."""
+    return f"{AUDIT_PREFIX}{action}.{user}"
+
+
+def schedule_def_subject(schedule_id: str) -> str:
+    return SCHEDULE_DEF_PREFIX + schedule_id
+
+
+def schedule_fire_subject(schedule_id: str) -> str:
+    return SCHEDULE_FIRE_PREFIX + schedule_id
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    return f"$KV.{bucket}.{key}"
+
+
+# ------------------------------------------------------------------------------ the catalogue
+@dataclass(frozen=True)
+class Channel:
+    """One subject (or family of subjects) and what travels on it.
+
+    ``kind``: ``jetstream`` (published to a stream, acknowledged), ``broadcast`` (core NATS, at most
+    once), ``request`` (core NATS request/reply: ``message`` asked, ``reply`` answered), ``kv`` (a KV
+    bucket's keys), ``object`` (an object store's chunks and metadata), ``advisory`` (written by the
+    server). ``message``/``reply`` name models of :mod:`.messages`."""
+
+    id: str
+    address: str
+    kind: str
+    description: str
+    message: str
+    senders: tuple[str, ...] = ()
+    receivers: tuple[str, ...] = ()
+    reply: str | None = None
+    stream: str | None = None
+    parameters: dict[str, str] = field(default_factory=dict)
+    queue: str | None = None  # the queue group of the receivers
+
+
+_EXECUTION = {"execution_id": "the execution's id"}
+_WRITERS = ("gateway", "admission", "router", "loop-coordinator", "worker", "scheduler", "timer")
+CONTROL_PLANE = ("admission", "router", "loop-coordinator")
+
+
+def _q(subject: str, message: str, reply: str, description: str, receiver: str, senders: tuple[str, ...]) -> Channel:
+    cid = subject.removeprefix("noetl.q.").replace(".", "-")
+    return Channel(id=f"q-{cid}", address=subject, kind="request", description=description, message=message,
+                   reply=reply, senders=senders, receivers=(receiver,), queue=receiver)
+
+
+_RECORDER_Q = (
+    (Q_CATALOG_REGISTER, "CatalogRegisterRequest", "CatalogEntry", "register a playbook: the next version of its path",
+     ("gateway",)),
+    (Q_CATALOG_GET, "CatalogGetRequest", "CatalogEntry", "a catalog entry by id, or by path (and version, else latest)",
+     ("gateway", "admission")),
+    (Q_CATALOG_LIST, "CatalogListRequest", "CatalogList", "catalog entries, newest first", ("gateway",)),
+    (Q_EXECUTION_GET, "ExecutionGetRequest", "ExecutionSummary", "an execution's state folded from its events (D26)",
+     ("gateway",)),
+    (Q_EXECUTION_EVENTS, "ExecutionEventsRequest", "EventsPage", "a page of an execution's events", ("gateway",)),
+    (Q_EXECUTION_LIST, "ExecutionListRequest", "ExecutionList", "executions, newest first", ("gateway",)),
+    (Q_EXECUTION_WAITS, "ExecutionWaitsRequest", "WaitList", "waits in progress (D30)", ("gateway",)),
+    (Q_EXECUTION_STATE, "ExecutionStateRequest", "ExecutionView",
+     "the console's view of an execution after one event of its log (time travel, core/view.py)", ("gateway",)),
+    (Q_EXECUTION_RESULT, "ExecutionResultRequest", "RunResult", "one step run's whole outcome (a download)",
+     ("gateway",)),
+    (Q_RECORDER_PING, "Empty", "RecorderPing", "the recorder's state (the gateway's /ready)", ("gateway",)),
+    (Q_CREDENTIAL_PUT, "CredentialPutRequest", "CredentialInfo", "create or replace a credential (D24)", ("gateway",)),
+    (Q_CREDENTIAL_LIST, "Empty", "CredentialList", "credentials without their data", ("gateway",)),
+    (Q_CREDENTIAL_GET, "CredentialGetRequest", "CredentialInfo", "one credential (its data only when asked)",
+     ("gateway",)),
+    (Q_CREDENTIAL_DELETE, "CredentialNameRequest", "Deleted", "delete a credential", ("gateway",)),
+    (Q_CREDENTIAL_RESOLVE, "CredentialResolveRequest", "CredentialValues",
+     "a worker resolves an execution's keychain credentials (D24)", ("worker",)),
+)
+_SESSIONS_Q = (
+    (Q_BOOTSTRAP, "BootstrapRequest", "BootstrapReply", "create the first admin while no user exists", ("admin",)),
+    (Q_LOGIN, "LoginRequest", "LoginReply", "log in with a password or an OIDC ID token", ("gateway",)),
+    (Q_VALIDATE, "TokenRequest", "Principal", "the principal of a session or API token", ("gateway",)),
+    (Q_REFRESH, "TokenRequest", "Principal", "a session's idle expiry moved now", ("gateway",)),
+    (Q_REVOKE, "SessionsRequest", "Revoked", "log out, or revoke sessions", ("gateway",)),
+    (Q_LIST, "SessionsRequest", "SessionList", "login sessions", ("gateway",)),
+    (Q_USERS_ADD, "SessionsRequest", "UserReply", "add a user", ("gateway",)),
+    (Q_USERS_LIST, "SessionsRequest", "UserList", "users by username", ("gateway",)),
+    (Q_USERS_GET, "SessionsRequest", "UserReply", "one user", ("gateway",)),
+    (Q_USERS_DISABLE, "SessionsRequest", "UserReply", "disable a user (its sessions and tokens revoked)", ("gateway",)),
+    (Q_USERS_ENABLE, "SessionsRequest", "UserReply", "enable a user", ("gateway",)),
+    (Q_USERS_ROLES, "SessionsRequest", "UserReply", "set a user's roles", ("gateway",)),
+    (Q_USERS_PASSWORD, "SessionsRequest", "UserReply", "change a password", ("gateway",)),
+    (Q_USERS_STANDING, "UserStandingRequest", "UserStanding",
+     "whether a user exists, is active and which roles it has (a schedule's creator, at each firing)",
+     ("scheduler",)),
+    (Q_TOKENS_CREATE, "SessionsRequest", "TokenCreated", "a new API token", ("gateway",)),
+    (Q_TOKENS_LIST, "SessionsRequest", "TokenList", "live API tokens", ("gateway",)),
+    (Q_TOKENS_REVOKE, "SessionsRequest", "Revoked", "revoke an API token", ("gateway",)),
+    (Q_AUDIT_LIST, "SessionsRequest", "AuditList", "audit records, newest first", ("gateway",)),
+)
+_SCHEDULER_Q = (
+    ("add", "ScheduleAddRequest", "ScheduleRecord", "add a schedule of a catalog playbook (D31)"),
+    ("list", "ScheduleListRequest", "ScheduleList", "schedules"),
+    ("get", "ScheduleGetRequest", "ScheduleRecord", "one schedule (and its next fire times)"),
+    ("pause", "ScheduleIdRequest", "ScheduleRecord", "pause a schedule"),
+    ("resume", "ScheduleIdRequest", "ScheduleRecord", "resume a schedule"),
+    ("delete", "ScheduleIdRequest", "Deleted", "delete a schedule"),
+)
+
+CHANNELS: tuple[Channel, ...] = (
+    Channel("events", "noetl.evt.{writer}.{class}.{execution_id}", "jetstream",
+            "An events message: the events of one decision (or one worker flush) of one execution, one writer "
+            "(who may write what: core/events.py MAY_WRITE). Headers: Nats-Msg-Id (the events' ids, D21), "
+            "traceparent. Stored as noetl.pevt.<partition>.<class>.<execution_id>.<writer>.",
+            "EventsMessage", senders=("gateway", *CONTROL_PLANE, "worker", "scheduler", "nats-server (timer)"),
+            stream=EVENTS,
+            parameters={"writer": "who wrote the events: " + ", ".join(_WRITERS),
+                        "class": "the most demanding class of its events: ctl, loop, dispatch, info", **_EXECUTION}),
+    Channel("events-stored", "noetl.pevt.{partition}.{class}.{execution_id}.{writer}", "jetstream",
+            "The events stream's stored form of noetl.evt (its subject transform: partition = hash of the "
+            "execution id mod the partition count). Read through durables: <service>-p<P> (control plane, "
+            "ctl/loop), event-recorder (everything); never published to.",
+            "EventsMessage", receivers=(*CONTROL_PLANE, "event-recorder"), stream=EVENTS,
+            parameters={"partition": "the execution's partition", "class": "ctl, loop, dispatch, info",
+                        **_EXECUTION, "writer": "who wrote the events"}),
+    Channel("events-legacy", "noetl.evt.{class}.{execution_id}", "jetstream",
+            "Events of the layout of earlier versions (no writer token). No longer published: setup moves an "
+            "events stream of this layout to the current one; messages stored under it are still recorded.",
+            "EventsMessage", receivers=("event-recorder",), stream=EVENTS,
+            parameters={"class": "ctl, loop, dispatch, info", **_EXECUTION}),
+    Channel("timers", "noetl.sched.{execution_id}.{timer_id}", "jetstream",
+            "A timer (D29): a message schedule of the events stream (headers Nats-Schedule: @at <instant>, "
+            "Nats-Schedule-Target: noetl.evt.timer.ctl.<execution_id>) whose body, the timer.fired event, the "
+            "server writes into the execution's log at that time; an empty message with Nats-Rollup: sub "
+            "cancels it.", "EventsMessage", senders=CONTROL_PLANE, stream=EVENTS,
+            parameters={**_EXECUTION, "timer_id": "the timer's id"}),
+    Channel("commands", "noetl.cmd.{pool}.{execution_id}", "jetstream",
+            "One command for a worker pool: a step run, a loop iteration, a chunk of iterations, or a resume. "
+            "Work-queue retention: deleted when a worker acks it. Durable pool-<pool> shared by the pool's "
+            "workers. Header Nats-Msg-Id: the command id.",
+            "Command", senders=("admission", "loop-coordinator"), receivers=("worker",), stream=COMMANDS,
+            parameters={"pool": "the worker pool", **_EXECUTION}),
+    Channel("commands-legacy", "noetl.cmd.{pool}", "jetstream",
+            "Commands by pool only, as earlier versions sent them; still read by the pool's workers.",
+            "Command", receivers=("worker",), stream=COMMANDS, parameters={"pool": "the worker pool"}),
+    Channel("lost-commands", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.{{consumer}}", "advisory",
+            "The server's advisory of a command that ran out of deliveries; kept in NOETL_LOST_COMMANDS until "
+            "admission (durable admission) fails its runs with worker_lost.",
+            "MaxDeliveriesAdvisory", senders=("nats-server",), receivers=("admission",), stream=LOST_COMMANDS,
+            parameters={"consumer": "the commands consumer (pool-<pool>)"}),
+    Channel("cancel", "noetl.cancel.{execution_id}", "broadcast",
+            "Workers abort an execution's running commands (it finished), or some step runs (timed out, D29).",
+            "CancelNotice", senders=("router",), receivers=("worker",), parameters=_EXECUTION),
+    *(_q(s, m, r, d, "event-recorder", who) for s, m, r, d, who in _RECORDER_Q),
+    *(_q(s, m, r, d, "sessions", who) for s, m, r, d, who in _SESSIONS_Q),
+    *(_q(SCHEDULE_Q_PREFIX + verb, m, r, d, "scheduler", ("gateway",)) for verb, m, r, d in _SCHEDULER_Q),
+    Channel("sessions-revoked", SESSIONS_REVOKED, "broadcast",
+            "Gateways drop cached token validations: a session, a token, or every one of a user.",
+            "RevokedNotice", senders=("sessions",), receivers=("gateway",)),
+    Channel("live-execution", LIVE_EXECUTION + ".{execution_id}", "broadcast",
+            "What the event-recorder has just committed of an execution (after each batch's transaction): counts "
+            "by event name and the newest events, without data. Gateways subscribe while a console page shows the "
+            "execution (services/gateway/live.py).", "LiveNotice", senders=("event-recorder",),
+            receivers=("gateway",), parameters=_EXECUTION),
+    Channel("live-list", LIVE_LIST, "broadcast",
+            "Executions a committed batch requested, started or finished (the console's executions list).",
+            "LiveListNotice", senders=("event-recorder",), receivers=("gateway",)),
+    Channel("audit", "noetl.audit.{area}.{verb}.{user_id}", "jetstream",
+            "An audit record (stream NOETL_AUDIT, max age audit_retention). The sessions service writes the "
+            "session, user and token areas; the gateway its own (credential, execution, access).",
+            "AuditRecord", senders=("sessions", "gateway"), receivers=("sessions",), stream=AUDIT,
+            parameters={"area": "what was acted on", "verb": "what was done",
+                        "user_id": "the actor's user id, or -"}),
+    Channel("schedule-def", "noetl.schedule.def.{schedule_id}", "jetstream",
+            "A schedule's message (header Nats-Schedule: a cron, @every or @at); the server fires it into "
+            "noetl.schedule.fire.<schedule_id> (D31).", "ScheduleFiring", senders=("scheduler",),
+            stream=SCHEDULES, parameters={"schedule_id": "the schedule's id"}),
+    Channel("schedule-fire", "noetl.schedule.fire.{schedule_id}", "jetstream",
+            "A schedule fired (written by the server); the scheduler (durable scheduler) turns it into an "
+            "execution request.", "ScheduleFiring", senders=("nats-server",), receivers=("scheduler",),
+            stream=SCHEDULES, parameters={"schedule_id": "the schedule's id"}),
+    *(Channel(f"micro-{verb.lower()}{suffix}", f"$SRV.{verb}{address}", "request",
+              f"NATS micro service discovery (the nats CLI's `nats micro`): every service process that registers "
+              f"as a micro service (noetl-<service>) answers {verb}{what}.", "Empty",
+              senders=("operators' tools", "gateway"), receivers=("every service",), reply=f"Micro{verb.title()}",
+              parameters=params)
+      for verb in ("PING", "INFO", "STATS")
+      for suffix, address, what, params in (
+          ("", "", " for all", {}),
+          ("-name", ".{name}", " for its name", {"name": "noetl-<service>"}),
+          ("-id", ".{name}.{id}", " for one replica", {"name": "noetl-<service>", "id": "the replica's id"}))),
+    Channel("kv-members", f"$KV.{MEMBERS_BUCKET}.{{service}}.{{replica}}", "kv",
+            "Membership of the control-plane replicas: each puts its key every third of the bucket's TTL "
+            "(NOETL_MEMBERSHIP_TTL) and deletes it when it stops; the live keys deal the partitions out.",
+            "Member", senders=CONTROL_PLANE, receivers=CONTROL_PLANE,
+            parameters={"service": "admission, router or loop-coordinator", "replica": "the replica's id"}),
+    Channel("kv-sessions", f"$KV.{SESSIONS_BUCKET}.{{key}}", "kv",
+            "Login sessions and each user's index of them (per-key TTL).", "KvRecord",
+            senders=("sessions",), receivers=("sessions",), parameters={"key": "services/sessions/store.py"}),
+    Channel("kv-users", f"$KV.{USERS_BUCKET}.{{key}}", "kv",
+            "Users, unique names, OIDC links, API tokens.", "KvRecord", senders=("sessions",),
+            receivers=("sessions",), parameters={"key": "services/sessions/store.py"}),
+    Channel("kv-logins", f"$KV.{LOGINS_BUCKET}.{{key}}", "kv",
+            "Failed-login counters (per-key TTL).", "KvRecord", senders=("sessions",), receivers=("sessions",),
+            parameters={"key": "services/sessions/store.py"}),
+    Channel("kv-schedules", f"$KV.{SCHEDULES_BUCKET}.{{schedule_id}}", "kv",
+            "Schedule definitions (D31).", "ScheduleRecord", senders=("scheduler",), receivers=("scheduler",),
+            parameters={"schedule_id": "the schedule's id"}),
+    Channel("payloads", f"$O.{PAYLOADS_BUCKET}.{{part}}.{{id}}", "object",
+            "The payload store (D23): values too big to travel inline, keyed by the SHA-256 of their JSON, "
+            "referred to by PayloadRef; chunks (C) and metadata (M) of each object.", "PayloadObject",
+            senders=("gateway", *CONTROL_PLANE, "worker", "event-recorder"),
+            receivers=("gateway", *CONTROL_PLANE, "worker"),
+            parameters={"part": "C (chunks) or M (metadata)", "id": "the chunk's nuid or the object's encoded name"}),
+)
+
+
+@dataclass(frozen=True)
+class Stream:
+    name: str
+    subjects: tuple[str, ...]
+    retention: str
+    description: str
+    bucket: str | None = None  # KV bucket or object store it backs
+
+
+STREAMS: tuple[Stream, ...] = (
+    Stream(EVENTS, (EVENT_SUBJECTS, TIMER_SUBJECTS), "limits",
+           "every event; timers as message schedules; subject transform to noetl.pevt.<partition>...; 7 days"),
+    Stream(COMMANDS, COMMAND_SUBJECTS, "workqueue", "commands for worker pools"),
+    Stream(LOST_COMMANDS, (MAX_DELIVERIES,), "workqueue", "advisories of commands that ran out of deliveries"),
+    Stream(AUDIT, AUDIT_SUBJECTS, "limits", "the audit log"),
+    Stream(SCHEDULES, SCHEDULE_SUBJECTS, "workqueue", "schedule messages and their firings (D31)"),
+    Stream(f"KV_{MEMBERS_BUCKET}", (f"$KV.{MEMBERS_BUCKET}.>",), "limits", "KV: replica membership",
+           MEMBERS_BUCKET),
+    *(Stream(f"KV_{b}", (f"$KV.{b}.>",), "limits", f"KV: the sessions service's {b.split('_')[1]}", b)
+      for b in SESSION_BUCKETS),
+    Stream(f"KV_{SCHEDULES_BUCKET}", (f"$KV.{SCHEDULES_BUCKET}.>",), "limits", "KV: schedule definitions",
+           SCHEDULES_BUCKET),
+    Stream(f"OBJ_{PAYLOADS_BUCKET}", (f"$O.{PAYLOADS_BUCKET}.C.>", f"$O.{PAYLOADS_BUCKET}.M.>"), "limits",
+           "object store: payload references (D23)", PAYLOADS_BUCKET),
+)
+
+
+def pattern(address: str) -> str:
+    """A channel's address as a NATS subject filter (each parameter one token: ``*``)."""
+    import re
+
+    return re.sub(r"\{[^}]+\}", "*", address)
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether two subject filters (``*``, ``>``) can match a common subject."""
+    ta, tb = a.split("."), b.split(".")
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        if x == ">" or y == ">":
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(ta) == len(tb)
+
+
+def listed(subject: str) -> bool:
+    """Whether ``subject`` (a subject or filter) can match a channel of :data:`CHANNELS` or a stream's."""
+    return any(overlaps(subject, pattern(c.address)) for c in CHANNELS) or \
+        any(overlaps(subject, s) for stream in STREAMS for s in stream.subjects)

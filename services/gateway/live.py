@@ -1,0 +1,311 @@
+"""The console's live streams: server-sent events fed from NATS.
+
+The event-recorder publishes a notice once a batch of events is committed (``noetl.live.x.<execution
+id>``, and ``noetl.live.list`` when executions started or ended: services/event_recorder/live.py). A
+gateway subscribes only for what is on someone's screen: one :class:`Topic` per execution watched (and
+one for the executions list), shared by every stream that watches it, subscribed while at least one
+does and unsubscribed after the last leaves.
+
+A stream (:func:`stream`) writes, as server-sent events:
+
+- ``hello`` once; ``events`` — what was recorded since the last write: counts by event name and the
+  newest events (at most :data:`TAIL` per write); ``state`` — the execution's view after the new
+  events (core/view.py, asked of the recorder once per topic however many streams watch it, at most
+  every :data:`MIN_STATE_INTERVAL` s, or twice the time the last view took); ``executions`` — ids
+  of executions that started or ended (the list page reads its page again); ``resync`` — after a NATS
+  reconnection, when notices may have been lost: read everything again; ``bye`` — the stream ends
+  (its lifetime ``live_stream_seconds`` passed, or the token was revoked); a comment every
+  :data:`HEARTBEAT` s keeps proxies from closing an idle stream.
+
+Everything is bounded: what a stream has not written yet is merged into one pending record (counts, a
+tail of :data:`TAIL` events, one state), so a slow reader costs memory that does not grow with the
+event rate; streams per gateway (``max_live_streams``) and per session or token
+(``max_live_streams_per_session``) are limited; a stream lasts ``live_stream_seconds`` and checks its
+token again every :data:`RECHECK` s.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import orjson
+
+from noetl_mesh import limits
+from noetl_mesh.infra.bus import LIVE_LIST, Bus, live_subject
+
+log = logging.getLogger("noetl.gateway.live")
+
+TAIL = 50  # newest events kept per pending write
+MAX_CHANGED = 200  # execution ids per `executions` write (more: `more` counts them)
+HEARTBEAT = 15.0  # seconds between comments on an idle stream
+RECHECK = 30.0  # seconds between two checks of the stream's token
+COALESCE = 0.25  # seconds a stream waits after a write before the next (notices in between are merged)
+MIN_STATE_INTERVAL = 0.5  # seconds between two views of one execution
+LIST = "*"  # the key of the executions list's topic
+
+
+class Busy(Exception):
+    """A stream refused: too many at once (``status`` 503 for the gateway, 429 for one session)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# ------------------------------------------------------------------------------------ pure parts
+class Pending:
+    """What one stream has not written yet, merged: bounded whatever the rate of notices."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.names: collections.Counter = collections.Counter()
+        self.tail: collections.deque = collections.deque(maxlen=TAIL)
+        self.state: dict[str, Any] | None = None
+        self.changed: dict[str, str] = {}
+        self.more = 0
+        self.resync = False
+        self.wake = asyncio.Event()
+
+    def add_notice(self, notice: dict[str, Any]) -> None:
+        """An execution's notice: counts and the newest events."""
+        n = notice.get("count")
+        self.count += n if isinstance(n, int) and n > 0 else 0
+        names = notice.get("names")
+        if isinstance(names, dict):
+            for name, c in list(names.items())[:64]:
+                if isinstance(name, str) and isinstance(c, int) and c > 0:
+                    if name in self.names or len(self.names) < 64:
+                        self.names[name] += c
+        for event in (notice.get("events") or ())[-TAIL:]:
+            if isinstance(event, dict):
+                self.tail.append(event)
+        self.wake.set()
+
+    def add_listed(self, notice: dict[str, Any]) -> None:
+        """The list's notice: which executions started, were evaluated or ended."""
+        for item in (notice.get("executions") or ())[:MAX_CHANGED]:
+            xid = item.get("execution_id") if isinstance(item, dict) else None
+            if isinstance(xid, str):
+                if xid in self.changed or len(self.changed) < MAX_CHANGED:
+                    self.changed[xid] = str(item.get("event"))
+                else:
+                    self.more += 1
+        if isinstance(notice.get("more"), int):
+            self.more += max(0, notice["more"])
+        self.wake.set()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.state = state
+        self.wake.set()
+
+    def take(self) -> list[tuple[str, Any]]:
+        """The server-sent events to write now, and a fresh start."""
+        out: list[tuple[str, Any]] = []
+        if self.resync:
+            out.append(("resync", {}))
+        if self.count or self.tail:
+            out.append(("events", {"count": self.count, "names": dict(self.names), "events": list(self.tail)}))
+        if self.changed or self.more:
+            out.append(("executions", {"changed": list(self.changed), "more": self.more}))
+        if self.state is not None:
+            out.append(("state", self.state))
+        self.count, self.more, self.resync, self.state = 0, 0, False, None
+        self.names.clear()
+        self.tail.clear()
+        self.changed.clear()
+        self.wake.clear()
+        return out
+
+
+def sse(event: str, data: Any) -> bytes:
+    """One server-sent event: ``event: <name>`` and its JSON on one ``data:`` line."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data, default=str) + b"\n\n"
+
+
+# ------------------------------------------------------------------------------------ topics
+class Topic:
+    """One NATS subscription (an execution's notices, or the list's) and the streams watching it."""
+
+    def __init__(self, hub: "Hub", key: str):
+        self.hub, self.key = hub, key
+        self.listeners: set[Pending] = set()
+        self.sub: Any = None
+        self.dirty = asyncio.Event()
+        self.refresher: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        subject = LIVE_LIST if self.key == LIST else live_subject(self.key)
+        self.sub = await self.hub.bus.nc.subscribe(subject, cb=self._on_msg)
+        if self.key != LIST and self.hub.fetch_state is not None:
+            self.refresher = asyncio.create_task(self._refresh(), name=f"live state {self.key}")
+
+    async def close(self) -> None:
+        if self.refresher is not None:
+            self.refresher.cancel()
+            await asyncio.gather(self.refresher, return_exceptions=True)
+        if self.sub is not None:
+            with contextlib.suppress(Exception):
+                await self.sub.unsubscribe()
+
+    async def _on_msg(self, msg: Any) -> None:
+        try:
+            notice = orjson.loads(msg.data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(notice, dict):
+            return
+        for listener in self.listeners:
+            (listener.add_listed if self.key == LIST else listener.add_notice)(notice)
+        self.dirty.set()
+
+    async def _refresh(self) -> None:
+        """One view of the execution after new notices, shared by every stream of the topic."""
+        while True:
+            await self.dirty.wait()
+            self.dirty.clear()
+            started = time.monotonic()
+            try:
+                state = await self.hub.fetch_state(self.key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next notice asks again
+                log.debug("live state of %s not read: %s", self.key, exc)
+                state = None
+            took = time.monotonic() - started
+            if state is not None:
+                for listener in self.listeners:
+                    listener.set_state(state)
+            await asyncio.sleep(max(MIN_STATE_INTERVAL, 2 * took))
+
+
+class Hub:
+    """The gateway's topics and the count of its streams. ``fetch_state(execution_id)`` is the view a
+    topic sends after new events (the recorder's ``noetl.q.execution.state``)."""
+
+    def __init__(self, bus: Bus, fetch_state: Callable[[str], Awaitable[dict[str, Any]]] | None = None):
+        self.bus = bus
+        self.fetch_state = fetch_state
+        self.topics: dict[str, Topic] = {}
+        self.streams = 0
+        self.per_session: collections.Counter = collections.Counter()
+        self._key = secrets.token_bytes(16)
+        self._lock = asyncio.Lock()
+
+    def session_key(self, token: str) -> bytes:
+        return hashlib.blake2b(token.encode(), key=self._key, digest_size=16).digest()
+
+    def check(self, token: str) -> None:
+        """Refuse a new stream now (:class:`Busy`) when it would not be admitted (before answering 200)."""
+        self.release(self.admit(token))
+
+    def admit(self, token: str) -> bytes:
+        """Count a new stream in, or refuse it (:class:`Busy`)."""
+        lim = limits.current()
+        key = self.session_key(token)
+        if self.streams >= lim.max_live_streams:
+            raise Busy(503, f"this gateway serves {self.streams:,} live streams, its limit max_live_streams "
+                            f"(set NOETL_LIMIT_MAX_LIVE_STREAMS to change it); retry shortly")
+        if self.per_session[key] >= lim.max_live_streams_per_session:
+            raise Busy(429, f"this session has {self.per_session[key]} live streams open, the limit "
+                            f"max_live_streams_per_session (set NOETL_LIMIT_MAX_LIVE_STREAMS_PER_SESSION to "
+                            "change it): close a console tab, or wait for one to end")
+        self.streams += 1
+        self.per_session[key] += 1
+        return key
+
+    def release(self, key: bytes) -> None:
+        self.streams -= 1
+        self.per_session[key] -= 1
+        if self.per_session[key] <= 0:
+            del self.per_session[key]
+
+    async def join(self, key: str) -> Pending:
+        async with self._lock:
+            topic = self.topics.get(key)
+            if topic is None:
+                topic = Topic(self, key)
+                await topic.open()
+                self.topics[key] = topic
+            listener = Pending()
+            topic.listeners.add(listener)
+            return listener
+
+    async def leave(self, key: str, listener: Pending) -> None:
+        async with self._lock:
+            topic = self.topics.get(key)
+            if topic is None:
+                return
+            topic.listeners.discard(listener)
+            if not topic.listeners:
+                del self.topics[key]
+                await topic.close()
+
+    async def close(self) -> None:
+        async with self._lock:
+            topics, self.topics = list(self.topics.values()), {}
+        for topic in topics:
+            await topic.close()
+
+
+async def stream(hub: Hub, key: str, token: str, *, hello: dict[str, Any], seconds: float,
+                 still_allowed: Callable[[], Awaitable[str | None]]) -> AsyncIterator[bytes]:
+    """The server-sent events of one stream on topic ``key`` until ``seconds`` pass or
+    ``still_allowed()`` (called every :data:`RECHECK` s) answers why not. The stream is counted
+    (``Hub.admit``) and joins its topic once it starts, and is let go when it ends however it ends: a
+    response that never started counts nothing."""
+    try:
+        ticket = hub.admit(token)
+    except Busy as exc:  # others got in between the route's check and now
+        yield sse("bye", {"reason": "busy", "message": str(exc)})
+        return
+    try:
+        listener = await hub.join(key)
+    except BaseException:
+        hub.release(ticket)
+        raise
+    try:
+        yield sse("hello", {**hello, "seconds": seconds, "heartbeat": HEARTBEAT})
+        end = time.monotonic() + seconds
+        checked = time.monotonic()
+        reconnects = _reconnects(hub.bus)
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                yield sse("bye", {"reason": "lifetime", "message": "the stream's lifetime passed: open a new one"})
+                return
+            if now - checked >= RECHECK:
+                checked = now
+                why = await still_allowed()
+                if why is not None:
+                    yield sse("bye", {"reason": "unauthorized", "message": why})
+                    return
+            try:
+                await asyncio.wait_for(listener.wake.wait(), min(HEARTBEAT, end - now, RECHECK))
+            except asyncio.TimeoutError:
+                count = _reconnects(hub.bus)
+                if count != reconnects:  # notices may have been lost while NATS was away
+                    reconnects = count
+                    listener.resync = True
+                else:
+                    yield b": keep-alive\n\n"
+                    continue
+            for event, data in listener.take():
+                yield sse(event, data)
+            await asyncio.sleep(COALESCE)
+    finally:
+        hub.release(ticket)
+        await hub.leave(key, listener)
+
+
+def _reconnects(bus: Bus) -> int:
+    stats = getattr(bus.nc, "stats", None)
+    return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+
+
+__all__ = ["Hub", "Topic", "Pending", "Busy", "stream", "sse", "LIST"]

@@ -1,0 +1,331 @@
+"""The console's routes on the real stack (services/gateway/console.py, live.py; the recorder's
+``noetl.q.execution.state`` and notices): time travel through the engine's fold, filtered event
+pages, a run's whole result, a catalog entry's findings, the live streams and their limits, the
+files under /ui."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from noetl_mesh import limits
+
+ROOT = Path(__file__).resolve().parents[2]
+FORK_JOIN = (ROOT / "examples" / "fork_join.yaml").read_text()
+
+APPROVAL = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: console_approval, path: console/approval}
+workflow:
+  - step: start
+    tool:
+      - {name: approve, kind: wait, signal: go, timeout: 1h}
+    next: {arcs: [{step: big}]}
+  - step: big
+    tool: {kind: python, code: "result = ['x' * 100 for _ in range(2000)]"}
+"""
+
+LOOPED = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: console_loop, path: console/loop}
+workflow:
+  - step: start
+    loop: {in: "{{ range(40) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 8}}
+    tool: {kind: noop, result: "{{ iter.i * 2 }}"}
+"""
+
+LINTED = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: console_lint, path: console/lint}
+workflow:
+  - step: start
+    tool: {kind: noop, result: 1}
+    next: {arcs: [{step: end, args: {n: "{{ event.result }}"}}]}
+  - step: end
+    tool: {kind: noop, result: "{{ args.m }}"}
+"""
+
+
+def http(stack) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=stack.url, headers=stack.headers, trust_env=False, timeout=30)
+
+
+async def start(client: httpx.AsyncClient, playbook: str, workload: dict | None = None) -> str:
+    resp = await client.post("/api/executions", json={"playbook": playbook, "workload": workload or {}})
+    assert resp.status_code == 202, resp.text
+    return resp.json()["execution_id"]
+
+
+async def finished(client: httpx.AsyncClient, eid: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # the test waits; the console itself never polls
+        state = (await client.get(f"/api/executions/{eid}/state")).json()
+        if state.get("finished"):
+            return state
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{eid} did not finish: {state}")
+
+
+async def all_events(client: httpx.AsyncClient, eid: str) -> list[dict[str, Any]]:
+    out, offset = [], 0
+    while offset is not None:
+        page = (await client.get(f"/api/executions/{eid}/events", params={"offset": offset, "limit": 1000})).json()
+        out += page["events"]
+        offset = page["next_offset"]
+    return out
+
+
+class Sse:
+    """A live stream read as (event, data) pairs."""
+
+    def __init__(self, response: httpx.Response):
+        self.response, self.lines = response, response.aiter_lines()
+
+    async def next(self, timeout: float = 20) -> tuple[str, Any]:
+        event, data = None, None
+        while True:
+            line = await asyncio.wait_for(self.lines.__anext__(), timeout)
+            if line.startswith(":"):
+                continue
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = orjson.loads(line[6:])
+            elif line == "" and event is not None:
+                return event, data
+
+    async def until(self, predicate, timeout: float = 30) -> list[tuple[str, Any]]:
+        seen, deadline = [], time.monotonic() + timeout
+        while True:
+            item = await self.next(max(0.1, deadline - time.monotonic()))
+            seen.append(item)
+            if predicate(*item):
+                return seen
+
+
+def test_time_travel_folds_the_log_up_to_any_event(stack):
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, FORK_JOIN)
+            final = await finished(client, eid)
+            assert final["status"] == "COMPLETED" and final["position"] == final["total"]
+            assert final["steps"]["report"] == {"status": "done", "runs": 1, "skipped": 0, "active": 0, "tokens": 0}
+            assert final["runs"]["report"]["shown"][0]["result"] == {"total_orders": 200}
+            assert final["steps"]["apac"]["status"] == "idle"  # its arc's `when` did not hold
+            events = await all_events(client, eid)
+            assert len(events) == final["total"] and [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+            admitted = next(i for i, e in enumerate(events) if e["name"] == "step.admitted" and e["step"] == "report")
+            before = (await client.get(f"/api/executions/{eid}/state", params={"upto": admitted})).json()
+            assert before["position"] == admitted and before["at"]["seq"] == events[admitted - 1]["seq"]
+            assert before["steps"]["report"]["runs"] == 0 and before["steps"]["report"]["status"] == "waiting"
+            assert before["steps"]["report"]["tokens"] == 2  # both branches' tokens on its places, not consumed
+            assert {t["place"] for t in before["tokens"]} == {"eu#0->report", "us#0->report"}
+            at = (await client.get(f"/api/executions/{eid}/state", params={"seq": events[admitted]["seq"]})).json()
+            assert at["position"] == admitted + 1 and at["steps"]["report"]["status"] == "running"
+            nothing = (await client.get(f"/api/executions/{eid}/state", params={"upto": 0})).json()
+            assert nothing["position"] == 0 and nothing["steps"] == {} and nothing["status"] == "PENDING"
+            with_net = (await client.get(f"/api/executions/{eid}/state", params={"net": "true"})).json()
+            edges = {e["id"]: e for e in with_net["net"]["edges"]}
+            assert edges["start#0->eu"]["when"] == "{{ 'eu' in workload.regions }}"
+            assert {n["id"]: n["join"] for n in with_net["net"]["nodes"]}["report"] is True
+            assert (await client.get(f"/api/executions/{eid}/state", params={"upto": 1, "seq": 1})).status_code == 422
+            assert (await client.get("/api/executions/nope/state")).status_code == 404
+
+    stack.run(go())
+
+
+def test_event_filters_loop_counts_and_a_runs_whole_result(stack):
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, LOOPED)
+            final = await finished(client, eid)
+            run = final["runs"]["start"]["shown"][0]
+            assert run["loop"]["total"] == 40 and run["loop"]["done"] == 40 and run["loop"]["failed"] == 0
+            assert run["loop"]["in_flight"] == 0 and run["loop"]["mode"] == "parallel"
+            page = (await client.get(f"/api/executions/{eid}/events", params={
+                "name": ["loop.iteration.done"], "limit": 10})).json()
+            assert page["total"] == 40 and len(page["events"]) == 10 and page["next_offset"] == 10
+            assert page["log_total"] == final["total"] and {e["name"] for e in page["events"]} == {"loop.iteration.done"}
+            one = (await client.get(f"/api/executions/{eid}/events", params={"iteration": 7, "name": [
+                "loop.iteration.done", "task.processed"]})).json()
+            assert [e["name"] for e in one["events"]] == ["task.processed", "loop.iteration.done"]
+            assert one["events"][1]["data"]["result"] == 14
+            # the middle of the loop: counts of the log up to there, never rows
+            middle = next(i for i, e in enumerate(await all_events(client, eid))
+                          if e["name"] == "loop.iteration.done" and e["iteration"] is not None) + 1
+            partial = (await client.get(f"/api/executions/{eid}/state", params={"upto": middle})).json()
+            progress = partial["runs"]["start"]["shown"][0]["loop"]
+            assert progress["done"] == 1 and progress["total"] == 40 and progress["in_flight"] >= 1
+
+            eid = await start(client, APPROVAL)
+            deadline = time.monotonic() + 30
+            while not (await client.get("/api/waits", params={"execution_id": eid})).json():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            assert (await client.post(f"/api/executions/{eid}/signals/go", json={"ok": True})).status_code == 202
+            final = await finished(client, eid)
+            shown = final["runs"]["big"]["shown"][0]
+            assert shown["result"]["$size"] > 200_000 and shown["result"]["$items"] == 2000
+            assert len(shown["result"]["$preview"]) <= 2048
+            resp = await client.get(f"/api/executions/{eid}/runs/{shown['run_id']}/result")
+            assert resp.status_code == 200 and "attachment" in resp.headers["content-disposition"]
+            assert resp.json()["result"] == ["x" * 100] * 2000
+            assert (await client.get(f"/api/executions/{eid}/runs/none/result")).status_code == 404
+            listed = (await client.get("/api/executions", params={"path": "console/approval"})).json()
+            assert [x["execution_id"] for x in listed] == [eid] and listed[0]["requested_by_name"] == "admin"
+            assert (await client.get("/api/executions", params={"path": "console/approval", "since": "2999-01-01T00:00:00Z"})).json() == []
+            assert (await client.get("/api/executions", params={"since": "yesterday"})).status_code == 422
+
+    stack.run(go())
+
+
+def test_the_counters_equal_the_log_and_a_redelivered_event_counts_once(stack):
+    """event_count and loop_progress are added in the transaction that inserts the events: a message
+    published again (a redelivery past JetStream's duplicate window) inserts nothing and adds nothing."""
+    import psycopg
+
+    from noetl_mesh.infra.bus import Bus, EVENTS, batch_subject, dumps
+
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, LOOPED)
+            final = await finished(client, eid)
+            events = await all_events(client, eid)
+        with psycopg.connect(stack.stack.settings.pg_dsn) as conn:
+            counted = conn.execute("SELECT count(*) FROM event WHERE execution_id = %s", (eid,)).fetchone()[0]
+            done = conn.execute("SELECT done, started FROM loop_progress WHERE execution_id = %s", (eid,)).fetchone()
+        assert final["total"] == counted == len(events) and done == (40, 40)
+        again = [{k: v for k, v in e.items() if k != "seq"} for e in events if e["name"] == "loop.iteration.done"][:5]
+        bus = await Bus.connect(stack.nats_url, "test", stack.admin)
+        try:
+            await bus.js.publish(batch_subject(again), dumps(again), stream=EVENTS, headers={"Nats-Msg-Id": "again-1"})
+            marker = await bus.js.publish(batch_subject(again), dumps(again[:1]), stream=EVENTS,
+                                          headers={"Nats-Msg-Id": "again-2"})
+        finally:
+            await bus.close()
+        deadline = time.monotonic() + 20
+        while True:  # the recorder has passed both messages once its consumer's ack floor has
+            with psycopg.connect(stack.stack.settings.pg_dsn) as conn:
+                now = conn.execute("SELECT event_count FROM execution WHERE execution_id = %s", (eid,)).fetchone()[0]
+                loops = conn.execute("SELECT done FROM loop_progress WHERE execution_id = %s", (eid,)).fetchone()[0]
+            async with http(stack) as client:
+                lag = (await client.get("/ready")).json()["recorder"].get("lag")
+            if lag == 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert marker.seq and now == counted and loops == 40
+
+    stack.run(go())
+
+
+def test_a_catalog_entrys_findings_at_their_lines_and_its_net(stack):
+    async def go():
+        async with http(stack) as client:
+            entry = (await client.post("/api/catalog", json={"content": LINTED})).json()
+            report = (await client.get(f"/api/catalog/{entry['id']}/lint")).json()
+            assert report["valid"] is True and report["path"] == "console/lint"
+            found = [f for f in report["findings"] if f["code"] == "L403"]
+            assert found and found[0]["line"] == 9 and found[0]["severity"] == "error"
+            assert [n["id"] for n in report["net"]["nodes"]] == ["start", "end"]
+            assert report["net"]["edges"][0]["args"] == {"n": "{{ event.result }}"}
+
+    stack.run(go())
+
+
+def test_a_live_stream_carries_what_was_recorded_and_the_state_after_it(stack):
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, APPROVAL)
+            async with client.stream("GET", f"/api/live/executions/{eid}") as resp:
+                assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+                sse = Sse(resp)
+                event, hello = await sse.next()
+                assert event == "hello" and hello["execution_id"] == eid
+                deadline = time.monotonic() + 30
+                while not (await client.get("/api/waits", params={"execution_id": eid})).json():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+                async with client.stream("GET", "/api/live/executions") as listing:
+                    lst = Sse(listing)
+                    assert (await lst.next())[0] == "hello"
+                    await client.post(f"/api/executions/{eid}/signals/go", json={})
+                    seen = await sse.until(lambda e, d: e == "state" and d["status"] == "COMPLETED")
+                    names = {n for e, d in seen if e == "events" for n in d["names"]}
+                    assert {"signal.received", "workflow.finished"} <= names
+                    tails = [ev for e, d in seen if e == "events" for ev in d["events"]]
+                    assert tails == sorted(tails, key=lambda ev: ev["seq"])  # log order
+                    assert all("data" not in ev for ev in tails)  # compact: the page reads data on demand
+                    changed = await lst.until(lambda e, d: e == "executions" and eid in d["changed"])
+                    assert changed
+            # only one topic per execution, gone with its last stream
+            gateway = stack.stack.services("gateway")[0]
+            await asyncio.sleep(0.2)
+            assert eid not in gateway.app.state.live.topics and gateway.app.state.live.streams == 0
+
+    stack.run(go())
+
+
+def test_live_streams_are_limited_per_session_and_end_with_their_lifetime(stack):
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, FORK_JOIN)
+            await finished(client, eid)
+            with limits.override(max_live_streams_per_session=2):
+                async with client.stream("GET", f"/api/live/executions/{eid}") as a, \
+                        client.stream("GET", "/api/live/executions") as b:
+                    assert (await Sse(a).next())[0] == "hello" and (await Sse(b).next())[0] == "hello"
+                    refused = await client.get(f"/api/live/executions/{eid}")
+                    assert refused.status_code == 429 and "max_live_streams_per_session" in refused.text
+                    assert refused.headers["retry-after"]
+            async with client.stream("GET", "/api/live/executions", params={"seconds": 1}) as short:
+                sse = Sse(short)
+                assert (await sse.next())[0] == "hello"
+                event, data = await sse.next(timeout=5)
+                assert event == "bye" and data["reason"] == "lifetime"
+            assert (await client.get("/api/live/executions/a.b")).status_code == 422
+            anonymous = await httpx.AsyncClient(base_url=stack.url, trust_env=False).get("/api/live/executions")
+            assert anonymous.status_code == 401
+
+    stack.run(go())
+
+
+def test_a_stream_ends_when_its_session_is_revoked(stack, monkeypatch):
+    from noetl_mesh.services.gateway import live
+
+    monkeypatch.setattr(live, "RECHECK", 0.5)  # the token is checked again every RECHECK seconds (30 s)
+
+    async def go():
+        async with http(stack) as admin:
+            await admin.post("/api/users", json={"username": "viv", "password": "a long enough password 1",
+                                                 "roles": ["viewer"]})
+            token = (await admin.post("/api/auth/login", json={"username": "viv", "password":
+                                                                "a long enough password 1"})).json()["token"]
+        async with httpx.AsyncClient(base_url=stack.url, headers={"Authorization": f"Bearer {token}"},
+                                     trust_env=False, timeout=30) as viv:
+            async with viv.stream("GET", "/api/live/executions") as resp:
+                sse = Sse(resp)
+                assert (await sse.next())[0] == "hello"
+                assert (await viv.post("/api/auth/logout")).status_code == 200
+                event, data = await sse.next(timeout=10)
+                assert event == "bye" and data["reason"] == "unauthorized"
+
+    stack.run(go())
+
+
+def test_the_console_files_are_served_offline_with_a_strict_policy(stack):
+    with httpx.Client(base_url=stack.url, trust_env=False) as client:  # no token: the files hold no data
+        page = client.get("/ui/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert page.headers["x-frame-options"] == "DENY"
+        for ref in ("app.js", "style.css", "vendor/dagre.esm.js"):
+            assert ref in page.text
+            assert client.get(f"/ui/{ref}").status_code == 200, ref
+        assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere

@@ -1,0 +1,225 @@
+"""The console's pure parts: the playbook's net, the view of a folded state at any point of a log (time
+travel, D22), bounded previews, the recorder's notices and counters, the gateway's merging of live
+notices, SSE framing, instants."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import pytest
+
+from noetl_mesh.core import view
+from noetl_mesh.core.local import run_local
+from noetl_mesh.core.state import fold
+from noetl_mesh.infra.bus import INFO_EVENTS, LOOP_EVENTS, DISPATCH_EVENTS
+from noetl_mesh.lang.validate import validate_file, validate_text
+from noetl_mesh.services.event_recorder import live as notices_mod
+from noetl_mesh.services.event_recorder import schema
+from noetl_mesh.services.gateway import live
+from noetl_mesh.services.gateway.console import _instant
+from noetl_mesh.services.gateway.app import HTTPException
+
+ROOT = Path(__file__).resolve().parents[2]
+FORK_JOIN = validate_file(ROOT / "examples" / "fork_join.yaml").document
+
+CYCLE = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: cycle, path: t/cycle}
+workflow:
+  - step: start
+    next: {arcs: [{step: work}]}
+  - step: work
+    loop: {in: "{{ range(3) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 2}}
+    tool: {kind: noop, result: 1}
+    next:
+      arcs:
+        - {step: work, when: "{{ ctx.again | default(false) }}"}
+        - {step: end}
+  - step: end
+    tool: {kind: noop, result: 2}
+"""
+
+
+def ctl_only(events):
+    skip = INFO_EVENTS | LOOP_EVENTS | DISPATCH_EVENTS
+    return [e for e in events if e["name"] not in skip]
+
+
+# ------------------------------------------------------------------------------------------ the net
+def test_the_net_of_fork_join_names_its_join_entry_and_arcs():
+    net = view.net(FORK_JOIN)
+    nodes = {n["id"]: n for n in net["nodes"]}
+    assert net["entry"] == "start" and nodes["start"]["entry"] and nodes["start"]["router"] == "inclusive"
+    assert nodes["report"]["join"] and not nodes["eu"]["join"] and nodes["eu"]["kinds"] == ["python"]
+    edges = {e["id"]: e for e in net["edges"]}
+    assert set(edges) == {"start#0->eu", "start#1->us", "start#2->apac", "eu#0->report", "us#0->report",
+                          "apac#0->report"}
+    assert edges["start#0->eu"]["when"] == "{{ 'eu' in workload.regions }}"
+    assert edges["start#0->eu"]["args"] == {"region": "eu"} and not any(e["back"] for e in edges.values())
+
+
+def test_back_edges_loops_and_join_any_are_marked():
+    doc = validate_text(CYCLE).document
+    net = view.net(doc)
+    nodes = {n["id"]: n for n in net["nodes"]}
+    assert nodes["work"]["loop"] == {"mode": "parallel", "max_in_flight": 2, "iterator": "i"}
+    edges = {e["id"]: e for e in net["edges"]}
+    assert edges["work#0->work"]["back"] and not edges["work#1->end"]["back"] and not edges["start#0->work"]["back"]
+    any_join = {**FORK_JOIN, "workflow": [{**s, "spec": {"join": "any"}} if s["step"] == "report" else s
+                                          for s in FORK_JOIN["workflow"]]}
+    report = next(n for n in view.net(any_join)["nodes"] if n["id"] == "report")
+    assert report["join_any"] and not report["join"]
+    assert view.net(None) == {"entry": None, "nodes": [], "edges": []}
+
+
+# ------------------------------------------------------------------------------- the view in time
+def test_time_travel_shows_the_join_waiting_then_fired_with_the_engines_fold():
+    run = asyncio.run(run_local(FORK_JOIN))
+    log = run.log_of(run.execution_id)
+    admitted = next(i for i, e in enumerate(log) if e["name"] == "step.admitted" and e["step"] == "report")
+    before = view.execution_view(fold(ctl_only(log[:admitted]), run.execution_id))
+    assert before["steps"]["report"] == {"status": "waiting", "runs": 0, "skipped": 0, "active": 0, "tokens": 2}
+    assert {t["place"] for t in before["tokens"]} == {"eu#0->report", "us#0->report"}
+    assert before["steps"]["eu"]["status"] == before["steps"]["us"]["status"] == "done"
+    assert before["steps"]["apac"]["status"] == "idle" and before["status"] == "RUNNING"
+    after = view.execution_view(fold(ctl_only(log), run.execution_id))
+    assert after["steps"]["report"]["status"] == "done" and after["tokens"] == [] and after["finished"]
+    assert after["runs"]["report"]["shown"][0]["args"] == {"eu_orders": 120, "us_orders": 80}
+    assert after["runs"]["report"]["shown"][0]["result"] == {"total_orders": 200}
+    # the whole log and its ctl events fold to the same view (what the recorder folds)
+    whole = view.execution_view(fold(log, run.execution_id))
+    assert whole["steps"] == after["steps"] and whole["ctx"] == after["ctx"]
+    assert view.execution_view(fold([], run.execution_id))["steps"] == {}
+
+
+def test_previews_bound_every_value_and_say_how_big_it_was():
+    assert view.preview("short") == "short" and view.preview(None) is None and view.preview(12) == 12
+    big = [{"i": i, "pad": "x" * 20} for i in range(100_000)]
+    p = view.preview(big, 1024)
+    assert p["$items"] == 100_000 and p["$size"] == len(orjson.dumps(big)) and len(p["$preview"].encode()) <= 1024
+    assert view.preview("é" * 2000, 1024)["$size"] == 2 + 2 * 2000
+    wide = {f"k{i}": i for i in range(1000)}
+    bounded = view._bounded_mapping(wide, 64)
+    assert len(bounded) == view.MAX_KEYS + 1 and bounded["$more"] == 1000 - view.MAX_KEYS
+
+
+def test_a_view_is_fitted_to_the_reply_budget():
+    run = asyncio.run(run_local(validate_text(CYCLE).document))
+    state = fold(run.log_of(run.execution_id), run.execution_id)
+    for run_ in state.runs.values():
+        run_.result = "r" * 50_000
+    roomy = view.fitted(state, 10**7)
+    assert roomy["trimmed"] == 0 and roomy["runs"]["work"]["shown"][0]["result"]["$size"] == 50_002
+    tight = view.fitted(state, 1500)
+    assert tight["trimmed"] > 0 and (len(orjson.dumps(tight)) <= 1500 or tight["trimmed"] == len(view.FITS))
+    assert tight["steps"]["work"]["status"] == "done"
+
+
+def test_loop_progress_counts_and_the_terminal_counts_win():
+    counts = view.loop_counts([("r1", "loop.iteration.started", 10, None, None),
+                               ("r1", "loop.iteration.done", 6, 100.0, 103.0),
+                               ("r1", "loop.iteration.failed", 1, 101.0, 102.0), (None, "loop.iteration.done", 9, 0, 0)])
+    assert counts == {"r1": {"started": 10, "done": 6, "failed": 1, "first_at": 100.0, "last_at": 103.0}}
+    running = view.loop_progress(counts["r1"], 100, None, "parallel", 16)
+    assert running == {"total": 100, "done": 6, "failed": 1, "in_flight": 3, "rate": 2.3, "mode": "parallel",
+                       "max_in_flight": 16}
+    ended = view.loop_progress(counts["r1"], 100, {"total": 100, "done": 99, "failed": 1})
+    assert ended["done"] == 99 and ended["in_flight"] == 0
+    assert view.loop_progress(counts["r1"], 100, None, over=True)["in_flight"] == 0  # cancelled
+
+
+# ------------------------------------------------------------------------------ the recorder's parts
+def test_notices_of_a_batch_are_bounded_and_in_log_order():
+    records = [(i, {"event_id": f"e{i}", "execution_id": "x1", "name": "loop.iteration.done", "step": "s",
+                    "iteration": i, "data": {"result": "big" * 100}}) for i in range(500)]
+    records.append((900, {"event_id": "w", "execution_id": "x1", "name": "workflow.finished",
+                          "data": {"status": "COMPLETED"}}))
+    records.append((901, {"event_id": "o", "execution_id": "x.2", "name": "workflow.started"}))  # not a token
+    per, listed = notices_mod.notices(records)
+    assert list(per) == ["x1"]
+    n = per["x1"]
+    assert n["count"] == 501 and n["names"] == {"loop.iteration.done": 500, "workflow.finished": 1}
+    assert n["status"] == "COMPLETED" and len(n["events"]) == notices_mod.LAST_EVENTS
+    assert [e["seq"] for e in n["events"]] == sorted(e["seq"] for e in n["events"]) and n["events"][-1]["seq"] == 900
+    assert all("data" not in e for e in n["events"]) and len(orjson.dumps(n)) < 8000
+    assert listed == {"executions": [{"execution_id": "x1", "event": "workflow.finished"}], "more": 0}
+    assert notices_mod.notices([(1, {"event_id": "a", "execution_id": "x", "name": "step.done"})])[1] is None
+
+
+def test_counters_add_what_was_inserted_per_execution_and_loop_run():
+    rows = [("x", False, None, None, 5, 1.0, 2.0), ("x", True, "loop.iteration.started", "r", 4, 1.0, 1.5),
+            ("x", True, "loop.iteration.done", "r", 3, 2.0, 4.0), ("y", False, None, None, 1, 3.0, 3.0),
+            ("x", True, "loop.iteration.failed", "r", 1, 1.5, 1.5)]
+    out = schema.counters(rows)
+    assert out[schema.ADD_EVENT_COUNT] == {"ids": ["x", "y"], "ns": [13, 1]}
+    assert out[schema.ADD_LOOP_PROGRESS] == {"ids": ["x"], "runs": ["r"], "started": [4], "done": [3], "failed": [1],
+                                             "first": [1.5], "last": [4.0]}
+    assert schema.counters([]) == {}
+
+
+def test_the_state_condition_is_the_partial_indexs_predicate():
+    ddl = dict((v, d) for v, _, d in schema.MIGRATIONS)[5]
+    assert f"WHERE {schema.STATE_EVENTS_SQL};" in ddl and schema.LOOP_EVENTS_SQL in ddl
+    for name in ("task.started", "loop.iteration.done", "loop.started", "step.started"):
+        assert f"'{name}'" in schema.STATE_EVENTS_SQL
+    assert "'step.done'" not in schema.STATE_EVENTS_SQL and "'workflow.finished'" not in schema.STATE_EVENTS_SQL
+
+
+# ------------------------------------------------------------------------------- the gateway's parts
+def test_pending_merges_notices_whatever_their_rate():
+    async def go():
+        p = live.Pending()
+        for k in range(1000):
+            p.add_notice({"count": 3, "names": {"loop.iteration.done": 2, f"n{k}": 1},
+                          "events": [{"seq": 3 * k + j} for j in range(3)]})
+        p.set_state({"status": "RUNNING"})
+        assert p.wake.is_set()
+        out = dict(p.take())
+        assert out["events"]["count"] == 3000 and len(out["events"]["events"]) == live.TAIL
+        assert out["events"]["events"][-1] == {"seq": 2999} and len(out["events"]["names"]) == 64
+        assert out["events"]["names"]["loop.iteration.done"] == 2000 and out["state"] == {"status": "RUNNING"}
+        assert p.take() == [] and not p.wake.is_set()
+        for k in range(500):
+            p.add_listed({"executions": [{"execution_id": f"x{k}", "event": "workflow.started"}]})
+        out = dict(p.take())
+        assert len(out["executions"]["changed"]) == live.MAX_CHANGED and out["executions"]["more"] == 300
+        p.add_notice({"count": "many", "names": "no", "events": [1, None]})  # odd notices change nothing
+        assert p.take() == []
+
+    asyncio.run(go())
+
+
+def test_stream_admission_is_limited_per_session_and_in_total():
+    from noetl_mesh import limits
+
+    hub = live.Hub(bus=None)  # type: ignore[arg-type]
+    with limits.override(max_live_streams=3, max_live_streams_per_session=2):
+        a1, a2 = hub.admit("tok-a"), hub.admit("tok-a")
+        with pytest.raises(live.Busy) as busy:
+            hub.check("tok-a")
+        assert busy.value.status == 429 and "max_live_streams_per_session" in str(busy.value)
+        hub.admit("tok-b")
+        with pytest.raises(live.Busy) as full:
+            hub.admit("tok-c")
+        assert full.value.status == 503
+        hub.release(a1)
+        hub.check("tok-c")
+        hub.release(a2)
+        assert hub.streams == 1 and list(hub.per_session.values()) == [1]
+
+
+def test_server_sent_events_are_one_json_line_each():
+    frame = live.sse("state", {"a": "line\nbreak", "n": 1})
+    assert frame == b'event: state\ndata: {"a":"line\\nbreak","n":1}\n\n'
+
+
+def test_instants_are_iso_or_epoch_seconds():
+    assert _instant("1700000000", "q") == 1_700_000_000.0
+    assert _instant("2023-11-14T22:13:20Z", "q") == 1_700_000_000.0
+    assert _instant("2023-11-14T22:13:20", "q") == 1_700_000_000.0  # no zone: UTC
+    assert _instant("", "q") is None and _instant(None, "q") is None
+    with pytest.raises(HTTPException) as bad:
+        _instant("yesterday", "query.since")
+    assert bad.value.status_code == 422
