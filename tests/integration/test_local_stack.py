@@ -44,13 +44,15 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
             assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
             lines.append(up.stdout.readline())
         out = "".join(lines)
-        assert f"  gateway: http://127.0.0.1:{port} (OpenAPI docs at http://127.0.0.1:{port}/docs)" in out
+        assert f"  gateway: http://127.0.0.1:{port} (web console at http://127.0.0.1:{port}/ui, OpenAPI docs at " \
+               f"http://127.0.0.1:{port}/docs)" in out
         nats_url, monitoring = re.search(r"  NATS: (nats://\S+) \(monitoring: (http://\S+)\)", out).groups()
         with urllib.request.urlopen(f"{monitoring}/healthz", timeout=5) as r:  # the printed monitoring URL answers
             assert r.status == 200
         assert ("services: event-recorder, sessions, admission x2, router x2, loop-coordinator, scheduler, worker x3, "
                 "gateway (one process each") in out
         info = json.loads(Path(root, ".noetl", "stack.json").read_text())
+        assert sorted(info["metrics"]) == sorted(info["pids"].keys() - {"nats-server", "postgres"})  # each its port
         assert (info["gateway"], info["nats"], info["nats_monitoring"]) == (f"http://127.0.0.1:{port}", nats_url,
                                                                             monitoring)
         assert sorted(k for k in info["pids"] if k.startswith(("admission", "router", "worker"))) == \
