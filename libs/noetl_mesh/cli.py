@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from typing import Sequence
+from .home import HomeLock, finding
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_TIMEOUT = 3  # noetl run --timeout passed before the execution ended
@@ -676,7 +677,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         os.makedirs(home, exist_ok=True)
     except OSError as exc:
         return _fail(f"--home {home}: cannot make the directory ({exc.strerror or exc})")
-    lock = _HomeLock(home)
+    lock = HomeLock(home)
     busy = lock.acquire()
     if busy:
         return _fail(busy, EXIT_STACK)
@@ -713,7 +714,7 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "_HomeLock") -> None:
+async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "HomeLock") -> None:
     from .stack import topology
 
     if args.in_process:
@@ -756,96 +757,6 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
             _forget_local_admin(url, stack.token)
 
 
-class _HomeLock:
-    """One stack per home. ``noetl up`` holds an exclusive lock on ``<home>/stack.lock`` while it runs
-    (the kernel releases it when the process ends, however it ends) and describes itself in
-    ``<home>/stack.json`` (its pid, URLs and the pids of the servers and services it started), removed
-    when it stops. A ``stack.json`` found with the lock free is a stack that was killed (SIGKILL)
-    before it could stop its servers: :meth:`leftovers` names those still running."""
-
-    def __init__(self, home: str):
-        self.home = home
-        self.lock_file = os.path.join(home, "stack.lock")
-        self.info_file = os.path.join(home, "stack.json")
-        self.fd: int | None = None
-        self.recorded = False
-
-    def acquire(self) -> str | None:
-        """None when this process holds the lock now, else why it cannot."""
-        import fcntl
-
-        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            info = self.read()
-            if not info.get("gateway"):
-                return f"a noetl stack is already starting or running from {self.home} ({self.lock_file} is locked)"
-            return (f"a noetl stack already runs from {self.home} (pid {info.get('pid')}): gateway {info['gateway']}, "
-                    f"NATS {info.get('nats')}; use it ({_finding(self.home)}), stop it "
-                    f"(Ctrl-C where it runs, or kill {info.get('pid')}), or start another with --home DIR")
-        self.fd = fd
-        return None
-
-    def read(self) -> dict:
-        try:
-            with open(self.info_file) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return info if isinstance(info, dict) else {}
-
-    def record(self, info: dict) -> None:
-        tmp = self.info_file + ".tmp"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(info, f, indent=1)
-        os.replace(tmp, self.info_file)
-        self.recorded = True
-
-    def leftovers(self) -> str | None:
-        """Why a new stack cannot start here: processes of an earlier, killed one still running."""
-        from .home import runs
-
-        running = {}
-        for name, pid in (self.read().get("pids") or {}).items():
-            if isinstance(pid, int) and runs(pid, "nats-server" if name == "nats-server" else
-                                              "postgres" if name == "postgres" else "noetl_mesh"):
-                running[name] = pid
-        try:
-            with open(os.path.join(self.home, "pg", "postmaster.pid")) as f:
-                pid = int(f.readline().strip())
-            if runs(pid, "postgres"):
-                running["postgres"] = pid
-        except (OSError, ValueError):
-            pass
-        if not running:
-            return None
-        listed = ", ".join(f"{name} pid {pid}" for name, pid in running.items())
-        return (f"processes of an earlier noetl up from {self.home} still run ({listed}): it was killed before it "
-                f"could stop them; stop them (kill {' '.join(str(p) for p in running.values())}) and start again")
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        if self.recorded:  # else it describes an earlier stack (leftovers): keep it
-            try:
-                os.unlink(self.info_file)
-            except OSError:
-                pass
-        os.close(self.fd)  # releases the lock
-        self.fd = None
-
-
-def _finding(home: str) -> str:
-    """How other commands find the stack of ``home``."""
-    from .home import home_dir
-
-    if home_dir() == home:
-        return "noetl commands run here find it"
-    return f"noetl commands find it with --home {home} or NOETL_HOME={home}"
-
-
 def _local_admin(url: str, token: str | None, token_file: str, first: bool, home: str = "") -> bool:
     """``noetl up``'s word on logging in. The home's admin API token (``admin.token``, 0600) is stored
     in the command line's token store for this gateway's URL, unless a token is stored for it already,
@@ -864,7 +775,7 @@ def _local_admin(url: str, token: str | None, token_file: str, first: bool, home
     if stored:
         where = store_token(url, token)
         print(f"noetl commands use it for this gateway (kept in {where} while the stack runs); "
-              f"{_finding(home)}", flush=True)
+              f"{finding(home)}", flush=True)
     print(f"elsewhere: noetl login --gateway {url} --token - < {token_file}; give the admin a password "
           f"with `noetl user password`, add users with `noetl user add`", flush=True)
     return stored

@@ -65,3 +65,84 @@ def runs(pid: int, name: str) -> bool:
         except PermissionError:
             return True
         return not os.path.isdir("/proc")  # no /proc to tell: alive is all we know
+
+
+class HomeLock:
+    """One stack per home. ``noetl up`` holds an exclusive lock on ``<home>/stack.lock`` while it runs
+    (the kernel releases it when the process ends, however it ends) and describes itself in
+    ``<home>/stack.json`` (its pid, URLs and the pids of the servers and services it started), removed
+    when it stops. A ``stack.json`` found with the lock free is a stack that was killed (SIGKILL)
+    before it could stop its servers: :meth:`leftovers` names those still running."""
+
+    def __init__(self, home: str):
+        self.home = home
+        self.lock_file = os.path.join(home, "stack.lock")
+        self.info_file = os.path.join(home, STACK_FILE)
+        self.fd: int | None = None
+        self.recorded = False
+
+    def acquire(self) -> str | None:
+        """None when this process holds the lock now, else why it cannot."""
+        import fcntl
+
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            info = self.read()
+            if not info.get("gateway"):
+                return f"a noetl stack is already starting or running from {self.home} ({self.lock_file} is locked)"
+            return (f"a noetl stack already runs from {self.home} (pid {info.get('pid')}): gateway {info['gateway']}, "
+                    f"NATS {info.get('nats')}; use it ({finding(self.home)}), stop it "
+                    f"(Ctrl-C where it runs, or kill {info.get('pid')}), or start another with --home DIR")
+        self.fd = fd
+        return None
+
+    def read(self) -> dict:
+        return read_stack(self.home)
+
+    def record(self, info: dict) -> None:
+        tmp = self.info_file + ".tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(info, f, indent=1)
+        os.replace(tmp, self.info_file)
+        self.recorded = True
+
+    def leftovers(self) -> str | None:
+        """Why a new stack cannot start here: processes of an earlier, killed one still running."""
+        running = {}
+        for name, pid in (self.read().get("pids") or {}).items():
+            if isinstance(pid, int) and runs(pid, "nats-server" if name == "nats-server" else
+                                              "postgres" if name == "postgres" else "noetl_mesh"):
+                running[name] = pid
+        try:
+            with open(os.path.join(self.home, "pg", "postmaster.pid")) as f:
+                pid = int(f.readline().strip())
+            if runs(pid, "postgres"):
+                running["postgres"] = pid
+        except (OSError, ValueError):
+            pass
+        if not running:
+            return None
+        listed = ", ".join(f"{name} pid {pid}" for name, pid in running.items())
+        return (f"processes of an earlier noetl up from {self.home} still run ({listed}): it was killed before it "
+                f"could stop them; stop them (kill {' '.join(str(p) for p in running.values())}) and start again")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if self.recorded:  # else it describes an earlier stack (leftovers): keep it
+            try:
+                os.unlink(self.info_file)
+            except OSError:
+                pass
+        os.close(self.fd)  # releases the lock
+        self.fd = None
+
+
+def finding(home: str) -> str:
+    """How other commands find the stack of ``home``."""
+    if home_dir() == home:
+        return "noetl commands run here find it"
+    return f"noetl commands find it with --home {home} or NOETL_HOME={home}"

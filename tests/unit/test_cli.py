@@ -140,9 +140,9 @@ def test_a_home_or_out_directory_that_cannot_be_made_exits_2(capsys):
 
 # ------------------------------------------------------------------------------ one stack per home
 def test_a_second_up_on_a_home_says_a_stack_runs_there(tmp_path, capsys):
-    from noetl_mesh.cli import _HomeLock
+    from noetl_mesh.home import HomeLock
 
-    first = _HomeLock(str(tmp_path))
+    first = HomeLock(str(tmp_path))
     assert first.acquire() is None
     try:
         assert main(["up", "--home", str(tmp_path)]) == 5  # before starting anything
@@ -157,7 +157,7 @@ def test_a_second_up_on_a_home_says_a_stack_runs_there(tmp_path, capsys):
     finally:
         first.release()
     assert not (tmp_path / "stack.json").exists()  # a stopped stack leaves no description behind
-    second = _HomeLock(str(tmp_path))
+    second = HomeLock(str(tmp_path))
     assert second.acquire() is None  # free again
     second.release()
 
@@ -167,7 +167,7 @@ def test_up_names_the_servers_a_killed_stack_left_running(tmp_path, capsys):
     import subprocess
     import sys
 
-    from noetl_mesh.cli import _HomeLock
+    from noetl_mesh.home import HomeLock
 
     # a process that looks like an orphaned nats-server (its command line says so)
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "nats-server"])
@@ -181,7 +181,7 @@ def test_up_names_the_servers_a_killed_stack_left_running(tmp_path, capsys):
     finally:
         orphan.kill()
         orphan.wait()
-    lock = _HomeLock(str(tmp_path))
+    lock = HomeLock(str(tmp_path))
     assert lock.acquire() is None and lock.leftovers() is None  # gone: a new stack may start
     lock.release()
 
