@@ -10,7 +10,10 @@ import base64
 import os
 import shutil
 import tempfile
+import subprocess
+import sys
 import threading
+import time
 from typing import Any, Coroutine, Iterator
 
 import pytest
@@ -150,3 +153,21 @@ def stack(module_pg) -> Iterator[StackHandle]:
     nats, loop, handle = start_stack(module_pg)
     yield handle
     stop_stack(nats, loop, handle)
+
+
+def noetl_up(args: list[str], env: dict[str, str], timeout: float = 120, **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start ``noetl up ARGS`` and read its output until it has said how to reach it (its last line
+    starts ``elsewhere:``): the process and what it printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "up", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, **popen)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while not any(line.startswith("elsewhere:") for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, "".join(lines)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import noetl_up
+
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -218,15 +220,9 @@ def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
     root = tempfile.mkdtemp(prefix="noetl-up-")  # Postgres's own user must reach its data directory
     os.chmod(root, 0o755)
     home = Path(root) / "home"
-    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "up", "--in-process", "--home", str(home)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
+    proc, text = noetl_up(["--in-process", "--home", str(home)], env)
     try:
-        deadline = time.monotonic() + 120
-        while not any(line.startswith("elsewhere:") for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
-        url = re.search(r"gateway: (http://\S+)", "".join(lines)).group(1)
+        url = re.search(r"gateway: (http://\S+)", text).group(1)
         info = json.loads((home / "stack.json").read_text())
         assert info["pid"] == proc.pid and info["gateway"] == url
         second = noetl("up", "--in-process", "--home", str(home), env=env, timeout=60)

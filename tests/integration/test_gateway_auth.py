@@ -27,6 +27,8 @@ from noetl_mesh.infra.bus import Bus
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.app import GatewayService
 
+from conftest import noetl_up
+
 pytestmark = pytest.mark.integration
 
 ROLES = ("admin", "developer", "operator", "viewer")
@@ -460,16 +462,8 @@ def test_noetl_up_first_start_lets_local_commands_in_and_forgets_the_token_when_
     root = tempfile.mkdtemp(prefix="noetl-up-")  # Postgres's own user must reach its data directory
     os.chmod(root, 0o755)
     home = Path(root) / "home"
-    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "up", "--in-process", "--home", str(home)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
+    proc, text = noetl_up(["--in-process", "--home", str(home)], env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not any(line.startswith("elsewhere:") for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
-        text = "".join(lines)
         url = re.search(r"gateway: (http://\S+)", text).group(1)
         assert f"its API token (no expiry) is in {home / 'admin.token'}" in text and "first start" in text
         assert oct((home / "admin.token").stat().st_mode & 0o777) == "0o600"
@@ -481,9 +475,9 @@ def test_noetl_up_first_start_lets_local_commands_in_and_forgets_the_token_when_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-        lines.append(proc.stdout.read())
+        text += proc.stdout.read()
         proc.wait(60)
         shutil.rmtree(root, ignore_errors=True)
-    assert proc.returncode == 0, "".join(lines)
+    assert proc.returncode == 0, text
     stored = (tmp_path / "config" / "noetl" / "tokens.json").read_text()
     assert token not in stored  # forgotten when the stack stopped

@@ -19,6 +19,8 @@ import pytest
 
 from noetl_mesh.stack import free_port
 
+from conftest import noetl_up
+
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}
@@ -34,16 +36,9 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
         return subprocess.run([sys.executable, "-m", "noetl_mesh.cli", *args], capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=root)
 
-    up = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "up", "--port", str(port), "--replicas",
-                           "admission=2,router=2,worker=3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=env, cwd=root)
-    lines: list[str] = []
+    up, out = noetl_up(["--port", str(port), "--replicas", "admission=2,router=2,worker=3"], env, timeout=180,
+                       cwd=root)
     try:
-        deadline = time.monotonic() + 180
-        while not any(line.startswith("elsewhere:") for line in lines):
-            assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
-            lines.append(up.stdout.readline())
-        out = "".join(lines)
         assert f"  gateway: http://127.0.0.1:{port} (web console at http://127.0.0.1:{port}/ui, OpenAPI docs at " \
                f"http://127.0.0.1:{port}/docs)" in out
         nats_url, monitoring = re.search(r"  NATS: (nats://\S+) \(monitoring: (http://\S+)\)", out).groups()
