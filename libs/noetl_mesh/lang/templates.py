@@ -15,7 +15,8 @@ The caller builds the render context (a plain mapping); this module only renders
 Compiled templates are cached by source string (bounded LRU).
 
 The budget (D7; docs/dsl.md "The template budget"): every call of :func:`render`, :func:`render_text`,
-:func:`evaluate` or :func:`truthy` gets ``limits.template_max_ms`` of wall time and may build at most
+:func:`evaluate` or :func:`truthy` gets ``limits.template_max_ms`` of CPU time (its thread's: a render that waits for a core on a loaded
+machine is not charged for the wait) and may build at most
 ``limits.template_max_output`` characters or list items in all (each string and list a template makes
 counts, the text it returns too), and no integer above ``limits.template_max_int_digits`` digits. A
 nested value of a mapping shares its call's budget; :func:`shared_budget` makes several calls share one.
@@ -127,10 +128,11 @@ class _Timeout(BaseException):
 
 
 class _Budget:
-    __slots__ = ("tid", "active", "start", "expired", "pending", "used", "lim", "group", "__weakref__")
+    __slots__ = ("tid", "clock", "active", "start", "expired", "pending", "used", "lim", "group", "__weakref__")
 
     def __init__(self, tid: int) -> None:
         self.tid = tid
+        self.clock = time.pthread_getcpuclockid(tid)  # the thread's CPU time, readable from the watchdog
         self.active = self.expired = self.pending = False
         self.start = 0.0
         self.used = 0
@@ -151,7 +153,7 @@ _local = threading.local()
 _lock = threading.Lock()  # the watchdog's scan and a render's exit after the watchdog fired
 _budgets: weakref.WeakValueDictionary[int, _Budget] = weakref.WeakValueDictionary()
 _GROUP: contextvars.ContextVar[_Group | None] = contextvars.ContextVar("noetl_template_budget", default=None)
-_monotonic = time.monotonic
+_cpu = time.thread_time  # the calling thread's CPU time; the watchdog reads a budget's own clock
 
 
 def _budget() -> _Budget:
@@ -166,7 +168,12 @@ def _budget() -> _Budget:
 
 
 def _time_error(b: _Budget) -> LimitExceeded:
-    return LimitExceeded("template_max_ms", round((_monotonic() - b.start) * 1000))
+    return LimitExceeded("template_max_ms", round((_spent(b)) * 1000))
+
+
+def _spent(b: _Budget) -> float:
+    """CPU seconds the budget's thread has run since the budget's start."""
+    return time.clock_gettime(b.clock) - b.start
 
 
 def _out_of_time(b: _Budget) -> None:
@@ -207,7 +214,7 @@ def shared_budget() -> Iterator[None]:
     if _GROUP.get() is not None:
         yield
         return
-    token = _GROUP.set(_Group(_monotonic()))
+    token = _GROUP.set(_Group(_cpu()))
     try:
         yield
     finally:
@@ -279,12 +286,12 @@ def _watch_loop() -> None:
                 if not b.active:
                     continue
                 busy = True
-                if b.expired or _monotonic() - b.start <= max_s:
+                if b.expired or _spent(b) <= max_s:
                     continue
                 # Announce, then look again: the render may have ended, and the thread started another
                 # (whose disarm would now wait for _lock), between the look above and this one.
                 b.pending = True
-                if b.active and not b.expired and _monotonic() - b.start > max_s:
+                if b.active and not b.expired and _spent(b) > max_s:
                     b.expired = True
                     _set_async_exc(b.tid, _Timeout)
                 else:
@@ -1319,11 +1326,11 @@ def _budgeted(func: Any, value: Any, context: Any, where: str) -> Any:
     g = b.group = _GROUP.get()
     b.expired = b.pending = False
     if g is None:
-        b.start = _monotonic()
+        b.start = _cpu()
         b.used = 0
     else:
         b.start, b.used = g.start, g.used
-        b.expired = _monotonic() - g.start > lim.template_max_ms / 1000
+        b.expired = _cpu() - g.start > lim.template_max_ms / 1000
     b.active = True  # the watchdog looks at active budgets only: everything above is set first
     if _wd_idle:
         _wake_watchdog()
