@@ -83,6 +83,37 @@ def cpu_by_process(procs: dict, nats, pg) -> dict[str, float]:
     return out
 
 
+def nats_counts(nats) -> dict[str, float]:
+    """Messages each NATS connection has published (``in_msgs``, by connection name: one per service
+    process) and received (``out_msgs``), and the JetStream API requests served: sample before and
+    after a scenario, and subtract."""
+    import json
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{nats.monitor_url}/connz?limit=4096", timeout=5) as r:
+        conns = json.load(r)["connections"]
+    with opener.open(f"{nats.monitor_url}/jsz", timeout=5) as r:
+        api = json.load(r).get("api", {}).get("total", 0)
+    out: dict[str, float] = {"JetStream API requests": api}
+    for c in conns:
+        name = c.get("name") or c.get("authorized_user") or "?"
+        out[f"published by {name}"] = out.get(f"published by {name}", 0) + c.get("in_msgs", 0)
+        out[f"received by {name}"] = out.get(f"received by {name}", 0) + c.get("out_msgs", 0)
+    return out
+
+
+def count_rows(scenario: str, before: dict, after: dict, steps: int) -> list[tuple]:
+    used = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    pub = sum(v for k, v in used.items() if k.startswith("published"))
+    rows = [(scenario, "NATS messages published per step, all connections", f"{pub / steps:.1f}"),
+            (scenario, "JetStream API requests per step", f"{used.get('JetStream API requests', 0) / steps:.1f}")]
+    for key, n in sorted(used.items(), key=lambda kv: -kv[1]):
+        if n and key != "JetStream API requests":
+            rows.append((scenario, f"messages per step {key}", f"{n / steps:.1f}"))
+    return rows
+
+
 def cpu_rows(scenario: str, before: dict, after: dict, steps: int) -> list[tuple]:
     used = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     total = sum(used.values())
@@ -277,9 +308,10 @@ async def main(args: argparse.Namespace) -> None:
                     rows += await bench_chain(stack.gateway_url, stack.token, 20, 3 if quick else 20)
                 if "burst" in which:
                     n = 50 if quick else 1000
-                    before = cpu_by_process(stack.procs, nats, pg)
+                    before, counts = cpu_by_process(stack.procs, nats, pg), nats_counts(nats)
                     rows += await bench_burst(stack.gateway_url, stack.token, n)
                     rows += cpu_rows("burst", before, cpu_by_process(stack.procs, nats, pg), n * 5)
+                    rows += count_rows("burst", counts, nats_counts(nats), n * 5)
                 if "child" in which:
                     rows += await bench_child(stack.gateway_url, stack.token, 20 if quick else 100, 100 if quick else 1000)
                 if "loop" in which:
