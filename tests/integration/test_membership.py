@@ -132,7 +132,7 @@ def test_a_handover_never_strands_a_message_until_ack_wait(fresh_nats):
         await b_bus.attach()
         a, b = Recorder(a_bus), Recorder(b_bus, slow=0.3)
         for svc, bus in ((a, a_bus), (b, b_bus)):
-            await bus.consumer(EVENTS, "probe-p0", ["noetl.pevt.0.ctl.*.*"], max_ack_pending=1, ack_wait=10)
+            await bus.consumer(EVENTS, "probe-p0", ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=10)
         try:
             a._read({0})
             await asyncio.sleep(0.3)  # a's reader waits in a fetch (1 s long poll)

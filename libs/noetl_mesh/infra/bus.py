@@ -8,8 +8,8 @@ Streams and subjects (their names: :mod:`noetl_mesh.contracts.subjects`; docs/ar
   service's user publish as itself only; class: ``ctl``, ``loop``, ``dispatch`` or ``info``, see
   :func:`event_class`); the stream's subject transform stores it as
   ``noetl.pevt.<partition>.<class>.<execution_id>.<writer>`` with ``partition = hash(execution_id) % P``.
-  Control-plane services read ``ctl`` events through one durable consumer per partition with
-  ``max_ack_pending=1`` (per-execution serialisation across any number of replicas); the
+  Control-plane services read ``ctl`` events through one pinned durable consumer per partition
+  (:mod:`.pinned`: per-execution serialisation across any number of replicas); the
   event-recorder reads everything. Readers keep only the events the subject's writer may write
   (:func:`admitted`).
 - ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>.<execution_id>``, one durable consumer per
@@ -509,17 +509,27 @@ class Bus:
                             max_deliver=max_deliver, ack_policy=ack_policy)
         return await self.js.pull_subscribe_bind(name, stream=stream)
 
-    async def consumer(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int,
-                       ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT):
-        """Create or update a durable pull consumer."""
+    async def consumer(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int = 1,
+                       ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT,
+                       pinned: bool = False):
+        """Create or update a durable pull consumer; ``pinned``: one partition's, read by
+        :class:`pinned.PinnedReader` (its priority settings replace ``max_ack_pending``)."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
-        await self.js.add_consumer(stream, ConsumerConfig(
+        config = ConsumerConfig(
             durable_name=name, ack_policy=ack_policy,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
             filter_subjects=subjects if len(subjects) > 1 else None,
             max_ack_pending=max_ack_pending, ack_wait=ack_wait, max_deliver=max_deliver,
             deliver_policy=DeliverPolicy.ALL,
-        ))
+        )
+        if not pinned:
+            await self.js.add_consumer(stream, config)
+            return
+        from .pinned import consumer_config  # nats-py's ConsumerConfig has no priority groups
+        reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", dumps(
+            {"stream_name": stream, "config": consumer_config(**config.as_dict())}), timeout=5)).data)
+        if "error" in reply:
+            raise BusError(f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
 
     async def first_seq(self, execution_id: str, partition: int) -> int | None:
         """The stream sequence of the execution's first message (any class), None when it has none."""

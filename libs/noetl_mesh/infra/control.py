@@ -1,15 +1,15 @@
 """The shell shared by the control-plane services (admission, router, loop-coordinator).
 
 Each service reads the ``ctl`` events of every partition through its own durable consumers (one per
-partition, ``max_ack_pending=1``): the server hands out one event of a partition at a time, to any
-replica, so the events of one execution are handled strictly in log order and never concurrently,
-however many replicas run. Replicas share the partitions out through NATS KV membership
+partition), each read by one pinned reader at a time, in batches, in stream order (:mod:`.pinned`), so
+the events of one execution are handled strictly in log order and never concurrently, however many
+replicas run. Replicas share the partitions out through NATS KV membership
 (:mod:`.membership`), so normally one replica reads a partition and its cache stays valid.
 
 Each replica keeps the execution states it has folded (:mod:`noetl_mesh.core.state`) in a cache. The
-cache is valid while this replica saw every delivery of the partition: the consumer sequence of each
-delivery must follow the previous one it handled; a gap (another replica took some events, or a
-redelivery) drops the partition's cached states, which are rebuilt from the stream on demand (D22).
+cache is valid while this replica's reader saw every delivery of the partition in order; each resync
+of the reader (another reader may have held messages, a redelivery, a handler failing) drops the
+partition's cached states, which are rebuilt from the stream on demand (D22).
 A rebuild for the event at stream sequence S folds the execution's events before S plus the events
 this service itself emitted for causes before S — exactly what the replica that handled those causes
 held, since a service folds its own decisions at once (:mod:`noetl_mesh.core.decide`).
@@ -33,9 +33,10 @@ from ..core.decide import Decision
 from ..core.events import event_class
 from ..core.state import ExecutionState, apply
 from . import logs, metrics, tracing
-from .bus import CTL, EVENTS, Bus, admitted, loads, partition_from_subject, pull_loop, release
+from .bus import CTL, EVENTS, Bus, admitted, loads, partition_from_subject
 from .membership import Membership
 from .micro import Consumer
+from .pinned import PinnedReader
 
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
@@ -53,7 +54,6 @@ class PartitionedService:
         self.ack_wait = ack_wait or float(os.environ.get("NOETL_CONTROL_ACK_WAIT", 30))
         self.cache: collections.OrderedDict[str, ExecutionState] = collections.OrderedDict()
         self.partition_of: dict[str, int] = {}
-        self.last_consumer_seq: dict[int, int] = {}
         self.stop_event = asyncio.Event()
         self.tasks: list[asyncio.Task] = []  # readers that are stopping (and, on stop, all of them)
         self.readers: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # owned partition -> reader
@@ -87,8 +87,8 @@ class PartitionedService:
         await self.bus.attach()
         for p in range(self.bus.partitions):
             subjects = [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes]  # any execution, any writer
-            await self.bus.consumer(EVENTS, f"{self.name}-p{p}", subjects,
-                                    max_ack_pending=1, ack_wait=self.ack_wait, max_deliver=50)
+            await self.bus.consumer(EVENTS, f"{self.name}-p{p}", subjects, pinned=True,
+                                    ack_wait=self.ack_wait, max_deliver=50)
         # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
         # stays valid; until the group is known, or without it, a replica reads every partition
         self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read,
@@ -129,13 +129,8 @@ class PartitionedService:
     async def _reader(self, p: int, stop: asyncio.Event) -> None:
         # a subscription (inbox) per reader: a delivery meant for an earlier reader of this partition
         # can never reach this one's handler
-        sub = await self.bus.js.pull_subscribe_bind(f"{self.name}-p{p}", stream=EVENTS)
-        linger = FETCH_TIMEOUT + 0.2  # cancelled mid-fetch: the server may deliver until the request expires
-        try:
-            await pull_loop(sub, self.handle, stop, timeout=FETCH_TIMEOUT, counts=self.events)
-            linger = 0.2  # the last fetch ended: only a delivery racing its deadline can still arrive
-        finally:
-            await release(sub, linger=linger)
+        await PinnedReader(self.bus, EVENTS, f"{self.name}-p{p}", self.handle, stop, expires=FETCH_TIMEOUT,
+                           counts=self.events, on_resync=lambda: self._drop_partition(p)).run()
 
     @property
     def owned(self) -> set[int]:
@@ -175,14 +170,10 @@ class PartitionedService:
         if pending is None:
             pending = self._m_pending[p] = metrics.PENDING.labels(self.name, f"{self.name}-p{p}", str(p))
         pending.set(msg.metadata.num_pending)
-        if self.last_consumer_seq.get(p) != seq.consumer - 1:
-            self._drop_partition(p)  # another replica handled deliveries in between, or a redelivery
-        self.last_consumer_seq.pop(p, None)  # only a fully handled delivery re-validates the cache
         # one decision's events, one execution; only those the subject's writer may write
         events = admitted(msg.subject, await self.bus.expand(msg.data, loads(msg.data)), self.name, msg.headers)
         if not events:
             await msg.ack()
-            self.last_consumer_seq[p] = seq.consumer
             return
         eid = events[0]["execution_id"]
         exemplar = await self._handle(msg, p, seq, eid, events)
@@ -196,7 +187,6 @@ class PartitionedService:
                 self._count(event["name"])
             self.handled += 1
             await msg.ack()
-            self.last_consumer_seq[p] = seq.consumer
             return None
         first = events[0]
         if state is None and first["name"] == "playbook.execution.requested" and (
@@ -241,7 +231,6 @@ class PartitionedService:
         # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
         # means a redelivery, which folds to nothing (D21).
         await msg.ack()
-        self.last_consumer_seq[p] = seq.consumer
         self._evict()
         return exemplar
 

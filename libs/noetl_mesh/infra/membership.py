@@ -7,9 +7,9 @@ deletes its key; one that dies drops out when its key expires. The others take i
 next read. The group is read from the bucket's stream (its subjects, one per live key) rather than
 with a KV watcher, which can wait forever for a key that expired while it was listing.
 
-Ownership is an optimisation, never a correctness condition: the per-partition durables with
-``max_ack_pending=1`` keep one event of a partition in flight whatever reads it, and a replica's cache
-is checked by consumer-sequence continuity (control.py). So while membership changes — or when the KV
+Ownership is an optimisation, never a correctness condition: the per-partition durables deliver to
+one pinned reader at a time, which resyncs before it goes on whenever another may have held messages
+(:mod:`.pinned`), dropping its cached states. So while membership changes — or when the KV
 cannot be read, when a replica owns every partition — two replicas may read one partition for a moment,
 which only costs cache rebuilds.
 """

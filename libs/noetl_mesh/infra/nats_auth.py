@@ -146,11 +146,13 @@ def _stream_api(stream: str) -> list[str]:
             _js("CONSUMER", "*", "*", stream, ">"), f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
-def _durable(stream: str, name: str, *, info: bool = False) -> list[str]:
-    """Create (or update) a durable pull consumer, fetch from it, acknowledge its messages."""
+def _durable(stream: str, name: str, *, info: bool = False, pinned: bool = False) -> list[str]:
+    """Create (or update) a durable pull consumer, fetch from it, acknowledge its messages; ``pinned``:
+    also count its unacknowledged messages and give up its pin (infra/pinned.py)."""
     out = [_js("CONSUMER", "DURABLE", "CREATE", stream, name), _js("CONSUMER", "MSG", "NEXT", stream, name),
            f"$JS.ACK.{stream}.{name}.>"]
-    return out + ([_js("CONSUMER", "INFO", stream, name)] if info else [])
+    return out + ([_js("CONSUMER", "INFO", stream, name)] if info or pinned else []) + (
+        [_js("CONSUMER", "UNPIN", stream, name)] if pinned else [])
 
 
 def _payloads(write: bool) -> list[str]:
@@ -193,7 +195,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         own = durables(user, partitions)
         pub += [_js("STREAM", "INFO", EVENTS), _js("STREAM", "MSG", "GET", EVENTS)]
         for name in own:
-            pub += _durable(EVENTS, name)
+            pub += _durable(EVENTS, name, pinned=True)
         # rebuilds: a short-lived consumer (nats-py names it at random; its filter travels in the subject
         # when there is one), fetched and deleted; never another's durable (denied below)
         pub += [_js("CONSUMER", "CREATE", EVENTS, "*"), _js("CONSUMER", "CREATE", EVENTS, "*", ">"),

@@ -1,0 +1,177 @@
+"""The control plane's partition reader (infra/pinned.py) on a real NATS server: batches, yet no
+message of a partition is handled before an earlier one — when the pin moves away from a reader that
+still holds messages, and when a handler fails on one."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import nats
+import pytest
+
+from noetl_mesh.infra.bus import EVENTS, Bus
+from noetl_mesh.infra.pinned import GROUP, PinnedReader
+
+pytestmark = pytest.mark.integration
+
+DURABLE = "probe-p0"
+
+
+async def _setup(url: str) -> Bus:
+    bus = await Bus.connect(url, "pinned")
+    await bus.setup(1)
+    await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=2, max_deliver=50)
+    return bus
+
+
+async def _publish(bus: Bus, n: int) -> None:
+    for _ in range(n):
+        await bus.js.publish("noetl.evt.router.ctl.x1", b"[]")
+
+
+async def _until(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.05)
+
+
+def test_a_newly_pinned_reader_waits_for_the_messages_an_earlier_one_still_holds(fresh_nats):
+    """A reader takes messages 1-3 and dies holding them (never acks); its pin is given up; 4-6 arrive.
+    The next reader is pinned and given 4-6 first, yet handles 1-6 in order: it holds 4-6 until
+    1-3 come back (their ack_wait, 2 s here)."""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        dead = await nats.connect(fresh_nats.url)
+        try:
+            await _publish(bus, 3)
+            inbox = dead.new_inbox()
+            sub = await dead.subscribe(inbox)
+            await dead.publish(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS}.{DURABLE}",
+                               json.dumps({"batch": 3, "expires": 10**9, "group": GROUP}).encode(), reply=inbox)
+            taken = [await sub.next_msg(timeout=2) for _ in range(3)]
+            assert [m.metadata.sequence.stream for m in taken] == [1, 2, 3]
+            await dead.request(f"$JS.API.CONSUMER.UNPIN.{EVENTS}.{DURABLE}", json.dumps({"group": GROUP}).encode())
+            await _publish(bus, 3)
+
+            got: list[int] = []
+
+            async def handle(msg):
+                got.append(msg.metadata.sequence.stream)
+                await msg.ack()
+
+            stop = asyncio.Event()
+            reader = PinnedReader(bus, EVENTS, DURABLE, handle, stop)
+            task = asyncio.create_task(reader.run())
+            await _until(lambda: len(got) >= 6, 15)
+            stop.set()
+            await task
+            assert got == [1, 2, 3, 4, 5, 6]
+            assert reader.resyncs >= 1
+        finally:
+            await dead.close()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_handler_holds_up_what_follows_it(fresh_nats):
+    """The handler fails on message 2 the first time: it is handed back (with a delay), and 3-5, which
+    the reader already received, are handled only after it. (1 is handled first, alone, so that 2-5
+    reach a reader that is past its first resync.)"""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        try:
+            attempts: list[int] = []
+            done: list[int] = []
+
+            async def handle(msg):
+                seq = msg.metadata.sequence.stream
+                attempts.append(seq)
+                if seq == 2 and attempts.count(2) == 1:
+                    raise RuntimeError("a service did not answer")
+                done.append(seq)
+                await msg.ack()
+
+            stop = asyncio.Event()
+            reader = PinnedReader(bus, EVENTS, DURABLE, handle, stop)
+            task = asyncio.create_task(reader.run())
+            await _publish(bus, 1)
+            await _until(lambda: done == [1], 5)
+            resyncs = reader.resyncs
+            await _publish(bus, 4)
+            await _until(lambda: len(done) >= 5, 15)
+            assert reader.resyncs > resyncs
+            stop.set()
+            await task
+            assert done == [1, 2, 3, 4, 5]
+            assert attempts.count(2) == 2
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_two_readers_of_one_partition_never_interleave(fresh_nats):
+    """Two readers pull the same partition at once (membership changing): one is pinned and handles
+    everything, in order; the other is given nothing."""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        try:
+            got: dict[str, list[int]] = {"a": [], "b": []}
+
+            def handler(name):
+                async def handle(msg):
+                    got[name].append(msg.metadata.sequence.stream)
+                    await msg.ack()
+                return handle
+
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handler(n), stop).run()) for n in got]
+            await asyncio.sleep(0.3)
+            await _publish(bus, 200)
+            await _until(lambda: len(got["a"]) + len(got["b"]) >= 200, 20)
+            stop.set()
+            await asyncio.gather(*tasks)
+            handled = got["a"] or got["b"]
+            assert not (got["a"] and got["b"]), {k: len(v) for k, v in got.items()}
+            assert handled == list(range(1, 201))
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_an_existing_partition_durable_is_updated_in_place(fresh_nats):
+    """A stack upgraded from one message in flight per partition keeps its durables (and their place in
+    the stream): creating them again adds the priority group."""
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "pinned")
+        await bus.setup(1)
+        try:
+            await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], max_ack_pending=1, ack_wait=2)
+            await _publish(bus, 2)
+            sub = await bus.js.pull_subscribe_bind(DURABLE, stream=EVENTS)
+            [first] = await sub.fetch(1, timeout=2)
+            await first.ack_sync()
+            await sub.unsubscribe()
+            await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=2)
+            info = json.loads((await bus.nc.request(f"$JS.API.CONSUMER.INFO.{EVENTS}.{DURABLE}", b"")).data)
+            assert info["config"]["priority_policy"] == "pinned_client" and info["config"]["max_ack_pending"] == 64
+            got: list[int] = []
+
+            async def handle(msg):
+                got.append(msg.metadata.sequence.stream)
+                await msg.ack()
+
+            stop = asyncio.Event()
+            task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle, stop).run())
+            await _until(lambda: got == [2], 5)  # where the old durable left off
+            stop.set()
+            await task
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
