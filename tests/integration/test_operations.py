@@ -13,6 +13,7 @@ import pytest
 from conftest import start_stack, stop_stack
 from noetl_mesh.infra import micro
 from noetl_mesh.infra.nats_auth import connect_options
+from noetl_mesh.services.gateway.auth import CACHE_SECONDS
 
 pytestmark = pytest.mark.integration
 
@@ -122,6 +123,7 @@ def test_stats_move_with_the_work_done(ops):
         return out
 
     before = totals()
+    time.sleep(CACHE_SECONDS + 0.1)  # the gateway asks the sessions service again (not its cached answer)
     status, _ = ops.execute(PLAYBOOK)
     assert status["status"] == "COMPLETED"
     deadline = time.monotonic() + 10
