@@ -409,13 +409,22 @@ export async function executionPage(main, id, query, ctx) {
   }, 1000);
 
   // ---------------------------------------------------------------- wiring
+  // A notice can arrive before the first page is shown (tail() then has nothing to follow), and what is
+  // recorded before the stream is live has no notice: once both are there, read the tail again.
+  let loaded = false;
+  const catchUp = () => { loadLatest(); tail(); loadWaits(); };
   const close = openStream(`/api/live/executions/${id}`, {
     events: () => { if (!page.latest) loadLatest(); tail(); },
     state: (view) => { if (!page.net) loadLatest(); else receive(view); loadWaits(); },
     resync: () => { loadLatest(); loadTimeline(page.timeline.offset); loadWaits(); },
-    status: (st) => { liveNote.textContent = st === "live" ? "live" : st; liveNote.dataset.state = st; },
+    status: (st) => {
+      liveNote.textContent = st === "live" ? "live" : st; liveNote.dataset.state = st;
+      if (st === "live" && loaded) catchUp();
+    },
   });
   await Promise.all([loadLatest(), loadTimeline(0), loadWaits()]);
+  loaded = true;
+  catchUp();
   if (page.step && page.graph) { page.graph.select(page.step); renderAside(); }
   return () => { close(); travel.cancel(); tail.cancel(); loadWaits.cancel(); };
 }

@@ -88,7 +88,10 @@ export async function executionsPage(main, query, ctx) {
   await load();
   const close = openStream("/api/live/executions", {
     executions: () => load(), resync: () => load(),
-    status: (st) => { liveNote.textContent = st === "live" ? "live" : st; liveNote.dataset.state = st; },
+    status: (st) => {  // live: read again what changed before the stream could say so
+      liveNote.textContent = st === "live" ? "live" : st; liveNote.dataset.state = st;
+      if (st === "live") load();
+    },
   });
   return () => { close(); load.cancel(); };
 }
