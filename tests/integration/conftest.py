@@ -171,3 +171,12 @@ def noetl_up(args: list[str], env: dict[str, str], timeout: float = 120, **popen
         proc.wait()
         raise
     return proc, "".join(lines)
+
+
+async def until(predicate, timeout: float) -> None:
+    """Wait (in an event loop) until ``predicate()`` is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.05)

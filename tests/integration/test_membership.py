@@ -15,7 +15,7 @@ from noetl_mesh.infra.bus import EVENTS, Bus
 from noetl_mesh.infra.control import PartitionedService
 from noetl_mesh.infra.membership import BUCKET, Membership, assign
 
-from conftest import start_stack, stop_stack
+from conftest import start_stack, stop_stack, until
 
 pytestmark = pytest.mark.integration
 
@@ -143,14 +143,14 @@ def test_a_handover_never_strands_a_message_until_ack_wait(fresh_nats):
             publisher.join()
             t0 = time.monotonic()
             b._read({0})
-            await _until(lambda: len(b.got) == 1, 5)
+            await until(lambda: len(b.got) == 1, 5)
             assert b.got[0][1] - t0 < 3 and a.got == []  # given back at once, and never handled by a
             await _publish(fresh_nats.url, 5)
-            await _until(lambda: len(b.got) >= 2, 5)
+            await until(lambda: len(b.got) >= 2, 5)
             t1 = time.monotonic()
             await b.stop()  # graceful: finishes or gives back what it holds
             a._read({0})
-            await _until(lambda: {seq for seq, _ in a.got + b.got} == {1, 2, 3, 4, 5, 6}, 8)
+            await until(lambda: {seq for seq, _ in a.got + b.got} == {1, 2, 3, 4, 5, 6}, 8)
             seqs = [seq for seq, _ in sorted(a.got + b.got, key=lambda g: g[1])]
             assert seqs == sorted(seqs)  # in log order, across the handover
             assert max(t for _, t in a.got) - t1 < 8  # no ack_wait (10 s) in between
@@ -169,14 +169,6 @@ async def _publish(url: str, n: int) -> None:
             await nc.jetstream().publish("noetl.evt.router.ctl.x1", b"[]")
     finally:
         await nc.close()
-
-
-async def _until(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.05)
 
 
 def test_first_seq_finds_an_executions_first_message_of_any_class(fresh_nats):

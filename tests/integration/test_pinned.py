@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import nats
 import pytest
 
 from noetl_mesh.infra.bus import EVENTS, Bus
 from noetl_mesh.infra.pinned import GROUP, PinnedReader
+
+from conftest import until
 
 pytestmark = pytest.mark.integration
 
@@ -28,14 +29,6 @@ async def _setup(url: str) -> Bus:
 async def _publish(bus: Bus, n: int) -> None:
     for _ in range(n):
         await bus.js.publish("noetl.evt.router.ctl.x1", b"[]")
-
-
-async def _until(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.05)
 
 
 def test_a_newly_pinned_reader_waits_for_the_messages_an_earlier_one_still_holds(fresh_nats):
@@ -65,7 +58,7 @@ def test_a_newly_pinned_reader_waits_for_the_messages_an_earlier_one_still_holds
             stop = asyncio.Event()
             reader = PinnedReader(bus, EVENTS, DURABLE, handle, stop)
             task = asyncio.create_task(reader.run())
-            await _until(lambda: len(got) >= 6, 15)
+            await until(lambda: len(got) >= 6, 15)
             stop.set()
             await task
             assert got == [1, 2, 3, 4, 5, 6]
@@ -99,10 +92,10 @@ def test_a_failing_handler_holds_up_what_follows_it(fresh_nats):
             reader = PinnedReader(bus, EVENTS, DURABLE, handle, stop)
             task = asyncio.create_task(reader.run())
             await _publish(bus, 1)
-            await _until(lambda: done == [1], 5)
+            await until(lambda: done == [1], 5)
             resyncs = reader.resyncs
             await _publish(bus, 4)
-            await _until(lambda: len(done) >= 5, 15)
+            await until(lambda: len(done) >= 5, 15)
             assert reader.resyncs > resyncs
             stop.set()
             await task
@@ -132,7 +125,7 @@ def test_two_readers_of_one_partition_never_interleave(fresh_nats):
             tasks = [asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handler(n), stop).run()) for n in got]
             await asyncio.sleep(0.3)
             await _publish(bus, 200)
-            await _until(lambda: len(got["a"]) + len(got["b"]) >= 200, 20)
+            await until(lambda: len(got["a"]) + len(got["b"]) >= 200, 20)
             stop.set()
             await asyncio.gather(*tasks)
             handled = got["a"] or got["b"]
@@ -168,7 +161,7 @@ def test_an_existing_partition_durable_is_updated_in_place(fresh_nats):
 
             stop = asyncio.Event()
             task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle, stop).run())
-            await _until(lambda: got == [2], 5)  # where the old durable left off
+            await until(lambda: got == [2], 5)  # where the old durable left off
             stop.set()
             await task
         finally:

@@ -689,6 +689,38 @@ async def release(sub, linger: float) -> None:
             pass
 
 
+async def handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> str | None:
+    """``handle(msg)``, and what its failure means: None when it was handled; ``"dropped ..."`` when it
+    raised an error that no retry can cure (ValueError, KeyError, TypeError, AttributeError: it cannot
+    be decoded or folded), the message terminated, loudly, so that it does not hold up what follows;
+    ``"retrying ..."`` for any other error (NATS, a service not answering), the message nak'ed with a
+    delay that grows with its deliveries (never in a tight loop). Cancelled mid-message, it is handed
+    back at once, not after ``ack_wait``."""
+    try:
+        await handle(msg)
+        return None
+    except asyncio.CancelledError:
+        try:
+            await asyncio.wait_for(msg.nak(), 1.0)
+        except BaseException:  # noqa: BLE001
+            pass
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject, msg.metadata.num_delivered)
+        try:
+            await msg.term()
+        except Exception:  # noqa: BLE001
+            pass
+        return f"dropped {msg.subject}: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - transient: retry later
+        log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
+        try:
+            await msg.nak(delay=min(30.0, 0.5 * msg.metadata.num_delivered))
+        except Exception:  # noqa: BLE001
+            pass
+        return f"retrying {msg.subject}: {type(exc).__name__}: {exc}"
+
+
 async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 1,
                     timeout: float = 1.0, counts: Any = None) -> None:
     """Fetch and handle messages until ``stop`` is set. Handler errors are logged and the message is
@@ -706,31 +738,7 @@ async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio
             await asyncio.sleep(0.5)
             continue
         for msg in msgs:
-            started, error = time.perf_counter_ns(), None
-            try:
-                await handle(msg)
-            except asyncio.CancelledError:  # stopped mid-message: hand it back now, not after ack_wait
-                try:
-                    await asyncio.wait_for(msg.nak(), 1.0)
-                except BaseException:  # noqa: BLE001
-                    pass
-                raise
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:  # noqa: PERF203
-                # a message that cannot be decoded or folded will never succeed: retrying it would
-                # hold up its whole partition, so it is dropped, loudly
-                error = f"dropped {msg.subject}: {type(exc).__name__}: {exc}"
-                log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject,
-                              msg.metadata.num_delivered)
-                try:
-                    await msg.term()
-                except Exception:  # noqa: BLE001
-                    pass
-            except Exception as exc:  # noqa: BLE001 - transient (NATS, a service not answering): retry later
-                error = f"retrying {msg.subject}: {type(exc).__name__}: {exc}"
-                log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
-                try:
-                    await msg.nak(delay=min(30.0, 0.5 * msg.metadata.num_delivered))
-                except Exception:  # noqa: BLE001
-                    pass
+            started = time.perf_counter_ns()
+            error = await handle_one(msg, handle)
             if counts is not None:
                 counts.record(started, error=error)

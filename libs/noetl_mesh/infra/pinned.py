@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from nats.aio.msg import Msg
 
-from .bus import dumps, loads
+from .bus import dumps, handle_one, loads
 
 log = logging.getLogger("noetl.pinned")
 
@@ -46,9 +46,9 @@ def consumer_config(**config: Any) -> dict[str, Any]:
 
 class PinnedReader:
     """Reads ``durable`` of ``stream`` until ``stop`` is set, calling ``handle`` for each message in
-    stream order. Handler errors are treated as :func:`bus.pull_loop` treats them: a message that
-    cannot be decoded or folded is terminated, loudly; any other error hands it back with a delay,
-    and nothing after it is handled before it. ``counts`` (a :class:`micro.Consumer`) counts."""
+    stream order. A handler's error is what :func:`bus.handle_one` says it is (a message that cannot
+    be decoded or folded is terminated; any other is handed back with a delay), and nothing after a
+    message handed back is handled before it. ``counts`` (a :class:`micro.Consumer`) counts."""
 
     def __init__(self, bus: Any, stream: str, durable: str, handle: Callable[[Msg], Awaitable[None]],
                  stop: asyncio.Event, *, expires: float = 1.0, counts: Any = None,
@@ -162,29 +162,14 @@ class PinnedReader:
     async def _one(self, msg: Msg) -> bool:
         """Handle one message; False when it was handed back to be retried (the reader resyncs)."""
         self.next_consumer_seq = msg.metadata.sequence.consumer + 1
-        started, error = time.perf_counter_ns(), None
-        try:
-            await self.handle(msg)
-        except asyncio.CancelledError:  # stopped mid-message: hand it back now, not after ack_wait
-            await _nak(msg)
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            # a message that cannot be decoded or folded will never succeed: retrying it would hold up
-            # its whole partition, so it is dropped, loudly
-            error = f"dropped {msg.subject}: {type(exc).__name__}: {exc}"
-            log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject, msg.metadata.num_delivered)
-            try:
-                await msg.term()
-            except Exception:  # noqa: BLE001
-                pass
-        except Exception as exc:  # noqa: BLE001 - transient (NATS, a service not answering): retry later
-            error = f"retrying {msg.subject}: {type(exc).__name__}: {exc}"
-            log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
-            await _nak(msg, delay=min(30.0, 0.5 * msg.metadata.num_delivered))
-            self.irregular = True  # nothing after it before it: the next delivery resyncs
+        started = time.perf_counter_ns()
+        error = await handle_one(msg, self.handle)
         if self.counts is not None:
             self.counts.record(started, error=error)
-        return not (error and error.startswith("retrying"))
+        if error and error.startswith("retrying"):
+            self.irregular = True  # nothing after it before it: the next delivery resyncs
+            return False
+        return True
 
     async def _release(self) -> None:
         """Stopped: give back whatever arrives until the open request is surely over, and give the pin
