@@ -686,7 +686,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.counts = parse_replicas(args.replicas)
     except ValueError as exc:
         return _fail(str(exc))
-    if args.port and not _port_free("127.0.0.1", args.port):
+    from .infra.probes import port_free
+    if args.port and not port_free("127.0.0.1", args.port):
         return _fail(f"--port {args.port}: the port is in use (another gateway or program listens there)")
     try:
         os.makedirs(home, exist_ok=True)
@@ -716,17 +717,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         lock.release()
     return EXIT_OK
-
-
-def _port_free(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "HomeLock") -> None:
@@ -829,20 +819,16 @@ def cmd_service(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     from .infra import logs
-    from .infra.probes import PortTaken, port_free
+    from .infra.probes import PortTaken
 
     logs.configure(args.name, args.log_format)
-    port = args.metrics_port
-    if port is None:  # the default: taken (another service on this host), the service runs without it
-        port = DEFAULT_METRICS_PORT
-        if not port_free(args.metrics_host, port):
-            logging.getLogger("noetl.stack").warning(
-                "%s: port %s:%d is taken: no metrics port (give one with --metrics-port, 0 for any free one)",
-                args.name, args.metrics_host, port)
-            port = -1
+    # the default port, when taken (another service on this host), leaves the service without one:
+    # found by binding it, not by looking first (two services starting at once both saw it free)
+    port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     settings = replace(settings, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"), concurrency=args.concurrency,
                        host=args.host, port=args.port, ack_wait=args.ack_wait,
-                       metrics_port=None if port < 0 else port, metrics_host=args.metrics_host)
+                       metrics_port=None if port < 0 else port, metrics_optional=args.metrics_port is None,
+                       metrics_host=args.metrics_host)
     try:
         run_loop(serve_forever(args.name, settings))
     except PortTaken as exc:

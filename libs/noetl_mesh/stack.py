@@ -15,7 +15,7 @@ from typing import Any
 
 from .infra.bus import DEFAULT_PARTITIONS, Bus, BusError
 from .infra import logs, metrics, tracing
-from .infra.probes import ProbeServer, readiness
+from .infra.probes import PortTaken, ProbeServer, readiness
 
 log = logging.getLogger("noetl.stack")
 
@@ -81,6 +81,7 @@ class Settings:
     nats_creds: str | None = None
     # the metrics port (/metrics, /livez, /readyz, infra/probes.py): None serves none, 0 any free port
     metrics_port: int | None = None
+    metrics_optional: bool = False  # metrics_port is only the default: when it is taken, serve none
     metrics_host: str | None = None  # NOETL_METRICS_HOST, else 127.0.0.1
     log_format: str | None = None  # text or json (process stacks pass it to each service)
 
@@ -474,7 +475,14 @@ async def serve_forever(name: str, settings: Settings) -> None:
     logs.set_service(name)
     probes = None
     if settings.metrics_port is not None:
-        probes = ProbeServer(loop, settings.metrics_host, settings.metrics_port).start()  # OSError: port taken
+        try:
+            probes = ProbeServer(loop, settings.metrics_host, settings.metrics_port).start()
+        except PortTaken as exc:
+            if not settings.metrics_optional:
+                raise
+            # the default port, taken (another service on this host): the service runs without one
+            log.warning("%s: %s: no metrics port (give one with --metrics-port, 0 for any free one)", name, exc)
+    if probes is not None:
         probes.expect(name)
         log.info("%s: metrics, liveness and readiness on %s (/metrics, /livez, /readyz)", name, probes.url)
     try:

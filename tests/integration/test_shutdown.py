@@ -113,3 +113,32 @@ def test_sigterm_hands_back_the_work_leaves_the_group_and_exits_0(module_pg, tmp
                 proc.kill()
                 proc.wait()
         stop_stack(server, loop, handle)
+
+
+def test_a_service_whose_default_metrics_port_is_taken_runs_without_one(module_pg, tmp_path):
+    """The default metrics port is found taken by binding it (two services starting on one host at once
+    both saw it free when it was looked at first): the service warns and runs on, and stops cleanly."""
+    import socket
+
+    from noetl_mesh.cli import DEFAULT_METRICS_PORT
+
+    nats_server, loop, handle = start_stack(module_pg, workers=0)
+    holder = socket.socket()
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+        holder.listen()
+        log_path = tmp_path / "router.log"
+        proc = service(handle, "router", log_path)
+        deadline = time.monotonic() + 60
+        while b"no metrics port" not in log_path.read_bytes():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        time.sleep(1)
+        assert proc.poll() is None, log_path.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log_path.read_text()
+    finally:
+        holder.close()
+        stop_stack(nats_server, loop, handle)
