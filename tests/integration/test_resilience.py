@@ -33,6 +33,15 @@ def test_two_replicas_of_each_control_plane_service(pg_dsn, fixture_api):
                                      "pagination", "best_effort", "retry", "inclusive", "empty_loop")]
 
         async def go():
+            # the replicas share the partitions out first (until then the first to ask reads them all)
+            deadline = time.monotonic() + 15
+            for name in ("admission", "router", "loop-coordinator"):
+                while True:
+                    owned = [svc.owned for svc in stack.stack.services(name)]
+                    if not (owned[0] & owned[1]) and owned[0] | owned[1] == set(range(16)):
+                        break
+                    assert time.monotonic() < deadline, (name, owned)
+                    await asyncio.sleep(0.1)
             async with GatewayClient(stack.url, token=stack.token) as client:
                 from test_scenarios import workload_of
 

@@ -172,35 +172,37 @@ class PinnedReader:
         return True
 
     async def _release(self) -> None:
-        """Stopped: give back whatever arrives until the open request is surely over, and give the pin
-        up (once it is known: a delivery names it), so that another reader is pinned at once."""
-        unpinned = False
-        deadline = time.monotonic() + max(0.2, self.deadline - time.monotonic())
-        while True:
-            if self.pin is not None and not unpinned:
-                unpinned = await self._unpin()
-                deadline = min(deadline, time.monotonic() + 0.2)  # the server ends the request (423)
-            while not self.queue.empty():
-                msg = self.queue.get_nowait()
-                if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status
-                    await _nak(msg)
-                    self.pin = self.pin or (msg.headers or {}).get("Nats-Pin-Id")
-            if time.monotonic() >= deadline and (self.pin is None or unpinned):
-                break
-            await asyncio.sleep(0.05)
+        """Stopped: give back whatever arrives until this reader's open request has expired, then give
+        the pin up, so that another reader is pinned at once (not after PIN_TIMEOUT). Unpinning with a
+        request still open could pin this reader again, and deliver to it once it has gone. The pin is
+        given up even when this reader never learned it (the server pins a reader at its request,
+        before any delivery names the pin): a reader unpinned by mistake loses only a resync."""
+        await self._drain(self.deadline)
+        await self._unpin()
+        await self._drain(time.monotonic() + 0.1)  # what was already on its way
         try:
             await self.sub.unsubscribe()
         except Exception:  # noqa: BLE001
             pass
 
-    async def _unpin(self) -> bool:
+    async def _drain(self, until: float) -> None:
+        while True:
+            while not self.queue.empty():
+                msg = self.queue.get_nowait()
+                if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status
+                    await _nak(msg)
+            if time.monotonic() >= until:
+                return
+            await asyncio.sleep(0.05)
+
+    async def _unpin(self) -> None:
+        if self.nc.is_closed:
+            return
         try:
             await self.nc.request(f"$JS.API.CONSUMER.UNPIN.{self.stream}.{self.durable}", dumps({"group": GROUP}),
                                   timeout=2)
-            return True
         except Exception as exc:  # noqa: BLE001 - then the pin times out (PIN_TIMEOUT)
             log.info("%s: could not unpin (%s)", self.durable, exc)
-            return True  # do not try again
 
 
 async def _nak(msg: Msg, delay: float | None = None) -> None:
