@@ -204,7 +204,7 @@ def _refused(where: str, message: str, mark: tuple[int, int] | None = None) -> _
                                column=mark[1] if mark else None))
 
 
-def _limit_diagnostic(where: str, name: str, actual: int, what: str, mark: tuple[int, int] | None = None) -> Diagnostic:
+def _limit_diagnostic(where: str, name: str, actual: int | None, what: str, mark: tuple[int, int] | None = None) -> Diagnostic:
     message = str(limits.LimitExceeded(name, actual, what=what))
     return Diagnostic("error", where, message, line=mark[0] if mark else None, column=mark[1] if mark else None)
 
@@ -255,7 +255,7 @@ class _Builder:
         return _refused(f"line {line}, column {column}", message, (line, column))
 
     @staticmethod
-    def refuse_limit(mark: Any, name: str, actual: int, what: str) -> _Refused:
+    def refuse_limit(mark: Any, name: str, actual: int | None, what: str) -> _Refused:
         line, column = _at(mark)
         return _Refused(_limit_diagnostic(f"line {line}, column {column}", name, actual, what, (line, column)))
 
@@ -276,6 +276,8 @@ class _Builder:
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             problem = exc.problem or str(exc)
+            if "maximum nesting depth" in problem:  # libyaml's own bound (1,000 levels), met before ours
+                raise self.refuse_limit(mark, "max_document_depth", None, "the nesting of the playbook") from None
             context = exc.context_mark
             if exc.context and context and mark and (context.line, context.column) != (mark.line, mark.column):
                 problem += f" ({exc.context} at line {context.line + 1}, column {context.column + 1})"
