@@ -172,6 +172,9 @@ class Bus:
     payload_limit: int = DEFAULT_LIMIT  # D23: bigger values travel as object-store references
     _payloads: PayloadStore | None = None
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # the subjects it answers (infra/micro.py)
+    # set as a throw-away stack stops (noetl run: its NATS goes next): a stopping reader hands nothing back
+    # and waits for no open pull request to expire
+    throwaway: bool = False
 
     def endpoint(self, subject: str, queue: str) -> Endpoint:
         """The counters of a request subject this connection answers (what ``nats micro stats`` shows)."""

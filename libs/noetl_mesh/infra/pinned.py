@@ -53,7 +53,7 @@ class PinnedReader:
     def __init__(self, bus: Any, stream: str, durable: str, handle: Callable[[Msg], Awaitable[None]],
                  stop: asyncio.Event, *, expires: float = 1.0, counts: Any = None,
                  on_resync: Callable[[], None] | None = None, batch: int = BATCH):
-        self.nc, self.stream, self.durable, self.handle, self.stop = bus.nc, stream, durable, handle, stop
+        self.bus, self.nc, self.stream, self.durable, self.handle, self.stop = bus, bus.nc, stream, durable, handle, stop
         self.expires, self.counts, self.on_resync, self.batch = expires, counts, on_resync, batch
         self.queue: asyncio.Queue[Msg] = asyncio.Queue()
         self.pin: str | None = None
@@ -176,10 +176,12 @@ class PinnedReader:
         the pin up, so that another reader is pinned at once (not after PIN_TIMEOUT). Unpinning with a
         request still open could pin this reader again, and deliver to it once it has gone. The pin is
         given up even when this reader never learned it (the server pins a reader at its request,
-        before any delivery names the pin): a reader unpinned by mistake loses only a resync."""
-        await self._drain(self.deadline)
-        await self._unpin()
-        await self._drain(time.monotonic() + 0.1)  # what was already on its way
+        before any delivery names the pin): a reader unpinned by mistake loses only a resync. On a
+        throw-away stack nobody reads next: it just goes."""
+        if not self.bus.throwaway:
+            await self._drain(self.deadline)
+            await self._unpin()
+            await self._drain(time.monotonic() + 0.1)  # what was already on its way
         try:
             await self.sub.unsubscribe()
         except Exception:  # noqa: BLE001
