@@ -249,6 +249,47 @@ def test_persistent_data_dir_is_reused(shared_tmp_dir: Path) -> None:
     assert data_dir.exists()
 
 
+def _copies(monkeypatch: pytest.MonkeyPatch, parent: Path) -> list[bool]:
+    """Throw-away clusters under ``parent``; what each start's template copy returned."""
+    from noetl_mesh.infra import embedded
+
+    copies: list[bool] = []
+    copy = embedded._copy_template
+    monkeypatch.setattr(embedded, "_ram_tmp_dir", lambda: str(parent))
+    monkeypatch.setattr(embedded, "_copy_template", lambda t, d: copies.append(copy(t, d)) or copies[-1])
+    return copies
+
+
+def _count_databases(pg: EmbeddedPostgres) -> int:
+    with psycopg.connect(pg.dsn()) as conn:
+        return conn.execute("SELECT count(*) FROM pg_database").fetchone()[0]
+
+
+def test_throwaway_clusters_are_copies_of_one_initdb(shared_tmp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    copies = _copies(monkeypatch, shared_tmp_dir)
+    for _ in range(2):
+        with EmbeddedPostgres(fast=True) as pg:
+            assert _count_databases(pg) == 3  # postgres, template0, template1: a whole cluster
+            with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+                conn.execute("CREATE TABLE mine (v int)")  # not seen by the next copy
+    assert copies == [True, True]
+    (root,) = shared_tmp_dir.glob("noetl-pg-templates-*")
+    assert root.stat().st_mode & 0o077 == 0 and len([p for p in root.iterdir() if (p / "PG_VERSION").exists()]) == 1
+    assert not list(shared_tmp_dir.glob("noetl-pg-data-*"))  # each copy went with its cluster
+
+
+def test_a_template_directory_others_can_write_is_not_used(shared_tmp_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    root = shared_tmp_dir / f"noetl-pg-templates-{os.getuid()}"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)  # someone else could have put a cluster of theirs there
+    copies = _copies(monkeypatch, shared_tmp_dir)
+    with EmbeddedPostgres(fast=True) as pg:
+        assert _count_databases(pg) == 3
+    assert copies == [False] and not list(root.iterdir())
+    assert "not a private directory" in caplog.text
+
+
 def test_postgres_failure_reports_command_and_log(pg_server: PostgresServer) -> None:
     """A second cluster on a taken port must fail loudly, not talk to the first one."""
     assert isinstance(pg_server, EmbeddedPostgres), "needs an embedded session server"

@@ -9,6 +9,7 @@ around the external server instead of starting anything.
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
@@ -18,6 +19,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -638,6 +640,23 @@ class _PgAdmin:
             conn.execute(query)
 
 
+_INITDB_ARGS = ("--auth=trust", "--encoding=UTF8", "--locale=C")
+
+
+def _copy_template(template: Path | None, data_dir: Path) -> bool:
+    """``data_dir`` as a copy of ``template`` (owners and modes kept: ``cp -a``); False when there is
+    none or the copy fails (then nothing is left at ``data_dir``)."""
+    if template is None or not shutil.which("cp"):
+        return False
+    try:
+        subprocess.run(["cp", "-a", str(template), str(data_dir)], check=True, capture_output=True, timeout=60)
+        return True
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("could not copy the Postgres template %s (%s): initdb instead", template, exc)
+        shutil.rmtree(data_dir, ignore_errors=True)
+        return False
+
+
 class EmbeddedPostgres(_PgAdmin):
     """A ``postgres`` child process on 127.0.0.1 (trust auth, superuser ``postgres``).
 
@@ -746,10 +765,49 @@ class EmbeddedPostgres(_PgAdmin):
                     f"{self.data_dir} holds a Postgres {have} cluster but {self.bin_dir} is Postgres {want}"
                 )
             return
-        cmd = [
-            str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "-U", _PG_SUPERUSER,
-            "--auth=trust", "--encoding=UTF8", "--locale=C",
-        ]  # fmt: skip
+        if self.fast and self._tmp_root is not None and _copy_template(self._template(), self.data_dir):
+            return  # a throw-away cluster: a copy of the one initdb made before (~10x faster)
+        self._run_initdb(self.data_dir)
+
+    def _template(self) -> Path | None:
+        """A throw-away cluster's template: ``initdb``'s output once per Postgres binary and user, in a
+        directory only the server's user can reach (``noetl-pg-templates-<uid>`` beside the temporary
+        clusters; anything else found there is not trusted, and then no template is used). Made once,
+        atomically."""
+        assert self.bin_dir is not None and self._tmp_root is not None
+        root = self._tmp_root.parent / f"noetl-pg-templates-{os.getuid()}"
+        owner = pwd.getpwnam(self.run_as).pw_uid if self.run_as else os.getuid()
+        try:
+            if not root.exists():
+                root.mkdir(mode=0o700)
+                self._chown(root)
+            st = os.lstat(root)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != owner or st.st_mode & 0o077:
+                log.warning("not using %s for Postgres templates: not a private directory of this user", root)
+                return None
+            initdb = os.stat(self.bin_dir / "initdb")
+            key = f"{self.bin_dir}|{initdb.st_size}|{initdb.st_mtime_ns}|{self.run_as}|{_INITDB_ARGS}"
+            template = root / hashlib.sha256(key.encode()).hexdigest()[:16]
+            if (template / "PG_VERSION").exists():
+                return template
+            building = Path(tempfile.mkdtemp(prefix="building-", dir=root))
+            try:
+                self._chown(building)
+                self._run_initdb(building / "data")
+                try:
+                    os.rename(building / "data", template)
+                except OSError:  # another process made it meanwhile: theirs is as good
+                    pass
+            finally:
+                shutil.rmtree(building, ignore_errors=True)
+            return template if (template / "PG_VERSION").exists() else None
+        except (OSError, InfraError) as exc:
+            log.info("no Postgres template (%s): initdb instead", exc)
+            return None
+
+    def _run_initdb(self, data_dir: Path) -> None:
+        assert self.bin_dir is not None
+        cmd = [str(self.bin_dir / "initdb"), "-D", str(data_dir), "-U", _PG_SUPERUSER, *_INITDB_ARGS]
         if self.fast:
             cmd.append("--no-sync")
         res = subprocess.run(
@@ -757,7 +815,7 @@ class EmbeddedPostgres(_PgAdmin):
             cwd="/", **_user_kwargs(self.run_as),
         )  # fmt: skip
         if res.returncode != 0:
-            hint = f" (is {self.data_dir} reachable by user {self.run_as}?)" if self.run_as else ""
+            hint = f" (is {data_dir} reachable by user {self.run_as}?)" if self.run_as else ""
             raise _failure(f"initdb failed with code {res.returncode}{hint}", cmd, None, res.stdout + res.stderr)
 
     def _server_command(self) -> list[str]:
