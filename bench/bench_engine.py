@@ -3,7 +3,7 @@ Postgres embedded, the event log on. Prints a table; asserts nothing.
 
     python bench/bench_engine.py            # all four scenarios (a few minutes)
     python bench/bench_engine.py --quick    # small sizes, a smoke run
-    python bench/bench_engine.py chain loop # some of: chain, burst, loop, recorder
+    python bench/bench_engine.py chain loop # some of: chain, burst, loop, child, recorder, run
 """
 from __future__ import annotations
 
@@ -283,8 +283,24 @@ class Rows(list):
             print(f"{scenario:<9} {measure:<{width}}  {value}")
 
 
+def bench_run(times: int) -> Rows:
+    """``noetl run examples/hello.yaml`` from the shell: the wall time of the whole command (its own NATS
+    and Postgres, every service, the playbook, the stop). The first run also makes the Postgres template."""
+    import subprocess
+
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "hello.yaml")
+    walls = []
+    for _ in range(times + 1):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "noetl_mesh.cli", "run", example], check=True, capture_output=True)
+        walls.append(time.perf_counter() - started)
+    first, rest = walls[0], sorted(walls[1:])
+    return Rows([("run", "noetl run examples/hello.yaml, wall p50 / min", f"{statistics.median(rest):.2f} / {rest[0]:.2f} s"),
+                 ("run", "the first of them", f"{first:.2f} s")])
+
+
 async def main(args: argparse.Namespace) -> None:
-    which = set(args.which or ["chain", "burst", "loop", "child", "recorder"])
+    which = set(args.which or ["chain", "burst", "loop", "child", "recorder", "run"])
     quick = args.quick
     rows = Rows()
     creds = tempfile.mkdtemp(prefix="noetl-bench-creds-")
@@ -330,12 +346,14 @@ async def main(args: argparse.Namespace) -> None:
         shutil.rmtree(creds, ignore_errors=True)
     if violations:
         print("NATS permission violations:", *violations, sep="\n  ")
+    if "run" in which:
+        rows += bench_run(2 if quick else 5)
     rows.table()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("which", nargs="*", choices=["chain", "burst", "loop", "child", "recorder", []], default=None)
+    parser.add_argument("which", nargs="*", choices=["chain", "burst", "loop", "child", "recorder", "run", []], default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=1, help="replicas of admission, router, loop-coordinator")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -94,42 +95,32 @@ class Settings:
         return NatsAuth(self.nats_creds).for_service(service, self.pool)
 
 
+_CLASSES = {"admission": "admission.service.AdmissionService", "router": "router.service.RouterService",
+            "loop-coordinator": "loop_coordinator.service.LoopCoordinatorService",
+            "event-recorder": "event_recorder.service.RecorderService", "worker": "worker.service.WorkerService",
+            "gateway": "gateway.app.GatewayService", "sessions": "sessions.service.SessionsService",
+            "scheduler": "scheduler.service.SchedulerService"}
+
+
+def service_class(name: str) -> type:
+    """A service's class, imported when asked for (a process imports only the services it runs)."""
+    if name not in _CLASSES:
+        raise ValueError(f"unknown service {name!r}; known: {', '.join(ALL_SERVICES)}")
+    module, _, cls = _CLASSES[name].rpartition(".")
+    return getattr(importlib.import_module(f"{__package__}.services.{module}"), cls)
+
+
 def make_service(name: str, bus: Bus, settings: Settings):
-    if name == "admission":
-        from .services.admission.service import AdmissionService
-
-        return AdmissionService(bus)
-    if name == "router":
-        from .services.router.service import RouterService
-
-        return RouterService(bus)
-    if name == "loop-coordinator":
-        from .services.loop_coordinator.service import LoopCoordinatorService
-
-        return LoopCoordinatorService(bus)
+    cls = service_class(name)
     if name == "event-recorder":
-        from .services.event_recorder.service import RecorderService
-
         if not settings.pg_dsn:
             raise ValueError("the event-recorder needs a Postgres DSN (--pg-dsn or NOETL_PG_DSN)")
-        return RecorderService(bus, pg_dsn=settings.pg_dsn)
+        return cls(bus, pg_dsn=settings.pg_dsn)
     if name == "worker":
-        from .services.worker.service import WorkerService
-
-        return WorkerService(bus, pool=settings.pool, concurrency=settings.concurrency, ack_wait=settings.ack_wait)
+        return cls(bus, pool=settings.pool, concurrency=settings.concurrency, ack_wait=settings.ack_wait)
     if name == "gateway":
-        from .services.gateway.app import GatewayService
-
-        return GatewayService(bus, host=settings.host, port=settings.port)
-    if name == "sessions":
-        from .services.sessions.service import SessionsService
-
-        return SessionsService(bus)
-    if name == "scheduler":
-        from .services.scheduler.service import SchedulerService
-
-        return SchedulerService(bus)
-    raise ValueError(f"unknown service {name!r}; known: {', '.join(ALL_SERVICES)}")
+        return cls(bus, host=settings.host, port=settings.port)
+    return cls(bus)
 
 
 @dataclass
@@ -197,9 +188,11 @@ async def _quietly(awaitable) -> None:
         pass
 
 
-async def stop_service(running: Running) -> None:
+async def stop_service(running: Running, throwaway: bool = False) -> None:
     """Leave the micro services first (the gateway's readiness and ``noetl ps`` stop counting this
-    replica), then stop the service, then close its connection."""
+    replica), then stop the service, then close its connection. ``throwaway``: the NATS server goes
+    next, so nothing is handed back to another replica (Bus.throwaway)."""
+    running.bus.throwaway = throwaway
     try:
         if running.micro is not None:  # nats.micro drains each subscription (a flush each): bounded here
             await _quietly(asyncio.wait_for(running.micro.stop(), 2))
@@ -250,11 +243,13 @@ class InProcessStack:
 
     async def stop(self, ordered: bool = True) -> None:
         """``ordered``: workers and gateway first, then the control plane, the recorder last (it drains
-        the log); else every service at once (a stack whose data is thrown away next: ``noetl run``)."""
+        the log); else every service at once, handing nothing back (a stack whose data is thrown away next:
+        ``noetl run``)."""
         order = {"gateway": 0, "worker": 1, "sessions": 2, "admission": 2, "router": 2, "loop-coordinator": 2,
                  "scheduler": 2, "event-recorder": 3}
         for rank in range(4) if ordered else (None,):
-            await asyncio.gather(*(stop_service(r) for r in self.running if rank is None or order[r.name] == rank),
+            await asyncio.gather(*(stop_service(r, throwaway=not ordered) for r in self.running
+                                   if rank is None or order[r.name] == rank),
                                  return_exceptions=True)
         self.running.clear()
         tracing.flush()
