@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import secrets
 import time
@@ -556,6 +557,13 @@ class _Shell:
                           headers=RETRY_AFTER) from exc
 
 
+# FastAPI >= 0.165 traces and measures every request itself when an OpenTelemetry provider is set, and
+# asks whether one is (an environment lookup) on every request: the gateway's spans are its own
+# (infra/tracing.py), its metrics Prometheus', so FastAPI's are off
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     """``trusted_proxies``: addresses or networks whose ``X-Forwarded-For`` is believed (default: the
     environment's ``NOETL_TRUSTED_PROXIES``; none: the connection's peer is the client)."""
@@ -566,7 +574,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                               "/health, /ready, the docs and POST /api/auth/login needs "
                               "`Authorization: Bearer <token>`.",
                   responses={"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}},
-                  docs_url=None, redoc_url=None)  # mount_docs: the same pages, with no CDN
+                  docs_url=None, redoc_url=None,  # mount_docs: the same pages, with no CDN
+                  **_NO_NATIVE_TELEMETRY)
     app.state.bus = bus
     app.state.auth = auth.Authenticator(bus)
     app.state.auditor = auditor = auth.Auditor(bus)
