@@ -169,8 +169,10 @@ async def bench_chain(url: str, token: str, steps: int, rounds: int) -> list[tup
             ("chain", "steps/s in one execution", f"{1000 / statistics.median(per_step):.0f}")]
 
 
-async def bench_burst(url: str, token: str, executions: int, steps: int = 5) -> list[tuple]:
+async def bench_burst(url: str, token: str, executions: int, steps: int = 5, gateway_cpu=None) -> list[tuple]:
+    """``gateway_cpu``: the gateway process's CPU seconds so far (sampled around the submissions)."""
     doc = chain(steps)
+    cpu0 = gateway_cpu() if gateway_cpu else 0.0
     sem = asyncio.Semaphore(64)
     async with GatewayClient(url, timeout=120, token=token) as client:
         t0 = time.perf_counter()
@@ -181,6 +183,7 @@ async def bench_burst(url: str, token: str, executions: int, steps: int = 5) -> 
 
         ids = await asyncio.gather(*(submit() for _ in range(executions)))
         submitted = time.perf_counter() - t0
+        per_request = (gateway_cpu() - cpu0) / executions * 1000 if gateway_cpu else None
         latencies = []
         for eid in ids:
             status = await client.wait(eid, timeout=900, poll=0.05)
@@ -193,6 +196,7 @@ async def bench_burst(url: str, token: str, executions: int, steps: int = 5) -> 
     return [("burst", f"{executions} executions x {steps} noop steps: executions/s", f"{executions / elapsed:.1f}"),
             ("burst", "steps/s", f"{executions * steps / elapsed:.0f}"),
             ("burst", "submission through the gateway", f"{submitted:.1f} s"),
+            *([("burst", "gateway CPU per accepted submission", f"{per_request:.2f} ms")] if per_request else []),
             ("burst", "end-to-end latency p50 / p99", f"{pct(latencies, 50):.0f} / {pct(latencies, 99):.0f} ms")]
 
 
@@ -325,14 +329,20 @@ async def main(args: argparse.Namespace) -> None:
                 if "burst" in which:
                     n = 50 if quick else 1000
                     before, counts = cpu_by_process(stack.procs, nats, pg), nats_counts(nats)
-                    rows += await bench_burst(stack.gateway_url, stack.token, n)
+                    rows += await bench_burst(stack.gateway_url, stack.token, n,
+                                              gateway_cpu=lambda: _cpu(stack.procs["gateway"].pid))
                     rows += cpu_rows("burst", before, cpu_by_process(stack.procs, nats, pg), n * 5)
                     rows += count_rows("burst", counts, nats_counts(nats), n * 5)
                 if "child" in which:
                     rows += await bench_child(stack.gateway_url, stack.token, 20 if quick else 100, 100 if quick else 1000)
                 if "loop" in which:
                     sampler.peak.clear()
-                    rows += await bench_loop(stack.gateway_url, stack.token, 2000 if quick else 100_000, 256, sampler)
+                    n = 2000 if quick else 100_000
+                    before, counts = cpu_by_process(stack.procs, nats, pg), nats_counts(nats)
+                    rows += await bench_loop(stack.gateway_url, stack.token, n, 256, sampler)
+                    rows += [(s, m.replace("per step", "per iteration"), v)
+                             for s, m, v in cpu_rows("loop", before, cpu_by_process(stack.procs, nats, pg), n)
+                             + count_rows("loop", counts, nats_counts(nats), n)]
             finally:
                 sampler.stop_flag = True
                 await stack.stop()
