@@ -269,8 +269,8 @@ def transient(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------ event rows
-ENVELOPE = ("event_id", "execution_id", "timestamp", "source", "name", "entity", "entity_id", "status",
-            "step", "task", "data", *CORRELATION_KEYS)
+ENVELOPE = frozenset(("event_id", "execution_id", "timestamp", "source", "name", "entity", "entity_id", "status",
+                      "step", "task", "data", *CORRELATION_KEYS))
 _TEXT = ("event_id", "execution_id", "name", "source", "entity", "entity_id", "status", "step", "task",
          "workflow_run_id", "step_run_id", "task_run_id", "parent_id", "action_id")
 _INT = ("attempt", "iteration")
@@ -449,9 +449,16 @@ VALUES (%(wait_id)s, %(id)s, %(step)s, %(task)s, %(run)s, %(iteration)s, %(kind)
         to_timestamp(%(ts)s))
 ON CONFLICT (wait_id) DO NOTHING"""
 END_WAIT = "UPDATE wait SET ended_at = to_timestamp(%(ts)s) WHERE wait_id = %(wait_id)s AND ended_at IS NULL"
-END_RUN_WAITS = """UPDATE wait SET ended_at = to_timestamp(%(ts)s)
-WHERE execution_id = %(id)s AND step_run_id = %(run)s AND (%(iteration)s::int IS NULL OR iteration = %(iteration)s)
-  AND ended_at IS NULL"""
+# the ends of runs (and of iterations) of a whole batch in one statement, not one per event: a
+# 100,000-iteration loop has as many iteration ends, and its waits are usually none; a wait several ends
+# match ends at the first of them
+END_RUN_WAITS = """UPDATE wait AS w SET ended_at = to_timestamp(m.ts)
+FROM (SELECT o.wait_id, min(u.ts) AS ts
+      FROM unnest(%(ids)s::text[], %(runs)s::text[], %(iterations)s::int[], %(ts)s::float8[]) AS u(id, run, iteration, ts)
+      JOIN wait o ON o.execution_id = u.id AND o.step_run_id = u.run AND (u.iteration IS NULL OR o.iteration = u.iteration)
+                 AND o.ended_at IS NULL
+      GROUP BY o.wait_id) m
+WHERE w.wait_id = m.wait_id"""
 END_EXECUTION_WAITS = "UPDATE wait SET ended_at = to_timestamp(%(ts)s) WHERE execution_id = %(id)s AND ended_at IS NULL"
 _RUN_ENDS = ("step.done", "step.failed", "loop.done", "loop.iteration.done", "loop.iteration.failed")
 
@@ -470,6 +477,7 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {
         UPSERT_REQUESTED: [], UPDATE_EVALUATED: [], UPSERT_STARTED: [], UPSERT_FINISHED: [],
         INSERT_WAIT: [], END_WAIT: [], END_RUN_WAITS: [], END_EXECUTION_WAITS: []}
+    ends: list[tuple[str, str, int | None, float]] = []  # END_RUN_WAITS: (execution, run, iteration, time)
     for e in events:
         name, data = e.get("name"), _dict(e.get("data"))
         ts = timestamp(e.get("timestamp"))
@@ -503,6 +511,8 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         elif name == "wait.ended" and isinstance(data.get("wait_id"), str):
             out[END_WAIT].append({"wait_id": text(data["wait_id"]), "ts": ts})
         elif name in _RUN_ENDS and isinstance(e.get("step_run_id"), str):  # a run that ended stops waiting
-            out[END_RUN_WAITS].append({"id": xid, "run": text(e["step_run_id"]), "ts": ts,
-                                       "iteration": _small_int(e.get("iteration")) if name.startswith("loop.it") else None})
+            ends.append((xid, text(e["step_run_id"]),
+                         _small_int(e.get("iteration")) if name.startswith("loop.it") else None, ts))
+    if ends:  # one statement of arrays for the batch
+        out[END_RUN_WAITS] = [{key: [end[i] for end in ends] for i, key in enumerate(("ids", "runs", "iterations", "ts"))}]
     return {sql: params for sql, params in out.items() if params}

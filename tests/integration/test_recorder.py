@@ -231,6 +231,45 @@ workflow:
 """
 
 
+def test_the_ends_of_runs_and_iterations_end_their_waits(nats_url: str, pg_dsn: str) -> None:
+    """A batch's run and iteration ends close the waits they match, each at the first end that matches
+    it (one statement for the whole batch); the others stay open."""
+    xid, t0 = new_execution_id(), 1_700_000_000.0
+
+    def ev(name: str, dt: float, run: str, iteration: int | None = None, wait: str | None = None):
+        return make_event(name, xid, event_id=f"{name}-{run}-{iteration}-{dt}", source=writers_of(name)[0],
+                          timestamp=t0 + dt, step="s", step_run_id=run, iteration=iteration,
+                          data={"wait_id": wait, "kind": "signal", "spec": {"signal": "go"}} if wait else None)
+
+    started = [ev("wait.started", 0, "r1", 1, "w1"), ev("wait.started", 0, "r1", 2, "w2"),
+               ev("wait.started", 0, "r2", None, "w3"), ev("wait.started", 0, "r1", 3, "w4")]
+    ends = [ev("loop.iteration.done", 2, "r1", 1), ev("step.done", 3, "r2"), ev("loop.iteration.failed", 1, "r1", 1),
+            ev("loop.iteration.done", 4, "r9", 2)]  # another run's iteration 2: not w2's
+    last = [ev("step.done", 5, "r1")]
+
+    def ended() -> dict[str, float | None]:
+        with psycopg.connect(pg_dsn) as conn:
+            rows = conn.execute("SELECT wait_id, extract(epoch FROM ended_at)::float8 - %s FROM wait ORDER BY 1",
+                                (t0,)).fetchall()
+        return {w: (round(t, 3) if t is not None else None) for w, t in rows}
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn)
+        await rec.start()
+        try:
+            await rec.store(list(enumerate(started, start=1)))
+            await rec.store(list(enumerate(ends, start=10)))
+            assert ended() == {"w1": 1.0, "w2": None, "w3": 3.0, "w4": None}
+            await rec.store(list(enumerate(last, start=20)))
+            assert ended() == {"w1": 1.0, "w2": 5.0, "w3": 3.0, "w4": 5.0}
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
 def test_catalog_register_get_list(nats_url: str, pg_dsn: str) -> None:
     async def main() -> None:
         bus = await fresh_bus(nats_url)
