@@ -5,7 +5,9 @@ A partition's durable (control.py) is a *pinned-client* consumer (a JetStream pr
 server delivers its messages to one reader only, the one it pinned, whose pull requests carry the pin
 id the server gave it (header ``Nats-Pin-Id``); another reader's request waits, or is refused with
 status 423. So the pinned reader may hold up to :data:`BATCH` messages of its partition at once and
-handle them in order as they arrive: one pull request per batch instead of one per message.
+handle them in order as they arrive: one pull request per batch instead of one per message. The
+consumer's acknowledgements are cumulative (``AckPolicy.ALL``), and the reader, not its handler,
+acknowledges: one ack for a run of handled messages (:meth:`PinnedReader._ack`).
 
 The pin moves when its reader stops pulling for :data:`PIN_TIMEOUT` (it died, or its event loop is
 stuck), or when a reader handing its partition away unpins it. The newly pinned reader cannot tell
