@@ -566,10 +566,18 @@ class Bus:
         from .pinned import consumer_config
         from .nats_auth import CONTROL_PLANE
 
+        names: set[str] = set()
+        while True:  # one request for the names (a page holds 1,024), not one per durable
+            reply = loads((await self.nc.request(f"$JS.API.CONSUMER.NAMES.{EVENTS}", dumps({"offset": len(names)}),
+                                                 timeout=5)).data)
+            page = reply.get("consumers") or []
+            names.update(page)
+            if not page or len(names) >= int(reply.get("total") or 0):
+                break
         for service in CONTROL_PLANE:
             for p in range(self.partitions):
                 name = f"{service}-p{p}"
-                info = await self._consumer_info(EVENTS, name)
+                info = await self._consumer_info(EVENTS, name) if name in names else None
                 if info is None or info["config"].get("ack_policy") == "all":
                     continue
                 start = int((info.get("ack_floor") or {}).get("stream_seq") or 0) + 1
