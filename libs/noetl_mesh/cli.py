@@ -371,6 +371,7 @@ class _Run:
 
     async def main(self, text: str, workload: dict, servers: "_Servers | None", texts: dict | None = None) -> int:
         from .client import GatewayClient
+        from .infra.embedded import EmbeddedNats
         from .lang.documents import read_document
 
         args, stack = self.args, None
@@ -403,7 +404,8 @@ class _Run:
             raise
         finally:
             if stack is not None:
-                await stack.stop(ordered=False)  # all at once: nothing of this stack is kept
+                # all at once: nothing of this stack is kept; nothing handed back unless NATS is someone else's
+                await stack.stop(ordered=False, throwaway=isinstance(servers.nats, EmbeddedNats))
         self.close()
         if args.json:
             out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps", "error")}

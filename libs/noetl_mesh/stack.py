@@ -241,14 +241,14 @@ class InProcessStack:
     def services(self, name: str) -> list[Any]:
         return [r.service for r in self.running if r.name == name]
 
-    async def stop(self, ordered: bool = True) -> None:
+    async def stop(self, ordered: bool = True, throwaway: bool = False) -> None:
         """``ordered``: workers and gateway first, then the control plane, the recorder last (it drains
-        the log); else every service at once, handing nothing back (a stack whose data is thrown away next:
-        ``noetl run``)."""
+        the log); else every service at once. ``throwaway``: the NATS server goes next (``noetl run``'s
+        own), so nothing is handed back to another replica (Bus.throwaway)."""
         order = {"gateway": 0, "worker": 1, "sessions": 2, "admission": 2, "router": 2, "loop-coordinator": 2,
                  "scheduler": 2, "event-recorder": 3}
         for rank in range(4) if ordered else (None,):
-            await asyncio.gather(*(stop_service(r, throwaway=not ordered) for r in self.running
+            await asyncio.gather(*(stop_service(r, throwaway=throwaway) for r in self.running
                                    if rank is None or order[r.name] == rank),
                                  return_exceptions=True)
         self.running.clear()

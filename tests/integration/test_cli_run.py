@@ -275,3 +275,33 @@ def test_the_child_example_runs_on_its_own():
     assert json.loads(proc.stdout)["steps"]["report"]["result"] == "mean 4.0, max 5"
     proc = noetl("run", str(EXAMPLES / "nested_child.yaml"), "--json", "--workload", '{"temps": [1, 2, 6]}')
     assert json.loads(proc.stdout)["steps"]["report"]["result"] == "mean 3.0, max 6"
+
+
+def test_run_on_a_shared_nats_hands_its_partitions_back_when_done(fresh_nats, pg_dsn):
+    """On someone else's NATS (NOETL_NATS_URL) the stack's readers stop as replicas do: each gives its
+    partition's pin up, so that another replica reading there is not kept waiting (on its own NATS,
+    thrown away next, they skip that)."""
+    import asyncio
+    import json
+
+    import nats
+
+    env = {**ENV, "NOETL_NATS_URL": fresh_nats.url, "NOETL_PG_DSN": pg_dsn}
+    proc = noetl("run", str(EXAMPLES / "hello.yaml"), env=env)
+    assert proc.returncode == 0, proc.stderr
+
+    async def pinned() -> tuple[list[str], list[str]]:
+        nc = await nats.connect(fresh_nats.url)
+        try:
+            names = json.loads((await nc.request("$JS.API.CONSUMER.NAMES.NOETL_EVENTS", b"")).data)["consumers"]
+            out = []
+            for name in names:
+                info = json.loads((await nc.request(f"$JS.API.CONSUMER.INFO.NOETL_EVENTS.{name}", b"")).data)
+                if any(g.get("pinned_client_id") for g in info.get("priority_groups") or ()):
+                    out.append(name)
+            return out, names
+        finally:
+            await nc.close()
+
+    still, names = asyncio.run(pinned())
+    assert any(n.startswith("router-p") for n in names) and still == []

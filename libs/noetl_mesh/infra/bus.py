@@ -297,7 +297,6 @@ class Bus:
         from . import schedules
 
         await schedules.ensure(self.js, self.replicas)  # the schedules stream and bucket (D31)
-        await self._migrate_partition_durables()
 
     async def _migrate_events(self, config: StreamConfig) -> None:
         """An events stream of the earlier layout (``noetl.evt.<class>.<execution_id>``, no writer)
@@ -530,62 +529,10 @@ class Bus:
             await self.js.add_consumer(stream, config)
             return
         from .pinned import consumer_config  # nats-py's ConsumerConfig has no priority groups
-
-        wanted = consumer_config(**config.as_dict())
-        existing = await self._consumer_info(stream, name)
-        if existing is not None:
-            have = existing["config"]
-            if have.get("ack_policy") != wanted["ack_policy"]:  # made by an earlier version: setup moves it
-                raise BusError("unavailable", f"consumer {name} of {stream} acknowledges each message ({have.get('ack_policy')}); "
-                               "`noetl setup` (as the NATS admin) moves it to cumulative acknowledgements: run it once")
-            for key in ("deliver_policy", "opt_start_seq"):  # where it started stays (an update cannot move it)
-                wanted.pop(key, None)
-                if key in have:
-                    wanted[key] = have[key]
-        await self._create_durable(stream, name, wanted)
-
-    async def _consumer_info(self, stream: str, name: str) -> dict | None:
-        reply = loads((await self.nc.request(f"$JS.API.CONSUMER.INFO.{stream}.{name}", b"", timeout=5)).data)
-        if "error" in reply:
-            if reply["error"].get("code") == 404:
-                return None
-            raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
-        return reply
-
-    async def _create_durable(self, stream: str, name: str, config: dict) -> None:
         reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", dumps(
-            {"stream_name": stream, "config": config}), timeout=5)).data)
+            {"stream_name": stream, "config": consumer_config(**config.as_dict())}), timeout=5)).data)
         if "error" in reply:
             raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
-
-    async def _migrate_partition_durables(self) -> None:
-        """Partition durables of an earlier version acknowledge each message; an acknowledgement policy
-        cannot be changed in place, so each is made again with cumulative ones (pinned.py), starting
-        after the last message its acknowledgements covered (what was acknowledged above that comes
-        again: a redelivery, which folds to nothing, D21). Admin only: services may not delete."""
-        from .pinned import consumer_config
-        from .nats_auth import CONTROL_PLANE
-
-        names: set[str] = set()
-        while True:  # one request for the names (a page holds 1,024), not one per durable
-            reply = loads((await self.nc.request(f"$JS.API.CONSUMER.NAMES.{EVENTS}", dumps({"offset": len(names)}),
-                                                 timeout=5)).data)
-            page = reply.get("consumers") or []
-            names.update(page)
-            if not page or len(names) >= int(reply.get("total") or 0):
-                break
-        for service in CONTROL_PLANE:
-            for p in range(self.partitions):
-                name = f"{service}-p{p}"
-                info = await self._consumer_info(EVENTS, name) if name in names else None
-                if info is None or info["config"].get("ack_policy") == "all":
-                    continue
-                start = int((info.get("ack_floor") or {}).get("stream_seq") or 0) + 1
-                config = {k: v for k, v in info["config"].items() if k not in ("deliver_policy", "opt_start_seq")}
-                config = consumer_config(**config) | {"deliver_policy": "by_start_sequence", "opt_start_seq": start}
-                log.warning("setup: consumer %s moves to cumulative acknowledgements, from stream sequence %d", name, start)
-                await self.js.delete_consumer(EVENTS, name)
-                await self._create_durable(EVENTS, name, config)
 
     async def first_seq(self, execution_id: str, partition: int) -> int | None:
         """The stream sequence of the execution's first message (any class), None when it has none."""

@@ -173,19 +173,20 @@ class PartitionedService:
         # one decision's events, one execution; only those the subject's writer may write
         events = admitted(msg.subject, await self.bus.expand(msg.data, loads(msg.data)), self.name, msg.headers)
         if not events:
+            await msg.ack()
             return
         eid = events[0]["execution_id"]
         exemplar = await self._handle(msg, p, seq, eid, events)
         self._m_decision.observe(time.perf_counter() - t0, exemplar)
 
     async def _handle(self, msg: Msg, p: int, seq: Any, eid: str, events: list[dict[str, Any]]) -> dict | None:
-        """Fold, decide, publish (the reader acknowledges, pinned.py); the trace id of the decision's
-        span (an exemplar), if exported."""
+        """Fold, decide, publish, ack; the trace id of the decision's span (an exemplar), if exported."""
         state = self.cache.get(eid)
         if state is IDLE:
             for event in events:
                 self._count(event["name"])
             self.handled += 1
+            await msg.ack()
             return None
         first = events[0]
         if state is None and first["name"] == "playbook.execution.requested" and (
@@ -227,6 +228,9 @@ class PartitionedService:
         if self.idle(state):
             self.cache[eid] = IDLE
         self.handled += 1
+        # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
+        # means a redelivery, which folds to nothing (D21).
+        await msg.ack()
         self._evict()
         return exemplar
 

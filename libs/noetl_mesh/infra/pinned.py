@@ -5,9 +5,7 @@ A partition's durable (control.py) is a *pinned-client* consumer (a JetStream pr
 server delivers its messages to one reader only, the one it pinned, whose pull requests carry the pin
 id the server gave it (header ``Nats-Pin-Id``); another reader's request waits, or is refused with
 status 423. So the pinned reader may hold up to :data:`BATCH` messages of its partition at once and
-handle them in order as they arrive: one pull request per batch instead of one per message. The
-consumer's acknowledgements are cumulative (``AckPolicy.ALL``), and the reader, not its handler,
-acknowledges: one ack for a run of handled messages (:meth:`PinnedReader._ack`).
+handle them in order as they arrive: one pull request per batch instead of one per message.
 
 The pin moves when its reader stops pulling for :data:`PIN_TIMEOUT` (it died, or its event loop is
 stuck), or when a reader handing its partition away unpins it. The newly pinned reader cannot tell
@@ -37,17 +35,13 @@ GROUP = "owner"  # the consumers' priority group
 PIN_TIMEOUT = 10.0  # a pinned reader that has not pulled for this long loses its pin
 BATCH = 64  # messages per pull request, and the consumer's max_ack_pending
 POLL = 0.25  # how often a waiting reader looks at its stop flag
-ACK_EVERY = 16  # handled messages acknowledged together at most
-ACK_DELAY = 0.02  # or as soon as no message has come for this long
 RESYNC_WAIT = 0.2  # between two looks at the consumer while resyncing
 
 
 def consumer_config(**config: Any) -> dict[str, Any]:
-    """A partition durable's settings, over its consumer configuration: the priority group, and
-    cumulative acknowledgements (an ack covers every earlier message: the reader acks once per run of
-    handled messages, see :meth:`PinnedReader._ack`)."""
-    return {**config, "ack_policy": "all", "max_ack_pending": BATCH, "priority_policy": "pinned_client",
-            "priority_groups": [GROUP], "priority_timeout": int(PIN_TIMEOUT * 1e9)}
+    """A partition durable's priority settings, added to its consumer configuration."""
+    return {**config, "max_ack_pending": BATCH, "priority_policy": "pinned_client", "priority_groups": [GROUP],
+            "priority_timeout": int(PIN_TIMEOUT * 1e9)}
 
 
 class PinnedReader:
@@ -69,8 +63,6 @@ class PinnedReader:
         self.deadline = 0.0  # when it expires (plus a margin)
         self.resyncs = 0
         self.sub: Any = None
-        self.handled: Msg | None = None  # the last message handled and not yet acknowledged
-        self.unacked = 0  # handled messages its acknowledgement will cover
 
     # ------------------------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -87,24 +79,8 @@ class PinnedReader:
                     await self._resync({msg.metadata.sequence.stream: msg})
                 else:
                     await self._one(msg)
-                if self.unacked >= ACK_EVERY:
-                    await self._ack()
         finally:
             await self._release()
-
-    async def _ack(self) -> None:
-        """Acknowledge every message handled so far with one ack of the last (the consumer's policy is
-        cumulative). Only this reader's own, handled messages are below it: it handles in stream order
-        and holds every unacknowledged message once it has resynced. Sent before the reader asks the
-        consumer for its unacknowledged messages, hands messages back, or learns its pin has moved."""
-        if self.handled is not None:
-            msg, self.handled, self.unacked = self.handled, None, 0
-            if msg._ackd:  # its handler acknowledged it (and so everything before it)
-                return
-            try:
-                await msg.ack()
-            except Exception as exc:  # noqa: BLE001 - then they come back after ack_wait: redeliveries (D21)
-                log.info("%s: ack failed (%s)", self.durable, exc)
 
     async def _next(self) -> Msg | None:
         """The next delivery, with a pull request open for more; None after a status or a quiet
@@ -114,17 +90,10 @@ class PinnedReader:
         try:
             msg = self.queue.get_nowait()
         except asyncio.QueueEmpty:
-            msg = None
-            if self.handled is not None:  # a quiet moment acknowledges what was handled
-                try:
-                    msg = await asyncio.wait_for(self.queue.get(), ACK_DELAY)
-                except asyncio.TimeoutError:
-                    await self._ack()
-            if msg is None:
-                try:
-                    msg = await asyncio.wait_for(self.queue.get(), POLL)
-                except asyncio.TimeoutError:
-                    return None
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), POLL)
+            except asyncio.TimeoutError:
+                return None
         status = msg.headers.get("Status") if msg.headers else None
         if status is None:
             self.owed -= 1
@@ -135,7 +104,6 @@ class PinnedReader:
         self.owed = 0  # any status ends its request: 408 expired, 409 (max waiting, leader change...), 423
         if status == "423":
             self.pin, self.irregular = None, True
-            await self._ack()  # what it handled is done: the reader pinned now need not wait for it
         elif status not in ("404", "408"):
             log.warning("%s: pull request ended with %s %s", self.durable, status, msg.headers.get("Description"))
             await asyncio.sleep(0.5)
@@ -183,7 +151,6 @@ class PinnedReader:
 
     async def _unacknowledged(self) -> float:
         """The consumer's unacknowledged messages; infinity when it cannot be asked (then ask again)."""
-        await self._ack()  # the same connection: the server counts after it
         try:
             info = loads((await self.nc.request(f"$JS.API.CONSUMER.INFO.{self.stream}.{self.durable}", b"",
                                                 timeout=5)).data)
@@ -202,9 +169,6 @@ class PinnedReader:
         if error and error.startswith("retrying"):
             self.irregular = True  # nothing after it before it: the next delivery resyncs
             return False
-        if error is None:  # handled: acknowledged with the next ack (a dropped one was terminated)
-            self.handled = msg
-            self.unacked += 1
         return True
 
     async def _release(self) -> None:
@@ -214,7 +178,6 @@ class PinnedReader:
         given up even when this reader never learned it (the server pins a reader at its request,
         before any delivery names the pin): a reader unpinned by mistake loses only a resync. On a
         throw-away stack nobody reads next: it just goes."""
-        await self._ack()
         if not self.bus.throwaway:
             await self._drain(self.deadline)
             await self._unpin()
