@@ -67,8 +67,8 @@ class SchedulerService:
     async def stop(self) -> None:
         self.stop_event.set()
         await unsubscribe_all(self.subs)
-        wait = 0 if self.bus.throwaway else 2 * FETCH_TIMEOUT + 3  # an open fetch ends within its timeout
-        _, late = await asyncio.wait(self.tasks, timeout=wait) if self.tasks else ((), ())
+        # an open fetch ends within its timeout
+        _, late = await asyncio.wait(self.tasks, timeout=self.bus.grace(2 * FETCH_TIMEOUT + 3)) if self.tasks else ((), ())
         for task in late:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -81,7 +81,7 @@ class SchedulerService:
             await pull_loop(sub, self.fire, self.stop_event, timeout=FETCH_TIMEOUT, counts=self.firings)
             linger = 0.2
         finally:
-            await release(sub, 0 if self.bus.throwaway else linger)  # what arrives late goes back at once, not after ack_wait
+            await release(sub, self.bus.grace(linger))  # what arrives late goes back at once, not after ack_wait
 
     async def fire(self, msg) -> None:
         fired = loads(msg.data)  # not JSON: pull_loop drops it

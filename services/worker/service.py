@@ -253,7 +253,7 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
         if getattr(self, "sub", None) is not None:  # a fetch cancelled mid-way may still deliver: nak it
-            await release(self.sub, linger=0 if self.bus.throwaway else 1.2)
+            await release(self.sub, linger=self.bus.grace(1.2))
         if self.cancel_sub is not None:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})

@@ -176,6 +176,11 @@ class Bus:
     # and waits for no open pull request to expire
     throwaway: bool = False
 
+    def grace(self, seconds: float) -> float:
+        """How long a stopping reader waits to hand its work back (an open fetch ending, late deliveries
+        nak'ed): ``seconds``, or none on a throw-away stack, whose NATS goes next."""
+        return 0.0 if self.throwaway else seconds
+
     def endpoint(self, subject: str, queue: str) -> Endpoint:
         """The counters of a request subject this connection answers (what ``nats micro stats`` shows)."""
         if subject not in self.endpoints:

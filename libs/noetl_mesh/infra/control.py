@@ -146,7 +146,7 @@ class PartitionedService:
         self.readers.clear()
         self.events.own(())
         if self.tasks:  # a throw-away stack's readers go at once: nobody takes over
-            _, late = await asyncio.wait(self.tasks, timeout=0 if self.bus.throwaway else 2 * FETCH_TIMEOUT + 2)
+            _, late = await asyncio.wait(self.tasks, timeout=self.bus.grace(2 * FETCH_TIMEOUT + 2))
             for t in late:  # stuck in a handler: cancelled, its message nak'ed (pull_loop)
                 t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
