@@ -72,7 +72,7 @@ TIME_ATTACKS = {
                           "{% call m(n - 1) %}{% endcall %}{% endif %}{% endmacro %}{% call m(40) %}{% endcall %}",
     "select over a big input": "{% for i in range(100000) %}{{ range(100000) | select('odd') | sum }}{% endfor %}",
     "map over a big input": "{% for i in range(100000) %}{{ range(100000) | map('abs') | sum }}{% endfor %}",
-    "sort by attribute": "{% for i in range(100000) %}{{ range(100000) | sort(attribute='real') | first }}{% endfor %}",
+    "sort by attribute": "{% for i in range(100000) %}{{ range(50000) | sort(attribute='real') | first }}{% endfor %}",
 }
 
 
