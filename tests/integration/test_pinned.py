@@ -168,3 +168,43 @@ def test_an_existing_partition_durable_is_updated_in_place(fresh_nats):
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_a_stopping_reader_gives_back_what_arrives_late_once_and_only_after_unpinning(fresh_nats):
+    """Messages delivered to a stopping reader's still-open pull request are given back after it has
+    unpinned, each delivered there once: a nak while the request is open would come straight back to
+    it, again and again, each time counting towards max_deliver."""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        try:
+            await _publish(bus, 1)
+            got_a: list[int] = []
+
+            async def handle_a(msg):
+                got_a.append(msg.metadata.sequence.stream)
+                await msg.ack()
+
+            stop_a = asyncio.Event()
+            a = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle_a, stop_a).run())
+            await until(lambda: got_a == [1], 5)
+            stop_a.set()
+            await asyncio.sleep(0.4)  # its loop has ended: it is releasing, its request still open
+            await _publish(bus, 5)
+            await a
+            got_b: dict[int, int] = {}
+
+            async def handle_b(msg):
+                got_b[msg.metadata.sequence.stream] = msg.metadata.num_delivered
+                await msg.ack()
+
+            stop_b = asyncio.Event()
+            b = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle_b, stop_b).run())
+            await until(lambda: set(got_a) | set(got_b) == {1, 2, 3, 4, 5, 6}, 10)
+            stop_b.set()
+            await b
+            assert got_b, "the stopping reader handled everything: nothing was late"
+            assert max(got_b.values()) <= 2, got_b  # once to the stopping reader, once to the next
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

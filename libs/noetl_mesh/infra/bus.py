@@ -517,25 +517,28 @@ class Bus:
                             max_deliver=max_deliver, ack_policy=ack_policy)
         return await self.js.pull_subscribe_bind(name, stream=stream)
 
-    async def consumer(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int = 1,
+    async def consumer(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int | None = None,
                        ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT,
-                       pinned: bool = False):
-        """Create or update a durable pull consumer; ``pinned``: one partition's, read by
-        :class:`pinned.PinnedReader` (its priority settings replace ``max_ack_pending``)."""
+                       pinned: bool = False, start_seq: int | None = None):
+        """Create or update a durable pull consumer; ``pinned``: one partition's, read by one pinned
+        reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its batch). ``start_seq``:
+        deliver from that stream sequence on (a durable taking over from another), else from the start."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         config = ConsumerConfig(
             durable_name=name, ack_policy=ack_policy,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
             filter_subjects=subjects if len(subjects) > 1 else None,
-            max_ack_pending=max_ack_pending, ack_wait=ack_wait, max_deliver=max_deliver,
-            deliver_policy=DeliverPolicy.ALL,
+            max_ack_pending=max_ack_pending or 1, ack_wait=ack_wait, max_deliver=max_deliver,
+            deliver_policy=DeliverPolicy.ALL if start_seq is None else DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
         )
         if not pinned:
             await self.js.add_consumer(stream, config)
             return
-        from .pinned import consumer_config  # nats-py's ConsumerConfig has no priority groups
+        from .pinned import BATCH, consumer_config  # nats-py's ConsumerConfig has no priority groups
         reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", dumps(
-            {"stream_name": stream, "config": consumer_config(**config.as_dict())}), timeout=5)).data)
+            {"stream_name": stream, "config": consumer_config(config.as_dict(), max_ack_pending or BATCH)}),
+            timeout=5)).data)
         if "error" in reply:
             raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
 

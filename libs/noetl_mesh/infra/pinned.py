@@ -38,9 +38,9 @@ POLL = 0.25  # how often a waiting reader looks at its stop flag
 RESYNC_WAIT = 0.2  # between two looks at the consumer while resyncing
 
 
-def consumer_config(**config: Any) -> dict[str, Any]:
+def consumer_config(config: dict[str, Any], max_ack_pending: int = BATCH) -> dict[str, Any]:
     """A partition durable's priority settings, added to its consumer configuration."""
-    return {**config, "max_ack_pending": BATCH, "priority_policy": "pinned_client", "priority_groups": [GROUP],
+    return {**config, "max_ack_pending": max_ack_pending, "priority_policy": "pinned_client", "priority_groups": [GROUP],
             "priority_timeout": int(PIN_TIMEOUT * 1e9)}
 
 
@@ -145,7 +145,7 @@ class PinnedReader:
                 if not await self._one(msg):
                     break  # handed back: what follows waits for it, held
         for msg in held.values():  # stopping, or no longer pinned: give the rest back at once
-            await _nak(msg)
+            await nak(msg)
         if held:
             self.irregular = True
 
@@ -172,29 +172,35 @@ class PinnedReader:
         return True
 
     async def _release(self) -> None:
-        """Stopped: give back whatever arrives until this reader's open request has expired, then give
-        the pin up, so that another reader is pinned at once (not after PIN_TIMEOUT). Unpinning with a
-        request still open could pin this reader again, and deliver to it once it has gone. The pin is
+        """Stopped: keep whatever arrives until this reader's open request has expired, then give the
+        pin up, so that another reader is pinned at once (not after PIN_TIMEOUT), then give back what it
+        kept (a nak while the request is open would be delivered to this reader again, and each time
+        counts towards ``max_deliver``). Unpinning with a request still open could pin this reader
+        again, and deliver to it once it has gone. The pin is
         given up even when this reader never learned it (the server pins a reader at its request,
         before any delivery names the pin): a reader unpinned by mistake loses only a resync. On a
         throw-away stack nobody reads next: it just goes."""
         if not self.bus.throwaway:
-            await self._drain(self.deadline)
+            late = await self._drain(self.deadline)
             await self._unpin()
-            await self._drain(time.monotonic() + 0.1)  # what was already on its way
+            late += await self._drain(time.monotonic() + 0.1)  # what was already on its way
+            for msg in late:  # given back only now: while its request was open, a nak came back to it
+                await nak(msg)
         try:
             await self.sub.unsubscribe()
         except Exception:  # noqa: BLE001
             pass
 
-    async def _drain(self, until: float) -> None:
+    async def _drain(self, until: float) -> list[Msg]:
+        """The deliveries that arrive until ``until`` (statuses dropped)."""
+        late: list[Msg] = []
         while True:
             while not self.queue.empty():
                 msg = self.queue.get_nowait()
                 if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status
-                    await _nak(msg)
+                    late.append(msg)
             if time.monotonic() >= until:
-                return
+                return late
             await asyncio.sleep(0.05)
 
     async def _unpin(self) -> None:
@@ -207,7 +213,7 @@ class PinnedReader:
             log.info("%s: could not unpin (%s)", self.durable, exc)
 
 
-async def _nak(msg: Msg, delay: float | None = None) -> None:
+async def nak(msg: Msg, delay: float | None = None) -> None:
     try:
         await asyncio.wait_for(msg.nak(delay=delay) if delay else msg.nak(), 1.0)
     except BaseException:  # noqa: BLE001 - then it is redelivered after ack_wait
