@@ -24,7 +24,7 @@ CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator", "s
 ALL_SERVICES = (*CONTROL_PLANE, "sessions", "worker", "gateway")
 
 
-SCALABLE = ("admission", "router", "loop-coordinator", "scheduler", "sessions", "worker")  # any number of replicas
+SCALABLE = ("event-recorder", "admission", "router", "loop-coordinator", "scheduler", "sessions", "worker")  # any number of replicas
 MAX_REPLICAS = 64  # per service in one stack runner
 
 
@@ -39,9 +39,8 @@ def parse_replicas(text: str | None) -> dict[str, int]:
         name = name.strip()
         if not sep:
             raise ValueError(f"--replicas {part.strip()!r}: write SERVICE=N, e.g. worker=3")
-        if name in ("event-recorder", "gateway"):
-            why = "one recorder per events stream" if name == "event-recorder" else "it listens on --port"
-            raise ValueError(f"--replicas {name}: one per stack ({why})")
+        if name == "gateway":
+            raise ValueError(f"--replicas {name}: one per stack (it listens on --port)")
         if name not in SCALABLE:
             raise ValueError(f"--replicas {name!r}: not a service; scalable: {', '.join(SCALABLE)}")
         try:
@@ -56,14 +55,15 @@ def parse_replicas(text: str | None) -> dict[str, int]:
 
 def topology(replicas: int = 1, workers: int = 1, counts: dict[str, int] | None = None) -> list[tuple[str, str]]:
     """The services of a stack runner, in start order, each with its key (``admission-0``, a log file's
-    name): one recorder, the sessions service, ``replicas`` of each control-plane service and the
+    name): one recorder, one sessions service, ``replicas`` of each control-plane service and the
     scheduler, ``workers`` workers, one gateway; ``counts`` (:func:`parse_replicas`) overrides."""
     counts = counts or {}
-    out = [("event-recorder", "event-recorder")]
-    for name in ("sessions", *CONTROL_PLANE[1:], "worker"):
-        default = 1 if name == "sessions" else workers if name == "worker" else replicas
+    out = []
+    for name in ("event-recorder", "sessions", *CONTROL_PLANE[1:], "worker"):
+        default = 1 if name in ("event-recorder", "sessions") else workers if name == "worker" else replicas
         n = counts.get(name, default)
-        out += [(name, name if n == 1 and name == "sessions" else f"{name}-{i}") for i in range(n)]
+        single = n == 1 and name in ("event-recorder", "sessions")
+        out += [(name, name if single else f"{name}-{i}") for i in range(n)]
     return out + [("gateway", "gateway")]
 
 

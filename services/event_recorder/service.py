@@ -1,8 +1,9 @@
 """event-recorder: the only service that owns Postgres.
 
-It reads every event of ``NOETL_EVENTS`` through one durable pull consumer and writes them in batches
-(one transaction per batch: the events, then the ``execution`` projection), acknowledging a batch only
-once it is committed. It also keeps the playbook catalog, and answers the read queries of the gateway
+It reads every event of ``NOETL_EVENTS`` through a durable pull consumer per partition and writes them
+in batches (one transaction per batch: the events, then the ``execution`` projection), acknowledging a
+batch only once it is committed. Recorder replicas share the partitions as the control plane does
+(feeds.py), so that writes scale out. It also keeps the playbook catalog, and answers the read queries of the gateway
 over NATS request/reply (``noetl.q.catalog.*``, ``noetl.q.execution.*``, ``noetl.q.recorder.ping``).
 
 Starting. Queries are answered at once; the database is tried once at start and then, while it is
@@ -10,18 +11,14 @@ unreachable, again and again in the background (backoff up to 5 s, each attempt 
 meanwhile answering ``unavailable``. Once it is up and migrated the consumer is bound and recording
 starts.
 
-Consumption and acknowledgement. The consumer uses ``AckPolicy.ALL``: acking a message acks every
-message of a lower stream sequence. That is only safe when nothing below it is still unrecorded, which
-is not the case when a previous recorder died holding a fetched batch (its messages stay pending until
-``ack_wait`` runs out). So the recorder acks the highest sequence it holds only when every sequence
-between the consumer's ack floor and it has been recorded by this process, or the server confirms
-that the only outstanding messages are ours; otherwise it keeps recording and waits for the
-redelivery. A batch that cannot be written because of the database (down, busy: ``schema.transient``)
-is retried in place, with backoff, before anything newer is fetched: a ``nak`` followed by further
-fetches would let a later cumulative ack cover the nak'ed messages. A batch Postgres refuses because of
+Consumption and acknowledgement. Each partition's durable uses ``AckPolicy.ALL``: acking a message
+acks every message of the partition with a lower stream sequence, which feeds.py only does when
+nothing below it is unrecorded. A batch that cannot be written because of the database (down, busy:
+``schema.transient``) is retried in place, with backoff, before anything newer is taken: a ``nak``
+followed by further batches would let a later cumulative ack cover the nak'ed messages. A batch Postgres refuses because of
 a row is split until the row is alone, and that row is recorded as rejected (``schema.rejected``):
 nothing loops forever on a value. Recording is idempotent (``ON CONFLICT (event_id) DO NOTHING``,
-D21), so redeliveries are harmless. Run one recorder per events stream.
+D21), so redeliveries are harmless.
 
 Replies. Every reply is at most ``limits.max_reply_bytes``: pages of events are cut by bytes, and what
 is still too big has its biggest values replaced by D23 references (``replies.py``), or is a
@@ -50,6 +47,7 @@ from noetl_mesh.core import view
 from noetl_mesh.core.events import event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra import logs, metrics
+from noetl_mesh.infra.membership import Membership
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
@@ -75,11 +73,11 @@ from noetl_mesh.infra.bus import (
 from noetl_mesh.lang.validate import validate_text
 from noetl_mesh.limits import LimitExceeded
 
-from . import credentials, live, replies, schema
+from . import credentials, feeds, live, replies, schema
+from .feeds import DURABLE, Feed
 
 log = logging.getLogger("noetl.event-recorder")
 
-DURABLE = "event-recorder"
 LOOP_ENDS = ("loop.done", "step.failed")  # a loop run's terminal events: they carry its counts
 MAX_FILTER_NAMES = 50
 QUEUE = "event-recorder"
@@ -93,6 +91,7 @@ _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execu
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 SECRET_SUBJECTS = "noetl.q.credential."  # replies with secret data: never moved to the object store
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
+DRAIN_QUIET = 0.25  # seconds without a delivery that end a stopping recorder's drain
 YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
 
 
@@ -116,30 +115,30 @@ class RecorderService:
     name = "event-recorder"
 
     def __init__(self, bus: Bus, *, pg_dsn: str, batch: int = 500, ack_wait: float = 30.0,
-                 fetch_timeout: float = 0.1, pool_size: int = 4, drain_timeout: float = 5.0):
+                 pool_size: int = 4, drain_timeout: float = 5.0):
         self.bus = bus
         self.pg_dsn = pg_dsn
         self.batch = batch
         self.ack_wait = ack_wait
-        self.fetch_timeout = fetch_timeout
         self.pool_size = pool_size
         self.drain_timeout = drain_timeout
         self.recorded = 0  # events written by this instance (duplicates included)
         self.rejected = 0  # of which recorded as rejected (schema.rejected)
         self._pool: AsyncConnectionPool | None = None
         self._db_error = "not tried yet"  # why the database could not be opened, while it cannot
-        self._sub = None
         self._subs: list[Any] = []
+        self._queue: asyncio.Queue = asyncio.Queue()  # (feed, message) pairs, in each feed's delivery order
+        self.feeds: dict[int, Feed] = {}  # the partitions this replica reads now
+        self._closing: list[asyncio.Task] = []  # feeds of partitions handed over, stopping
+        self.membership: Membership | None = None
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         # what `nats micro stats` and `noetl ps` show: messages recorded; failed: events recorded as rejected
-        self.events = Consumer(name="events", stream=EVENTS, subject=FILTER, durable=DURABLE)
+        self.events = Consumer(name="events", stream=EVENTS, subject=FILTER, durable=DURABLE, partitions=[])
         self.consumers = [self.events]
-        self._floor = 0  # highest stream sequence acked (everything at or below is recorded)
-        self._held: dict[int, Any] = {}  # recorded, not yet acked: stream sequence -> message
         self._m_batch = metrics.RECORDER_BATCH.labels(self.name)
         self._m_lag = metrics.RECORDER_LAG.labels(self.name)
-        self._m_pending = metrics.PENDING.labels(self.name, DURABLE, "-")
+        self._m_pending: dict[int, Any] = {}
         self._m_rejected = metrics.RECORDER_REJECTED.labels(self.name)
         self._m_handled: dict[str, Any] = {}
 
@@ -147,7 +146,7 @@ class RecorderService:
     async def start(self) -> None:
         """Answer queries; open the database now, or keep trying in the background; then consume."""
         self._stopping.clear()
-        self._held.clear()
+        self._queue = asyncio.Queue()
         await self.bus.attach()
         for subject, handler in (
             (Q_CATALOG_REGISTER, self.catalog_register), (Q_CATALOG_GET, self.catalog_get),
@@ -215,16 +214,79 @@ class RecorderService:
             log.warning("could not migrate the event database: %s", exc)
 
     async def _bind(self) -> None:
-        """The credential subjects (their rotation needs the database) and the events consumer."""
+        """The credential subjects (their rotation needs the database), the partitions' durables, and
+        this replica's share of them."""
         await credentials.serve(self)  # D24: the credential store's subjects
-        self._sub = await self.bus.durable(
-            EVENTS, DURABLE, FILTER, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
-            max_deliver=50, ack_policy=AckPolicy.ALL)
-        info = await self.bus.js.consumer_info(EVENTS, DURABLE)
-        self._floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        await self._durables()
+        self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read,
+                                     replicas=self.bus.replicas)
+        await self.membership.start()
+        self._read(self.membership.owned)
+
+    async def _durables(self) -> None:
+        """Create (or update) each partition's durable. An events stream read by the single durable of
+        an earlier version hands over: the partitions' durables start after its ack floor (what it
+        recorded past that is recorded again, idempotently) and it is deleted."""
+        earlier = await self._consumer_info(DURABLE)
+        start = int((earlier.get("ack_floor") or {}).get("stream_seq") or 0) + 1 if earlier else None
+        for p in range(self.bus.partitions):
+            name = feeds.durable(p)
+            config = dict(pinned=True, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
+                          max_deliver=50, ack_policy=AckPolicy.ALL)
+            try:
+                await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=start, **config)
+            except BusError:  # it exists, made with another start (the deliver policy cannot change): keep that
+                info = await self._consumer_info(name)
+                if info is None:
+                    raise
+                kept = (info.get("config") or {}).get("opt_start_seq")
+                await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=int(kept) if kept else None, **config)
+        if earlier:
+            log.warning("the events stream was read by the single durable %r of an earlier version: its partitions' "
+                        "durables start after its ack floor (seq %d); deleting it", DURABLE, start - 1)
+            try:
+                await self.bus.js.delete_consumer(EVENTS, DURABLE)
+            except Exception as exc:  # noqa: BLE001 - another recorder deleted it first
+                log.info("earlier durable %r not deleted: %s", DURABLE, exc)
+
+    async def _open(self, p: int, feed: Feed) -> None:
+        try:
+            await feed.open()
+        except Exception as exc:  # noqa: BLE001 - NATS trouble: the next membership beat opens it again
+            log.warning("cannot read partition %d yet (%s: %s)", p, type(exc).__name__, exc)
+            if self.feeds.get(p) is feed:
+                del self.feeds[p]
+
+    async def _consumer_info(self, name: str) -> dict[str, Any] | None:
+        reply = _json_loads((await self.bus.nc.request(f"$JS.API.CONSUMER.INFO.{EVENTS}.{name}", b"", timeout=5)).data)
+        if "error" in reply:
+            if (reply["error"] or {}).get("code") == 404:
+                return None
+            raise BusError("unavailable", f"consumer {name}: {reply['error']}")
+        return reply
+
+    def _read(self, owned: set[int]) -> None:
+        """A feed per owned partition; a partition no longer owned finishes what it delivered, acks or
+        gives it back, and its feed stops."""
+        if self._stopping.is_set():
+            return
+        for p in [p for p in self.feeds if p not in owned]:
+            self._closing.append(asyncio.create_task(self.feeds.pop(p).close(self.drain_timeout),
+                                                     name=f"event-recorder close p{p}"))
+            self._m_pending.pop(p, None)
+            metrics.forget_pending(self.name, feeds.durable(p), p)
+        for p in sorted(owned - set(self.feeds)):
+            feed = self.feeds[p] = Feed(self.bus, p, self._queue, limit=2 * self.batch)
+            self._closing.append(asyncio.create_task(self._open(p, feed), name=f"event-recorder open p{p}"))
+        for task in [t for t in self._closing if t.done()]:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s failed: %r", task.get_name(), task.exception())
+        self._closing = [t for t in self._closing if not t.done()]
+        self.events.own(self.feeds)
 
     async def stop(self) -> None:
-        """Stop answering, record what is already in the stream (up to ``drain_timeout``), close."""
+        """Stop answering, record what is already in the stream (up to ``drain_timeout``), hand the
+        partitions back, close."""
         await unsubscribe_all(self._subs)
         self._stopping.set()
         if self._task is not None:
@@ -237,12 +299,19 @@ class RecorderService:
                 log.exception("consumer loop failed")
             self._task = None
         await unsubscribe_all(self._subs)  # what a late start of the database subscribed meanwhile
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                pass
-            self._sub = None
+        for feed in self.feeds.values():
+            feed.closing = True  # ask for nothing more
+        while not self._queue.empty():  # delivered, never written: each feed gives its own back
+            feed, msg = self._queue.get_nowait()
+            await feed.give_back([msg])
+        self._closing += [asyncio.create_task(feed.close(0)) for feed in self.feeds.values()]
+        self.feeds.clear()
+        self.events.own(())
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        self._closing.clear()
+        if self.membership is not None:
+            await self.membership.stop()
+            self.membership = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -287,41 +356,40 @@ class RecorderService:
 
     # ------------------------------------------------------------------ consuming
     async def _consume(self) -> None:
-        """Record fetched batches in order; the next batch is fetched while one is being written."""
-        batches: asyncio.Queue = asyncio.Queue(maxsize=1)
-        fetcher = asyncio.create_task(self._fetch(batches), name="event-recorder fetch")
-        try:
-            while (msgs := await batches.get()) is not None:
-                if not await self._record(msgs):
-                    break
-        finally:
-            fetcher.cancel()
-            await asyncio.gather(fetcher, return_exceptions=True)
-            while not batches.empty():  # fetched, never written: hand them back
-                for msg in batches.get_nowait() or ():
-                    await _quietly(msg.nak())
-
-    async def _fetch(self, batches: asyncio.Queue) -> None:
+        """Record batches of what the feeds deliver, in their delivery order; when stopping, what keeps
+        arriving for up to ``drain_timeout``, until the feeds have been quiet for a moment."""
         drain_until: float | None = None
         while True:
             if self._stopping.is_set():
                 drain_until = drain_until or time.monotonic() + self.drain_timeout
-                if time.monotonic() > drain_until:
-                    break
             try:
-                msgs = await self._sub.fetch(self.batch, timeout=self.fetch_timeout)
-            except asyncio.TimeoutError:  # nats' own TimeoutError is one, and fetch raises both
-                if self._stopping.is_set():
+                first = await asyncio.wait_for(self._queue.get(), DRAIN_QUIET if drain_until else 0.25)
+            except asyncio.TimeoutError:
+                if drain_until:
                     break  # drained
+                for feed in list(self.feeds.values()):  # a request lost while NATS was away has expired
+                    await feed.request()
                 continue
-            except Exception as exc:  # noqa: BLE001 - connection hiccups: keep pulling
-                if self._stopping.is_set():
-                    break
-                log.warning("fetch failed (%s: %s); retrying", type(exc).__name__, exc)
-                await asyncio.sleep(0.5)
-                continue
-            await batches.put(msgs)
-        await batches.put(None)
+            batch = [first]
+            while len(batch) < self.batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            for feed in list(self.feeds.values()):  # the queue has room again
+                await feed.request()
+            if not await self._record([msg for _, msg in batch]):  # stopping, the database down
+                await asyncio.gather(*_by_feed(batch, lambda feed, ms: feed.give_back(ms)))
+                break
+            await asyncio.gather(*_by_feed(batch, lambda feed, ms: feed.settle(ms)))
+            for feed, _ in _by_feed(batch, lambda feed, ms: (feed, None)):
+                if self.feeds.get(feed.partition) is feed:
+                    self._measure_pending(feed)
+            if drain_until and time.monotonic() > drain_until:
+                break
+
+    def _measure_pending(self, feed: Feed) -> None:
+        gauge = self._m_pending.get(feed.partition)
+        if gauge is None:
+            gauge = self._m_pending[feed.partition] = metrics.PENDING.labels(self.name, feed.durable, str(feed.partition))
+        gauge.set(feed.num_pending)
 
     async def _record(self, msgs: list) -> bool:
         """Write one fetched batch (retrying while the database fails), then ack what is safe to ack.
@@ -354,8 +422,6 @@ class RecorderService:
             except Exception as exc:  # noqa: BLE001 - only the database's failures reach here: retry in place
                 if self._stopping.is_set():
                     log.error("stopping with %d unrecorded events (%s): handing them back", len(msgs), exc)
-                    for msg in msgs:
-                        await _quietly(msg.nak())
                     return False
                 log.warning("recording %d events failed (%s: %s); retrying in %.1fs",
                             len(records), type(exc).__name__, exc, delay)
@@ -369,7 +435,6 @@ class RecorderService:
                            f"as rejected, {skipped} malformed messages skipped" if failed else None)
         self._measure(msgs, records)
         await self._announce(records)
-        await self._ack(msgs)
         return True
 
     async def _announce(self, records: list[tuple[int, dict[str, Any]]]) -> None:
@@ -389,45 +454,12 @@ class RecorderService:
         self._m_batch.observe(len(records))
         oldest = min(msg.metadata.timestamp.timestamp() for msg in msgs)
         self._m_lag.observe(max(0.0, time.time() - oldest))
-        self._m_pending.set(msgs[-1].metadata.num_pending)
         for _, event in records:
             name = event.get("name")
             counter = self._m_handled.get(name)
             if counter is None:
                 counter = self._m_handled[name] = metrics.EVENTS_HANDLED.labels(self.name, event_class(str(name)))
             counter.inc()
-
-    async def _ack(self, msgs: list) -> None:
-        for msg in msgs:
-            seq = msg.metadata.sequence.stream
-            if seq > self._floor:
-                self._held[seq] = msg
-        if not self._held:
-            return
-        top = max(self._held)
-        if any(s not in self._held for s in range(self._floor + 1, top)):
-            # a gap: messages below `top` may be pending elsewhere (a recorder that died holding them)
-            try:
-                info = await self.bus.js.consumer_info(EVENTS, DURABLE, timeout=2)
-            except Exception:  # noqa: BLE001 - ask again with the next batch
-                return
-            self._floor = max(self._floor, info.ack_floor.stream_seq if info.ack_floor else 0)
-            for s in [s for s in self._held if s <= self._floor]:
-                del self._held[s]
-            if not self._held:
-                return
-            gap = any(s not in self._held for s in range(self._floor + 1, top))
-            if gap and (info.num_ack_pending or 0) > len(self._held):
-                log.info("holding the ack of %d recorded events until the messages below seq %s are "
-                         "redelivered", len(self._held), top)
-                return
-        try:
-            await self._held[top].ack_sync()
-        except Exception as exc:  # noqa: BLE001 - they will be redelivered and recorded again: harmless
-            log.warning("ack of seq %s failed: %s", top, exc)
-            return
-        self._floor = top
-        self._held.clear()
 
     async def store(self, records: list[tuple[int, dict[str, Any]]]) -> None:
         """Record ``(log_seq, event)`` pairs and update the projection, in one transaction. Idempotent:
@@ -765,10 +797,11 @@ class RecorderService:
     async def ping(self, req: dict[str, Any]) -> dict[str, Any]:
         """The real state: ``ok`` when the database answers and the consumer is bound."""
 
-        async def lag() -> int | None:
+        async def lag() -> int | None:  # of the partitions this replica reads
             try:
-                info = await self.bus.js.consumer_info(EVENTS, DURABLE, timeout=0.8)
-                return (info.num_pending or 0) + (info.num_ack_pending or 0)
+                infos = await asyncio.gather(*(self.bus.js.consumer_info(EVENTS, feeds.durable(p), timeout=0.8)
+                                               for p in self.feeds))
+                return sum((info.num_pending or 0) + (info.num_ack_pending or 0) for info in infos)
             except Exception:  # noqa: BLE001 - lag is best effort
                 return None
 
@@ -800,7 +833,7 @@ class RecorderService:
             return False
 
     def _consuming(self) -> bool:
-        return self._sub is not None and self._task is not None and not self._task.done()
+        return self.membership is not None and self._task is not None and not self._task.done()
 
     # ------------------------------------------------------------------ helpers
     def _connection(self):
@@ -810,6 +843,14 @@ class RecorderService:
             raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
                                           "the event-recorder keeps trying")
         return self._pool.connection(timeout=5)
+
+
+def _by_feed(batch: list[tuple[Feed, Any]], call) -> list[Any]:
+    """``call(feed, its messages)`` for each feed of a batch, the messages in their order."""
+    groups: dict[Feed, list[Any]] = {}
+    for feed, msg in batch:
+        groups.setdefault(feed, []).append(msg)
+    return [call(feed, msgs) for feed, msgs in groups.items()]
 
 
 async def _event_count(conn: Any, xid: str) -> int:

@@ -83,8 +83,8 @@ def test_info_lists_request_endpoints_consumers_and_partitions(ops):
     endpoints = {e["subject"]: e for e in recorder["endpoints"]}
     assert endpoints["noetl.q.execution.get"]["queue_group"] == "event-recorder"
     assert endpoints["noetl.q.execution.get"]["metadata"] == {"kind": "request"}
-    assert endpoints["noetl.pevt.>"]["metadata"] == {"kind": "consumer", "stream": "NOETL_EVENTS",
-                                                      "durables": "event-recorder"}
+    assert endpoints["noetl.pevt.>"]["metadata"] == {  # one recorder here: it reads every partition
+        "kind": "consumer", "stream": "NOETL_EVENTS", "durables": ",".join(f"event-recorder-p{p}" for p in range(16))}
     assert "recorder" in recorder["description"] or "event log" in recorder["description"]
     worker = info["noetl-worker-default"][0]
     assert worker["metadata"]["pool"] == "default" and worker["metadata"]["concurrency"]
@@ -207,15 +207,17 @@ def test_ps_lists_every_replica_with_its_partitions_work_and_lag(ops, capsys):
 def test_inspect_shows_streams_consumers_buckets_and_object_stores(ops, capsys):
     streams = {r["name"]: r for r in noetl_json(ops, capsys, "inspect", "streams")}
     events = streams["NOETL_EVENTS"]
-    assert events["messages"] > 0 and events["bytes"] > 0 and events["consumers"] >= 16 * 3 + 1
+    assert events["messages"] > 0 and events["bytes"] > 0 and events["consumers"] >= 16 * 4
     assert events["subjects"] == ["noetl.evt.*.*.*", "noetl.sched.*.*"] and events["retention"] == "limits"
     assert streams["NOETL_COMMANDS"]["retention"] == "workqueue"
     assert [r["name"] for r in noetl_json(ops, capsys, "inspect", "streams", "NOETL_COMMANDS")] == ["NOETL_COMMANDS"]
     consumers = {(r["stream"], r["name"]): r for r in noetl_json(ops, capsys, "inspect", "consumers")}
     assert {f"router-p{p}" for p in range(16)} <= {name for _, name in consumers}
-    recorder = consumers[("NOETL_EVENTS", "event-recorder")]
-    assert recorder["ack_policy"] == "all" and recorder["filter"] == ["noetl.pevt.>"]
-    assert recorder["delivered"] and recorder["ack_floor"] <= recorder["delivered"]
+    assert ("NOETL_EVENTS", "event-recorder") not in consumers  # the earlier version's single durable
+    recorder = [consumers[("NOETL_EVENTS", f"event-recorder-p{p}")] for p in range(16)]
+    assert all(r["ack_policy"] == "all" for r in recorder)
+    assert [r["filter"] for r in recorder] == [[f"noetl.pevt.{p}.>"] for p in range(16)]
+    assert sum(r["delivered"] for r in recorder) and all(r["ack_floor"] <= r["delivered"] for r in recorder)
     assert consumers[("NOETL_COMMANDS", "pool-default")]["durable"] is True
     only = noetl_json(ops, capsys, "inspect", "consumers", "NOETL_COMMANDS")
     assert {r["stream"] for r in only} == {"NOETL_COMMANDS"}

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import time
 from typing import Any
+from unittest.mock import patch
 
+import nats
 import psycopg
 import pytest
 import yaml
@@ -15,8 +19,10 @@ from nats.js.errors import NotFoundError
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id, writers_of
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
-from noetl_mesh.infra.bus import EVENTS, Bus, BusError, batch_subject, dumps, log_seq
-from noetl_mesh.services.event_recorder.service import DURABLE, RecorderService
+from noetl_mesh.infra.bus import EVENTS, Bus, BusError, batch_subject, dumps, log_seq, partition_from_subject
+from noetl_mesh.infra.pinned import GROUP
+from noetl_mesh.services.event_recorder import feeds
+from noetl_mesh.services.event_recorder.service import RecorderService
 from scenarios import TINY
 
 pytestmark = pytest.mark.integration
@@ -348,21 +354,33 @@ def test_restart_mid_stream_loses_and_duplicates_nothing(nats_url: str, pg_dsn: 
     assert count(pg_dsn, "SELECT max(seq) FROM event") == log_seq(len(events), 0)
 
 
+async def _partition_of(bus: Bus, xid: str) -> int:
+    """The partition the stream's transform gives an execution (the one message it has, read back)."""
+    msg = await bus.js.get_last_msg(EVENTS, f"noetl.pevt.*.*.{xid}.*")
+    return partition_from_subject(msg.subject)
+
+
 def test_a_batch_held_by_a_dead_recorder_is_not_acked_away(nats_url: str, pg_dsn: str) -> None:
-    """AckPolicy.ALL: acking seq N acks everything below; messages a crashed recorder had fetched must
-    be recorded (after their redelivery) before the consumer's floor passes them."""
-    events = small_events(600)
+    """AckPolicy.ALL: acking seq N acks everything of the partition below; messages a crashed recorder
+    had fetched must be recorded (after their redelivery) before the consumer's floor passes them."""
+    events = small_events(600, executions=1)
 
     async def main() -> None:
         bus = await fresh_bus(nats_url)
         rec = RecorderService(bus, pg_dsn=pg_dsn, ack_wait=1.0)
         await rec.start()
-        await rec.stop()  # the durable consumer exists now
+        await rec.stop()  # the durables exist now
         await publish_all(bus, events[:300])
-        dead = await bus.js.pull_subscribe_bind(DURABLE, stream=EVENTS)
-        held = await dead.fetch(100, timeout=5)  # fetched and never acked: the recorder "died"
+        name = feeds.durable(await _partition_of(bus, events[0]["execution_id"]))
+        dead = await nats.connect(nats_url)
+        inbox = dead.new_inbox()
+        sub = await dead.subscribe(inbox)
+        await dead.publish(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS}.{name}",
+                           json.dumps({"batch": 100, "expires": 10**9, "group": GROUP}).encode(), reply=inbox)
+        held = [await sub.next_msg(timeout=5) for _ in range(100)]  # fetched and never acked: it "died"
         assert [m.metadata.sequence.stream for m in held] == list(range(1, 101))
-        await dead.unsubscribe()
+        await dead.request(f"$JS.API.CONSUMER.UNPIN.{EVENTS}.{name}", json.dumps({"group": GROUP}).encode())
+        await dead.close()
         rec = RecorderService(bus, pg_dsn=pg_dsn, ack_wait=1.0)
         await rec.start()
         try:
@@ -370,7 +388,7 @@ def test_a_batch_held_by_a_dead_recorder_is_not_acked_away(nats_url: str, pg_dsn
             await eventually(lambda: recorded(pg_dsn, len(events)), timeout=15)
 
             async def all_acked() -> bool:
-                info = await bus.js.consumer_info(EVENTS, DURABLE)
+                info = await bus.js.consumer_info(EVENTS, name)
                 return info.ack_floor.stream_seq == len(events) and info.num_ack_pending == 0
 
             await eventually(all_acked, timeout=10)
@@ -380,6 +398,50 @@ def test_a_batch_held_by_a_dead_recorder_is_not_acked_away(nats_url: str, pg_dsn
 
     asyncio.run(main())
     assert count(pg_dsn) == len(events)
+
+
+def test_two_recorders_share_the_partitions_and_one_that_dies_loses_nothing(nats_url: str, pg_dsn: str) -> None:
+    """Recorder replicas deal the partitions out (each reads its own durables); when one is killed
+    mid-stream (no drain, no ack, no unpin) the other takes its partitions over once its membership
+    expires, and every event is recorded once."""
+    events = small_events(3000, executions=40)
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        one, other = await Bus.connect(nats_url, "rec-1"), await Bus.connect(nats_url, "rec-2")
+        a = RecorderService(one, pg_dsn=pg_dsn, batch=50, ack_wait=2.0)
+        b = RecorderService(other, pg_dsn=pg_dsn, batch=50, ack_wait=2.0)
+        await a.start()
+        await b.start()
+        try:
+            async def shared() -> bool:
+                await a.membership.beat()
+                await b.membership.beat()
+                return set(a.feeds) | set(b.feeds) == set(range(4)) and not set(a.feeds) & set(b.feeds)
+
+            await eventually(shared, timeout=15)
+            await publish_all(bus, events[:1500], chunk=50)
+
+            async def both_write() -> bool:
+                return bool(a.recorded and b.recorded)
+
+            await eventually(both_write, timeout=15)
+            await one.nc.close()  # "killed": its connection gone, its key left to expire
+            a._stopping.set()
+            await publish_all(bus, events[1500:], chunk=50)
+            await eventually(lambda: recorded(pg_dsn, len(events)), timeout=40)
+            assert set(b.feeds) == set(range(4))
+        finally:
+            await b.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(a.stop(), 10)
+            await other.close()
+            await bus.close()
+
+    with patch.dict(os.environ, {"NOETL_MEMBERSHIP_TTL": "2"}):
+        asyncio.run(main())
+    assert count(pg_dsn) == len(events)
+    assert count(pg_dsn, "SELECT count(DISTINCT seq) FROM event") == len(events)
 
 
 def test_a_database_outage_delays_recording_and_loses_nothing(nats_url: str, pg_dsn: str) -> None:

@@ -28,7 +28,6 @@ def test_replicas_are_parsed_and_every_mistake_named():
     assert parse_replicas("admission=2,router=2, worker=3") == {"admission": 2, "router": 2, "worker": 3}
     for text, message in (("worker", "write SERVICE=N"), ("workers=2", "'workers': not a service"),
                           ("worker=0", "from 1 to 64"), ("worker=x", "from 1 to 64"), ("worker=65", "from 1 to 64"),
-                          ("event-recorder=2", "one recorder per events stream"),
                           ("gateway=2", "it listens on --port")):
         with pytest.raises(ValueError, match=message):
             parse_replicas(text)
@@ -38,8 +37,9 @@ def test_topology_starts_one_recorder_and_gateway_and_the_replicas_asked_for():
     assert topology() == [("event-recorder", "event-recorder"), ("sessions", "sessions"),
                           ("admission", "admission-0"), ("router", "router-0"), ("loop-coordinator", "loop-coordinator-0"),
                           ("scheduler", "scheduler-0"), ("worker", "worker-0"), ("gateway", "gateway")]
-    keys = [key for _, key in topology(counts=parse_replicas("admission=2,router=2,worker=3,sessions=2"))]
-    assert keys == ["event-recorder", "sessions-0", "sessions-1", "admission-0", "admission-1", "router-0", "router-1",
+    assert parse_replicas("event-recorder=2") == {"event-recorder": 2}
+    keys = [key for _, key in topology(counts=parse_replicas("admission=2,router=2,worker=3,sessions=2,event-recorder=2"))]
+    assert keys == ["event-recorder-0", "event-recorder-1", "sessions-0", "sessions-1", "admission-0", "admission-1", "router-0", "router-1",
                     "loop-coordinator-0", "scheduler-0", "worker-0", "worker-1", "worker-2", "gateway"]
     assert [n for n, _ in topology(replicas=2, workers=0)].count("router") == 2  # the tests' way
     assert "worker" not in [n for n, _ in topology(workers=0)]

@@ -8,7 +8,7 @@ permissions; each service holds its own seed in a file (0600). Users:
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
 | ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
-| ``event-recorder`` | read every event through its durable, answer ``noetl.q.{catalog,execution,recorder,credential}.*``, publish notices of what it committed (``noetl.live.>``) |
+| ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket), answer ``noetl.q.{catalog,execution,recorder,credential}.*``, publish notices of what it committed (``noetl.live.>``) |
 | ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
 | ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
@@ -93,7 +93,7 @@ def srv_subjects(name: str) -> list[str]:
 
 
 def durables(service: str, partitions: int) -> list[str]:
-    """The durable consumers of the events stream a control-plane service reads through."""
+    """The durable consumers of the events stream a control-plane service (or the recorder) reads through."""
     return [f"{service}-p{p}" for p in range(partitions)]
 
 
@@ -213,9 +213,13 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         else:
             pub.append("noetl.cmd.*.*")
     elif user == "event-recorder":
-        pub += [_js("STREAM", "INFO", EVENTS), *_durable(EVENTS, "event-recorder", info=True)]
-        pub += _payloads(write=True)  # replies over max_reply_bytes carry their big values by reference
-        purges.add(PAYLOADS)
+        pub += [_js("STREAM", "INFO", EVENTS)]
+        for name in durables(user, partitions):  # its partitions, shared out among its replicas
+            pub += _durable(EVENTS, name, pinned=True)
+        # the single durable of an earlier version: where it stopped, then deleted (event_recorder/service.py)
+        pub += [_js("CONSUMER", "INFO", EVENTS, "event-recorder"), _js("CONSUMER", "DELETE", EVENTS, "event-recorder")]
+        pub += _payloads(write=True) + _membership(user)  # replies over max_reply_bytes carry big values by reference
+        purges |= {PAYLOADS, MEMBERS}
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         pub.append(f"{LIVE}.>")  # notices of committed batches, for the console
     elif user == "sessions":
@@ -272,16 +276,19 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [f"$KV.{SCHEDULES_BUCKET}.>", "noetl.schedule.>"]
     deny += [_js("STREAM", "PURGE", s) for s in ALL_STREAMS if s not in purges and s not in SESSION_STREAMS]
     deny += [_js("STREAM", verb, s) for verb in ("CREATE", "UPDATE") for s in ALL_STREAMS if s not in SESSION_STREAMS]
-    others = ["event-recorder", *(d for s in CONTROL_PLANE for d in durables(s, partitions))]
+    others = ["event-recorder", *(d for s in (*CONTROL_PLANE, "event-recorder") for d in durables(s, partitions))]
     if user in CONTROL_PLANE:  # its wildcards cover ephemerals only: never another service's durable
         own = set(durables(user, partitions))
         deny += [_js("CONSUMER", verb, EVENTS, d) for verb in ("MSG.NEXT", "DELETE", "CREATE") for d in others
                  if d not in own]
         deny += [_js("CONSUMER", "CREATE", EVENTS, d, ">") for d in others if d not in own]
         deny += [_js("CONSUMER", "DELETE", EVENTS, d) for d in own]
+    elif user == "event-recorder":  # no consumer but the earlier version's single durable (allowed above)
+        deny += [_js("CONSUMER", "DELETE", s, ">") for s in ALL_STREAMS if s != EVENTS]
+        deny += [_js("CONSUMER", "DELETE", EVENTS, d) for d in others if d != "event-recorder"]
     else:
         deny += [_js("CONSUMER", "DELETE", ">")]
-    if user not in CONTROL_PLANE:
+    if user not in (*CONTROL_PLANE, "event-recorder"):
         deny.append(f"$KV.{MEMBERS_BUCKET}.>")
     sub_deny = [f"noetl.q.{a}.>" for a in (*RECORDER_AREAS, *SESSIONS_AREAS, *SCHEDULER_AREAS)
                 if not (user == "event-recorder" and a in RECORDER_AREAS or user == "sessions" and a in SESSIONS_AREAS

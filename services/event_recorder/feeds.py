@@ -1,0 +1,244 @@
+"""The recorder's reading of one partition: a pinned pull that feeds the writer, and cumulative acks.
+
+Each partition ``N`` of the events stream has a durable of the recorder, ``event-recorder-p<N>``
+(filter ``noetl.pevt.<N>.>``, ``AckPolicy.ALL``, a pinned-client priority group as the control
+plane's: infra/pinned.py), so recorders scale out the way the control plane does: replicas share the
+partitions through the members bucket (infra/membership.py), and the server delivers a partition's
+messages to one pinned reader at a time. A recorder reads each partition it owns through a
+:class:`Feed`: one pull request open at a time, its deliveries put on the recorder's one queue, from
+which one writer takes batches of any partitions (service.py), records them, and hands each feed back
+the messages that are now recorded (:meth:`Feed.settle`).
+
+Acknowledging. Acking a message acks every message of its partition with a lower stream sequence.
+That is only safe when nothing below it is unrecorded, which is not so when another recorder (one
+that died, or handed the partition over) still holds fetched messages. The feed knows it is alone
+when the delivery sequences it recorded since the consumer's ack floor have no gap (deliveries are
+numbered by the consumer, whoever they went to); then it acks the highest stream sequence. After a
+gap it asks the server: when the consumer's unacknowledged messages are all ones this feed holds, it
+acks; otherwise it holds its acks until the others' messages come back (at ``ack_wait``) and are
+recorded. A feed that stops acks what it can, gives back (``nak``) what it could not, and gives up the
+pin, so that the next owner starts at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from noetl_mesh.infra.bus import EVENTS, dumps, loads
+from noetl_mesh.infra.pinned import GROUP, nak
+
+log = logging.getLogger("noetl.event-recorder")
+
+DURABLE = "event-recorder"  # the prefix of the partitions' durables; before them, the one durable's name
+REQUEST = 250  # messages per pull request of one partition
+EXPIRES = 0.5  # seconds a pull request stays open (a stopping feed waits for its end)
+
+
+def durable(partition: int) -> str:
+    return f"{DURABLE}-p{partition}"
+
+
+def subject(partition: int) -> str:
+    return f"noetl.pevt.{partition}.>"
+
+
+class Feed:
+    """Pulls partition ``partition`` onto ``out`` (``(feed, message)`` pairs) while the writer keeps
+    that queue under ``limit``; acknowledges what :meth:`settle` is told was recorded."""
+
+    def __init__(self, bus: Any, partition: int, out: asyncio.Queue, *, limit: int):
+        self.bus, self.nc, self.partition, self.out, self.limit = bus, bus.nc, partition, out, limit
+        self.durable = durable(partition)
+        self.sub: Any = None
+        self.pin: str | None = None
+        self.owed = 0  # deliveries the open pull request may still make
+        self.deadline = 0.0  # when it has expired (with a margin)
+        self.closing = False  # asks for nothing more; what still arrives is given back once the pin is released
+        self.closed = False  # the pin is released: what it holds is given back at once
+        self.late: list[Msg] = []  # to give back (nak) once the pin is released
+        self.cfloor = 0  # delivery sequence at and below which every delivery is acknowledged
+        self.sfloor = 0  # stream sequence at and below which the partition is recorded and acknowledged
+        self.held: dict[int, Msg] = {}  # recorded, not acknowledged yet: stream sequence -> latest delivery
+        self.delivered: set[int] = set()  # delivery sequences recorded since ``cfloor``
+        self.inflight: dict[int, int] = {}  # delivered, not recorded yet (queued, or being written): stream seq -> n
+        self.num_pending = 0  # the last delivery's count of messages left in the partition
+
+    # ------------------------------------------------------------------ pulling
+    async def open(self) -> None:
+        self.sub = await self.nc.subscribe(self.nc.new_inbox(), cb=self._on_msg)
+        if self.closing:  # handed over while subscribing
+            await self.sub.unsubscribe()
+            return
+        await self._read_floor()
+        await self.request()
+
+    async def request(self) -> None:
+        """Open a pull request unless one is open, the feed is closing, or the writer has enough."""
+        if self.closing or self.sub is None or (self.owed > 0 and time.monotonic() < self.deadline) \
+                or self.out.qsize() >= self.limit:
+            return
+        body: dict[str, Any] = {"batch": REQUEST, "expires": int(EXPIRES * 1e9), "group": GROUP}
+        if self.pin:
+            body["id"] = self.pin
+        self.owed, self.deadline = REQUEST, time.monotonic() + EXPIRES + 0.5
+        try:
+            await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS}.{self.durable}", dumps(body),
+                                  reply=self.sub.subject)
+        except Exception as exc:  # noqa: BLE001 - disconnected: the writer asks again after its next batch
+            self.owed = 0
+            log.debug("%s: pull request not sent (%s)", self.durable, exc)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            self.owed -= 1
+            if self.closed:  # the pin is released: the next reader takes it
+                await nak(msg)
+                return
+            if self.closing:  # kept, and given back once the pin is released: a nak now would come back here
+                self.late.append(msg)
+                return
+            pin = msg.headers.get("Nats-Pin-Id") if msg.headers else None
+            if pin is not None:
+                self.pin = pin
+            seq = msg.metadata.sequence.stream
+            self.inflight[seq] = self.inflight.get(seq, 0) + 1
+            self.out.put_nowait((self, msg))
+            if self.owed <= 0:
+                await self.request()
+            return
+        self.owed = 0  # any status ends the request: 408 expired, 409 (max waiting, leader change...), 423
+        if status == "423":  # pinned to another reader: ask without an id, and wait for the pin
+            self.pin = None
+        elif status not in ("404", "408"):
+            log.warning("%s: pull request ended with %s %s", self.durable, status, msg.headers.get("Description"))
+            await asyncio.sleep(0.5)
+        await self.request()
+
+    # ------------------------------------------------------------------ acknowledging
+    async def give_back(self, msgs: list[Msg]) -> None:
+        """Messages of this feed the writer will not record: given back once the pin is released (at
+        once when it already is), for the partition's next reader."""
+        for msg in msgs:
+            self._landed(msg.metadata.sequence.stream)
+            if self.closed:
+                await nak(msg)
+            else:
+                self.late.append(msg)
+
+    async def settle(self, msgs: list[Msg]) -> None:
+        """``msgs`` (this feed's, in delivery order) are recorded: acknowledge what is safe to. A feed
+        whose pin is released acks nothing (it may not be alone any more): it gives them back, and the
+        next reader records them again."""
+        if self.closed:
+            await self.give_back(msgs)
+            return
+        for msg in msgs:
+            seq = msg.metadata.sequence
+            self._landed(seq.stream)
+            self.num_pending = msg.metadata.num_pending
+            if seq.stream > self.sfloor:
+                self.held[seq.stream] = msg
+            if seq.consumer > self.cfloor:
+                self.delivered.add(seq.consumer)
+        await self._ack()
+
+    def _landed(self, seq: int) -> None:
+        n = self.inflight.get(seq, 0) - 1
+        if n > 0:
+            self.inflight[seq] = n
+        else:
+            self.inflight.pop(seq, None)
+
+    def _alone(self) -> bool:
+        """Every delivery since the ack floor was this feed's, and is recorded."""
+        return bool(self.delivered) and max(self.delivered) - self.cfloor == len(self.delivered)
+
+    async def _ack(self) -> None:
+        """Ack the highest recorded stream sequence below anything delivered and not recorded yet,
+        when nothing another reader holds is below it."""
+        if not self.held:
+            return
+        if not self._alone():
+            info = await self._read_floor()
+            if info is None or not self.held:
+                return  # NATS did not say: ask again with the next batch
+            mine = self.held.keys() | {s for s in self.inflight if s > self.sfloor}
+            if not self._alone() and (info.get("num_ack_pending") or 0) > len(mine):
+                log.info("%s: holding the ack of %d recorded messages until the messages below seq %d that "
+                         "another reader held are redelivered", self.durable, len(self.held), max(self.held))
+                return
+        unrecorded = min((s for s in self.inflight if s not in self.held and s > self.sfloor), default=None)
+        top = max((s for s in self.held if unrecorded is None or s < unrecorded), default=None)
+        if top is None:
+            return
+        try:  # a plain ack, in order on this connection; one that is lost covers nothing, and what it
+            await self.held[top].ack()  # would have covered is covered by the next, or recorded again
+        except Exception as exc:  # noqa: BLE001 - they will be redelivered and recorded again: harmless
+            log.warning("%s: ack of seq %s failed: %s", self.durable, top, exc)
+            return
+        if all(s <= top for s in self.held):  # every delivery so far is acknowledged
+            self.cfloor = max(self.cfloor, max(self.delivered, default=0))
+            self.delivered.clear()
+        self.sfloor = top
+        for seq in [s for s in self.held if s <= top]:
+            del self.held[seq]
+
+    async def _read_floor(self) -> dict[str, Any] | None:
+        """The consumer's ack floor (and what it holds below it dropped); None when NATS did not say."""
+        try:
+            reply = await self.nc.request(f"$JS.API.CONSUMER.INFO.{EVENTS}.{self.durable}", b"", timeout=2)
+            info = loads(reply.data)
+        except Exception as exc:  # noqa: BLE001
+            log.info("%s: consumer info failed (%s)", self.durable, exc)
+            return None
+        if not isinstance(info, dict) or "error" in info:
+            log.info("%s: consumer info refused: %s", self.durable, info.get("error") if isinstance(info, dict) else info)
+            return None
+        floor = info.get("ack_floor") or {}  # the server's word (an ack it ignored moved nothing)
+        self.cfloor, self.sfloor = int(floor.get("consumer_seq") or 0), int(floor.get("stream_seq") or 0)
+        for seq in [s for s in self.held if s <= self.sfloor]:
+            del self.held[seq]
+        self.delivered = {d for d in self.delivered if d > self.cfloor}
+        return info
+
+    # ------------------------------------------------------------------ stopping
+    async def close(self, grace: float) -> None:
+        """Stop asking; once what was delivered is recorded (for up to ``grace`` seconds), ack what is
+        safe to; once the open request has ended, give the pin up (so that the next owner is pinned at
+        once), then give back everything else. On a throw-away stack nobody reads next: it just goes."""
+        self.closing = True
+        until = time.monotonic() + grace
+        while self.inflight and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+        await self._ack()
+        if not self.bus.throwaway:
+            while self.owed > 0 and time.monotonic() < self.deadline:  # until the open request ends (its 408)
+                await asyncio.sleep(0.02)
+            await self._unpin()
+        self.closed = True
+        if not self.bus.throwaway:  # recorded but not ackable alone, and what arrived late: the next reader's
+            for msg in [*self.held.values(), *self.late]:
+                await nak(msg)
+        self.held.clear()
+        self.late.clear()
+        if self.sub is not None:
+            try:
+                await self.sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _unpin(self) -> None:
+        if self.nc.is_closed:
+            return
+        try:
+            await self.nc.request(f"$JS.API.CONSUMER.UNPIN.{EVENTS}.{self.durable}", dumps({"group": GROUP}), timeout=2)
+        except Exception as exc:  # noqa: BLE001 - then the pin times out
+            log.info("%s: could not unpin (%s)", self.durable, exc)
+
+
+__all__ = ["Feed", "DURABLE", "durable", "subject", "REQUEST"]

@@ -1,0 +1,122 @@
+"""The recorder's cumulative acks (services/event_recorder/feeds.py) against a fake consumer: what it
+acks, and what it must not ack, when another reader held messages of the partition."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import orjson
+
+from noetl_mesh.services.event_recorder.feeds import Feed
+
+
+class FakeConsumer:
+    """The server's side: which stream sequences are unacknowledged, and the ack floor (AckPolicy.ALL:
+    an ack of stream sequence S acknowledges every pending one up to S)."""
+
+    def __init__(self, pending: set[int]):
+        self.pending, self.floor, self.acked, self.naked = set(pending), (0, 0), [], []
+
+    def ack(self, stream: int, consumer: int) -> None:
+        self.acked.append(stream)
+        self.pending = {s for s in self.pending if s > stream}
+        self.floor = (max(self.floor[0], consumer), max(self.floor[1], stream))
+
+    def info(self) -> dict:
+        return {"ack_floor": {"consumer_seq": self.floor[0], "stream_seq": self.floor[1]},
+                "num_ack_pending": len(self.pending)}
+
+
+class FakeMsg:
+    def __init__(self, consumer: FakeConsumer, stream: int, delivery: int):
+        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=stream, consumer=delivery), num_pending=0)
+        self.headers = None
+        self.consumer = consumer
+        consumer.pending.add(stream)
+
+    async def ack(self) -> None:
+        self.consumer.ack(self.metadata.sequence.stream, self.metadata.sequence.consumer)
+
+    async def nak(self, delay=None) -> None:
+        self.consumer.naked.append(self.metadata.sequence.stream)
+
+
+class FakeNats:
+    """Answers CONSUMER.INFO for the fake consumer; counts the requests."""
+
+    def __init__(self, consumer: FakeConsumer):
+        self.consumer, self.asked, self.is_closed = consumer, 0, False
+
+    async def request(self, subject: str, payload: bytes, timeout: float = 1.0):
+        self.asked += 1
+        return SimpleNamespace(data=orjson.dumps(self.consumer.info()))
+
+
+def feed_with(consumer: FakeConsumer) -> tuple[Feed, FakeNats]:
+    nc = FakeNats(consumer)
+    return Feed(SimpleNamespace(nc=nc, throwaway=False), 0, asyncio.Queue(), limit=1000), nc
+
+
+def deliver(feed: Feed, msgs: list[FakeMsg]) -> None:
+    """What ``_on_msg`` does with a delivery: in flight until recorded."""
+    for m in msgs:
+        seq = m.metadata.sequence.stream
+        feed.inflight[seq] = feed.inflight.get(seq, 0) + 1
+
+
+def test_a_feed_alone_acks_the_highest_recorded_sequence_without_asking():
+    c = FakeConsumer(set())
+    feed, nc = feed_with(c)
+    batch = [FakeMsg(c, s, s) for s in range(1, 11)]
+    deliver(feed, batch)
+    asyncio.run(feed.settle(batch))
+    assert c.acked == [10] and nc.asked == 0 and not feed.held and not c.pending
+    more = [FakeMsg(c, s, s) for s in range(11, 21)]
+    deliver(feed, more)
+    asyncio.run(feed.settle(more))
+    assert c.acked == [10, 20] and nc.asked == 0
+
+
+def test_messages_another_reader_holds_hold_the_acks_until_they_are_redelivered_and_recorded():
+    """A dead reader held stream 1-100 (deliveries 1-100). This feed records 101-600 (deliveries
+    101-600): it may not ack, since that would ack 1-100 unrecorded. Then 1-100 come back (deliveries
+    601-700) and are queued while a batch is written: still no ack, though the consumer's pending
+    count (600) now equals what the feed holds plus what it has in flight. As they are recorded, it
+    acks up to the first one still unrecorded, then 600."""
+    c = FakeConsumer(set(range(1, 101)))
+    feed, nc = feed_with(c)
+    mine = [FakeMsg(c, s, s) for s in range(101, 601)]
+    deliver(feed, mine)
+    asyncio.run(feed.settle(mine))
+    assert c.acked == [] and nc.asked == 1 and len(feed.held) == 500
+    again = [FakeMsg(c, s, 600 + s) for s in range(1, 101)]
+    deliver(feed, again)  # redelivered, queued behind the batch being written
+    asyncio.run(feed.settle([]))
+    assert c.acked == []  # not while 1-100 are unrecorded
+    asyncio.run(feed.settle(again[:50]))
+    assert c.acked == [50]  # up to the first one still unrecorded
+    asyncio.run(feed.settle(again[50:]))
+    assert c.acked == [50, 600] and not feed.held and not c.pending
+
+
+def test_a_redelivery_of_a_recorded_message_does_not_stop_the_ack():
+    c = FakeConsumer(set())
+    feed, _ = feed_with(c)
+    first = [FakeMsg(c, s, s) for s in range(1, 11)]
+    deliver(feed, first)
+    redelivered = FakeMsg(c, 7, 11)  # its ack_wait ran out while the batch was written
+    deliver(feed, [redelivered])
+    asyncio.run(feed.settle(first))  # 7 is recorded (its first delivery): everything may be acked
+    assert c.acked == [10]
+    asyncio.run(feed.settle([redelivered]))  # recorded again, idempotently: nothing new to ack
+    assert c.acked == [10] and not feed.held
+
+
+def test_a_released_feed_acks_nothing_and_gives_back_what_it_records_late():
+    c = FakeConsumer(set())
+    feed, _ = feed_with(c)
+    batch = [FakeMsg(c, s, s) for s in range(1, 4)]
+    deliver(feed, batch)
+    feed.closed = True  # its pin was given up: another reader may hold later messages
+    asyncio.run(feed.settle(batch))
+    assert c.acked == [] and c.naked == [1, 2, 3] and not feed.inflight
