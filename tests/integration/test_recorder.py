@@ -14,6 +14,7 @@ import nats
 import psycopg
 import pytest
 import yaml
+from nats.js.api import AckPolicy
 from nats.js.errors import NotFoundError
 
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id, writers_of
@@ -442,6 +443,47 @@ def test_two_recorders_share_the_partitions_and_one_that_dies_loses_nothing(nats
         asyncio.run(main())
     assert count(pg_dsn) == len(events)
     assert count(pg_dsn, "SELECT count(DISTINCT seq) FROM event") == len(events)
+
+
+def test_the_single_durable_of_an_earlier_version_hands_over_at_its_ack_floor(nats_url: str, pg_dsn: str) -> None:
+    """An events stream an earlier recorder read through the one durable ``event-recorder``, up to
+    stream sequence 100: the partitions' durables start after that (what it recorded is not read
+    again), every later event is recorded, and the earlier durable is gone."""
+    events = small_events(300)
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        try:
+            await bus.consumer(EVENTS, feeds.DURABLE, "noetl.pevt.>", max_ack_pending=1000, ack_policy=AckPolicy.ALL)
+            await publish_all(bus, events)
+            earlier = await bus.js.pull_subscribe_bind(feeds.DURABLE, stream=EVENTS)
+            msgs = await earlier.fetch(100, timeout=5)
+            assert msgs[-1].metadata.sequence.stream == 100
+            await msgs[-1].ack_sync()  # the earlier recorder's place: 1-100 are in its database
+            await earlier.unsubscribe()
+            rec = RecorderService(bus, pg_dsn=pg_dsn)
+            await rec.start()
+            try:
+                await eventually(lambda: recorded(pg_dsn, 200), timeout=15)
+                await asyncio.sleep(0.5)  # and nothing more comes
+            finally:
+                await rec.stop()
+            names = [c.name for c in await bus.js.consumers_info(EVENTS)]
+            assert feeds.DURABLE not in names and feeds.durable(0) in names
+            again = RecorderService(bus, pg_dsn=pg_dsn)  # a restart keeps the durables' start
+            await again.start()
+            try:
+                assert again._consuming() and set(again.feeds) == set(range(4))
+                await publish_all(bus, small_events(10))
+                await eventually(lambda: recorded(pg_dsn, 210), timeout=15)
+            finally:
+                await again.stop()
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+    assert count(pg_dsn) == 210
+    assert count(pg_dsn, "SELECT min(seq) FROM event") == log_seq(101, 0)
 
 
 def test_a_database_outage_delays_recording_and_loses_nothing(nats_url: str, pg_dsn: str) -> None:
