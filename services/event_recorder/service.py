@@ -62,7 +62,9 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_STATE,
     Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
+    LIVE_ASK,
     LIVE_LIST,
+    LIVE_WATCH,
     Bus,
     BusError,
     admitted,
@@ -131,6 +133,7 @@ class RecorderService:
         self.feeds: dict[int, Feed] = {}  # the partitions this replica reads now
         self._closing: list[asyncio.Task] = []  # feeds of partitions handed over, stopping
         self.membership: Membership | None = None
+        self.interest = live.Interest()  # which notices the gateways' console streams show
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         # what `nats micro stats` and `noetl ps` show: messages recorded; failed: events recorded as rejected
@@ -148,6 +151,10 @@ class RecorderService:
         self._stopping.clear()
         self._queue = asyncio.Queue()
         await self.bus.attach()
+        # ask the gateways what their console streams show; until they have said, send every notice
+        self.interest = live.Interest(everything_until=time.monotonic() + live.WARMUP)
+        self._subs.append(await self.bus.nc.subscribe(LIVE_WATCH, cb=self._watching))
+        await self.bus.nc.publish(LIVE_ASK, b"{}")
         for subject, handler in (
             (Q_CATALOG_REGISTER, self.catalog_register), (Q_CATALOG_GET, self.catalog_get),
             (Q_CATALOG_LIST, self.catalog_list), (Q_EXECUTION_GET, self.execution_get),
@@ -437,10 +444,19 @@ class RecorderService:
         await self._announce(records)
         return True
 
-    async def _announce(self, records: list[tuple[int, dict[str, Any]]]) -> None:
-        """Tell the console what was just committed (live.py); best effort, never in the way of recording."""
+    async def _watching(self, msg: Any) -> None:
+        """A gateway's announcement of what its console streams show (live.Interest)."""
         try:
-            per, listed = live.notices(records)
+            self.interest.announce(_json_loads(msg.data), time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - a bad announcement is ignored
+            log.debug("ignored a live watch announcement: %s", exc)
+
+    async def _announce(self, records: list[tuple[int, dict[str, Any]]]) -> None:
+        """Tell the console what was just committed (live.py), of what someone watches; best effort,
+        never in the way of recording."""
+        try:
+            now = time.monotonic()
+            per, listed = live.notices(records, lambda key: self.interest.wants(key, now))
             for xid, notice in per.items():
                 await self.bus.nc.publish(live_subject(xid), dumps(notice))
             if listed is not None:

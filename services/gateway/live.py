@@ -4,7 +4,10 @@ The event-recorder publishes a notice once a batch of events is committed (``noe
 id>``, and ``noetl.live.list`` when executions started or ended: services/event_recorder/live.py). A
 gateway subscribes only for what is on someone's screen: one :class:`Topic` per execution watched (and
 one for the executions list), shared by every stream that watches it, subscribed while at least one
-does and unsubscribed after the last leaves.
+does and unsubscribed after the last leaves. The recorders send only the notices someone watches: a
+gateway tells them (``noetl.watch.live``) when a topic opens, before its first stream says hello, and
+every :data:`ANNOUNCE_EVERY` s all its topics, and at once when a recorder that starts asks
+(``noetl.live.ask``); a topic not said again for :data:`WATCH_TTL` s gets no more notices.
 
 A stream (:func:`stream`) writes, as server-sent events:
 
@@ -37,7 +40,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import orjson
 
 from noetl_mesh import limits
-from noetl_mesh.infra.bus import LIVE_LIST, Bus, live_subject
+from noetl_mesh.infra.bus import LIVE_ASK, LIVE_LIST, LIVE_WATCH, Bus, live_subject
 
 log = logging.getLogger("noetl.gateway.live")
 
@@ -48,6 +51,9 @@ RECHECK = 30.0  # seconds between two checks of the stream's token
 COALESCE = 0.25  # seconds a stream waits after a write before the next (notices in between are merged)
 MIN_STATE_INTERVAL = 0.5  # seconds between two views of one execution
 LIST = "*"  # the key of the executions list's topic
+ANNOUNCE_EVERY = 5.0  # seconds between two announcements to the recorders of every topic (event_recorder/live.py)
+WATCH_TTL = 15.0  # how long the recorders keep sending a topic's notices without hearing of it again
+ANNOUNCED_PER_MESSAGE = 1000
 
 
 class Busy(Exception):
@@ -196,6 +202,7 @@ class Hub:
         self.per_session: collections.Counter = collections.Counter()
         self._key = secrets.token_bytes(16)
         self._lock = asyncio.Lock()
+        self._announcer: asyncio.Task | None = None
 
     def session_key(self, token: str) -> bytes:
         return hashlib.blake2b(token.encode(), key=self._key, digest_size=16).digest()
@@ -232,6 +239,12 @@ class Hub:
                 topic = Topic(self, key)
                 await topic.open()
                 self.topics[key] = topic
+                # the recorders send only watched notices: tell them before the stream says hello, so that
+                # what the page reads after hello and every notice after it meet (no flush: the client's
+                # flusher sends it at once, and a flush awaited here held streams up)
+                await self._announce([key])
+                if self._announcer is None or self._announcer.done():
+                    self._announcer = asyncio.create_task(self._announce_all(), name="live watch")
             listener = Pending()
             topic.listeners.add(listener)
             return listener
@@ -247,10 +260,42 @@ class Hub:
                 await topic.close()
 
     async def close(self) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+            await asyncio.gather(self._announcer, return_exceptions=True)
         async with self._lock:
             topics, self.topics = list(self.topics.values()), {}
         for topic in topics:
             await topic.close()
+
+    async def _announce(self, keys: list[str]) -> None:
+        """Tell the recorders these topics are watched (for :data:`WATCH_TTL` s); best effort."""
+        try:
+            for i in range(0, len(keys), ANNOUNCED_PER_MESSAGE):
+                await self.bus.nc.publish(LIVE_WATCH, orjson.dumps(
+                    {"keys": keys[i:i + ANNOUNCED_PER_MESSAGE], "ttl": WATCH_TTL}))
+        except Exception as exc:  # noqa: BLE001 - NATS away: the next announcement says it again
+            log.debug("live watch not announced: %s", exc)
+
+    async def _announce_all(self) -> None:
+        """While topics are open, all of them every :data:`ANNOUNCE_EVERY` s, and at once when a recorder
+        that starts asks."""
+        async def asked(_msg: Any) -> None:
+            await self._announce(list(self.topics))
+
+        sub = None
+        try:
+            sub = await self.bus.nc.subscribe(LIVE_ASK, cb=asked)
+        except Exception as exc:  # noqa: BLE001 - then a starting recorder learns within ANNOUNCE_EVERY
+            log.debug("cannot hear recorders asking: %s", exc)
+        try:
+            while self.topics:
+                await asyncio.sleep(ANNOUNCE_EVERY)
+                await self._announce(list(self.topics))
+        finally:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
 
 async def stream(hub: Hub, key: str, token: str, *, hello: dict[str, Any], seconds: float,
@@ -308,4 +353,4 @@ def _reconnects(bus: Bus) -> int:
     return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
 
 
-__all__ = ["Hub", "Topic", "Pending", "Busy", "stream", "sse", "LIST"]
+__all__ = ["Hub", "Topic", "Pending", "Busy", "stream", "sse", "LIST", "ANNOUNCE_EVERY", "WATCH_TTL"]

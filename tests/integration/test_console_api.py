@@ -329,3 +329,37 @@ def test_the_console_files_are_served_offline_with_a_strict_policy(stack):
             assert ref in page.text
             assert client.get(f"/ui/{ref}").status_code == 200, ref
         assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere
+
+
+def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack):
+    """Nobody watches an execution: the recorder sends no notice of it (they were most of a busy
+    recorder's work). A stream opened on another execution is announced to the recorder, which then
+    sends that one's notices."""
+    from noetl_mesh.infra.bus import Bus
+
+    async def go():
+        bus = await Bus.connect(stack.nats_url, "probe", stack.stack.settings.creds_for("admin"))
+        heard: list[str] = []
+
+        async def on(msg):
+            heard.append(msg.subject.rsplit(".", 1)[-1])
+
+        await bus.nc.subscribe("noetl.live.x.*", cb=on)
+        try:
+            await asyncio.sleep(2.5)  # past a starting recorder's first while, when it sends everything
+            async with http(stack) as client:
+                quiet = await start(client, FORK_JOIN)
+                await finished(client, quiet)
+                await asyncio.sleep(0.3)
+                assert quiet not in heard
+                watched = await start(client, APPROVAL)  # waits for an approval: it stays running
+                async with client.stream("GET", f"/api/live/executions/{watched}") as resp:
+                    sse = Sse(resp)
+                    assert (await sse.next())[0] == "hello"
+                    await client.post(f"/api/executions/{watched}/cancel")
+                    await sse.until(lambda event, data: event == "state" and data.get("finished"))
+                assert watched in heard and quiet not in heard
+        finally:
+            await bus.close()
+
+    stack.run(go())

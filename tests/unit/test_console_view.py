@@ -148,6 +148,33 @@ def test_notices_of_a_batch_are_bounded_and_in_log_order():
     assert notices_mod.notices([(1, {"event_id": "a", "execution_id": "x", "name": "step.done"})])[1] is None
 
 
+def test_notices_are_made_only_for_what_someone_watches():
+    records = [(1, {"event_id": "a", "execution_id": "x1", "name": "workflow.started"}),
+               (2, {"event_id": "b", "execution_id": "x2", "name": "step.done"}),
+               (3, {"event_id": "c", "execution_id": "x2", "name": "workflow.finished", "data": {"status": "FAILED"}})]
+    per, listed = notices_mod.notices(records, lambda key: key == "x2")
+    assert list(per) == ["x2"] and per["x2"]["count"] == 2 and per["x2"]["status"] == "FAILED"
+    assert listed is None  # nobody watches the list
+    per, listed = notices_mod.notices(records, lambda key: key == notices_mod.LIST)
+    assert per == {} and [e["execution_id"] for e in listed["executions"]] == ["x1", "x2"]
+
+
+def test_interest_keeps_announced_keys_for_their_ttl_and_ignores_what_is_not_a_key():
+    interest = notices_mod.Interest(everything_until=10.0)
+    assert interest.wants("anything", 9.9) and not interest.wants("anything", 10.0)  # a starting recorder
+    taken = interest.announce({"keys": ["x1", "*", "a.b", 5, None, "x" * 200], "ttl": 15}, now=100.0)
+    assert taken == 2 and interest.wants("x1", 114.9) and interest.wants("*", 100.0)
+    assert not interest.wants("x1", 115.0) and not interest.wants("a.b", 100.0)
+    interest.announce({"keys": ["x1"], "ttl": 10 ** 9}, now=200.0)  # a ttl is cut to MAX_TTL
+    assert interest.wants("x1", 200.0 + notices_mod.MAX_TTL - 1) and not interest.wants("x1", 200.0 + notices_mod.MAX_TTL)
+    for bad in (None, [], {"keys": "x1"}, {"keys": ["x9"], "ttl": "long"}, {"keys": ["x8"], "ttl": True}):
+        interest.announce(bad, now=300.0)
+    assert interest.wants("x9", 300.0 + notices_mod.TTL - 1) and interest.wants("x8", 301.0)  # a bad ttl: the default
+    many = notices_mod.Interest()
+    many.announce({"keys": [f"k{i}" for i in range(notices_mod.MAX_KEYS + 5)]}, now=0.0)
+    assert len(many.keys) == notices_mod.MAX_KEYS  # at most MAX_KEYS from one announcement
+
+
 def test_counters_add_what_was_inserted_per_execution_and_loop_run():
     rows = [("x", False, None, None, 5, 1.0, 2.0), ("x", True, "loop.iteration.started", "r", 4, 1.0, 1.5),
             ("x", True, "loop.iteration.done", "r", 3, 2.0, 4.0), ("y", False, None, None, 1, 3.0, 3.0),

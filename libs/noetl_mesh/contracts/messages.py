@@ -245,6 +245,15 @@ class LiveNotice(_Open):
     status: Optional[str] = None
 
 
+class LiveWatch(_Open):
+    keys: list[str] = Field(description="execution ids, and \"*\" for the executions list (at most 10,000 are read)")
+    ttl: float = Field(15.0, description="seconds they stay watched unless said again (at most 60)")
+
+
+class LiveAsk(_Open):
+    """Empty: say what you watch."""
+
+
 class LiveListNotice(_Open):
     executions: list[dict[str, str]] = Field(description="{execution_id, event}: requested, evaluated, started, finished")
     more: int = 0

@@ -39,6 +39,8 @@ SESSIONS_REVOKED = "noetl.sessions.revoked"  # core NATS notice: drop cached val
 LIVE_PREFIX = "noetl.live."
 LIVE_EXECUTION = LIVE_PREFIX + "x"  # noetl.live.x.<execution_id>
 LIVE_LIST = LIVE_PREFIX + "list"
+LIVE_WATCH = "noetl.watch.live"  # gateways -> recorders: which of those notices an open console stream shows
+LIVE_ASK = LIVE_PREFIX + "ask"  # a recorder that starts -> gateways: say what you watch now
 SCHEDULE_DEF_PREFIX = "noetl.schedule.def."
 SCHEDULE_FIRE_PREFIX = "noetl.schedule.fire."
 SCHEDULE_SUBJECTS = (SCHEDULE_DEF_PREFIX + "*", SCHEDULE_FIRE_PREFIX + "*")
@@ -288,6 +290,13 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("live-list", LIVE_LIST, "broadcast",
             "Executions a committed batch requested, started or finished (the console's executions list).",
             "LiveListNotice", senders=("event-recorder",), receivers=("gateway",)),
+    Channel("live-watch", LIVE_WATCH, "broadcast",
+            "Which execution ids (and \"*\": the executions list) a gateway's open console streams show, for "
+            "ttl seconds: said when a stream opens and every 5 s. Recorders send notices of those only.",
+            "LiveWatch", senders=("gateway",), receivers=("event-recorder",)),
+    Channel("live-ask", LIVE_ASK, "broadcast",
+            "A recorder that has just started asks the gateways to say at once what they watch (noetl.watch.live).",
+            "LiveAsk", senders=("event-recorder",), receivers=("gateway",)),
     Channel("audit", "noetl.audit.{area}.{verb}.{user_id}", "jetstream",
             "An audit record (stream NOETL_AUDIT, max age audit_retention). The sessions service writes the "
             "session, user and token areas; the gateway its own (credential, execution, access).",

@@ -56,7 +56,7 @@ SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
 SCHEDULE_STREAMS = (SCHEDULES, f"KV_{SCHEDULES_BUCKET}")
 ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
-from ..contracts.subjects import LIVE_PREFIX  # noqa: E402 - the recorder's notices (the console's live streams)
+from ..contracts.subjects import LIVE_PREFIX, LIVE_WATCH  # noqa: E402 - the console's live streams
 LIVE = LIVE_PREFIX.rstrip(".")
 SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
 READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "sessions")  # the gateway pings them
@@ -189,6 +189,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
         sub.append("noetl.sessions.revoked")
         sub.append(f"{LIVE}.>")  # what the recorder has committed: the console's live streams
+        pub.append(LIVE_WATCH)  # which of those its streams show (the recorders send only those)
         pub += [f"$SRV.PING.{micro_name(s)}" for s in READY_SERVICES]  # its readiness (/ready)
         purges.add(PAYLOADS)
     elif user in CONTROL_PLANE:
@@ -222,6 +223,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         purges |= {PAYLOADS, MEMBERS}
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         pub.append(f"{LIVE}.>")  # notices of committed batches, for the console
+        sub.append(LIVE_WATCH)  # of what the gateways' console streams show
     elif user == "sessions":
         pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
         for stream in SESSION_STREAMS:
@@ -255,6 +257,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     deny.append("noetl.evt.timer.>")  # the NATS scheduler's own writer (D29): no client publishes as it
     if user != "event-recorder":
         deny.append(f"{LIVE}.>")  # only the recorder says what is recorded
+    if user != "gateway":
+        deny.append("noetl.watch.>")  # only gateways say what their console streams show
     if user not in CONTROL_PLANE:
         deny.append("noetl.sched.>")
     if user not in ("admission", "loop-coordinator"):
