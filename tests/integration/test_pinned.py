@@ -19,6 +19,14 @@ pytestmark = pytest.mark.integration
 DURABLE = "probe-p0"
 
 
+def _collecting(got: list[int]):
+    """A handler that notes each message's stream sequence and acks it."""
+    async def handle(msg):
+        got.append(msg.metadata.sequence.stream)
+        await msg.ack()
+    return handle
+
+
 async def _setup(url: str) -> Bus:
     bus = await Bus.connect(url, "pinned")
     await bus.setup(1)
@@ -50,13 +58,8 @@ def test_a_newly_pinned_reader_waits_for_the_messages_an_earlier_one_still_holds
             await _publish(bus, 3)
 
             got: list[int] = []
-
-            async def handle(msg):
-                got.append(msg.metadata.sequence.stream)
-                await msg.ack()
-
             stop = asyncio.Event()
-            reader = PinnedReader(bus, EVENTS, DURABLE, handle, stop)
+            reader = PinnedReader(bus, EVENTS, DURABLE, _collecting(got), stop)
             task = asyncio.create_task(reader.run())
             await until(lambda: len(got) >= 6, 15)
             stop.set()
@@ -179,13 +182,8 @@ def test_a_stopping_reader_gives_back_what_arrives_late_once_and_only_after_unpi
         try:
             await _publish(bus, 1)
             got_a: list[int] = []
-
-            async def handle_a(msg):
-                got_a.append(msg.metadata.sequence.stream)
-                await msg.ack()
-
             stop_a = asyncio.Event()
-            a = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle_a, stop_a).run())
+            a = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, _collecting(got_a), stop_a).run())
             await until(lambda: got_a == [1], 5)
             stop_a.set()
             await asyncio.sleep(0.4)  # its loop has ended: it is releasing, its request still open
