@@ -346,7 +346,9 @@ def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack)
 
         await bus.nc.subscribe("noetl.live.x.*", cb=on)
         try:
-            await asyncio.sleep(2.5)  # past a starting recorder's first while, when it sends everything
+            recorder = stack.stack.services("event-recorder")[0]
+            while time.monotonic() < recorder.interest.everything_until:  # a starting recorder sends everything
+                await asyncio.sleep(0.1)
             async with http(stack) as client:
                 quiet = await start(client, FORK_JOIN)
                 await finished(client, quiet)

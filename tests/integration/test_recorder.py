@@ -21,6 +21,7 @@ from noetl_mesh.core.events import make_event, new_execution_id, stable_id, writ
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
 from noetl_mesh.infra.bus import EVENTS, Bus, BusError, batch_subject, dumps, log_seq, partition_from_subject
+from noetl_mesh.infra import pinned
 from noetl_mesh.infra.pinned import GROUP
 from noetl_mesh.services.event_recorder import feeds
 from noetl_mesh.services.event_recorder.service import RecorderService
@@ -439,7 +440,8 @@ def test_two_recorders_share_the_partitions_and_one_that_dies_loses_nothing(nats
             await other.close()
             await bus.close()
 
-    with patch.dict(os.environ, {"NOETL_MEMBERSHIP_TTL": "2"}):
+    # a dead reader's pin moves after the priority timeout (10 s): 2 s here, set when the durables are made
+    with patch.dict(os.environ, {"NOETL_MEMBERSHIP_TTL": "2"}), patch.object(pinned, "PIN_TIMEOUT", 2.0):
         asyncio.run(main())
     assert count(pg_dsn) == len(events)
     assert count(pg_dsn, "SELECT count(DISTINCT seq) FROM event") == len(events)
