@@ -296,6 +296,7 @@ class RecorderService:
         partitions back, close."""
         await unsubscribe_all(self._subs)
         self._stopping.set()
+        self._queue.put_nowait(None)  # wake the writer
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), self.drain_timeout + 5)
@@ -309,8 +310,9 @@ class RecorderService:
         for feed in self.feeds.values():
             feed.closing = True  # ask for nothing more
         while not self._queue.empty():  # delivered, never written: each feed gives its own back
-            feed, msg = self._queue.get_nowait()
-            await feed.give_back([msg])
+            item = self._queue.get_nowait()
+            if item is not None:
+                await item[0].give_back([item[1]])
         self._closing += [asyncio.create_task(feed.close(0)) for feed in self.feeds.values()]
         self.feeds.clear()
         self.events.own(())
@@ -369,17 +371,21 @@ class RecorderService:
         while True:
             if self._stopping.is_set():
                 drain_until = drain_until or time.monotonic() + self.drain_timeout
-            try:
-                first = await asyncio.wait_for(self._queue.get(), DRAIN_QUIET if drain_until else 0.25)
+            try:  # a throw-away stack's recorder does not drain: nobody reads its database afterwards
+                first = await asyncio.wait_for(self._queue.get(), self.bus.grace(DRAIN_QUIET) if drain_until else 0.25)
             except asyncio.TimeoutError:
                 if drain_until:
                     break  # drained
                 for feed in list(self.feeds.values()):  # a request lost while NATS was away has expired
                     await feed.request()
                 continue
+            if first is None:  # stop() wakes the writer
+                continue
             batch = [first]
             while len(batch) < self.batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+                item = self._queue.get_nowait()
+                if item is not None:
+                    batch.append(item)
             for feed in list(self.feeds.values()):  # the queue has room again
                 await feed.request()
             if not await self._record([msg for _, msg in batch]):  # stopping, the database down
