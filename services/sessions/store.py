@@ -29,6 +29,8 @@ from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFo
 
 from noetl_mesh.core.access import key_part
 
+NO_PLACEMENT = 10005  # JetStream: no suitable peers for placement (a cluster still forming)
+PLACEMENT_ATTEMPTS = 60  # half a second apart
 log = logging.getLogger("noetl.sessions.store")
 
 from noetl_mesh.contracts.subjects import LOGINS_BUCKET as LOGINS  # noqa: E402
@@ -97,15 +99,24 @@ class Bucket:
     async def open(self) -> "Bucket":
         """Create the bucket if missing (file storage, one revision per key, per-message TTLs allowed,
         direct gets); an existing bucket without per-message TTLs is updated to allow them."""
-        try:
-            await self.js.key_value(self.name)
-        except (BucketNotFoundError, NotFoundError):
+        for attempt in range(PLACEMENT_ATTEMPTS):
+            try:
+                await self.js.key_value(self.name)
+                break
+            except (BucketNotFoundError, NotFoundError):
+                pass
             try:
                 await self.js.create_key_value(KeyValueConfig(
                     bucket=self.name, description=self.description, history=1, storage=StorageType.FILE,
                     direct=True, replicas=self.replicas))
-            except BadRequestError:  # created meanwhile by another replica
-                await self.js.key_value(self.name)
+                break
+            except BadRequestError as exc:
+                if exc.err_code != NO_PLACEMENT or attempt == PLACEMENT_ATTEMPTS - 1:
+                    await self.js.key_value(self.name)  # created meanwhile by another replica
+                    break
+                # a cluster still forming (a peer not online yet) cannot place its replicas: ask again
+                log.info("bucket %s: %s; asking again", self.name, exc.description)
+                await asyncio.sleep(0.5)
         info = await self.js.stream_info(self.stream)
         if not info.config.allow_msg_ttl:
             info.config.allow_msg_ttl = True
