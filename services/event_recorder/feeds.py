@@ -29,7 +29,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from noetl_mesh.infra.bus import EVENTS, dumps, loads
-from noetl_mesh.infra.pinned import GROUP, nak
+from noetl_mesh.infra.pinned import GROUP, nak, unpin
 
 log = logging.getLogger("noetl.event-recorder")
 
@@ -219,7 +219,7 @@ class Feed:
         if not self.bus.throwaway:
             while self.owed > 0 and time.monotonic() < self.deadline:  # until the open request ends (its 408)
                 await asyncio.sleep(0.02)
-            await self._unpin()
+            await unpin(self.nc, EVENTS, self.durable)
         self.closed = True
         if not self.bus.throwaway:  # recorded but not ackable alone, and what arrived late: the next reader's
             for msg in [*self.held.values(), *self.late]:
@@ -231,14 +231,6 @@ class Feed:
                 await self.sub.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
-
-    async def _unpin(self) -> None:
-        if self.nc.is_closed:
-            return
-        try:
-            await self.nc.request(f"$JS.API.CONSUMER.UNPIN.{EVENTS}.{self.durable}", dumps({"group": GROUP}), timeout=2)
-        except Exception as exc:  # noqa: BLE001 - then the pin times out
-            log.info("%s: could not unpin (%s)", self.durable, exc)
 
 
 __all__ = ["Feed", "DURABLE", "durable", "subject", "REQUEST"]

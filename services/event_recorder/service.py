@@ -388,11 +388,12 @@ class RecorderService:
                     batch.append(item)
             for feed in list(self.feeds.values()):  # the queue has room again
                 await feed.request()
+            by_feed = _by_feed(batch)
             if not await self._record([msg for _, msg in batch]):  # stopping, the database down
-                await asyncio.gather(*_by_feed(batch, lambda feed, ms: feed.give_back(ms)))
+                await asyncio.gather(*(feed.give_back(msgs) for feed, msgs in by_feed.items()))
                 break
-            await asyncio.gather(*_by_feed(batch, lambda feed, ms: feed.settle(ms)))
-            for feed, _ in _by_feed(batch, lambda feed, ms: (feed, None)):
+            await asyncio.gather(*(feed.settle(msgs) for feed, msgs in by_feed.items()))
+            for feed in by_feed:
                 if self.feeds.get(feed.partition) is feed:
                     self._measure_pending(feed)
             if drain_until and time.monotonic() > drain_until:
@@ -867,12 +868,12 @@ class RecorderService:
         return self._pool.connection(timeout=5)
 
 
-def _by_feed(batch: list[tuple[Feed, Any]], call) -> list[Any]:
-    """``call(feed, its messages)`` for each feed of a batch, the messages in their order."""
+def _by_feed(batch: list[tuple[Feed, Any]]) -> dict[Feed, list[Any]]:
+    """A batch's messages by feed, each feed's in their order."""
     groups: dict[Feed, list[Any]] = {}
     for feed, msg in batch:
         groups.setdefault(feed, []).append(msg)
-    return [call(feed, msgs) for feed, msgs in groups.items()]
+    return groups
 
 
 async def _event_count(conn: Any, xid: str) -> int:

@@ -182,7 +182,7 @@ class PinnedReader:
         throw-away stack nobody reads next: it just goes."""
         if not self.bus.throwaway:
             late = await self._drain(self.deadline)
-            await self._unpin()
+            await unpin(self.nc, self.stream, self.durable)
             late += await self._drain(time.monotonic() + 0.1)  # what was already on its way
             for msg in late:  # given back only now: while its request was open, a nak came back to it
                 await nak(msg)
@@ -203,14 +203,15 @@ class PinnedReader:
                 return late
             await asyncio.sleep(0.05)
 
-    async def _unpin(self) -> None:
-        if self.nc.is_closed:
-            return
-        try:
-            await self.nc.request(f"$JS.API.CONSUMER.UNPIN.{self.stream}.{self.durable}", dumps({"group": GROUP}),
-                                  timeout=2)
-        except Exception as exc:  # noqa: BLE001 - then the pin times out (PIN_TIMEOUT)
-            log.info("%s: could not unpin (%s)", self.durable, exc)
+async def unpin(nc: Any, stream: str, durable: str) -> None:
+    """Give up the pin of ``durable``'s priority group, so that another reader is pinned at once (not
+    after PIN_TIMEOUT); best effort."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.request(f"$JS.API.CONSUMER.UNPIN.{stream}.{durable}", dumps({"group": GROUP}), timeout=2)
+    except Exception as exc:  # noqa: BLE001 - then the pin times out (PIN_TIMEOUT)
+        log.info("%s: could not unpin (%s)", durable, exc)
 
 
 async def nak(msg: Msg, delay: float | None = None) -> None:
