@@ -60,7 +60,7 @@ class Feed:
         self.closing = False  # asks for nothing more; what still arrives is given back once the pin is released
         self.closed = False  # the pin is released: what it holds is given back at once
         self.late: list[Msg] = []  # to give back (nak) once the pin is released
-        self.cfloor = 0  # delivery sequence at and below which every delivery is acknowledged
+        self.cfloor = 0  # the consumer's delivery ack floor: every delivery at or below it is acked, or this feed's
         self.sfloor = 0  # stream sequence at and below which the partition is recorded and acknowledged
         self.held: dict[int, Msg] = {}  # recorded, not acknowledged yet: stream sequence -> latest delivery
         self.delivered: set[int] = set()  # delivery sequences recorded since ``cfloor``
@@ -172,19 +172,25 @@ class Feed:
                 log.info("%s: holding the ack of %d recorded messages until the messages below seq %d that "
                          "another reader held are redelivered", self.durable, len(self.held), max(self.held))
                 return
+        # The server takes an ack of (stream S, delivery D) only above its floor, and moves its floor
+        # to (D, S): a delivery at or below the delivery floor can no longer be acked (it will be once
+        # it is redelivered). So ack the highest such stream sequence, and not while that would put a
+        # recorded message above it (delivered earlier) out of reach of an ack that could cover it.
         unrecorded = min((s for s in self.inflight if s not in self.held and s > self.sfloor), default=None)
-        top = max((s for s in self.held if unrecorded is None or s < unrecorded), default=None)
+        top = max((s for s, m in self.held.items() if (unrecorded is None or s < unrecorded)
+                   and m.metadata.sequence.consumer > self.cfloor), default=None)
         if top is None:
             return
+        dseq = self.held[top].metadata.sequence.consumer
+        if any(s > top and self.cfloor < m.metadata.sequence.consumer < dseq for s, m in self.held.items()):
+            return  # wait until the messages below it are recorded too, and ack it all at once
         try:  # a plain ack, in order on this connection; one that is lost covers nothing, and what it
             await self.held[top].ack()  # would have covered is covered by the next, or recorded again
         except Exception as exc:  # noqa: BLE001 - they will be redelivered and recorded again: harmless
             log.warning("%s: ack of seq %s failed: %s", self.durable, top, exc)
             return
-        if all(s <= top for s in self.held):  # every delivery so far is acknowledged
-            self.cfloor = max(self.cfloor, max(self.delivered, default=0))
-            self.delivered.clear()
-        self.sfloor = top
+        self.cfloor, self.sfloor = dseq, top  # the server's floor now
+        self.delivered = {d for d in self.delivered if d > dseq}
         for seq in [s for s in self.held if s <= top]:
             del self.held[seq]
 

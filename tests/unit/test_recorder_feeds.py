@@ -3,6 +3,7 @@ acks, and what it must not ack, when another reader held messages of the partiti
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 import orjson
@@ -11,16 +12,20 @@ from noetl_mesh.services.event_recorder.feeds import Feed
 
 
 class FakeConsumer:
-    """The server's side: which stream sequences are unacknowledged, and the ack floor (AckPolicy.ALL:
-    an ack of stream sequence S acknowledges every pending one up to S)."""
+    """The server's side: which stream sequences are unacknowledged, and the ack floor. As the NATS
+    server does for AckPolicy.ALL: an ack of (stream S, delivery D) acknowledges every pending message
+    up to S and moves the floor to (D, S), and is ignored when D or S is at or below the floor."""
 
     def __init__(self, pending: set[int]):
-        self.pending, self.floor, self.acked, self.naked = set(pending), (0, 0), [], []
+        self.pending, self.floor, self.acked, self.ignored, self.naked = set(pending), (0, 0), [], [], []
 
     def ack(self, stream: int, consumer: int) -> None:
+        if consumer <= self.floor[0] or stream <= self.floor[1]:
+            self.ignored.append(stream)
+            return
         self.acked.append(stream)
         self.pending = {s for s in self.pending if s > stream}
-        self.floor = (max(self.floor[0], consumer), max(self.floor[1], stream))
+        self.floor = (consumer, stream)
 
     def info(self) -> dict:
         return {"ack_floor": {"consumer_seq": self.floor[0], "stream_seq": self.floor[1]},
@@ -81,8 +86,9 @@ def test_messages_another_reader_holds_hold_the_acks_until_they_are_redelivered_
     """A dead reader held stream 1-100 (deliveries 1-100). This feed records 101-600 (deliveries
     101-600): it may not ack, since that would ack 1-100 unrecorded. Then 1-100 come back (deliveries
     601-700) and are queued while a batch is written: still no ack, though the consumer's pending
-    count (600) now equals what the feed holds plus what it has in flight. As they are recorded, it
-    acks up to the first one still unrecorded, then 600."""
+    count (600) now equals what the feed holds plus what it has in flight. With half of them
+    recorded it still does not ack 50: the server would move its delivery floor to 650, past the
+    deliveries of 101-600, and ignore an ack of any of them. Once all are recorded it acks 600."""
     c = FakeConsumer(set(range(1, 101)))
     feed, nc = feed_with(c)
     mine = [FakeMsg(c, s, s) for s in range(101, 601)]
@@ -94,9 +100,9 @@ def test_messages_another_reader_holds_hold_the_acks_until_they_are_redelivered_
     asyncio.run(feed.settle([]))
     assert c.acked == []  # not while 1-100 are unrecorded
     asyncio.run(feed.settle(again[:50]))
-    assert c.acked == [50]  # up to the first one still unrecorded
+    assert c.acked == []
     asyncio.run(feed.settle(again[50:]))
-    assert c.acked == [50, 600] and not feed.held and not c.pending
+    assert c.acked == [600] and not c.ignored and not feed.held and not c.pending
 
 
 def test_a_redelivery_of_a_recorded_message_does_not_stop_the_ack():
@@ -120,3 +126,41 @@ def test_a_released_feed_acks_nothing_and_gives_back_what_it_records_late():
     feed.closed = True  # its pin was given up: another reader may hold later messages
     asyncio.run(feed.settle(batch))
     assert c.acked == [] and c.naked == [1, 2, 3] and not feed.inflight
+
+
+def test_acks_cover_only_recorded_messages_and_the_server_takes_every_one():
+    """Random interleavings of a dead reader's deliveries, fresh deliveries, redeliveries (ack_wait)
+    and recorded batches: every ack the server takes covers only recorded messages, it ignores none
+    (each is above its floor), and once the pending messages have come back the floor is the end."""
+    for seed in range(300):
+        rnd = random.Random(seed)
+        total, c = 60, FakeConsumer(set())
+        feed, _ = feed_with(c)
+        dseq, fresh, queue, recorded = 0, list(range(1, total + 1)), [], set()
+
+        def delivery(stream: int) -> FakeMsg:
+            nonlocal dseq
+            dseq += 1
+            return FakeMsg(c, stream, dseq)
+
+        for _ in range(rnd.randrange(0, 20)):  # a reader that died with these
+            delivery(fresh.pop(0))
+        for _ in range(400):
+            if not fresh and not queue and not c.pending:
+                break
+            step = rnd.random()
+            if step < 0.35 and fresh:
+                got = [delivery(fresh.pop(0)) for _ in range(min(len(fresh), rnd.randrange(1, 12)))]
+            elif step < 0.5 and c.pending:  # ack_wait ran out for some of the unacknowledged
+                got = [delivery(x) for x in sorted(rnd.sample(sorted(c.pending), rnd.randrange(1, len(c.pending) + 1)))]
+            else:
+                n = rnd.randrange(0, len(queue) + 1)
+                batch, queue[:n] = queue[:n], []
+                recorded |= {m.metadata.sequence.stream for m in batch}
+                floor = c.floor[1]
+                asyncio.run(feed.settle(batch))
+                assert all(x in recorded for x in range(floor + 1, c.floor[1] + 1)), seed
+                continue
+            deliver(feed, got)
+            queue += got
+        assert not c.ignored and c.floor[1] == total and not c.pending, seed
