@@ -26,6 +26,23 @@ def chain(n: int, sleep: float) -> dict:
     return doc
 
 
+async def wait_or_explain(client: GatewayClient, bus: Bus, execution_id: str) -> dict:
+    """The execution's final state; when it does not end, what it recorded and where every consumer
+    stands (so that a failure says which reader stopped)."""
+    try:
+        return await client.wait(execution_id, timeout=120)
+    except TimeoutError:
+        events = [f"{e.get('name')}:{e.get('step') or ''}" for e in await client.all_events(execution_id)]
+        consumers = {}
+        for stream in (EVENTS, COMMANDS):
+            for c in await bus.js.consumers_info(stream):
+                consumers[c.name] = (f"pending {c.num_pending} ack_pending {c.num_ack_pending} redelivered "
+                                     f"{c.num_redelivered} waiting {c.num_waiting} floor {c.ack_floor.stream_seq} "
+                                     f"leader {c.cluster.leader if c.cluster else None}")
+        raise AssertionError(f"execution {execution_id} did not finish within 120 s; recorded {events}; "
+                             f"consumers {consumers}") from None
+
+
 def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn, tmp_path):
     auth = NatsAuth(tmp_path / "creds").ensure()
     cluster = EmbeddedNatsCluster(3, auth=auth).start()
@@ -44,7 +61,7 @@ def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn, 
                     await asyncio.sleep(1.0)
                     leader = (await bus.js.stream_info(EVENTS)).cluster.leader
                     cluster.kill(int(leader.rsplit("-", 1)[1]))  # mid-run, the events stream's leader
-                    finals = [await client.wait(x, timeout=120) for x in ids]
+                    finals = [await wait_or_explain(client, bus, x) for x in ids]
                     reports = [verify(await client.all_events(x), x) for x in ids]
                 infos = {name: (await bus.js.stream_info(name)).config.num_replicas
                          for name in (EVENTS, COMMANDS, "KV_noetl_members", "OBJ_noetl_payloads",
