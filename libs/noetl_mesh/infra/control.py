@@ -9,7 +9,9 @@ replicas run. Replicas share the partitions out through NATS KV membership
 Each replica keeps the execution states it has folded (:mod:`noetl_mesh.core.state`) in a cache. The
 cache is valid while this replica's reader saw every delivery of the partition in order; each resync
 of the reader (another reader may have held messages, a redelivery, a handler failing) drops the
-partition's cached states, which are rebuilt from the stream on demand (D22).
+partition's cached states, which are rebuilt from the stream on demand (D22). A handler that fails
+after folding (its decision not published: a stream without a leader for a moment) forgets that
+execution's state at once, so that the redelivery decides again instead of folding to nothing.
 A rebuild for the event at stream sequence S folds the execution's events before S plus the events
 this service itself emitted for causes before S — exactly what the replica that handled those causes
 held, since a service folds its own decisions at once (:mod:`noetl_mesh.core.decide`).
@@ -200,6 +202,25 @@ class PartitionedService:
         self.cache[eid] = state
         self.partition_of[eid] = p
         self.cache.move_to_end(eid)
+        try:
+            exemplar = await self._decide_and_publish(msg, state, eid, events)
+        except BaseException:
+            # the state has folded events whose decision is not published: forget it, so that the
+            # redelivery rebuilds it and decides again (were it kept, the event would fold to nothing)
+            self.cache.pop(eid, None)
+            self.partition_of.pop(eid, None)
+            raise
+        if self.idle(state):
+            self.cache[eid] = IDLE
+        self.handled += 1
+        # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
+        # means a redelivery, which folds to nothing (D21).
+        await msg.ack()
+        self._evict()
+        return exemplar
+
+    async def _decide_and_publish(self, msg: Msg, state: ExecutionState, eid: str,
+                                  events: list[dict[str, Any]]) -> dict | None:
         outputs, commands, foreign, timers, cancel_runs = [], [], [], [], []
         exemplar = None
         for event in events:
@@ -225,13 +246,6 @@ class PartitionedService:
                 elif out["name"] == "workflow.finished":
                     status = str((out.get("data") or {}).get("status") or "unknown")
                     metrics.EXECUTIONS_FINISHED.labels(self.name, status).inc()
-        if self.idle(state):
-            self.cache[eid] = IDLE
-        self.handled += 1
-        # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
-        # means a redelivery, which folds to nothing (D21).
-        await msg.ack()
-        self._evict()
         return exemplar
 
     def _count(self, name: str) -> None:
