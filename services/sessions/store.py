@@ -28,8 +28,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 
 from noetl_mesh.core.access import key_part
+from noetl_mesh.infra.bus import NO_PLACEMENT
 
-NO_PLACEMENT = 10005  # JetStream: no suitable peers for placement (a cluster still forming)
 PLACEMENT_ATTEMPTS = 60  # half a second apart
 log = logging.getLogger("noetl.sessions.store")
 

@@ -49,7 +49,25 @@ async def wait_or_explain(client: GatewayClient, bus: Bus, execution_id: str) ->
             except Exception as exc:  # noqa: BLE001 - say what could not be asked
                 streams[stream] = f"not answered: {type(exc).__name__} {exc}"
         raise AssertionError(f"execution {execution_id} did not finish within 120 s; recorded {events}; "
-                             f"streams {streams}; consumers {consumers}") from None
+                             f"streams {streams}; consumers {consumers}; readers {readers()}") from None
+
+
+def readers() -> dict[str, str]:
+    """Where each partition reader of this process's stack that is not waiting for a delivery is (its
+    chain of awaits): a reader stuck somewhere shows there."""
+    out = {}
+    for task in asyncio.all_tasks():
+        if "-p" not in task.get_name():
+            continue
+        frames, coro = [], task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                frames.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if not any(f.startswith("_next:") for f in frames):  # not waiting for a delivery
+            out[task.get_name()] = " > ".join(frames)
+    return out
 
 
 def test_three_nodes_replicate_everything_and_survive_losing_the_leader(pg_dsn, tmp_path):

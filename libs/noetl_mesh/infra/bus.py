@@ -49,7 +49,7 @@ from nats.js.api import (
     SubjectTransform,
 )
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from . import logs, metrics, tracing
 from ..lang.durations import rfc3339
@@ -252,16 +252,17 @@ class Bus:
         replica counts of an existing events stream, and move one of the earlier subject layout to this
         one. Needs a user that may create streams (the ``admin`` user of infra/nats_auth.py); services
         only read what it made. Every step is idempotent, so a JetStream that does not answer yet (a
-        cluster still placing its first streams) is asked again, for up to a minute."""
+        cluster still placing its first streams, or a peer not online yet) is asked again, for up to a minute."""
         replicas = replicas or int(os.environ.get("NOETL_REPLICAS") or 1)
         deadline = time.monotonic() + 60
         while True:
             try:
                 return await self._setup(partitions, max_age_s, replicas)
-            except (asyncio.TimeoutError, NatsTimeout, ServiceUnavailableError) as exc:
-                if time.monotonic() > deadline:
+            except (asyncio.TimeoutError, NatsTimeout, ServiceUnavailableError, BadRequestError) as exc:
+                if time.monotonic() > deadline or (isinstance(exc, BadRequestError) and exc.err_code != NO_PLACEMENT):
                     raise
-                log.info("setup: JetStream did not answer (%s); asking again", type(exc).__name__)
+                log.info("setup: JetStream did not answer or cannot place replicas yet (%s: %s); asking again",
+                         type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
 
     async def _setup(self, partitions: int, max_age_s: float, replicas: int) -> None:
@@ -584,6 +585,7 @@ class Bus:
         return out
 
 
+NO_PLACEMENT = 10005  # JetStream: no suitable peers for placement (a cluster still forming: ask again)
 MAX_MESSAGE = 768 * 1024  # below the server's default max_payload (1 MiB)
 # a command's fields that identify and shape it: never moved to the object store
 COMMAND_IDENTITY = frozenset({"command_id", "pool", "execution_id", "step", "step_run_id", "iteration",
