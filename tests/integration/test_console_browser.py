@@ -131,7 +131,7 @@ def console(module_pg, throwaway_credential_key) -> Iterator[Console]:
             browser.close()
         if playwright is not None:
             playwright.stop()
-        loop.run(stack.stop(throwaway=True), timeout=60)  # the NATS server goes next
+        loop.run(stack.stop(), timeout=60)
         loop.close()
         violations = nats.violations()
         nats.stop()
