@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from unittest.mock import patch
 
 import nats
 import pytest
@@ -188,6 +189,38 @@ def test_first_seq_finds_an_executions_first_message_of_any_class(fresh_nats):
             assert await bus.first_seq("c1", 0) == seq(cancel) < seq(request) and seq(other) < seq(cancel)
             assert await bus.first_seq("c2", 0) == seq(info)  # an info-class message counts too
         finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_fails_outside_its_handler_is_replaced(fresh_nats):
+    """A pull request the connection refuses (nats-py raises while it reconnects with a full buffer)
+    ends that reader; another takes its place, and the partition's messages are still handled."""
+    from noetl_mesh.infra import pinned
+    from nats.errors import OutboundBufferLimitError
+
+    real, refused = pinned.PinnedReader._request, []
+
+    async def refuse_once(self):
+        if not refused:
+            refused.append(self)
+            raise OutboundBufferLimitError
+        await real(self)
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "r")
+        await bus.setup(1)
+        await bus.consumer(EVENTS, "probe-p0", ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=10)
+        probe = Recorder(bus)
+        try:
+            with patch.object(pinned.PinnedReader, "_request", refuse_once):
+                probe._read({0})
+                await _publish(fresh_nats.url, 3)
+                await until(lambda: len(probe.got) == 3, 8)
+            assert len(refused) == 1 and not probe.readers[0][0].done()
+        finally:
+            await probe.stop()
             await bus.close()
 
     asyncio.run(main())

@@ -42,6 +42,7 @@ from .pinned import PinnedReader
 
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
+READER_RESTART = 0.5  # seconds before a failed reader is replaced
 IDLE = ExecutionState("")  # in the cache, for an execution this service will decide nothing more for
 
 
@@ -129,10 +130,18 @@ class PartitionedService:
         self.events.own(self.readers)
 
     async def _reader(self, p: int, stop: asyncio.Event) -> None:
-        # a subscription (inbox) per reader: a delivery meant for an earlier reader of this partition
-        # can never reach this one's handler
-        await PinnedReader(self.bus, EVENTS, f"{self.name}-p{p}", self.handle, stop, expires=FETCH_TIMEOUT,
-                           counts=self.events, on_resync=lambda: self._drop_partition(p)).run()
+        """Read partition ``p`` until ``stop``. A reader that fails outside a handler (a pull request the
+        connection refused while NATS reconnects) is replaced after a moment, never left dead: a dead
+        one would hold its partition's executions until the partition changed hands."""
+        while not stop.is_set():
+            # a subscription (inbox) per reader: a delivery meant for an earlier reader of this
+            # partition can never reach this one's handler; a new reader resyncs first
+            try:
+                await PinnedReader(self.bus, EVENTS, f"{self.name}-p{p}", self.handle, stop, expires=FETCH_TIMEOUT,
+                                   counts=self.events, on_resync=lambda: self._drop_partition(p)).run()
+            except Exception:  # noqa: BLE001
+                log.exception("%s-p%d: the reader failed; starting another", self.name, p)
+                await asyncio.sleep(READER_RESTART)
 
     @property
     def owned(self) -> set[int]:
