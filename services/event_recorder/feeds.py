@@ -205,8 +205,15 @@ class Feed:
         if not isinstance(info, dict) or "error" in info:
             log.info("%s: consumer info refused: %s", self.durable, info.get("error") if isinstance(info, dict) else info)
             return None
-        floor = info.get("ack_floor") or {}  # the server's word (an ack it ignored moved nothing)
-        self.cfloor, self.sfloor = int(floor.get("consumer_seq") or 0), int(floor.get("stream_seq") or 0)
+        # The server's floor, unless it is below this feed's own last ack: a replicated consumer reports
+        # the floor of its store, which an ack reaches only after the cluster has taken it, while its
+        # pending count is current. Taking the lagging floor would hold again (and count as this
+        # feed's) redeliveries that the ack already covered. (An ack is sent only above the floor the
+        # feed knows, so the server does not ignore it unless another reader acked higher meanwhile;
+        # then its floor is the higher one, and is taken.)
+        floor = info.get("ack_floor") or {}
+        self.cfloor = max(self.cfloor, int(floor.get("consumer_seq") or 0))
+        self.sfloor = max(self.sfloor, int(floor.get("stream_seq") or 0))
         for seq in [s for s in self.held if s <= self.sfloor]:
             del self.held[seq]
         self.delivered = {d for d in self.delivered if d > self.cfloor}
