@@ -7,14 +7,18 @@ from types import SimpleNamespace
 
 from noetl_mesh.core.decide import Decision
 from noetl_mesh.core.events import make_event
+from noetl_mesh.infra.bus import handle_one
 from noetl_mesh.infra.control import PartitionedService
 
 
 class FlakyBus:
     """Publishing fails ``failures`` times (a stream without a leader for a moment), then works."""
 
-    def __init__(self, failures: int):
-        self.failures, self.published = failures, []
+    def __init__(self, failures: int, log: list | None = None):
+        self.failures, self.published, self.log = failures, [], log or []
+
+    async def execution_events(self, execution_id, partition, classes):
+        return list(self.log)
 
     async def publish_all(self, events, commands=(), timers=()):
         if self.failures:
@@ -36,12 +40,17 @@ class Scheduler(PartitionedService):
 
 class Delivery:
     headers = None
+    subject = "noetl.pevt.0.ctl.e1.gateway"
+    metadata = SimpleNamespace(num_delivered=1)
 
     def __init__(self):
-        self.acked = 0
+        self.acked = self.dropped = 0
 
     async def ack(self):
         self.acked += 1
+
+    async def term(self):
+        self.dropped += 1
 
 
 def test_a_decision_that_was_not_published_is_made_again_on_redelivery():
@@ -62,3 +71,30 @@ def test_a_decision_that_was_not_published_is_made_again_on_redelivery():
 
     asyncio.run(main())
     assert bus.published == [(["step.scheduled"], ["c-r1"])] and msg.acked == 1
+
+
+def test_an_event_that_cannot_be_folded_is_dropped_alone_live_and_on_rebuild():
+    """A malformed event (a ``step.done`` without its run) is dropped; the execution's later events
+    are still handled, from the cached state and from a rebuild (after a resync dropped the cache)."""
+    request = make_event("playbook.execution.requested", "e1", event_id="r1", source="gateway", data={})
+    bad = make_event("step.done", "e1", event_id="b1", source="worker:default", data={})
+    bad.pop("step_run_id", None)
+    later = [make_event("execution.cancelled", "e1", event_id=f"n{i}", source="gateway") for i in (1, 2)]
+    log = [(1, request), (2, bad), (3, later[0]), (4, later[1])]
+    bus = FlakyBus(failures=0, log=log)
+    service = Scheduler(bus)
+
+    async def deliver(seq, event):
+        msg = Delivery()
+        error = await handle_one(msg, lambda m: service._handle(m, 0, SimpleNamespace(stream=seq), "e1", [event]))
+        return error, msg
+
+    async def main():
+        outcomes = [await deliver(seq, event) for seq, event in log[:3]]
+        service._drop_partition(0)  # a resync: the next event rebuilds from the log
+        outcomes.append(await deliver(*log[3]))
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert [bool(error) for error, _ in outcomes] == [False, True, False, False]
+    assert [(m.acked, m.dropped) for _, m in outcomes] == [(1, 0), (0, 1), (1, 0), (1, 0)]

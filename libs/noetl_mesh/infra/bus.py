@@ -702,6 +702,10 @@ async def release(sub, linger: float) -> None:
             pass
 
 
+# errors no retry can cure: the message cannot be decoded or folded (handle_one drops it)
+UNHANDLEABLE = (ValueError, KeyError, TypeError, AttributeError)
+
+
 async def handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> str | None:
     """``handle(msg)``, and what its failure means: None when it was handled; ``"dropped ..."`` when it
     raised an error that no retry can cure (ValueError, KeyError, TypeError, AttributeError: it cannot
@@ -718,7 +722,7 @@ async def handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> str 
         except BaseException:  # noqa: BLE001
             pass
         raise
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except UNHANDLEABLE as exc:
         log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject, msg.metadata.num_delivered)
         try:
             await msg.term()

@@ -35,7 +35,7 @@ from ..core.decide import Decision
 from ..core.events import event_class
 from ..core.state import ExecutionState, apply
 from . import logs, metrics, tracing
-from .bus import CTL, EVENTS, Bus, admitted, loads, partition_from_subject
+from .bus import CTL, EVENTS, UNHANDLEABLE, Bus, admitted, loads, partition_from_subject
 from .membership import Membership
 from .micro import Consumer
 from .pinned import PinnedReader
@@ -43,6 +43,7 @@ from .pinned import PinnedReader
 log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
 READER_RESTART = 0.5  # seconds before a failed reader is replaced
+FAILING_FOR = 5.0  # seconds a reader's failure keeps the replica not ready (one failing over and over, always)
 IDLE = ExecutionState("")  # in the cache, for an execution this service will decide nothing more for
 
 
@@ -60,6 +61,7 @@ class PartitionedService:
         self.stop_event = asyncio.Event()
         self.tasks: list[asyncio.Task] = []  # readers that are stopping (and, on stop, all of them)
         self.readers: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # owned partition -> reader
+        self.failed: dict[int, tuple[float, str]] = {}  # partition -> when and why its reader last failed
         self.membership: Membership | None = None
         self.handled = 0
         self.rebuilds = 0
@@ -103,10 +105,14 @@ class PartitionedService:
     async def ready(self) -> dict[str, Any]:
         """Its consumers bound: a live reader for every partition it owns."""
         dead = sorted(p for p, (task, _) in self.readers.items() if task.done())
-        ok = self.started and not self.stop_event.is_set() and bool(self.readers) and not dead
+        now = time.monotonic()
+        failing = {p: why for p, (when, why) in self.failed.items() if now - when < FAILING_FOR and p in self.readers}
+        ok = self.started and not self.stop_event.is_set() and bool(self.readers) and not dead and not failing
         out: dict[str, Any] = {"ok": ok, "partitions": len(self.readers)}
         if dead:
             out["error"] = f"readers of partitions {dead} stopped"
+        elif failing:
+            out["error"] = "readers failing: " + "; ".join(f"partition {p}: {why}" for p, why in sorted(failing.items()))
         elif not ok:
             out["error"] = "stopping" if self.stop_event.is_set() else "consumers not bound yet"
         return out
@@ -139,8 +145,9 @@ class PartitionedService:
             try:
                 await PinnedReader(self.bus, EVENTS, f"{self.name}-p{p}", self.handle, stop, expires=FETCH_TIMEOUT,
                                    counts=self.events, on_resync=lambda: self._drop_partition(p)).run()
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 log.exception("%s-p%d: the reader failed; starting another", self.name, p)
+                self.failed[p] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(READER_RESTART)
 
     @property
@@ -213,11 +220,13 @@ class PartitionedService:
         self.cache.move_to_end(eid)
         try:
             exemplar = await self._decide_and_publish(msg, state, eid, events)
-        except BaseException:
-            # the state has folded events whose decision is not published: forget it, so that the
-            # redelivery rebuilds it and decides again (were it kept, the event would fold to nothing)
-            self.cache.pop(eid, None)
-            self.partition_of.pop(eid, None)
+        except BaseException as exc:
+            if not isinstance(exc, UNHANDLEABLE):
+                # the state has folded events whose decision is not published: forget it, so that the
+                # redelivery rebuilds it and decides again (were it kept, it would fold to nothing).
+                # A message that cannot be folded is dropped instead (bus.handle_one): nothing comes back.
+                self.cache.pop(eid, None)
+                self.partition_of.pop(eid, None)
             raise
         if self.idle(state):
             self.cache[eid] = IDLE
@@ -271,12 +280,12 @@ class PartitionedService:
         later_own = []
         for s, event in events:
             if s < before_seq:
-                apply(state, event)
+                _fold(state, event)
             elif event["source"] == self.name:
                 later_own.append(event)
         for event in later_own:  # our own decisions on causes before S (folded at once when made)
             if event.get("parent_id") in state.seen:
-                apply(state, event)
+                _fold(state, event)
         return state
 
     def _drop_partition(self, p: int) -> None:
@@ -288,3 +297,13 @@ class PartitionedService:
         while len(self.cache) > self.cache_size:
             eid, _ = self.cache.popitem(last=False)
             self.partition_of.pop(eid, None)
+
+
+def _fold(state: ExecutionState, event: dict[str, Any]) -> None:
+    """Fold one event of a rebuild. One that cannot be folded was dropped when it was delivered
+    (bus.handle_one); it is skipped here too, so that it cannot stop every later event of its execution."""
+    try:
+        apply(state, event)
+    except UNHANDLEABLE as exc:
+        log.error("rebuilding %s: skipping event %s (%s), which cannot be folded: %s: %s", state.execution_id,
+                  event.get("event_id"), event.get("name"), type(exc).__name__, exc)
