@@ -219,6 +219,11 @@ def test_a_reader_that_fails_outside_its_handler_is_replaced(fresh_nats):
                 await _publish(fresh_nats.url, 3)
                 await until(lambda: len(probe.got) == 3, 8)
             assert len(refused) == 1 and not probe.readers[0][0].done()
+            probe.started = True  # (the probe was not started through start())
+            readiness = await probe.ready()  # failed a moment ago: said, for a few seconds
+            assert not readiness["ok"] and "OutboundBufferLimitError" in readiness["error"], readiness
+            probe.failed[0] = (probe.failed[0][0] - 10, probe.failed[0][1])
+            assert (await probe.ready())["ok"]
         finally:
             await probe.stop()
             await bus.close()

@@ -23,6 +23,8 @@ from typing import Callable
 
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
+from .bus import NO_PLACEMENT
+
 log = logging.getLogger("noetl.membership")
 
 from ..contracts.subjects import MEMBERS_BUCKET as BUCKET  # noqa: E402
@@ -70,7 +72,9 @@ class Membership:
                     kv = await self.js.create_key_value(bucket=BUCKET, ttl=self.ttl, history=1,
                                                         description="noetl control-plane replicas",
                                                         replicas=self.replicas)
-                except BadRequestError:  # created meanwhile by a replica with another TTL: use it
+                except BadRequestError as exc:  # created meanwhile by a replica with another TTL: use it
+                    if exc.err_code == NO_PLACEMENT:  # a forming cluster: the caller asks again
+                        raise
                     kv = await self.js.key_value(BUCKET)
             ttl = (await kv.status()).ttl
             if ttl:

@@ -62,6 +62,7 @@ class PinnedReader:
         self.owed = 0  # messages the open pull request may still deliver
         self.deadline = 0.0  # when it expires (plus a margin)
         self.resyncs = 0
+        self.kept: list[Msg] = []  # held when the reader failed: given back once it has unpinned
         self.sub: Any = None
 
     # ------------------------------------------------------------------------------------ the loop
@@ -128,6 +129,13 @@ class PinnedReader:
         self.resyncs += 1
         if self.on_resync is not None:
             self.on_resync()
+        try:
+            await self._handle_held(held)
+        except BaseException:  # the reader fails (control._reader starts another): what it held is
+            self.kept += held.values()  # given back once it has unpinned (_release)
+            raise
+
+    async def _handle_held(self, held: dict[int, Msg]) -> None:
         while held and not self.stop.is_set():
             self.irregular = False
             while not self.stop.is_set() and await self._unacknowledged() > len(held):
@@ -181,7 +189,7 @@ class PinnedReader:
         before any delivery names the pin): a reader unpinned by mistake loses only a resync. On a
         throw-away stack nobody reads next: it just goes."""
         if not self.bus.throwaway:
-            late = await self._drain(self.deadline)
+            late = self.kept + await self._drain(self.deadline)
             await unpin(self.nc, self.stream, self.durable)
             late += await self._drain(time.monotonic() + 0.1)  # what was already on its way
             for msg in late:  # given back only now: while its request was open, a nak came back to it
