@@ -372,9 +372,16 @@ class Bus:
 
     async def publish_all(self, events: list[dict[str, Any]], commands: list[dict[str, Any]] = (),
                           timeout: float = 10.0, timers: list[dict[str, Any]] = ()) -> None:
-        """Publish in order without waiting for each PubAck (one connection keeps the order), then
-        wait for every PubAck: on return, all are stored. Timers go after the events that set them."""
+        """Publish without waiting for each PubAck, then wait for every PubAck: on return, all are
+        stored. Commands and timers go only once the events are stored: a command's work (a worker's
+        report of it) must never be in the log before the events that decided it, and one connection's
+        order does not hold when NATS restarts between two publishes, nor across two streams' leaders
+        in a cluster. A rebuild folds the log in order (control.py), and would drop such a report as
+        one about work it never heard of."""
         futures = [await self.send_events(batch) for batch in batches(events)]
+        if futures and (commands or timers):
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            futures = []
         for c in commands:
             futures.append(await self.send_command(c))
         for t in timers:

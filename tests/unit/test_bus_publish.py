@@ -1,0 +1,49 @@
+"""Bus.publish_all writes a decision's commands only once its events are stored: a worker's report of
+a command must never reach the log before the events that decided it (a rebuild folds the log in
+order and would drop the report)."""
+from __future__ import annotations
+
+import asyncio
+
+from noetl_mesh.core.events import make_event
+from noetl_mesh.infra.bus import Bus
+
+
+class FakeJetStream:
+    """Records what is published; each PubAck arrives when the test says."""
+
+    def __init__(self):
+        self.written: list[str] = []
+        self.acks: list[asyncio.Future] = []
+
+    async def publish_async(self, subject, payload, stream=None, headers=None):
+        self.written.append(subject)
+        ack = asyncio.get_running_loop().create_future()
+        self.acks.append(ack)
+        return ack
+
+    def ack_all(self):
+        for ack in self.acks:
+            if not ack.done():
+                ack.set_result(None)
+
+
+def test_commands_and_timers_wait_for_the_events_to_be_stored():
+    bus = Bus.__new__(Bus)
+    bus.js = FakeJetStream()
+    event = make_event("step.scheduled", "e1", event_id="s1", source="admission", step="a", step_run_id="r1")
+    command = {"command_id": "c1", "pool": "default", "execution_id": "e1", "step": "a"}
+    timer = {"execution_id": "e1", "timer_id": "t1", "due": 2e9,
+             "event": make_event("timer.fired", "e1", event_id="f1", source="timer")}
+
+    async def main():
+        publishing = asyncio.create_task(bus.publish_all([event], [command], timers=[timer]))
+        await asyncio.sleep(0.05)
+        assert [s.split(".")[1] for s in bus.js.written] == ["evt"]  # the command waits for the event's PubAck
+        bus.js.ack_all()
+        await asyncio.sleep(0.05)
+        assert [s.split(".")[1] for s in bus.js.written] == ["evt", "cmd", "sched"] and not publishing.done()
+        bus.js.ack_all()
+        await asyncio.wait_for(publishing, 1)
+
+    asyncio.run(main())
