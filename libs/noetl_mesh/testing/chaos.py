@@ -121,6 +121,7 @@ class ChaosResult:
     violations: list[str] = field(default_factory=list)  # NATS permission violations (none expected)
     events: int = 0
     seconds: float = 0.0
+    stuck: list[str] = field(default_factory=list)  # for unfinished executions: their last events, the consumers
 
     @property
     def unfinished(self) -> list[str]:
@@ -138,6 +139,7 @@ class ChaosResult:
         lines += [f"{x} ({self.submitted[x]}): {f.check}: {f.message}" for x, r in self.reports.items() for f in r.findings]
         lines += [f"{x} ({self.submitted[x]}) differs from the reference: {m}" for x, m in self.mismatches.items()]
         lines += [f"NATS: {v}" for v in self.violations]
+        lines += self.stuck
         return "\n".join(lines)
 
 
@@ -198,6 +200,11 @@ async def run_chaos(cfg: ChaosConfig, workdir: str | Path) -> ChaosResult:
                 events = await _retrying(client.all_events, xid)
                 result.events += len(events)
                 result.reports[xid] = verify(events, xid)
+                if xid in pending:
+                    result.stuck.append(f"{xid} ended with: " + ", ".join(
+                        f"{e.get('name')}:{e.get('step') or ''}" for e in events[-12:]))
+            if pending:
+                result.stuck += await _consumers(nats.url, auth)
         await _compare(result)
     finally:
         await stack.stop()
@@ -212,6 +219,27 @@ async def run_chaos(cfg: ChaosConfig, workdir: str | Path) -> ChaosResult:
                 os.environ[k] = v
     result.seconds = time.monotonic() - started
     return result
+
+
+async def _consumers(url: str, auth: NatsAuth) -> list[str]:
+    """The consumers that hold or wait for something (none waiting for messages: a reader that stopped)."""
+    from ..infra.bus import COMMANDS, EVENTS, Bus
+
+    out = []
+    try:
+        bus = await Bus.connect(url, "chaos-probe", auth.admin)
+        try:
+            for stream in (EVENTS, COMMANDS):
+                for c in await bus.js.consumers_info(stream):
+                    if c.num_pending or c.num_ack_pending or not c.num_waiting:
+                        out.append(f"consumer {c.name}: pending {c.num_pending} ack_pending {c.num_ack_pending} "
+                                   f"redelivered {c.num_redelivered} waiting {c.num_waiting} "
+                                   f"delivered {c.delivered.stream_seq} floor {c.ack_floor.stream_seq}")
+        finally:
+            await bus.close()
+    except Exception as exc:  # noqa: BLE001 - a diagnosis, best effort
+        out.append(f"consumers not read: {type(exc).__name__}: {exc}")
+    return out
 
 
 async def _faults(cfg: ChaosConfig, rng: random.Random, stack: ProcessStack, nats: EmbeddedNats,
