@@ -229,3 +229,23 @@ def test_a_reader_that_fails_outside_its_handler_is_replaced(fresh_nats):
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_reading_an_execution_back_skips_a_message_that_cannot_be_read(fresh_nats):
+    """A rebuild reads the execution's messages back; one that is not JSON (dropped when it was
+    delivered) is skipped there too, instead of failing every later event's rebuild."""
+    from noetl_mesh.core.events import make_event
+
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "reader")
+        await bus.setup(1)
+        try:
+            await bus.publish_event(make_event("playbook.execution.requested", "c9", event_id="y1", source="gateway"))
+            await bus.js.publish("noetl.evt.worker.ctl.c9", b"not json")
+            await bus.publish_event(make_event("execution.cancelled", "c9", event_id="y2", source="gateway"))
+            events = await bus.execution_events("c9", 0)
+            assert [e["event_id"] for _, e in events] == ["y1", "y2"]
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

@@ -90,7 +90,9 @@ def test_an_event_that_cannot_be_folded_is_dropped_alone_live_and_on_rebuild():
         return error, msg
 
     async def main():
-        outcomes = [await deliver(seq, event) for seq, event in log[:3]]
+        outcomes = [await deliver(seq, event) for seq, event in log[:2]]
+        assert "e1" not in service.cache  # its state may have folded part of the message: rebuilt next
+        outcomes.append(await deliver(*log[2]))
         service._drop_partition(0)  # a resync: the next event rebuilds from the log
         outcomes.append(await deliver(*log[3]))
         return outcomes

@@ -581,7 +581,13 @@ class Bus:
             while seq < last:
                 for msg in await sub.fetch(512, timeout=5):
                     seq = msg.metadata.sequence.stream
-                    events = admitted(msg.subject, await self.expand(msg.data, loads(msg.data)), self.name, msg.headers)
+                    try:
+                        events = admitted(msg.subject, await self.expand(msg.data, loads(msg.data)), self.name,
+                                          msg.headers)
+                    except UNHANDLEABLE as exc:  # dropped when it was delivered: it cannot stop every later event
+                        log.error("reading %s back: skipping stream seq %d, which cannot be read: %s: %s",
+                                  execution_id, seq, type(exc).__name__, exc)
+                        continue
                     out += [(seq, e) for e in events]
         finally:
             await sub.unsubscribe()

@@ -220,13 +220,13 @@ class PartitionedService:
         self.cache.move_to_end(eid)
         try:
             exemplar = await self._decide_and_publish(msg, state, eid, events)
-        except BaseException as exc:
-            if not isinstance(exc, UNHANDLEABLE):
-                # the state has folded events whose decision is not published: forget it, so that the
-                # redelivery rebuilds it and decides again (were it kept, it would fold to nothing).
-                # A message that cannot be folded is dropped instead (bus.handle_one): nothing comes back.
-                self.cache.pop(eid, None)
-                self.partition_of.pop(eid, None)
+        except BaseException:
+            # the state has folded events whose decision is not published: forget it, so that the
+            # redelivery rebuilds it and decides again (were it kept, it would fold to nothing). A
+            # message that cannot be folded is dropped (bus.handle_one): the next event's rebuild
+            # skips it, as every rebuild does, so that live and rebuilt states agree.
+            self.cache.pop(eid, None)
+            self.partition_of.pop(eid, None)
             raise
         if self.idle(state):
             self.cache[eid] = IDLE
