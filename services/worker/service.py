@@ -65,6 +65,8 @@ class EventBatcher:
     async def flush(self) -> None:
         events, self.buffer = self.buffer, []
         if events:
+            if self.acks:  # in order: a step's end must not be stored while what it reported before is lost
+                await asyncio.wait_for(asyncio.gather(*self.acks), 30)
             self.acks.append(await self.bus.send_events(events, self.limit))
 
     def abandon(self) -> None:
