@@ -47,3 +47,27 @@ def test_commands_and_timers_wait_for_the_events_to_be_stored():
         await asyncio.wait_for(publishing, 1)
 
     asyncio.run(main())
+
+
+def test_no_command_is_sent_when_the_events_are_not_stored():
+    bus = Bus.__new__(Bus)
+    bus.js = FakeJetStream()
+    event = make_event("step.scheduled", "e1", event_id="s1", source="admission", step="a", step_run_id="r1")
+    other = make_event("playbook.execution.requested", "e2", event_id="q1", source="admission")
+    command = {"command_id": "c1", "pool": "default", "execution_id": "e1", "step": "a"}
+
+    async def main():
+        publishing = asyncio.create_task(bus.publish_all([other, event], [command]))
+        await asyncio.sleep(0.05)
+        assert [s.split(".")[1] for s in bus.js.written] == ["evt", "evt"]  # one message per execution
+        bus.js.acks[0].set_result(None)
+        bus.js.acks[1].set_exception(ConnectionError("no response from stream"))
+        try:
+            await asyncio.wait_for(publishing, 1)
+        except ConnectionError:
+            pass
+        else:
+            raise AssertionError("publish_all should have failed")
+        assert [s.split(".")[1] for s in bus.js.written] == ["evt", "evt"]  # the command never left
+
+    asyncio.run(main())

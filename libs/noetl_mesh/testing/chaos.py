@@ -227,10 +227,10 @@ async def _consumers(url: str, auth: NatsAuth) -> list[str]:
 
     out = []
     try:
-        bus = await Bus.connect(url, "chaos-probe", auth.admin)
+        bus = await asyncio.wait_for(Bus.connect(url, "chaos-probe", auth.admin), 30)
         try:
             for stream in (EVENTS, COMMANDS):
-                for c in await bus.js.consumers_info(stream):
+                for c in await asyncio.wait_for(bus.js.consumers_info(stream), 30):
                     if c.num_pending or c.num_ack_pending or not c.num_waiting:
                         out.append(f"consumer {c.name}: pending {c.num_pending} ack_pending {c.num_ack_pending} "
                                    f"redelivered {c.num_redelivered} waiting {c.num_waiting} "
