@@ -13,6 +13,7 @@ writes it again, so a reference made now stays readable for at least half the re
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import datetime
 import hashlib
@@ -30,6 +31,10 @@ STORE = f"nats-object:{BUCKET}"
 DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
 MARKER = f'"store":"{STORE}"'.encode()  # cheap test on raw message bytes
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+# nats-py reads an object through an ordered consumer with no deadline: a consumer that stalls (its
+# stream's leader lost in a cluster) would hold the reading handler, and its partition, for ever.
+GET_TIMEOUT_S = 10.0  # plus a second per MiB; then TimeoutError, and the message is retried
+
 
 
 class PayloadMissing(KeyError):
@@ -87,7 +92,8 @@ class PayloadStore:
             self._cache.move_to_end(key)
             return self._cache[key][1]
         try:
-            data = (await (await self.bucket()).get(key)).data
+            timeout = GET_TIMEOUT_S + float(ref.get("size") or 0) / (1 << 20)
+            data = (await asyncio.wait_for((await self.bucket()).get(key), timeout)).data
         except (ObjectNotFoundError, NotFoundError):
             raise PayloadMissing(f"payload {key} ({ref.get('size')} bytes) is no longer in {BUCKET}: objects are "
                                  f"kept {self.retention_s:.0f} s (NOETL_PAYLOAD_RETENTION)") from None

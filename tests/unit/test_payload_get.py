@@ -1,0 +1,32 @@
+"""Reading a payload (D23) has a deadline: nats-py reads an object through an ordered consumer that
+never gives up, and a stalled one (a cluster that lost its leader) would hold the reading handler, and
+its whole partition, for ever. It fails instead, and the message is retried."""
+from __future__ import annotations
+
+import asyncio
+import time
+from unittest.mock import patch
+
+from noetl_mesh.infra import payloads
+
+
+class StalledBucket:
+    async def get(self, key):
+        await asyncio.Event().wait()  # never delivers a chunk
+
+
+def test_a_stalled_read_fails_within_its_deadline():
+    store = payloads.PayloadStore(js=None)
+    store._bucket = StalledBucket()
+
+    async def main():
+        started = time.monotonic()
+        try:
+            await store.get({"store": payloads.STORE, "key": "k" * 64, "size": 1 << 20})
+        except asyncio.TimeoutError:
+            return time.monotonic() - started
+        raise AssertionError("the read should have timed out")
+
+    with patch.object(payloads, "GET_TIMEOUT_S", 0.2):
+        took = asyncio.run(main())
+    assert 1.1 < took < 3  # 0.2 s plus a second for its MiB
