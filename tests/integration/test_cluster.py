@@ -12,6 +12,7 @@ from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus
 from noetl_mesh.infra.embedded import EmbeddedNatsCluster
 from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.stack import InProcessStack, Settings
+from noetl_mesh.testing.chaos import busy_consumers
 
 from conftest import LoopThread
 from scenarios import slow_chain
@@ -33,7 +34,7 @@ async def wait_or_explain(client: GatewayClient, bus: Bus, execution_id: str) ->
         return await client.wait(execution_id, timeout=120)
     except TimeoutError:
         events = [f"{e.get('name')}:{e.get('step') or ''}" for e in await client.all_events(execution_id)]
-        consumers, streams = {}, {}
+        streams = {}
         for stream in (EVENTS, COMMANDS):
             try:
                 info = await bus.js.stream_info(stream, subjects_filter=f"noetl.cmd.*.{execution_id}"
@@ -41,13 +42,12 @@ async def wait_or_explain(client: GatewayClient, bus: Bus, execution_id: str) ->
                 streams[stream] = (f"messages {info.state.messages} first {info.state.first_seq} "
                                    f"last {info.state.last_seq} leader {info.cluster.leader if info.cluster else None} "
                                    f"the execution's messages by subject {info.state.subjects}")
-                for c in await bus.js.consumers_info(stream):
-                    consumers[c.name] = (f"pending {c.num_pending} ack_pending {c.num_ack_pending} redelivered "
-                                         f"{c.num_redelivered} waiting {c.num_waiting} delivered "
-                                         f"{c.delivered.stream_seq} floor {c.ack_floor.stream_seq} "
-                                         f"leader {c.cluster.leader if c.cluster else None}")
             except Exception as exc:  # noqa: BLE001 - say what could not be asked
                 streams[stream] = f"not answered: {type(exc).__name__} {exc}"
+        try:
+            consumers = await busy_consumers(bus.js)
+        except Exception as exc:  # noqa: BLE001
+            consumers = [f"not answered: {type(exc).__name__} {exc}"]
         raise AssertionError(f"execution {execution_id} did not finish within 120 s; recorded {events}; "
                              f"streams {streams}; consumers {consumers}; readers {readers()}") from None
 

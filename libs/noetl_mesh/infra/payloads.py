@@ -36,7 +36,6 @@ DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 GET_TIMEOUT_S = 10.0  # plus a second per MiB; then TimeoutError, and the message is retried
 
 
-
 class PayloadMissing(KeyError):
     """A reference whose object is gone (expired past the retention, or deleted). A ``KeyError``, so a
     control-plane message that needs it is dropped as poison (logged), not retried 50 times."""

@@ -221,25 +221,33 @@ async def run_chaos(cfg: ChaosConfig, workdir: str | Path) -> ChaosResult:
     return result
 
 
-async def _consumers(url: str, auth: NatsAuth) -> list[str]:
-    """The consumers that hold or wait for something (none waiting for messages: a reader that stopped)."""
-    from ..infra.bus import COMMANDS, EVENTS, Bus
+async def busy_consumers(js: Any) -> list[str]:
+    """The consumers of the events and commands streams that hold or wait for something, or that no
+    reader asks (``waiting 0``: a reader that stopped), a line each: where a stuck execution stands."""
+    from ..infra.bus import COMMANDS, EVENTS
 
     out = []
+    for stream in (EVENTS, COMMANDS):
+        for c in await asyncio.wait_for(js.consumers_info(stream), 30):
+            if c.num_pending or c.num_ack_pending or not c.num_waiting:
+                out.append(f"consumer {c.name}: pending {c.num_pending} ack_pending {c.num_ack_pending} "
+                           f"redelivered {c.num_redelivered} waiting {c.num_waiting} "
+                           f"delivered {c.delivered.stream_seq} floor {c.ack_floor.stream_seq} "
+                           f"leader {c.cluster.leader if c.cluster else None}")
+    return out
+
+
+async def _consumers(url: str, auth: NatsAuth) -> list[str]:
+    from ..infra.bus import Bus
+
     try:
         bus = await asyncio.wait_for(Bus.connect(url, "chaos-probe", auth.admin), 30)
         try:
-            for stream in (EVENTS, COMMANDS):
-                for c in await asyncio.wait_for(bus.js.consumers_info(stream), 30):
-                    if c.num_pending or c.num_ack_pending or not c.num_waiting:
-                        out.append(f"consumer {c.name}: pending {c.num_pending} ack_pending {c.num_ack_pending} "
-                                   f"redelivered {c.num_redelivered} waiting {c.num_waiting} "
-                                   f"delivered {c.delivered.stream_seq} floor {c.ack_floor.stream_seq}")
+            return await busy_consumers(bus.js)
         finally:
             await bus.close()
     except Exception as exc:  # noqa: BLE001 - a diagnosis, best effort
-        out.append(f"consumers not read: {type(exc).__name__}: {exc}")
-    return out
+        return [f"consumers not read: {type(exc).__name__}: {exc}"]
 
 
 async def _faults(cfg: ChaosConfig, rng: random.Random, stack: ProcessStack, nats: EmbeddedNats,
