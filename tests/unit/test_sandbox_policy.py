@@ -1,0 +1,60 @@
+"""A worker pool's sandbox policy (D33): parsing its settings and deciding destinations."""
+import pytest
+
+from noetl_mesh.sandbox.policy import Policy, PolicyError, from_env, parse_destinations
+
+
+def test_defaults_close_loopback_link_local_and_metadata():
+    p = from_env({})
+    assert p.enabled and not p.python_network and p.allow == () and p.data_dirs == ()
+    assert "loopback" in p.refusal("127.0.0.1", 80)
+    assert "loopback" in p.refusal("127.3.4.5", 4222)
+    assert "loopback" in p.refusal("::1", 80)
+    assert "loopback" in p.refusal("::ffff:127.0.0.1", 80)  # v4-mapped is the v4 address
+    assert "metadata" in p.refusal("169.254.169.254", 80)
+    assert "metadata" in p.refusal("fd00:ec2::254", 80)
+    assert "link-local" in p.refusal("169.254.1.1", 80)
+    assert "link-local" in p.refusal("fe80::1", 80)
+    assert "unspecified" in p.refusal("0.0.0.0", 80)
+    assert p.refusal("93.184.216.34", 443) is None
+    assert p.refusal("10.1.2.3", 5432) is None  # private networks are the user's own
+
+
+def test_allow_list_opens_exactly_what_it_names():
+    p = from_env({"NOETL_SANDBOX_ALLOW_NET": "127.0.0.1:8765, [::1]:8080, 169.254.0.0/16, api.internal:443"})
+    assert p.refusal("127.0.0.1", 8765) is None
+    assert p.refusal("127.0.0.1", 8766) is not None
+    assert p.refusal("::1", 8080) is None and p.refusal("::1", 8081) is not None
+    assert p.refusal("169.254.7.7", 1) is None
+    assert p.refusal("127.0.0.1", 443, host="api.internal") is None
+    assert p.refusal("127.0.0.1", 443, host="API.internal.") is None
+    assert p.refusal("127.0.0.1", 443, host="other") is not None
+
+
+def test_engine_endpoints_stay_closed_whatever_the_allow_list():
+    p = from_env({"NOETL_SANDBOX_ALLOW_NET": "127.0.0.0/8"}).with_engine_endpoints([("127.0.0.1", 4222)])
+    assert "NATS" in p.refusal("127.0.0.1", 4222)
+    assert p.refusal("127.0.0.1", 4223) is None
+
+
+@pytest.mark.parametrize("text, where", [
+    ("127.0.0.1:0", "port"), ("127.0.0.1:x", "port"), ("[::1", "]"), ("[::1]x", "port"),
+    ("bad host!", "neither"), ("a/b/c", "neither"), ("host:99999", "port"),
+])
+def test_bad_allow_entries_are_named(text, where):
+    with pytest.raises(PolicyError) as e:
+        parse_destinations(text)
+    assert "NOETL_SANDBOX_ALLOW_NET" in str(e.value) and where in str(e.value)
+
+
+def test_switches_and_data_dirs():
+    assert not from_env({"NOETL_SANDBOX": "off"}).enabled
+    assert from_env({"NOETL_SANDBOX_PYTHON_NET": "1"}).python_network
+    assert from_env({"NOETL_SANDBOX_DATA_DIRS": "/data:/w/x/"}).data_dirs == ("/data", "/w/x")
+    with pytest.raises(PolicyError, match="NOETL_SANDBOX_DATA_DIRS"):
+        from_env({"NOETL_SANDBOX_DATA_DIRS": "relative/dir"})
+    with pytest.raises(PolicyError, match="NOETL_SANDBOX="):
+        from_env({"NOETL_SANDBOX": "maybe"})
+    with pytest.raises(PolicyError, match="NOETL_SANDBOX_PYTHON_NET"):
+        from_env({"NOETL_SANDBOX_PYTHON_NET": "sometimes"})
+    assert isinstance(Policy().describe(), str)
