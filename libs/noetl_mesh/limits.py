@@ -90,6 +90,18 @@ LIMITS: tuple[Limit, ...] = (
     Limit("max_result_bytes", 32 * MIB, "bytes", "a task's result",
           "worker: the task ends with error kind result_too_large"),
 
+    # ---- sandboxed tasks (D33): python and duckdb task processes, set by the worker
+    Limit("task_max_memory_bytes", 2048 * MIB, "bytes", "the memory a task process allocates",
+          "worker, each python or duckdb task process (RLIMIT_DATA): the task fails with limit_exceeded"),
+    Limit("task_max_cpu_seconds", 600, "seconds", "the CPU time of a task process",
+          "worker, each python or duckdb task process (RLIMIT_CPU): the process is stopped, limit_exceeded"),
+    Limit("task_max_open_files", 256, "files", "the files and sockets a task process holds open at once",
+          "worker, each python or duckdb task process (RLIMIT_NOFILE): opening one more fails"),
+    Limit("task_max_file_bytes", 1024 * MIB, "bytes", "the size of a file a task process writes",
+          "worker, each python or duckdb task process (RLIMIT_FSIZE): the write fails"),
+    Limit("max_task_processes", 8, "processes", "the python and duckdb task processes one worker runs at once",
+          "worker: a task waits for a free one"),
+
     # ---- replies over NATS (queries)
     Limit("max_reply_bytes", 768 * KIB, "bytes", "a query's reply over NATS",
           "event-recorder: pages are cut by bytes, bigger values go by reference (D23)"),
@@ -142,6 +154,10 @@ LIMITS: tuple[Limit, ...] = (
 )
 
 _BY_NAME = {limit.name: limit for limit in LIMITS}
+
+
+def by_name(name: str) -> Limit:
+    return _BY_NAME[name]
 
 
 class LimitExceeded(ValueError):

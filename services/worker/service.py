@@ -30,6 +30,8 @@ from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
+from noetl_mesh.sandbox import policy as sandbox_policy
+from noetl_mesh.sandbox.supervisor import Supervisor
 from noetl_mesh.tools import close_tools, default_tools
 
 log = logging.getLogger("noetl.worker")
@@ -205,6 +207,7 @@ class WorkerService:
         # seconds a stopping worker lets its running commands finish before handing them back
         self.grace = grace if grace is not None else float(os.environ.get("NOETL_SHUTDOWN_GRACE") or 10)
         self.tools = tools
+        self.sandbox: Supervisor | None = None  # made at start when the worker makes its own tools
         self.keychain = bus_resolver(self.bus.request, Q_CREDENTIAL_RESOLVE)  # D24: per-execution TTL cache
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
         self.running: dict[asyncio.Task, str] = {}
@@ -226,11 +229,24 @@ class WorkerService:
 
     async def start(self) -> None:
         await self.bus.attach()
-        self.tools = self.tools or default_tools()
+        if self.tools is None:
+            # D33: user code runs sandboxed; a worker that cannot sandbox says so now and refuses it
+            self.sandbox = Supervisor(sandbox_policy.from_env(), secret_paths=self._secret_paths())
+            await self.sandbox.start()
+            (log.error if self.sandbox.describe().startswith("sandbox UNAVAILABLE") else log.info)(
+                "worker %s: %s", self.pool, self.sandbox.describe())
+            self.tools = default_tools(sandbox=self.sandbox)
         self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
                                           max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
+
+    def _secret_paths(self) -> list[str]:
+        """What the sandbox must never show a task: this worker's NATS credentials and the stack's home."""
+        from noetl_mesh.home import home_dir
+
+        creds = getattr(self.bus, "creds", None) or os.environ.get("NOETL_NATS_CREDS")
+        return [p for p in (creds, creds and os.path.dirname(os.path.abspath(creds)), home_dir()) if p]
 
     async def ready(self) -> dict[str, Any]:
         """Bound to its pool's commands and pulling."""
@@ -259,6 +275,8 @@ class WorkerService:
         if self.cancel_sub is not None:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})
+        if self.sandbox is not None:
+            await self.sandbox.close()
 
     async def _pull(self) -> None:
         while not self.stop_event.is_set():

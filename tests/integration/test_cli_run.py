@@ -188,7 +188,7 @@ def test_a_signal_stops_noetl_run_with_its_nats_and_postgres(tmp_path, sig):
         children = _children(proc.pid)
         nats = [pid for pid, cmd in children.items() if "nats-server" in cmd]
         pg = [pid for pid, cmd in children.items() if "postgres" in cmd.split(" ")[0]]
-        runners = [pid for pid, cmd in children.items() if "python_runner" in cmd]
+        runners = [pid for pid, cmd in children.items() if "sandbox.forkserver" in cmd]
         assert len(nats) == 1 and len(pg) == 1 and runners, children
         nats_dir = Path(re.search(r"--ports_file_dir (\S+)", children[nats[0]]).group(1))
         pg_dir = Path(re.search(r" -D (\S+)", children[pg[0]]).group(1)).parent

@@ -163,8 +163,8 @@ def test_http_body_under_the_limit_is_read_and_parsed(streams):
 # ============================================================================================ python
 
 
-def test_python_huge_result_is_refused_on_the_pipe_and_the_pool_recovers():
-    tool = PythonTool(pool_size=1)
+def test_python_huge_result_is_refused_on_the_socket_and_the_next_task_runs():
+    tool = PythonTool()
 
     async def main():
         try:

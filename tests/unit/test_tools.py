@@ -33,9 +33,9 @@ def ctx(timeout: Any = None, **kw: Any) -> ToolContext:
 # ============================================================================================ python
 
 
-def py_run(*calls: tuple[dict, dict], pool_size: int = 1, max_tasks: int = 200) -> tuple[list[dict], PythonTool]:
+def py_run(*calls: tuple[dict, dict]) -> tuple[list[dict], PythonTool]:
     """Run the calls in order on one PythonTool inside one event loop; returns the outcomes."""
-    tool = PythonTool(pool_size=pool_size, max_tasks_per_child=max_tasks)
+    tool = PythonTool()
 
     async def main() -> list[dict]:
         try:
@@ -95,56 +95,73 @@ def test_python_custom_exception_bare_name_and_sys_exit():
     assert b["py"]["exception_type"] == "SystemExit"
 
 
-def test_python_timeout_kills_child_and_pool_recovers():
+def test_python_timeout_kills_the_process_and_the_next_task_runs():
     slow = {"code": "import time\ntime.sleep(30)\nresult = 1"}
-    t0 = time.perf_counter()
     (a, b), tool = py_run((slow, {"timeout": 0.5}), ({"code": "import os; result = os.getpid()"}, {}))
-    assert time.perf_counter() - t0 < 10
     assert a["status"] == "error"
     assert a["error"]["kind"] == "timeout"
     assert a["error"]["retryable"] is True
     assert b["status"] == "ok"
-    assert tool.pool.spawned >= 2
+    assert tool.sandbox.spawned == 2
 
 
-def test_python_crash_os_exit_is_an_error_and_pool_recovers():
+def test_python_crash_os_exit_is_an_error_and_the_next_task_runs():
     (a, b, c), tool = py_run(
         ({"code": "import os; os._exit(3)"}, {}),
-        ({"code": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"}, {}),
+        ({"code": "import sys; sys.stderr.write('about to fall\\n'); sys.stderr.flush()\n"
+                  "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"}, {}),
         ({"code": "result = 'alive'"}, {}),
     )
     assert a["status"] == "error" and a["error"]["kind"] == "python_crash"
     assert "code 3" in a["error"]["message"]
     assert b["status"] == "error" and "SIGSEGV" in b["error"]["message"]
+    assert "about to fall" in b["error"]["message"]  # the end of its standard error comes with it
     assert c["result"] == "alive"
 
 
-def test_python_task_cancellation_kills_the_child():
-    tool = PythonTool(pool_size=1)
+def test_python_task_cancellation_kills_its_process():
+    tool = PythonTool()
 
     async def main():
         try:
             run = asyncio.ensure_future(tool.run({"code": "import time\ntime.sleep(30)"}, {}, ctx()))
-            for _ in range(200):
+            for _ in range(500):
                 await asyncio.sleep(0.02)
-                if tool.pool.pids():
+                if tool.sandbox.running():
                     break
-            victim = tool.pool.pids()
-            await asyncio.sleep(0.1)
+            (victim,) = tool.sandbox.running()
             run.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await run
+            for _ in range(500):  # the fork server reaps it
+                if not _alive(victim):
+                    break
+                await asyncio.sleep(0.02)
             after = await tool.run({"code": "import os; result = os.getpid()"}, {}, ctx())
             return victim, after
         finally:
             await tool.close()
 
     victim, after = asyncio.run(main())
-    assert after["status"] == "ok"
-    assert after["result"] not in victim
+    assert not _alive(victim)
+    assert after["status"] == "ok" and after["result"] != victim
 
 
-def test_python_stdout_is_captured_and_cannot_corrupt_the_protocol():
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie not reaped yet is dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_python_stdout_is_captured_and_cannot_corrupt_the_answer():
     code = (
         "import os, sys\n"
         "print('{not json')\n"
@@ -171,61 +188,37 @@ def test_python_non_json_result_is_an_error():
     assert b["error"]["kind"] == "python_error"
 
 
-def test_python_warm_reuse_same_child_and_recycling():
+def test_python_each_task_has_a_process_of_its_own():
     pid = {"code": "import os; result = os.getpid()"}
-    outs, tool = py_run((pid, {}), (pid, {}), (pid, {}), pool_size=1, max_tasks=2)
+    outs, tool = py_run((pid, {}), (pid, {}), (pid, {}))
     pids = [o["result"] for o in outs]
-    assert pids[0] == pids[1]  # warm reuse
-    assert pids[2] != pids[1]  # recycled after max_tasks
-    assert outs[0]["py"]["pid"] == pids[0]
+    assert len(set(pids)) == 3
+    assert [o["py"]["pid"] for o in outs] == pids
 
 
 def test_python_state_does_not_leak_between_tasks():
-    (a, b), _ = py_run(({"code": "secret = 1\nresult = 1"}, {}), ({"code": "result = 'secret' in globals()"}, {}))
-    assert b["result"] is False
+    (a, b, c), _ = py_run(({"code": "secret = 1\nresult = 1"}, {}),
+                          ({"code": "import json\njson.dumps = None\nimport builtins\nbuiltins.leak = 7"}, {}),
+                          ({"code": "import json, builtins\nresult = [json.dumps(1), hasattr(builtins, 'leak'), "
+                                    "'secret' in globals()]"}, {}))
+    assert c["result"] == ["1", False, False]
 
 
-def test_python_pool_prewarms_and_runs_in_parallel():
-    tool = PythonTool(pool_size=2)
-
-    async def main():
-        try:
-            await tool.run({"code": "result = 1"}, {}, ctx())
-            for _ in range(100):  # the second child is started in the background after first use
-                if len(tool.pool.pids()) == 2:
-                    break
-                await asyncio.sleep(0.05)
-            assert len(tool.pool.pids()) == 2
-            sleep = {"code": "import time, os\ntime.sleep(0.4)\nresult = os.getpid()"}
-            t0 = time.perf_counter()
-            a, b = await asyncio.gather(tool.run(sleep, {}, ctx()), tool.run(sleep, {}, ctx()))
-            return a, b, time.perf_counter() - t0
-        finally:
-            await tool.close()
-
-    a, b, elapsed = asyncio.run(main())
-    assert a["result"] != b["result"]
-    assert elapsed < 0.75
-    assert tool.pool.pids() == []  # closed
-
-
-def test_python_warm_call_is_fast():
-    tool = PythonTool(pool_size=1)
+def test_python_tasks_run_at_once():
+    tool = PythonTool()
+    # each task records when it started and ended; two tasks overlap when each starts before the other ends
+    code = "import time\nstart = time.time()\ntime.sleep(0.4)\nresult = [start, time.time()]"
 
     async def main():
         try:
-            await tool.run({"code": "result = 1"}, {}, ctx())
-            times = []
-            for i in range(30):
-                t0 = time.perf_counter()
-                out = await tool.run({"code": "result = x + 1", "args": {"x": i}}, {}, ctx())
-                times.append(time.perf_counter() - t0)
-                assert out["result"] == i + 1
-            return statistics.median(times)
+            return await asyncio.gather(tool.run({"code": code}, {}, ctx()), tool.run({"code": code}, {}, ctx()))
         finally:
             await tool.close()
 
-    assert asyncio.run(main()) < 0.02  # typically ~0.2 ms; generous for loaded CI machines
+    a, b = asyncio.run(main())
+    (a0, a1), (b0, b1) = a["result"], b["result"]
+    assert a0 < b1 and b0 < a1
+    assert a["py"]["pid"] != b["py"]["pid"]
 
 
 def test_python_bad_args_and_missing_code():
@@ -336,7 +329,10 @@ def test_duckdb_errors():
 
 
 def test_duckdb_in_memory_is_fresh_per_task_and_file_persists(tmp_path):
-    tool = DuckdbTool()
+    from noetl_mesh.sandbox.policy import Policy
+    from noetl_mesh.sandbox.supervisor import Supervisor
+
+    tool = DuckdbTool(Supervisor(Policy(data_dirs=(str(tmp_path),))))
 
     async def main():
         try:
@@ -349,6 +345,7 @@ def test_duckdb_in_memory_is_fresh_per_task_and_file_persists(tmp_path):
             return a, b, c, d
         finally:
             await tool.close()
+            await tool.sandbox.close()
 
     a, b, c, d = asyncio.run(main())
     assert a["status"] == "ok"
@@ -357,13 +354,11 @@ def test_duckdb_in_memory_is_fresh_per_task_and_file_persists(tmp_path):
     assert d["result"]["rows"] == [{"n": 2}]
 
 
-def test_duckdb_timeout_interrupts():
-    t0 = time.perf_counter()
+def test_duckdb_timeout_kills_the_query():
     out = duck({"command": "select sum(a.range * b.range) from range(100000) a, range(1000000) b"}, {"timeout": 0.3})
     assert out["status"] == "error"
     assert out["error"]["kind"] == "timeout"
     assert out["error"]["retryable"] is True
-    assert time.perf_counter() - t0 < 10
 
 
 # ============================================================================================== http
@@ -549,7 +544,7 @@ def test_http_follows_redirects_and_rejects_bad_url(server):
 
 
 def test_pipeline_with_default_tools(server):
-    tools = default_tools(http_trust_env=False, python_pool_size=1)
+    tools = default_tools(http_trust_env=False)
     cmd = {
         "execution_id": "e1", "step": "s", "step_run_id": "r1", "iteration": None,
         "tasks": [

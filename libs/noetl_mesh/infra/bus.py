@@ -233,6 +233,7 @@ class Bus:
         if attempt > 1:
             log.warning("%s: connected to NATS at %s (attempt %d)", name, url, attempt)
         bus = cls(nc, nc.jetstream(timeout=10), name)
+        bus.creds = creds
         return bus
 
     async def close(self) -> None:

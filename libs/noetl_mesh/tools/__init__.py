@@ -1,10 +1,10 @@
 """Tools: what a task of each ``kind`` does (D8, D10, D25, D27, D28).
 
-``default_tools()`` gives the built-in registry kind -> tool instance (noop, python, http, duckdb);
-``close_tools()`` releases what they hold (python child processes, http connections).
+``default_tools()`` gives the built-in registry kind -> tool instance (noop, python, http, duckdb,
+postgres); ``close_tools()`` releases what they hold (the sandbox's task processes, http connections).
+python and duckdb share one sandbox (:mod:`noetl_mesh.sandbox`), set by the pool's policy.
 
-This module imports nothing heavy at import time: the python tool's child process
-(``python -m noetl_mesh.tools.python_runner``) imports this package, and must start fast.
+This module imports nothing heavy at import time: the sandbox's task processes import this package.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..sandbox.supervisor import Supervisor
     from .base import Tool, ToolContext
 
 __all__ = ["Tool", "ToolContext", "default_tools", "close_tools"]
@@ -19,22 +20,28 @@ __all__ = ["Tool", "ToolContext", "default_tools", "close_tools"]
 
 def default_tools(
     *,
-    python_pool_size: int = 2,
-    python_max_tasks: int = 200,
     http_trust_env: bool = True,
+    sandbox: "Supervisor | None" = None,
 ) -> dict[str, Any]:
-    """kind -> tool instance for ``noop``, ``python``, ``http`` and ``duckdb``."""
+    """kind -> tool instance for ``noop``, ``python``, ``http``, ``duckdb`` and ``postgres``. ``sandbox``:
+    the worker's (its policy, secrets and lifetime); by default one with the safe policy, closed with
+    the tools."""
+    from ..sandbox.supervisor import Supervisor
     from .duckdb import DuckdbTool
     from .http import HttpTool
     from .noop import NoopTool
     from .postgres import PostgresTool
     from .python import PythonTool
 
+    own = sandbox is None
+    sandbox = sandbox or Supervisor()
+    python, duckdb = PythonTool(sandbox), DuckdbTool(sandbox)
+    python._own = own  # the sandbox is closed once, with the python tool, when the tools made it
     return {
         "noop": NoopTool(),
-        "python": PythonTool(pool_size=python_pool_size, max_tasks_per_child=python_max_tasks),
+        "python": python,
         "http": HttpTool(trust_env=http_trust_env),
-        "duckdb": DuckdbTool(),
+        "duckdb": duckdb,
         "postgres": PostgresTool(),
     }
 

@@ -1,10 +1,12 @@
-"""The ``duckdb`` tool (D27).
+"""The ``duckdb`` tool (D27, D33): SQL in a sandboxed task process of its own.
 
 Fields: ``command`` (alias ``query``): one or more statements, split by DuckDB's own parser
 (``extract_statements``) and run in order on one connection; ``params``: a list for positional
 placeholders (``?``, ``$1``) or a mapping for named ones (``$name``), bound (never formatted) to every
 statement that declares parameters (to the last statement when none declares any); ``db_path``: a
-database file (default: a fresh in-memory database for the task).
+database file (default: a fresh in-memory database for the task). A relative ``db_path`` lies in the
+task's scratch directory (gone when the task ends); a lasting one must be inside a data directory of the
+worker pool (``NOETL_SANDBOX_DATA_DIRS``).
 
 Result, of the last statement: ``{rows: [{column: value}], columns: [...], row_count: N}``. For a
 statement without a result set (DDL, INSERT/UPDATE/DELETE without RETURNING...) ``rows`` and
@@ -12,30 +14,34 @@ statement without a result set (DDL, INSERT/UPDATE/DELETE without RETURNING...) 
 times ISO-8601 strings, intervals ISO-8601 durations, decimals numbers (int when integral), UUIDs
 strings, blobs base64, NaN and infinities null. Rows are fetched in chunks; once their JSON passes
 ``limits.max_result_bytes`` fetching stops and the task fails with ``result_too_large`` (not retryable).
-Errors: ``duckdb_error`` (not retryable) with DuckDB's message; ``timeout`` (retryable) when
-``spec.timeout`` runs out (the query is interrupted).
+Errors: ``duckdb_error`` (not retryable) with DuckDB's message; ``sandbox`` when the SQL reaches for a
+file outside the task's scratch directory and the pool's data directories (DuckDB's own external access
+is off but for those, and the process cannot open anything else anyway); ``timeout`` (retryable) when
+``spec.timeout`` runs out (the process is killed); ``limit_exceeded`` for the task process limits.
 
-Work runs in a thread so the event loop is never blocked. A fresh in-memory database costs ~10 ms to
-open; the tool keeps one unused one ready (opened in the background), so a task rarely waits for it.
+The query runs in a task process forked by the worker's sandbox (:mod:`noetl_mesh.sandbox`), which has
+DuckDB imported already: :func:`execute` is what runs there.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime as _dt
 import math
-import threading
+import os
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from .. import limits
 from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
 
-__all__ = ["DuckdbTool", "to_json_value"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..sandbox.supervisor import Supervisor
+
+__all__ = ["DuckdbTool", "to_json_value", "execute"]
 
 DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["duckdb"]["timeout"]
 FETCH_ROWS = 1024  # rows fetched (and measured against max_result_bytes) at a time
@@ -43,10 +49,6 @@ _PLAIN = frozenset({int, str, bool, type(None)})  # floats are checked for NaN /
 _TSTZ = "TIMESTAMP WITH TIME ZONE"
 _UTC = _dt.timezone.utc
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_UTC)
-
-
-class _Interrupted(Exception):
-    pass
 
 
 def _iso_duration(td: _dt.timedelta) -> str:
@@ -122,7 +124,7 @@ def _tstz(us: Any) -> Any:
         return "infinity" if us > 0 else "-infinity"
 
 
-def _fetch_select(con: Any, stmt: Any, params: Any, state: dict) -> dict:
+def _fetch_select(con: Any, stmt: Any, params: Any, budget: ResultBudget) -> dict:
     """A SELECT: its types are bound first (a relation, not run), so TIMESTAMP WITH TIME ZONE can be
     converted without pytz by a projection around the query; then it runs once and its rows are
     fetched in chunks (:func:`_fetch`)."""
@@ -148,7 +150,7 @@ def _fetch_select(con: Any, stmt: Any, params: Any, state: dict) -> dict:
         con.execute(query, params)
     else:
         con.execute(query)
-    return _fetch(con, columns, state, post)
+    return _fetch(con, columns, budget, post)
 
 
 def _json_loads(s: Any) -> Any:
@@ -167,14 +169,11 @@ def _shape_rows(columns: list[str], raw: list[tuple], post: dict[int, Any] | Non
     return rows
 
 
-def _fetch(con: Any, columns: list[str], state: dict, post: dict[int, Any] | None = None) -> dict:
+def _fetch(con: Any, columns: list[str], budget: ResultBudget, post: dict[int, Any] | None = None) -> dict:
     """The current result's rows, fetched ``FETCH_ROWS`` at a time (DuckDB streams them) while their
     JSON size stays under ``max_result_bytes``: past it, fetching stops (:class:`ResultTooLarge`)."""
-    budget = ResultBudget("the rows fetched")
     rows: list[dict] = []
     while True:
-        if state.get("interrupted"):
-            raise _Interrupted()
         raw = con.fetchmany(FETCH_ROWS)
         if not raw:
             return {"rows": rows, "columns": columns, "row_count": len(rows)}
@@ -183,7 +182,7 @@ def _fetch(con: Any, columns: list[str], state: dict, post: dict[int, Any] | Non
         rows.extend(chunk)
 
 
-def _run_statements(con: Any, sql: str, params: Any, state: dict) -> dict:
+def _run_statements(con: Any, sql: str, params: Any, budget: ResultBudget) -> dict:
     stmts = con.extract_statements(sql)
     if not stmts:
         return {"rows": [], "columns": [], "row_count": 0}
@@ -193,11 +192,9 @@ def _run_statements(con: Any, sql: str, params: Any, state: dict) -> dict:
     if has_params and not declaring:
         declaring = {last}  # let DuckDB say what is wrong with them
     for i, stmt in enumerate(stmts):
-        if state.get("interrupted"):
-            raise _Interrupted()
         p = _bind(params, stmt) if i in declaring else None
         if i == last and stmt.type == duckdb.StatementType.SELECT:
-            return _fetch_select(con, stmt, p, state)
+            return _fetch_select(con, stmt, p, budget)
         if p is not None:
             con.execute(stmt, p)
         else:
@@ -210,7 +207,62 @@ def _run_statements(con: Any, sql: str, params: Any, state: dict) -> dict:
         # DML reports the rows it changed as one `Count` column; DDL/SET report nothing useful.
         count = raw[0][0] if (raw and desc[0][0] == "Count" and isinstance(raw[0][0], int)) else 0
         return {"rows": [], "columns": [], "row_count": count}
-    return _fetch(con, [d[0] for d in desc], state)
+    return _fetch(con, [d[0] for d in desc], budget)
+
+
+def _connect(db_path: str | None, directories: list[str], memory_bytes: int | None) -> Any:
+    """A connection whose file access is off but for ``directories`` (locked: SQL cannot turn it back
+    on), extensions neither installed nor loaded on their own, memory bounded below the process limit."""
+    config: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+    if memory_bytes:
+        config["memory_limit"] = f"{max(64, memory_bytes * 3 // 4 // (1 << 20))}MB"
+    in_memory = not db_path or db_path == ":memory:"
+    con = duckdb.connect(":memory:" if in_memory else db_path, config=config)
+    try:
+        if directories:
+            quoted = ", ".join("'" + d.rstrip("/").replace("'", "''") + "/'" for d in directories)
+            con.execute(f"SET allowed_directories = [{quoted}]")
+            con.execute(f"SET temp_directory = '{directories[0].replace(chr(39), chr(39) * 2)}/.duckdb_tmp'")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def execute(req: dict, confined: bool = False) -> dict:
+    """In a task process: run one request ``{sql, params, db_path, max_result_bytes, directories,
+    memory_bytes}``; the answer ``{ok, result}`` or ``{ok: false, kind, message}``."""
+    db_path = req.get("db_path")
+    try:
+        con = _connect(db_path, [os.getcwd(), *(req.get("directories") or [])], req.get("memory_bytes"))
+    except duckdb.Error as e:
+        return _failure(e, confined)
+    try:
+        budget = ResultBudget("the rows fetched", req.get("max_result_bytes"))
+        return {"ok": True, "result": _run_statements(con, req["sql"], req.get("params"), budget)}
+    except ResultTooLarge as e:
+        return {"ok": False, "kind": "result_too_large", "size": e.size, "read": e.read}
+    except MemoryError:
+        return {"ok": False, "kind": "limit_exceeded", "limit": "task_max_memory_bytes", "message": "out of memory"}
+    except duckdb.OutOfMemoryException as e:
+        return {"ok": False, "kind": "limit_exceeded", "limit": "task_max_memory_bytes", "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - duckdb errors, parameters DuckDB cannot convert
+        return _failure(e, confined)
+    finally:
+        _close_quietly(con)
+
+
+def _failure(e: BaseException, confined: bool) -> dict:
+    if isinstance(e, duckdb.PermissionException) or (confined and isinstance(e, duckdb.IOException)
+                                                      and "Permission denied" in str(e)):
+        return {"ok": False, "kind": "sandbox", "message": f"refused by the sandbox (D33): {e} (a duckdb task reads "
+                                                           "and writes its scratch directory and the worker pool's "
+                                                           "data directories only)"}
+    if isinstance(e, duckdb.Error):
+        return {"ok": False, "kind": "duckdb_error", "message": str(e)}
+    return {"ok": False, "kind": "duckdb_error", "message": f"{type(e).__name__}: {e}"}
 
 
 class DuckdbTool:
@@ -218,77 +270,20 @@ class DuckdbTool:
 
     kind = "duckdb"
 
-    def __init__(self, *, keep_spare: bool = True) -> None:
-        self._keep_spare = keep_spare
-        self._lock = threading.Lock()
-        self._spares: list[Any] = []
-        self._refilling = False
-        self._executor: ThreadPoolExecutor | None = None
+    def __init__(self, sandbox: "Supervisor | None" = None) -> None:
+        if sandbox is None:
+            from ..sandbox.supervisor import Supervisor
 
-    # ---------------------------------------------------------------- in-memory databases, pre-opened
-
-    def _bg(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noetl-duckdb")
-        return self._executor
-
-    def _memory_connection(self) -> Any:
-        con = None
-        with self._lock:
-            if self._spares:
-                con = self._spares.pop()
-        if con is None:
-            con = duckdb.connect(":memory:")
-        if self._keep_spare:
-            self._refill()
-        return con
-
-    def _refill(self) -> None:
-        with self._lock:
-            if self._refilling or self._spares:
-                return
-            self._refilling = True
-
-        def make() -> None:
-            try:
-                c = duckdb.connect(":memory:")
-            except Exception:  # noqa: BLE001
-                c = None
-            with self._lock:
-                self._refilling = False
-                if c is not None:
-                    self._spares.append(c)
-
-        try:
-            self._bg().submit(make)
-        except RuntimeError:  # executor shut down
-            with self._lock:
-                self._refilling = False
-
-    def _dispose(self, con: Any, in_memory: bool) -> None:
-        if in_memory and self._keep_spare:
-            try:
-                self._bg().submit(_close_quietly, con)
-                return
-            except RuntimeError:
-                pass
-        _close_quietly(con)
-
-    # ------------------------------------------------------------------------------------------- run
-
-    def _execute(self, sql: str, params: Any, db_path: str | None, state: dict) -> dict:
-        in_memory = not db_path or db_path == ":memory:"
-        con = self._memory_connection() if in_memory else duckdb.connect(db_path)
-        state["con"] = con
-        try:
-            if state.get("interrupted"):
-                raise _Interrupted()
-            return _run_statements(con, sql, params, state)
-        finally:
-            state["con"] = None
-            self._dispose(con, in_memory)
+            sandbox = Supervisor()
+            self._own = True
+        else:
+            self._own = False
+        self.sandbox = sandbox
 
     async def run(self, task: dict, spec: dict, ctx: ToolContext) -> dict:
+        from ..sandbox.supervisor import SandboxUnavailable, TaskCrashed
+        from .python import sandbox_error
+
         sql = task.get("command")
         if sql is None:
             sql = task.get("query")
@@ -301,49 +296,33 @@ class DuckdbTool:
         if db_path is not None and not isinstance(db_path, str):
             return error("duckdb_error", f"'db_path' must be a string, got {type(db_path).__name__}")
         timeout = timeout_seconds(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
-        state: dict[str, Any] = {}
-        fut = asyncio.ensure_future(asyncio.to_thread(self._execute, sql, params, db_path, state))
+        values = limits.current()
+        request = {"sql": sql, "params": params, "db_path": db_path, "max_result_bytes": values.max_result_bytes,
+                   "directories": list(self.sandbox.policy.data_dirs), "memory_bytes": values.task_max_memory_bytes}
         try:
-            done, _ = await asyncio.wait((fut,), timeout=timeout)
-        except asyncio.CancelledError:
-            _interrupt(state)
-            raise
-        if not done:
-            _interrupt(state)
-            try:
-                await fut
-            except BaseException:  # noqa: BLE001 - the interrupted query's own error is not the story
-                pass
-            return error("timeout", f"duckdb task exceeded its timeout of {timeout:g}s (query interrupted)", True)
-        try:
-            return ok(fut.result())
+            answer = await self.sandbox.run("duckdb", request, timeout=timeout,
+                                            max_answer=values.max_result_bytes + 64 * 1024)
         except ResultTooLarge as e:
             return e.outcome(ctx)
-        except _Interrupted:
-            return error("timeout", "duckdb task interrupted", True)
-        except duckdb.Error as e:
-            return error("duckdb_error", str(e))
-        except Exception as e:  # noqa: BLE001 - e.g. parameters DuckDB cannot convert
-            return error("duckdb_error", f"{type(e).__name__}: {e}")
+        except TimeoutError:
+            return error("timeout", f"duckdb task exceeded its timeout of {timeout:g}s (process killed)", True)
+        except (SandboxUnavailable, TaskCrashed) as e:
+            return sandbox_error(e, "duckdb_error")
+        if answer.get("ok"):
+            return ok(answer.get("result"))
+        kind = answer.get("kind") or "duckdb_error"
+        if kind == "result_too_large":
+            return ResultTooLarge(answer.get("size"), answer.get("read")).outcome(ctx)
+        if kind == "limit_exceeded":
+            from .python import limit_message
+
+            return error(kind, limit_message(answer.get("limit") or "task_max_memory_bytes",
+                                             f"duckdb task: {answer.get('message')}"))
+        return error(kind, answer.get("message") or "")
 
     async def close(self) -> None:
-        ex, self._executor = self._executor, None
-        if ex is not None:
-            await asyncio.to_thread(ex.shutdown, True)
-        with self._lock:
-            spares, self._spares = self._spares, []
-        for c in spares:
-            _close_quietly(c)
-
-
-def _interrupt(state: dict) -> None:
-    state["interrupted"] = True
-    con = state.get("con")
-    if con is not None:
-        try:
-            con.interrupt()
-        except Exception:  # noqa: BLE001
-            pass
+        if self._own:
+            await self.sandbox.close()
 
 
 def _close_quietly(con: Any) -> None:
@@ -351,4 +330,3 @@ def _close_quietly(con: Any) -> None:
         con.close()
     except Exception:  # noqa: BLE001
         pass
-

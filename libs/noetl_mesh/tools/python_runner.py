@@ -1,18 +1,17 @@
-"""Child-process side of the python tool (D25): ``python -m noetl_mesh.tools.python_runner``.
+"""Inside a task process: the ``python`` tool's code runner (D25), called by :mod:`noetl_mesh.sandbox.task`.
 
-Protocol: newline-delimited JSON over the process's original stdin/stdout. At start the child writes
-``{"ready": true, "pid": N}``; then, for each request line ``{"code", "args", "filename",
-"max_stdout"}`` it writes exactly one response line:
+:func:`run` takes ``{"code", "args", "filename", "max_stdout"}`` and gives one answer:
 
 * ``{"ok": true, "result": ..., "stdout": "..."}``
-* ``{"ok": false, "exception_type": "ValueError", "message": "...", "traceback": "...", "stdout": "..."}``
+* ``{"ok": false, "exception_type": "ValueError", "message": "...", "traceback": "...", "stdout": "...",
+  "errno": N (an OSError), "sandbox": true (refused by the sandbox, D33)}``
 
-User code cannot corrupt the protocol: the protocol streams are private duplicates of fds 0 and 1;
-fd 0 is then pointed at /dev/null and fd 1 at stderr, and during user code ``sys.stdout`` is a bounded
-capture buffer (returned as ``stdout``) and ``sys.stdin`` is empty. One request at a time; the parent
-kills the process on timeout and replaces it after a crash or N requests.
+During the code ``sys.stdout`` is a bounded capture buffer (returned as ``stdout``) and ``sys.stdin`` is
+empty; the process's own descriptors 0-2 are /dev/null and a file in the task's scratch directory, so
+nothing the code writes can corrupt the answer, which goes to the task's socket. Each task process runs
+one request, in a fork of a fresh interpreter: nothing a task leaves behind reaches another.
 
-Only the standard library is imported here (the child must start fast).
+Only the standard library is imported here.
 """
 from __future__ import annotations
 
@@ -20,14 +19,10 @@ import builtins
 import inspect
 import io
 import json
-import os
-import signal
 import sys
 import traceback
 
 _TRACEBACK_LIMIT = 4000  # characters kept from the end of a traceback
-_CODE_CACHE: dict[tuple[str, str], object] = {}
-_CODE_CACHE_SIZE = 256
 
 
 class _Capture(io.TextIOBase):
@@ -61,17 +56,6 @@ class _Capture(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return "utf-8"
-
-
-def _compile(code: str, filename: str) -> object:
-    key = (code, filename)
-    obj = _CODE_CACHE.get(key)
-    if obj is None:
-        obj = compile(code, filename, "exec")
-        if len(_CODE_CACHE) >= _CODE_CACHE_SIZE:
-            _CODE_CACHE.clear()
-        _CODE_CACHE[key] = obj
-    return obj
 
 
 def _call_main(fn, args: dict):
@@ -125,7 +109,7 @@ def _user_traceback(exc: BaseException, filename: str) -> str:
     return text
 
 
-def _run(req: dict) -> dict:
+def run(req: dict, confined: bool = False) -> dict:
     code = req.get("code") or ""
     args = req.get("args") or {}
     filename = req.get("filename") or "<python task>"
@@ -137,14 +121,16 @@ def _run(req: dict) -> dict:
         g: dict = {"__name__": "__noetl_task__", "__builtins__": builtins}
         g.update(args)
         try:
-            exec(_compile(code, filename), g)  # noqa: S102 - running user code is this tool's job
+            exec(compile(code, filename, "exec"), g)  # noqa: S102 - running user code is this tool's job
             fn = g.get("main")
             if callable(fn) and fn is not args.get("main"):
                 result = _call_main(fn, args)
             else:
                 result = g.get("result")
         except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are user errors too
-            return {
+            from noetl_mesh.sandbox.task import sandbox_refusal
+
+            out = {
                 "ok": False,
                 "exception_type": type(e).__name__,
                 "message": _safe_str(e),
@@ -152,12 +138,19 @@ def _run(req: dict) -> dict:
                 "stdout": cap.getvalue(),
                 "stdout_truncated": cap.truncated,
             }
+            if isinstance(e, OSError) and e.errno is not None:
+                out["errno"] = e.errno
+            if sandbox_refusal(e, confined):
+                out["sandbox"] = True
+            if isinstance(e, MemoryError):
+                out["limit"] = "task_max_memory_bytes"
+            return out
     finally:
         sys.stdout, sys.stdin = saved_out, saved_in
     return {"ok": True, "result": result, "stdout": cap.getvalue(), "stdout_truncated": cap.truncated}
 
 
-def _encode(resp: dict) -> bytes:
+def encode(resp: dict) -> bytes:
     try:
         return json.dumps(resp, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     except (TypeError, ValueError, RecursionError) as e:
@@ -174,44 +167,3 @@ def _encode(resp: dict) -> bytes:
             "not_json": True,
         }
         return json.dumps(bad, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so a hung child never outlives the worker."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-def main() -> None:
-    # Interrupts are the parent's business (it kills or recycles this process).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    proto_in = os.fdopen(os.dup(0), "rb", buffering=1 << 16)
-    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    os.dup2(2, 1)  # stray writes to fd 1 (C extensions, subprocesses) go to stderr
-    proto_out.write(json.dumps({"ready": True, "pid": os.getpid()}).encode() + b"\n")
-    while True:
-        line = proto_in.readline()
-        if not line:
-            return  # parent closed stdin: exit quietly
-        try:
-            req = json.loads(line)
-        except ValueError as e:
-            resp = {"ok": False, "exception_type": "ProtocolError", "message": str(e), "traceback": "", "stdout": ""}
-        else:
-            resp = _run(req)
-        proto_out.write(_encode(resp) + b"\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,95 @@
+"""Confining a process (D33): capabilities, Landlock, seccomp and resource limits, in that order.
+
+The fork server confines itself once (:func:`server`); each task process, forked from it, adds its own
+layer (:func:`task`): its own scratch directory instead of the scratch root, no new processes or
+programs, signals to itself only, and its resource limits. Both run while the process has one thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+from collections.abc import Iterable, Mapping
+
+from . import landlock, seccomp
+
+__all__ = ["server", "task", "set_limits", "drop_capabilities"]
+
+_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_PDEATHSIG = 38, 24, 1
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent() -> None:
+    """SIGKILL when the parent dies, so nothing sandboxed outlives the process that started it."""
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def drop_capabilities() -> None:
+    """A process running as root keeps uid 0 but loses every capability (bounding set included): it
+    cannot override file permissions, kill other users' processes, mount, trace..."""
+    libc = _libc()
+    for cap in range(64):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the kernel's last capability (EINVAL)
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable, twice (64 bits): all zero
+    if libc.capset(header, data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"capset: {os.strerror(e)}")
+
+
+def _no_new_privs() -> None:
+    if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
+
+
+def _layer(read: Iterable[str], write: Iterable[str], network: bool, task_pid: int | None) -> int:
+    paths = [(p, landlock.READ) for p in read] + [(p, landlock.WRITE) for p in write]
+    paths += [("/dev/null", landlock.READ | landlock.WRITE_FILE)]
+    version = landlock.restrict(paths, network=network)
+    seccomp.install(seccomp.program(task_pid=task_pid, network=network))
+    return version
+
+
+def server(read: Iterable[str], write: Iterable[str], *, network: bool) -> int:
+    """The fork server's layer: returns the Landlock ABI version in force. Raises OSError (or
+    :class:`landlock.LandlockError`, :class:`seccomp.SeccompError`) when any part cannot be set."""
+    if os.geteuid() == 0:
+        drop_capabilities()
+    _no_new_privs()
+    return _layer(read, write, network, None)
+
+
+def task(read: Iterable[str], write: Iterable[str], *, network: bool) -> None:
+    """A task process's own layer (on top of the server's)."""
+    _layer(read, write, network, os.getpid())
+
+
+# resource -> the limit's name (limits.py) that sets it
+RLIMITS = {
+    "task_max_memory_bytes": resource.RLIMIT_DATA,
+    "task_max_cpu_seconds": resource.RLIMIT_CPU,
+    "task_max_open_files": resource.RLIMIT_NOFILE,
+    "task_max_file_bytes": resource.RLIMIT_FSIZE,
+}
+
+
+def set_limits(values: Mapping[str, int]) -> None:
+    """Resource limits of a task process: memory (data segment and private mappings: what Python,
+    NumPy and DuckDB allocate), CPU time (SIGXCPU, then SIGKILL 2 s later), open files, and the size of
+    a file it writes (the write fails: SIGXFSZ is ignored). No core files."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    for name, which in RLIMITS.items():
+        value = int(values[name])
+        hard = value + 2 if which == resource.RLIMIT_CPU else value
+        soft_now, hard_now = resource.getrlimit(which)
+        if hard_now != resource.RLIM_INFINITY:
+            hard = min(hard, hard_now)
+        resource.setrlimit(which, (min(value, hard), hard))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -1,0 +1,302 @@
+"""The sandbox's fork server (D33): ``python -I -m noetl_mesh.sandbox.forkserver FD``.
+
+Started by the worker (:mod:`.supervisor`) with a clean environment and one inherited descriptor, a
+``SOCK_SEQPACKET`` control socket. Its first message is the configuration; the server then confines
+itself once (capabilities dropped, Landlock: the Python installation read-only, the scratch root and the
+pool's data directories writable, nothing else; seccomp), imports what tasks use (the python runner,
+DuckDB), and answers ``{"ready": true, "landlock": ABI}`` (or ``{"ready": false, "error"}``).
+
+Then, for each ``{"op": "run", "id", "kind"}`` carrying one descriptor (the task's end of a socket pair),
+it makes the task's scratch directory, forks, and answers ``{"id", "pid"}``. The task process (a copy of
+the server: a fork costs ~2 ms where starting an interpreter costs ~25) closes every other descriptor,
+adds its own confinement layer, reads its request from the socket, runs it, writes one answer line and
+exits. ``{"op": "kill", "id"}`` kills it. When a task process ends the server answers ``{"id", "exit",
+"stderr"}`` (the exit status as ``os.waitstatus_to_exitcode`` gives it, and the end of what it wrote to
+its standard error) and removes its scratch directory. End of file on the control socket: the server
+kills what runs and exits; it also dies with the worker (``PR_SET_PDEATHSIG``).
+
+Only the standard library is imported before confinement.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import sys
+import tempfile
+
+STDERR_TAIL = 4096  # bytes of a task's standard error sent back with its exit
+_MAX_MESSAGE = 1 << 20
+
+
+def _send(ctl: socket.socket, message: dict) -> None:
+    try:
+        ctl.send(json.dumps(message).encode())
+    except OSError:
+        pass  # the worker is gone: the parent-death signal ends us
+
+
+def _rmtree(path: str) -> None:
+    """Remove a scratch directory, whatever modes the task left on it."""
+    def fix(func, p, exc):  # noqa: ARG001
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+    shutil.rmtree(path, onerror=fix)
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - STDERR_TAIL))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+class Server:
+    """Keeps ``spare`` task processes forked and confined ahead of need; hands each request to one."""
+
+    def __init__(self, ctl: socket.socket, config: dict) -> None:
+        self.ctl, self.config = ctl, config
+        self.root: str = config["scratch_root"]
+        self.spare_count = max(0, int(config.get("spare", 2)))
+        self.spares: list[tuple[int, socket.socket, str]] = []  # (pid, its channel, scratch) ready to run
+        self.children: dict[int, tuple[int | None, str]] = {}  # pid -> (task id or None while spare, scratch)
+        self.by_id: dict[int, int] = {}  # task id -> pid
+        self.serial = 0
+        self.failures = 0  # spares that died unused in a row (a confinement that fails in every fork)
+
+    def serve(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        poll = select.poll()
+        poll.register(self.ctl.fileno(), select.POLLIN)
+        poll.register(wake_r, select.POLLIN)
+        try:
+            self._top_up()
+            while True:
+                for fd, _ in poll.poll():
+                    if fd == wake_r:
+                        os.read(wake_r, 4096)
+                    elif not self._message():
+                        return
+                self._reap()
+                self._top_up()
+        finally:
+            for pid in list(self.children):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            while self.children:
+                self._reap(block=True)
+
+    def _message(self) -> bool:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.ctl, _MAX_MESSAGE, 4)
+        except InterruptedError:
+            return True
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return False
+        request = json.loads(data)
+        if request.get("op") == "run" and len(fds) == 1:
+            self._run(request, fds[0])
+        elif request.get("op") == "kill":
+            pid = self.by_id.get(request.get("id"))
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        else:
+            for fd in fds:
+                os.close(fd)
+        return True
+
+    def _fork(self) -> tuple[int, socket.socket, str] | None:
+        """A new spare: forked, set up and confined, waiting on its channel for a request."""
+        self.serial += 1
+        scratch = os.path.join(self.root, f"t{self.serial}")
+        try:
+            os.mkdir(scratch, 0o700)
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            _rmtree(scratch)
+            _send(self.ctl, {"warning": f"cannot prepare a task process: {e}"})
+            return None
+        try:
+            pid = os.fork()
+        except OSError as e:
+            mine.close()
+            theirs.close()
+            _rmtree(scratch)
+            _send(self.ctl, {"warning": f"cannot start a task process: {e}"})
+            return None
+        if pid == 0:
+            code = 70
+            try:
+                mine.close()
+                _task_process(self.config, theirs, scratch, self.ctl.fileno())
+                code = 0
+            except BaseException:  # noqa: BLE001 - what went wrong is on its standard error
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.children[pid] = (None, scratch)
+        return pid, mine, scratch
+
+    def _top_up(self) -> None:
+        while len(self.spares) < self.spare_count and self.failures < 3:
+            spare = self._fork()
+            if spare is None:
+                return
+            self.spares.append(spare)
+
+    def _run(self, request: dict, fd: int) -> None:
+        task_id = int(request["id"])
+        try:
+            while True:
+                spare = self.spares.pop(0) if self.spares else self._fork()
+                if spare is None:
+                    _send(self.ctl, {"id": task_id, "error": "cannot start a task process (see the warnings)"})
+                    return
+                pid, chan, scratch = spare
+                try:
+                    socket.send_fds(chan, [json.dumps({"kind": request.get("kind"), "id": task_id}).encode()], [fd])
+                except OSError:  # it died while waiting: its exit is reaped as a spare's
+                    chan.close()
+                    continue
+                chan.close()
+                self.children[pid] = (task_id, scratch)
+                self.by_id[task_id] = pid
+                _send(self.ctl, {"id": task_id, "pid": pid})
+                return
+        finally:
+            os.close(fd)
+
+    def _reap(self, block: bool = False) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                return
+            except InterruptedError:
+                continue
+            if pid == 0:
+                return
+            task_id, scratch = self.children.pop(pid, (None, ""))
+            tail = _tail(os.path.join(scratch, ".stderr")) if scratch else ""
+            if scratch:
+                _rmtree(scratch)
+            if task_id is None:  # a spare that died unused
+                for i, spare in enumerate(self.spares):
+                    if spare[0] == pid:
+                        self.spares.pop(i)[1].close()
+                        break
+                self.failures += 1
+                _send(self.ctl, {"warning": f"a task process died before it was used "
+                                            f"(status {os.waitstatus_to_exitcode(status)}): {tail[-2000:]}"})
+            else:
+                self.failures = 0
+                self.by_id.pop(task_id, None)
+                _send(self.ctl, {"id": task_id, "exit": os.waitstatus_to_exitcode(status), "stderr": tail})
+            if block:
+                return
+
+
+def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int) -> None:
+    """In a forked task process: isolate and confine, wait for a request, run it, answer."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    keep = chan.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    os.setpgid(0, 0)
+    from . import confine
+
+    confine.die_with_parent()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    err = os.open(os.path.join(scratch, ".stderr"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(err, 1)
+    os.dup2(err, 2)
+    os.close(err)
+    os.chdir(scratch)
+    os.environ.clear()
+    os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
+                       "PYTHONIOENCODING": "utf-8"})
+    tempfile.tempdir = scratch
+    confine.set_limits(config["limits"])
+    if config["confine"]:
+        confine.task([*config["read"], "/proc/self"], [scratch, *config["data_dirs"]], network=config["network"])
+    data, fds, _, _ = socket.recv_fds(chan, _MAX_MESSAGE, 1)
+    chan.close()
+    if not data or len(fds) != 1:
+        return  # the server is going away
+    request = json.loads(data)
+    from . import task
+
+    task.serve(socket.socket(fileno=fds[0]), request.get("kind"), config)
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
+        print("usage: python -I -m noetl_mesh.sandbox.forkserver FD (started by a worker)", file=sys.stderr)
+        raise SystemExit(2)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    ctl.setblocking(True)
+    from . import confine
+
+    confine.die_with_parent()
+    config = json.loads(ctl.recv(_MAX_MESSAGE))
+    os.umask(0o077)
+    abi = 0
+    if config["confine"]:
+        try:
+            st = os.stat(config["scratch_root"])
+            if not stat.S_ISDIR(st.st_mode):
+                raise OSError(errno.ENOTDIR, f"{config['scratch_root']} is not a directory")
+            # /proc: each task process narrows it to /proc/self (its own) in its layer
+            abi = confine.server([*config["read"], "/proc"], [config["scratch_root"], *config["data_dirs"]],
+                                 network=config["network"])
+        except Exception as e:  # noqa: BLE001 - said to the worker, which refuses user code
+            _send(ctl, {"ready": False, "error": f"{type(e).__name__}: {e}"})
+            return
+    preloaded, failed = [], {}
+    for module in config.get("preload") or ():
+        try:
+            __import__(module)
+            preloaded.append(module)
+        except Exception as e:  # noqa: BLE001 - the task that needs it reports the error
+            failed[module] = f"{type(e).__name__}: {e}"
+    from . import task  # noqa: F401,F811 - imported once here, not in every task
+
+    _send(ctl, {"ready": True, "landlock": abi, "pid": os.getpid(), "preloaded": preloaded, "failed": failed})
+    Server(ctl, config).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Sandboxed tasks (D33) on this machine's kernel: what a python or duckdb task can no longer reach,
+the limits that stop it, and that the worker carries on. Real processes, Landlock and seccomp; no
+NATS or Postgres (the stack-level tests are in tests/integration/test_sandbox_stack.py)."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+from noetl_mesh import limits
+from noetl_mesh.sandbox import landlock, seccomp
+from noetl_mesh.sandbox.policy import Policy
+from noetl_mesh.sandbox.supervisor import Supervisor, read_paths
+from noetl_mesh.tools.base import ToolContext
+from noetl_mesh.tools.duckdb import DuckdbTool
+from noetl_mesh.tools.python import PythonTool
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def ctx(timeout=None) -> ToolContext:
+    return ToolContext(execution_id="e1", step="s", task_name="t", timeout=timeout)
+
+
+def run_tasks(calls, *, policy: Policy | None = None, secret_paths=(), kind: str = "python"):
+    """Run ``(task, spec)`` calls in order with one sandbox; their outcomes."""
+    sandbox = Supervisor(policy or Policy(), secret_paths=secret_paths)
+    tool = PythonTool(sandbox) if kind == "python" else DuckdbTool(sandbox)
+
+    async def main():
+        try:
+            return [await tool.run(task, spec, ctx(spec.get("timeout"))) for task, spec in calls]
+        finally:
+            await sandbox.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def secrets(tmp_path, monkeypatch):
+    """A stand-in for a stack's home: a credentials folder with a seed and a token, and a marker in the
+    worker's environment."""
+    home = tmp_path / "home"
+    (home / "nats-creds").mkdir(parents=True)
+    (home / "nats-creds" / "admin.nk").write_text("SUAAAASECRETSEED\n")
+    (home / "admin.token").write_text("noetl_token_secret\n")
+    monkeypatch.setenv("NOETL_TEST_SECRET_MARKER", "marker-value-42")
+    return home
+
+
+def test_a_python_task_reads_nothing_of_the_worker(secrets):
+    calls = [
+        {"code": "import os\nresult = open(f'/proc/{os.getppid()}/cmdline').read()"},
+        {"code": "result = open('/proc/1/environ').read()"},
+        {"code": f"import os\nresult = os.listdir({str(secrets / 'nats-creds')!r})"},
+        {"code": f"result = open({str(secrets / 'nats-creds' / 'admin.nk')!r}).read()"},
+        {"code": f"result = open({str(secrets / 'admin.token')!r}).read()"},
+        {"code": "result = open('/etc/passwd').read()"},
+        {"code": "import socket\nsocket.create_connection(('127.0.0.1', 4222), timeout=2)"},
+        {"code": "import os\nos.kill(os.getppid(), 9)"},
+    ]
+    outs = run_tasks([(c, {}) for c in calls], secret_paths=[str(secrets)])
+    for call, out in zip(calls, outs):
+        assert out["status"] == "error", (call, out)
+        assert out["error"]["kind"] == "sandbox", (call, out["error"])
+        assert "D33" in out["error"]["message"]
+        assert out["result"] is None
+        text = repr(out)
+        assert "SECRETSEED" not in text and "noetl_token_secret" not in text and "marker-value" not in text
+    env = run_tasks([({"code": "import os\nresult = dict(os.environ)"}, {})])[0]
+    assert env["status"] == "ok"
+    assert set(env["result"]) == {"HOME", "TMPDIR", "PATH", "LANG", "PYTHONIOENCODING"}  # a clean environment
+    assert "NOETL_TEST_SECRET_MARKER" in os.environ
+
+
+def test_a_trusted_pool_runs_user_code_unconfined(secrets):
+    """The same reads succeed with the sandbox off: the sandbox, not an accident, stopped them above."""
+    out, = run_tasks([({"code": f"result = open({str(secrets / 'admin.token')!r}).read()"}, {})],
+                     policy=Policy(enabled=False))
+    assert out["status"] == "ok" and out["result"] == "noetl_token_secret\n"
+
+
+def test_a_duckdb_task_reads_no_file_outside_its_scratch(secrets, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.csv").write_text("a,b\n1,2\n")
+    calls = [
+        {"command": "select * from read_csv('/etc/passwd')"},
+        {"command": f"select * from read_text({str(secrets / 'nats-creds' / 'admin.nk')!r})"},
+        {"command": "select * from read_text('/proc/self/environ')"},
+        {"command": f"attach {str(secrets / 'x.duckdb')!r}"},
+        {"command": "set enable_external_access = true"},
+        {"command": "select 1", "db_path": str(secrets / "y.duckdb")},
+    ]
+    outs = run_tasks([(c, {}) for c in calls], policy=Policy(data_dirs=(str(data),)), secret_paths=[str(secrets)],
+                     kind="duckdb")
+    for call, out in zip(calls, outs):
+        assert out["status"] == "error", (call, out)
+        assert out["error"]["kind"] in ("sandbox", "duckdb_error"), (call, out["error"])
+        assert "SECRETSEED" not in repr(out)
+    assert [o["error"]["kind"] for o in outs[:2]] == ["sandbox", "sandbox"]
+    assert not (secrets / "x.duckdb").exists() and not (secrets / "y.duckdb").exists()
+    # what it may use: its scratch directory, the pool's data directories
+    good = run_tasks([({"command": f"select * from read_csv({str(data / 'ok.csv')!r})"}, {}),
+                      ({"command": "copy (select 42 as x) to 'mine.csv'; select * from read_csv('mine.csv')"}, {}),
+                      ({"command": "create table t as select 1 as a", "db_path": str(data / "keep.duckdb")}, {})],
+                     policy=Policy(data_dirs=(str(data),)), kind="duckdb")
+    assert [o["status"] for o in good] == ["ok", "ok", "ok"], good
+    assert good[0]["result"]["rows"] == [{"a": 1, "b": 2}]
+    assert good[1]["result"]["rows"] == [{"x": 42}]
+    assert (data / "keep.duckdb").exists()
+
+
+def test_limits_stop_a_fork_bomb_a_huge_allocation_and_a_spinning_loop():
+    with limits.override(task_max_cpu_seconds=1, task_max_memory_bytes=512 * 1024 * 1024):
+        fork, alloc, spin, proc, after = run_tasks([
+            ({"code": "import os\nwhile True:\n    os.fork()"}, {}),
+            ({"code": "x = bytearray(4 * 1024 ** 3)"}, {}),
+            ({"code": "while True:\n    pass"}, {"timeout": 60}),
+            ({"code": "import subprocess\nsubprocess.run(['sh', '-c', 'echo hi'])"}, {}),
+            ({"code": "result = 'still here'"}, {}),
+        ])
+    assert fork["error"]["kind"] == "sandbox" and "one process" in fork["error"]["message"]
+    assert alloc["error"]["kind"] == "limit_exceeded" and "task_max_memory_bytes" in alloc["error"]["message"]
+    assert spin["error"]["kind"] == "limit_exceeded" and "task_max_cpu_seconds" in spin["error"]["message"]
+    assert proc["error"]["kind"] == "sandbox"
+    assert after["status"] == "ok" and after["result"] == "still here"
+
+
+def test_a_task_cannot_write_outside_its_scratch_which_is_gone_afterwards(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    first, second, third = run_tasks([
+        ({"code": "import os\nopen('kept.txt', 'w').write('x')\nresult = os.getcwd()"}, {}),
+        ({"code": f"open({str(outside / 'x.txt')!r}, 'w').write('x')"}, {}),
+        ({"code": "import os\nresult = [os.getcwd(), sorted(os.listdir('.'))]"}, {}),
+    ])
+    assert first["status"] == "ok"
+    assert not os.path.exists(first["result"])  # removed with the task
+    assert second["error"]["kind"] == "sandbox" and not (outside / "x.txt").exists()
+    assert third["result"][0] != first["result"] and "kept.txt" not in third["result"][1]
+
+
+def test_a_sandbox_that_cannot_hold_refuses_user_code_and_says_why():
+    """A secret inside what tasks may read (here: site-packages) makes the sandbox refuse, not run."""
+    site_dir = next(p for p in read_paths(Policy()) if p.endswith("site-packages"))
+    out, = run_tasks([({"code": "result = 1"}, {})], secret_paths=[os.path.join(site_dir, "secret.nk")])
+    assert out["status"] == "error" and out["error"]["kind"] == "sandbox"
+    assert "cannot sandbox" in out["error"]["message"] and "secret.nk" in out["error"]["message"]
+    sup = Supervisor(Policy(), secret_paths=[os.path.join(site_dir, "secret.nk")])
+    asyncio.run(sup.start())
+    assert sup.describe().startswith("sandbox UNAVAILABLE") and "NOETL_SANDBOX=off" in sup.describe()
+
+
+def test_the_view_never_holds_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    view = read_paths(Policy())
+    assert str(tmp_path) not in view and "" not in view
+    assert not any(p == "/" for p in view)
+
+
+# ------------------------------------------------------------------------------ the kernel layers
+
+
+def _in_child(fn) -> int:
+    """Run ``fn`` in a forked child; its exit status (0 when fn returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if fn() else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_the_system_call_filter_refuses_what_it_lists_and_keeps_threads():
+    def body() -> bool:
+        seccomp.install(seccomp.program(task_pid=os.getpid(), network=False))
+        results = []
+        for attempt in (lambda: socket.socket(socket.AF_INET), lambda: socket.socket(socket.AF_UNIX),
+                        lambda: os.fork(), lambda: os.kill(os.getppid(), 0), lambda: os.chmod("/tmp", 0o777)):
+            try:
+                attempt()
+                results.append(False)
+            except PermissionError:
+                results.append(True)
+        a, b = socket.socketpair()  # pipes and socket pairs stay
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+        os.kill(os.getpid(), 0)  # itself
+        return all(results)
+
+    assert _in_child(body) == 0
+
+
+def test_the_filter_opens_inet_sockets_only_when_the_network_is_open():
+    def body() -> bool:
+        seccomp.install(seccomp.program(task_pid=os.getpid(), network=True))
+        socket.socket(socket.AF_INET).close()
+        socket.socket(socket.AF_INET6).close()
+        try:
+            socket.socket(socket.AF_UNIX)
+            return False
+        except PermissionError:
+            return True
+
+    assert _in_child(body) == 0
+
+
+def test_the_filter_program_is_well_formed_for_both_machines():
+    for machine in ("x86_64", "aarch64"):
+        for pid in (None, 1234):
+            code = seccomp.program(task_pid=pid, network=False, machine=machine)
+            assert len(code) % 8 == 0 and 0 < len(code) // 8 < 4096
+            last = struct.unpack("<HBBI", code[-8:])
+            assert last == (0x06, 0, 0, 0x7FFF0000)  # ends by allowing what it did not refuse
+    with pytest.raises(seccomp.SeccompError):
+        seccomp.program(task_pid=None, network=False, machine="riscv64")
+
+
+def test_landlock_hides_everything_but_the_listed_paths(tmp_path):
+    if landlock.abi() < 1:
+        pytest.fail("this kernel has no Landlock: the sandbox cannot work here")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "f").write_text("ok")
+    (tmp_path / "hidden").write_text("secret")
+
+    def body() -> bool:
+        ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)
+        landlock.restrict([(str(allowed), landlock.READ)], network=False)
+        if open(allowed / "f").read() != "ok":
+            return False
+        for path in (tmp_path / "hidden", "/etc/hostname"):
+            try:
+                open(path).read()
+                return False
+            except PermissionError:
+                pass
+        try:
+            open(allowed / "new", "w")
+            return False
+        except PermissionError:
+            return True
+
+    assert _in_child(body) == 0
