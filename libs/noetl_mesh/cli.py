@@ -740,7 +740,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: bool, lock: "HomeLock") -> None:
-    from .stack import topology
+    from .stack import shown_dsn, topology
 
     if args.in_process:
         from .infra import logs
@@ -759,7 +759,7 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
         print(f"  gateway: {url} (web console at {url}/ui, OpenAPI docs at {url}/docs)", flush=True)
         print(f"  NATS: {stack.settings.nats_url} (monitoring: {monitoring or 'not known: an external server'})",
               flush=True)
-        print(f"  Postgres: {stack.settings.pg_dsn}", flush=True)
+        print(f"  Postgres: {shown_dsn(stack.settings.pg_dsn)}", flush=True)
         print(f"  services: {', '.join(f'{n} x{c}' if c > 1 else n for n, c in replicas.items())} "
               f"({'in this process' if args.in_process else f'one process each, logs in {home}'}); "
               "see them with `noetl ps`", flush=True)
@@ -771,7 +771,7 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
         pids = {"nats-server": servers.nats.pid, "postgres": servers.pg.pid}
         pids.update({key: proc.pid for key, proc in getattr(stack, "procs", {}).items()})
         lock.record({"pid": os.getpid(), "home": home, "gateway": url, "nats": stack.settings.nats_url,
-                     "nats_monitoring": monitoring, "metrics": metrics_urls, "postgres": stack.settings.pg_dsn,
+                     "nats_monitoring": monitoring, "metrics": metrics_urls, "postgres": shown_dsn(stack.settings.pg_dsn),
                      "replicas": replicas, "pids": {k: v for k, v in pids.items() if v}})
         stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first, home)
         await asyncio.Event().wait()  # until a signal cancels this
@@ -1307,7 +1307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
     p.add_argument("--nats-creds", metavar="FILE",
                    help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
-    p.add_argument("--pg-dsn", metavar="DSN", help="Postgres, for the event-recorder (default: NOETL_PG_DSN)")
+    p.add_argument("--pg-dsn", metavar="DSN", help="Postgres, for the event-recorder (default: NOETL_PG_DSN, "
+                   "which keeps a password off the command line other users can read)")
     p.add_argument("--pool", default="default", help="worker: the pool whose commands it takes")
     p.add_argument("--concurrency", type=int, default=8, help="worker: commands run at once")
     p.add_argument("--ack-wait", type=float, default=30.0, metavar="SECONDS",

@@ -24,6 +24,7 @@ CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator", "s
 ALL_SERVICES = (*CONTROL_PLANE, "sessions", "worker", "gateway")
 
 
+NEEDS_POSTGRES = ("event-recorder",)  # the services given the Postgres connection string
 SCALABLE = ("event-recorder", "admission", "router", "loop-coordinator", "scheduler", "sessions", "worker")  # any number of replicas
 MAX_REPLICAS = 64  # per service in one stack runner
 
@@ -300,6 +301,21 @@ async def bootstrap(settings: Settings, token_file: str | None = None, username:
     return None
 
 
+def shown_dsn(dsn: str | None) -> str | None:
+    """A connection string fit to print: its password replaced by ``***``."""
+    if not dsn:
+        return dsn
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        parts = conninfo_to_dict(dsn)
+    except Exception:  # noqa: BLE001 - not a DSN psycopg reads: show nothing of it
+        return "(a connection string)"
+    if parts.get("password"):
+        parts["password"] = "***"
+    return make_conninfo(**parts)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -331,8 +347,10 @@ class ProcessStack:
         args = [sys.executable, "-m", "noetl_mesh.cli", "service", name, "--nats-url", s.nats_url]
         if s.nats_creds:
             args += ["--nats-creds", s.creds_for(name)]  # each service its own user
-        if s.pg_dsn:
-            args += ["--pg-dsn", s.pg_dsn]
+        env = dict(os.environ)
+        env.pop("NOETL_PG_DSN", None)
+        if s.pg_dsn and name in NEEDS_POSTGRES:  # in its environment: a command line is every user's to read
+            env["NOETL_PG_DSN"] = s.pg_dsn
         if name == "worker":
             args += ["--pool", s.pool, "--concurrency", str(s.concurrency), "--ack-wait", str(s.ack_wait)]
         if name == "gateway":
@@ -347,7 +365,7 @@ class ProcessStack:
         if s.log_format:
             args += ["--log-format", s.log_format]
         out = open(os.path.join(self.log_dir, f"{key}.log"), "ab") if self.log_dir else subprocess.DEVNULL
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own descriptor
         self.procs[key] = proc

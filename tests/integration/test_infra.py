@@ -290,6 +290,48 @@ def test_a_template_directory_others_can_write_is_not_used(shared_tmp_dir: Path,
     assert "not a private directory" in caplog.text
 
 
+def _refused_without_password(pg: EmbeddedPostgres) -> bool:
+    try:
+        psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=postgres connect_timeout=5").close()
+    except psycopg.OperationalError as e:
+        return "password" in str(e)
+    return False
+
+
+def test_an_embedded_postgres_asks_every_client_for_its_own_password(shared_tmp_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task, or another user of the machine, that reaches 127.0.0.1 does not get the event log: the
+    superuser has a random password per cluster (throw-away copies of the template included)."""
+    _copies(monkeypatch, shared_tmp_dir)
+    passwords = []
+    for _ in range(2):
+        with EmbeddedPostgres(fast=True) as pg:
+            assert _refused_without_password(pg)
+            assert conninfo_to_dict(pg.dsn())["password"] == pg.password
+            with psycopg.connect(pg.dsn()) as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+            passwords.append(pg.password)
+            stored = pg.data_dir / "noetl-superuser-password"
+            assert stored.stat().st_mode & 0o077 == 0
+    assert passwords[0] != passwords[1]  # each copy of the template its own
+
+
+def test_a_cluster_that_trusted_local_connections_asks_for_a_password_after_a_restart(shared_tmp_dir: Path) -> None:
+    data_dir = shared_tmp_dir / "oldpg"
+    with EmbeddedPostgres(data_dir, fast=True) as pg:  # made by this version, then turned into an older one's
+        password = pg.password
+    hba = data_dir / "pg_hba.conf"
+    hba.write_text(hba.read_text().replace("scram-sha-256", "trust"))
+    (data_dir / "noetl-superuser-password").unlink()
+    with EmbeddedPostgres(data_dir, fast=True) as pg:
+        assert pg.password and pg.password != password
+        assert _refused_without_password(pg)
+        assert "trust" not in "".join(line for line in hba.read_text().splitlines() if not line.startswith("#"))
+    with EmbeddedPostgres(data_dir, fast=True) as pg:  # and again: the password kept is the one in use
+        with psycopg.connect(pg.dsn()) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
 def test_postgres_failure_reports_command_and_log(pg_server: PostgresServer) -> None:
     """A second cluster on a taken port must fail loudly, not talk to the first one."""
     assert isinstance(pg_server, EmbeddedPostgres), "needs an embedded session server"

@@ -640,7 +640,16 @@ class _PgAdmin:
             conn.execute(query)
 
 
-_INITDB_ARGS = ("--auth=trust", "--encoding=UTF8", "--locale=C")
+_INITDB_ARGS = ("--auth=scram-sha-256", "--encoding=UTF8", "--locale=C")
+# The superuser's password, beside the cluster (mode 0600, the server's user): a random one per cluster,
+# so nothing on the machine that lacks it — another user, a task that reached loopback — gets in.
+_PASSWORD_FILE = "noetl-superuser-password"
+
+
+def _new_password() -> str:
+    import secrets
+
+    return secrets.token_urlsafe(24)
 
 
 def _copy_template(template: Path | None, data_dir: Path) -> bool:
@@ -658,7 +667,8 @@ def _copy_template(template: Path | None, data_dir: Path) -> bool:
 
 
 class EmbeddedPostgres(_PgAdmin):
-    """A ``postgres`` child process on 127.0.0.1 (trust auth, superuser ``postgres``).
+    """A ``postgres`` child process on 127.0.0.1 (superuser ``postgres`` with a random password of its
+    own, scram-sha-256; see :data:`_PASSWORD_FILE`).
 
     ``data_dir=None`` uses a temp cluster removed on stop; a given directory is
     initialised once and reused. ``fast=True`` turns off fsync and friends and puts
@@ -695,6 +705,7 @@ class EmbeddedPostgres(_PgAdmin):
         self.data_dir: Path | None = None
         self.log_path: Path | None = None
         self.port: int | None = None
+        self.password: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -704,7 +715,8 @@ class EmbeddedPostgres(_PgAdmin):
         """libpq connection string for ``dbname``."""
         if self.port is None:
             raise InfraError("EmbeddedPostgres is not started")
-        return make_conninfo(host="127.0.0.1", port=self.port, user=_PG_SUPERUSER, dbname=dbname)
+        extra = {"password": self.password} if self.password else {}
+        return make_conninfo(host="127.0.0.1", port=self.port, user=_PG_SUPERUSER, dbname=dbname, **extra)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -714,7 +726,9 @@ class EmbeddedPostgres(_PgAdmin):
             return self
         try:
             self._prepare()
+            self._must_secure = False
             self._initdb()
+            self.password = self._read_password()
             attempts = 1 if self._requested_port else 3
             for attempt in range(1, attempts + 1):
                 try:
@@ -725,6 +739,8 @@ class EmbeddedPostgres(_PgAdmin):
                         raise
                     log.info("postgres port %s was taken, retrying", self.port)
                     self._stop_process()
+            if self._must_secure:
+                self._secure()
         except BaseException:
             self.stop()
             raise
@@ -764,8 +780,10 @@ class EmbeddedPostgres(_PgAdmin):
                 raise InfraError(
                     f"{self.data_dir} holds a Postgres {have} cluster but {self.bin_dir} is Postgres {want}"
                 )
+            self._must_secure = not (self.data_dir / _PASSWORD_FILE).exists()  # an earlier version's
             return
         if self.fast and self._tmp_root is not None and _copy_template(self._template(), self.data_dir):
+            self._must_secure = True  # the template's password: replaced once it runs
             return  # a throw-away cluster: a copy of the one initdb made before (~10x faster)
         self._run_initdb(self.data_dir)
 
@@ -806,17 +824,67 @@ class EmbeddedPostgres(_PgAdmin):
             return None
 
     def _run_initdb(self, data_dir: Path) -> None:
+        """initdb, the superuser's password read from a file in a private directory of the server's user
+        (removed at once; never an argument another user could read), then kept in the cluster's
+        directory, mode 0600."""
         assert self.bin_dir is not None
-        cmd = [str(self.bin_dir / "initdb"), "-D", str(data_dir), "-U", _PG_SUPERUSER, *_INITDB_ARGS]
-        if self.fast:
-            cmd.append("--no-sync")
-        res = subprocess.run(
-            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
-            cwd="/", **_user_kwargs(self.run_as),
-        )  # fmt: skip
+        password = _new_password()
+        private = Path(tempfile.mkdtemp(prefix="noetl-pg-pw-"))
+        try:
+            self._chown(private)
+            pwfile = private / "pw"
+            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(password + "\n")
+            self._chown(pwfile)
+            cmd = [str(self.bin_dir / "initdb"), "-D", str(data_dir), "-U", _PG_SUPERUSER, f"--pwfile={pwfile}",
+                   *_INITDB_ARGS]
+            if self.fast:
+                cmd.append("--no-sync")
+            res = subprocess.run(
+                cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                cwd="/", **_user_kwargs(self.run_as),
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
         if res.returncode != 0:
             hint = f" (is {data_dir} reachable by user {self.run_as}?)" if self.run_as else ""
             raise _failure(f"initdb failed with code {res.returncode}{hint}", cmd, None, res.stdout + res.stderr)
+        self._write_password(data_dir, password)
+
+    def _write_password(self, data_dir: Path, password: str) -> None:
+        path = data_dir / _PASSWORD_FILE
+        tmp = data_dir / f".{_PASSWORD_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        self._chown(tmp)
+        os.replace(tmp, path)
+
+    def _read_password(self) -> str | None:
+        assert self.data_dir is not None
+        try:
+            return (self.data_dir / _PASSWORD_FILE).read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def _secure(self) -> None:
+        """Once the server answers: a cluster copied from the template gets a password of its own; a
+        cluster made by an earlier version with ``trust`` gets a password and scram-sha-256 in pg_hba."""
+        assert self.data_dir is not None
+        fresh = _new_password()
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(_PG_SUPERUSER),
+                                                                     sql.Literal(fresh)))
+            hba = self.data_dir / "pg_hba.conf"
+            text = hba.read_text()
+            if re.search(r"^\s*(local|host\S*)\s.*\btrust\s*$", text, re.M):
+                hba.write_text(re.sub(r"\btrust(\s*)$", r"scram-sha-256\1", text, flags=re.M))
+                conn.execute("SELECT pg_reload_conf()")
+                log.warning("postgres: the cluster in %s trusted every local connection; it now asks for a "
+                            "password (kept in %s)", self.data_dir, self.data_dir / _PASSWORD_FILE)
+        self._write_password(self.data_dir, fresh)
+        self.password = fresh
 
     def _server_command(self) -> list[str]:
         assert self.bin_dir is not None and self.data_dir is not None
