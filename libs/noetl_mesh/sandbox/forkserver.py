@@ -65,13 +65,16 @@ def _tail(path: str) -> str:
 
 
 class Server:
-    """Keeps ``spare`` task processes forked and confined ahead of need; hands each request to one."""
+    """Keeps ``spare`` task processes of each kind in use forked and confined ahead of need (python
+    from the start, duckdb once a duckdb task came: its spares open their in-memory database while they
+    wait); hands each request to a spare of its kind."""
 
     def __init__(self, ctl: socket.socket, config: dict) -> None:
         self.ctl, self.config = ctl, config
         self.root: str = config["scratch_root"]
         self.spare_count = max(0, int(config.get("spare", 2)))
-        self.spares: list[tuple[int, socket.socket, str]] = []  # (pid, its channel, scratch) ready to run
+        self.wanted: dict[str, int] = {"python": self.spare_count}  # spares to keep, by kind
+        self.spares: dict[str, list[tuple[int, socket.socket, str]]] = {}  # kind -> (pid, channel, scratch)
         self.children: dict[int, tuple[int | None, str]] = {}  # pid -> (task id or None while spare, scratch)
         self.by_id: dict[int, int] = {}  # task id -> pid
         self.serial = 0
@@ -128,8 +131,8 @@ class Server:
                 os.close(fd)
         return True
 
-    def _fork(self) -> tuple[int, socket.socket, str] | None:
-        """A new spare: forked, set up and confined, waiting on its channel for a request."""
+    def _fork(self, kind: str) -> tuple[int, socket.socket, str] | None:
+        """A new spare for ``kind``: forked, set up and confined, waiting on its channel for a request."""
         self.serial += 1
         scratch = os.path.join(self.root, f"t{self.serial}")
         try:
@@ -151,7 +154,7 @@ class Server:
             code = 70
             try:
                 mine.close()
-                _task_process(self.config, theirs, scratch, self.ctl.fileno())
+                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind)
                 code = 0
             except BaseException:  # noqa: BLE001 - what went wrong is on its standard error
                 import traceback
@@ -164,17 +167,22 @@ class Server:
         return pid, mine, scratch
 
     def _top_up(self) -> None:
-        while len(self.spares) < self.spare_count and self.failures < 3:
-            spare = self._fork()
-            if spare is None:
-                return
-            self.spares.append(spare)
+        for kind, count in self.wanted.items():
+            spares = self.spares.setdefault(kind, [])
+            while len(spares) < count and self.failures < 3:
+                spare = self._fork(kind)
+                if spare is None:
+                    return
+                spares.append(spare)
 
     def _run(self, request: dict, fd: int) -> None:
         task_id = int(request["id"])
+        kind = str(request.get("kind"))
+        self.wanted.setdefault(kind, self.spare_count)
+        spares = self.spares.setdefault(kind, [])
         try:
             while True:
-                spare = self.spares.pop(0) if self.spares else self._fork()
+                spare = spares.pop(0) if spares else self._fork(kind)
                 if spare is None:
                     _send(self.ctl, {"id": task_id, "error": "cannot start a task process (see the warnings)"})
                     return
@@ -208,10 +216,11 @@ class Server:
             if scratch:
                 _rmtree(scratch)
             if task_id is None:  # a spare that died unused
-                for i, spare in enumerate(self.spares):
-                    if spare[0] == pid:
-                        self.spares.pop(i)[1].close()
-                        break
+                for spares in self.spares.values():
+                    for i, spare in enumerate(spares):
+                        if spare[0] == pid:
+                            spares.pop(i)[1].close()
+                            break
                 self.failures += 1
                 _send(self.ctl, {"warning": f"a task process died before it was used "
                                             f"(status {os.waitstatus_to_exitcode(status)}): {tail[-2000:]}"})
@@ -223,8 +232,9 @@ class Server:
                 return
 
 
-def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int) -> None:
-    """In a forked task process: isolate and confine, wait for a request, run it, answer."""
+def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str) -> None:
+    """In a forked task process: isolate and confine, get ready for a task of ``kind``, wait for its
+    request, run it, answer."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -251,14 +261,14 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int) 
     confine.set_limits(config["limits"])
     if config["confine"]:
         confine.task([*config["read"], "/proc/self"], [scratch, *config["data_dirs"]], network=config["network"])
+    from . import task
+
+    warm = task.prepare(kind, config)
     data, fds, _, _ = socket.recv_fds(chan, _MAX_MESSAGE, 1)
     chan.close()
     if not data or len(fds) != 1:
         return  # the server is going away
-    request = json.loads(data)
-    from . import task
-
-    task.serve(socket.socket(fileno=fds[0]), request.get("kind"), config)
+    task.serve(socket.socket(fileno=fds[0]), kind, config, warm)
 
 
 def main() -> None:

@@ -210,7 +210,7 @@ def _run_statements(con: Any, sql: str, params: Any, budget: ResultBudget) -> di
     return _fetch(con, [d[0] for d in desc], budget)
 
 
-def _connect(db_path: str | None, directories: list[str], memory_bytes: int | None) -> Any:
+def connect(db_path: str | None, directories: list[str], memory_bytes: int | None) -> Any:
     """A connection whose file access is off but for ``directories`` (locked: SQL cannot turn it back
     on), extensions neither installed nor loaded on their own, memory bounded below the process limit."""
     config: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
@@ -231,14 +231,20 @@ def _connect(db_path: str | None, directories: list[str], memory_bytes: int | No
     return con
 
 
-def execute(req: dict, confined: bool = False) -> dict:
+def execute(req: dict, confined: bool = False, warm: Any = None) -> dict:
     """In a task process: run one request ``{sql, params, db_path, max_result_bytes, directories,
-    memory_bytes}``; the answer ``{ok, result}`` or ``{ok: false, kind, message}``."""
+    memory_bytes}``; the answer ``{ok, result}`` or ``{ok: false, kind, message}``. ``warm``: an
+    in-memory database the process opened while it waited (used when the request asks for one)."""
     db_path = req.get("db_path")
-    try:
-        con = _connect(db_path, [os.getcwd(), *(req.get("directories") or [])], req.get("memory_bytes"))
-    except duckdb.Error as e:
-        return _failure(e, confined)
+    if warm is not None and (not db_path or db_path == ":memory:"):
+        con = warm
+    else:
+        if warm is not None:
+            _close_quietly(warm)
+        try:
+            con = connect(db_path, [os.getcwd(), *(req.get("directories") or [])], req.get("memory_bytes"))
+        except duckdb.Error as e:
+            return _failure(e, confined)
     try:
         budget = ResultBudget("the rows fetched", req.get("max_result_bytes"))
         return {"ok": True, "result": _run_statements(con, req["sql"], req.get("params"), budget)}
