@@ -242,7 +242,8 @@ class TokenBody(BaseModel):
     name: str = Field(max_length=64)
     roles: list[str] | None = Field(None, max_length=len(access.ROLES),
                                     description="a subset of the caller's (default: the caller's)")
-    expires_in: int | None = Field(None, ge=1, le=sessions.MAX_TOKEN_SECONDS, description="seconds")
+    expires_in: int | None = Field(None, ge=1, le=sessions.MAX_TOKEN_SECONDS, description=(
+        "seconds; at most what the caller's session or token has left (default: all of it)"))
 
 
 class Accepted(BaseModel):

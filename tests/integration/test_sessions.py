@@ -353,7 +353,8 @@ def test_api_token_lifecycle(fresh_nats):
             dev = await h.add(admin, "dev", ["developer"])
             _, p = await h.login("dev")
             made = await h.call(S.Q_TOKENS_CREATE, {"principal": p, "name": "deploy", "roles": ["viewer"]})
-            assert made["token"].startswith("noetl_t_") and made["roles"] == ["viewer"] and made["expires_at"] is None
+            assert made["token"].startswith("noetl_t_") and made["roles"] == ["viewer"]
+            assert made["expires_at"] == p["expires_at"]  # no later than the session that made it
             used = await h.call(S.Q_VALIDATE, {"token": made["token"]})
             assert used["kind"] == "token" and used["token_id"] == made["token_id"] and used["roles"] == ["viewer"]
             assert used["user_id"] == dev["user_id"] and used["token_name"] == "deploy"
@@ -366,7 +367,7 @@ def test_api_token_lifecycle(fresh_nats):
             listed = (await h.call(S.Q_TOKENS_LIST, {"principal": p}))["tokens"]
             assert [t["name"] for t in listed] == ["full", "deploy"]
             assert all(set(t) == {"token_id", "name", "user_id", "username", "email", "display_name", "roles",
-                                  "created_at", "expires_at"} for t in listed)
+                                  "created_at", "expires_at", "minted_by"} for t in listed)
             _, viewer = await h.login("admin", ADMIN_PW)
             assert len((await h.call(S.Q_TOKENS_LIST, {"principal": viewer, "user_id": dev["user_id"]}))["tokens"]) == 2
 
