@@ -79,6 +79,7 @@ MAX_HASH_QUEUE = 32  # password checks waiting for the hashing slot per replica;
 BOOTSTRAP_TTL = 30  # seconds the bootstrap claim lives: a replica that dies mid-bootstrap blocks nobody
 MAX_TOKEN_SECONDS = 10 * 365 * 24 * 3600
 CAS_TRIES = 20
+WRONG_LOGIN = "wrong username or password"  # every failed password login: unknown user, wrong password, disabled
 ENV = object()  # OIDC configuration from the environment
 
 
@@ -237,17 +238,19 @@ class SessionsService:
                                              f"= {limits.current().max_password_bytes} bytes")
         got = await self._user_by_name(name)
         user = got[0] if got else None
-        verdict = await self._checked(self._counters(name, ip), user.get("password_hash") if user else None, password)
+        # A disabled user's login fails like a wrong password, whether its password is right or not: the
+        # hash is checked either way, the failure counted, the answer the same. Telling them apart would
+        # let a guesser confirm a disabled user's password (to try elsewhere); the audit log says which.
+        disabled = bool(user and user.get("disabled"))
+        verdict, matched = await self._checked(self._counters(name, ip), user.get("password_hash") if user else None,
+                                               password, refuse=disabled)
         if verdict != "ok":
+            reason = "disabled" if disabled else "wrong username or password"
             await self._audit("session.login_failed", actor={"user_id": user and user["user_id"], "username": name},
                               client_ip=ip, outcome="failed",
-                              details={"method": "password", "reason": "wrong username or password",
-                                       "locked": verdict == "locked"})
-            raise AccessError("unauthenticated", "wrong username or password")
-        if user.get("disabled"):
-            await self._audit("session.login_failed", actor={"user_id": user["user_id"], "username": name},
-                              client_ip=ip, outcome="failed", details={"method": "password", "reason": "disabled"})
-            raise AccessError("unauthenticated", "the user is disabled")
+                              details={"method": "password", "reason": reason, "locked": verdict == "locked",
+                                       **({"password_matched": matched} if disabled else {})})
+            raise AccessError("unauthenticated", WRONG_LOGIN)
         if access.needs_rehash(user["password_hash"], self.hasher):  # hashed with other parameters
             new_hash = await self._hash(password)
             user = await self._update_user(user["user_id"], lambda u: {**u, "password_hash": new_hash}) or user
@@ -332,19 +335,23 @@ class SessionsService:
                               details={"before": before, "after": user["roles"], "via": "oidc"})
         return user
 
-    async def _checked(self, counters, stored: str | None, password: str) -> str:
-        """Check a password under the failed-login counters: ``ok``, ``failed``, or ``locked`` (failed,
-        and this failure locked the user or the address). The counters are read and written inside the hashing
-        slot, so at most ``hash_threads`` attempts per replica are ever between the check and the
-        record: parallel guesses are throttled, parallel correct logins merely wait their turn."""
+    async def _checked(self, counters, stored: str | None, password: str, refuse: bool = False) -> tuple[str, bool]:
+        """Check a password under the failed-login counters: (``ok``, ``failed``, or ``locked`` (failed,
+        and this failure locked the user or the address); whether the password matched). ``refuse``: the
+        account may not log in (disabled): the hash is checked all the same and the attempt counts as a
+        failure, so nothing a caller can observe (answer, time, lockout) depends on the password.
+        The counters are read and written inside the hashing slot, so at most ``hash_threads`` attempts
+        per replica are ever between the check and the record: parallel guesses are throttled, parallel
+        correct logins merely wait their turn."""
         async with self._hash_slot():
             seen = await self._check(counters)
-            if await asyncio.to_thread(access.verify_password, stored, password, self.hasher):
+            matched = await asyncio.to_thread(access.verify_password, stored, password, self.hasher)
+            if matched and not refuse:
                 for key, _, whom in counters:
                     if whom == "this user" and seen[key]:  # a success forgets the user's failures
                         await self.logins.purge(key)
-                return "ok"
-            return "locked" if await self._failed(counters) else "failed"
+                return "ok", True
+            return ("locked" if await self._failed(counters) else "failed"), matched
 
     async def _check(self, counters) -> dict[str, bool]:
         """Refuse (locked, with retry_after) while a counter says wait; which counters hold failures."""
@@ -750,7 +757,7 @@ class SessionsService:
             current = req.get("current_password")
             if not isinstance(current, str) or len(current.encode()) > limits.current().max_password_bytes:
                 raise AccessError("bad_request", "current_password is needed to change your own password")
-            if await self._checked(self._counters(target["username"], ip), target["password_hash"], current) != "ok":
+            if (await self._checked(self._counters(target["username"], ip), target["password_hash"], current))[0] != "ok":
                 await self._audit("user.password_changed", actor=caller, client_ip=ip, outcome="failed",
                                   target={"user_id": uid}, details={"reason": "wrong current password"})
                 raise AccessError("unauthenticated", "the current password is wrong")
