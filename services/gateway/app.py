@@ -357,9 +357,12 @@ _nats_state = auth.nats_state
 
 
 # --------------------------------------------------------------------------------- the guard
+NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
 class _Guard:
     """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
-    ``request.state.request_id`` for handlers), NUL in
+    ``request.state.request_id`` for handlers), ``X-Content-Type-Options: nosniff`` on every answer, NUL in
     the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
     the request id for an exception nothing else handled (a bug: logged with the id); the request's
     duration by route template and status (``noetl_http_request_duration_seconds``)."""
@@ -390,7 +393,10 @@ class _Guard:
             if message["type"] == "http.response.start":
                 started = True
                 scope["state"]["status"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+                extra = [(b"x-request-id", request_id.encode())]
+                if not any(k.lower() == b"x-content-type-options" for k, _ in message.get("headers", ())):
+                    extra.append(NOSNIFF)  # every answer: a browser never guesses another type (headers.py)
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
         where = f"{scope['method']} {scope['path']}"

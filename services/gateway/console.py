@@ -31,7 +31,7 @@ from noetl_mesh.core import access, view
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Q_CATALOG_GET, Q_EXECUTION_RESULT, Q_EXECUTION_STATE, dumps
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
-from noetl_mesh.services.gateway import auth, live
+from noetl_mesh.services.gateway import auth, headers, live
 from noetl_mesh.services.gateway.app import _Shell, problem
 from noetl_mesh.services.gateway.auth import need
 from noetl_mesh.services.gateway.body import INT64_MAX
@@ -39,11 +39,10 @@ from noetl_mesh.services.gateway.body import INT64_MAX
 UI_DIR = FsPath(__file__).parent / "ui"
 UI = "/ui"
 EXECUTION_ID = r"^[A-Za-z0-9_-]{1,128}$"  # what can be one NATS subject token (live streams)
-# Only the console's own files: scripts, styles, images, connections to this gateway.
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'")
-UI_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
-              "x-frame-options": "DENY", "cache-control": "no-cache"}
+# Only the console's own files: scripts, styles, images, connections to this gateway (headers.py).
+CSP = headers.policy(default_src="'self'", script_src="'self'", style_src="'self'", img_src="'self' data:",
+                     connect_src="'self'", object_src="'none'", form_action="'self'")
+UI_HEADERS = headers.page(CSP)
 
 
 class _ConsoleFiles(StaticFiles):
