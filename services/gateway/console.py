@@ -84,6 +84,7 @@ def install(app: FastAPI) -> None:
         return await shell.ask(Q_EXECUTION_STATE, {"execution_id": execution_id})
 
     hub = app.state.live = live.Hub(app.state.bus, fetch_state)
+    app.state.auth.on_revoked.append(hub.revoked)  # a revocation ends its live streams at once
 
     # ------------------------------------------------------------------ the state at a point (time travel)
     @app.get("/api/executions/{execution_id}/state", tags=["console"])
@@ -168,7 +169,7 @@ def install(app: FastAPI) -> None:
         were requested, started or ended (read the list again), ``resync``, ``bye``."""
         token = auth.bearer(request.headers.get("authorization"))
         _refuse_busy(token)
-        body = live.stream(hub, live.LIST, token, hello={"topic": "executions"}, seconds=_seconds(seconds),
+        body = live.stream(hub, live.LIST, token, who=who, hello={"topic": "executions"}, seconds=_seconds(seconds),
                            still_allowed=_still_allowed(token, "execution.read"))
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
@@ -183,7 +184,8 @@ def install(app: FastAPI) -> None:
         not recorded yet is watched all the same (an execution just started)."""
         token = auth.bearer(request.headers.get("authorization"))
         _refuse_busy(token)  # an id not recorded yet is fine: an execution just started is watched from its start
-        body = live.stream(hub, execution_id, token, hello={"topic": "execution", "execution_id": execution_id},
+        body = live.stream(hub, execution_id, token, who=who,
+                           hello={"topic": "execution", "execution_id": execution_id},
                            seconds=_seconds(seconds), still_allowed=_still_allowed(token, "execution.read"))
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
