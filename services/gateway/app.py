@@ -830,8 +830,10 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             event_id = signals.signal_id(execution_id, name, summary)
             by = auth.requested_by(who)
             at = datetime.now(timezone.utc).isoformat()
-            event = make_event("signal.received", execution_id, event_id=event_id, source="gateway",
-                               data={"signal": name, "payload": payload, "by": by, "at": at})
+            data = {"signal": name, "payload": payload, "by": by, "at": at}
+            if wait is not None:  # the wait it was checked for: only that wait takes it unchecked (D30)
+                data["wait_id"] = wait.get("wait_id")
+            event = make_event("signal.received", execution_id, event_id=event_id, source="gateway", data=data)
             shell._connected("signal.received")
             try:
                 stored = await asyncio.wait_for(bus.publish_once(event), NATS_TIMEOUT)
