@@ -1215,7 +1215,8 @@ def _auth_commands(sub, gateway_default: str) -> None:
     c = gw(tsub.add_parser("create", help="a new API token for you (printed once)"))
     c.add_argument("name", help="what the token is for (shown by `noetl token list`)")
     c.add_argument("--role", action="append", help=f"{roles}; repeatable; default: your roles")
-    c.add_argument("--expires-in", type=int, metavar="SECONDS", help="seconds until the token expires (default: never)")
+    c.add_argument("--expires-in", type=int, metavar="SECONDS",
+                   help="seconds until the token expires (at most what your session or token has left; default: all of it)")
     c = gw(tsub.add_parser("list", help="your API tokens (or --user's with token.any)"))
     c.add_argument("--user", help="a user id or username (default: you)")
     c = gw(tsub.add_parser("revoke", help="revoke an API token"))

@@ -76,6 +76,10 @@ LIMITS: tuple[Limit, ...] = (
           "gateway: the stream ends with an event `bye`; the console opens a new one"),
     Limit("signal_check_seconds", 2, "seconds", "checking a signal's payload against its wait's schema",
           "gateway, POST /api/executions/{id}/signals/{name}: in a child process capped at 1 GiB (422)"),
+    Limit("signal_check_steps", 50_000, "steps",
+          "checking a signal that came before its wait against the wait's schema, in the control plane",
+          "admission and the loop-coordinator, when the signal meets its wait: the signal is refused "
+          "(signal.checked), the wait goes on waiting"),
 
     # ---- templates (every render, in every service)
     Limit("template_max_ms", 250, "ms", "the time one template render takes",

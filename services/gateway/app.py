@@ -242,7 +242,8 @@ class TokenBody(BaseModel):
     name: str = Field(max_length=64)
     roles: list[str] | None = Field(None, max_length=len(access.ROLES),
                                     description="a subset of the caller's (default: the caller's)")
-    expires_in: int | None = Field(None, ge=1, le=sessions.MAX_TOKEN_SECONDS, description="seconds")
+    expires_in: int | None = Field(None, ge=1, le=sessions.MAX_TOKEN_SECONDS, description=(
+        "seconds; at most what the caller's session or token has left (default: all of it)"))
 
 
 class Accepted(BaseModel):
@@ -356,9 +357,12 @@ _nats_state = auth.nats_state
 
 
 # --------------------------------------------------------------------------------- the guard
+NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
 class _Guard:
     """The outer shell of every HTTP request: a request id (``X-Request-ID`` on every answer, and
-    ``request.state.request_id`` for handlers), NUL in
+    ``request.state.request_id`` for handlers), ``X-Content-Type-Options: nosniff`` on every answer, NUL in
     the URL refused, the body bounded by ``max_body_bytes`` (never read past it), and a 500 carrying
     the request id for an exception nothing else handled (a bug: logged with the id); the request's
     duration by route template and status (``noetl_http_request_duration_seconds``)."""
@@ -389,7 +393,10 @@ class _Guard:
             if message["type"] == "http.response.start":
                 started = True
                 scope["state"]["status"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+                extra = [(b"x-request-id", request_id.encode())]
+                if not any(k.lower() == b"x-content-type-options" for k, _ in message.get("headers", ())):
+                    extra.append(NOSNIFF)  # every answer: a browser never guesses another type (headers.py)
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
         where = f"{scope['method']} {scope['path']}"
@@ -823,8 +830,10 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             event_id = signals.signal_id(execution_id, name, summary)
             by = auth.requested_by(who)
             at = datetime.now(timezone.utc).isoformat()
-            event = make_event("signal.received", execution_id, event_id=event_id, source="gateway",
-                               data={"signal": name, "payload": payload, "by": by, "at": at})
+            data = {"signal": name, "payload": payload, "by": by, "at": at}
+            if wait is not None:  # the wait it was checked for: only that wait takes it unchecked (D30)
+                data["wait_id"] = wait.get("wait_id")
+            event = make_event("signal.received", execution_id, event_id=event_id, source="gateway", data=data)
             shell._connected("signal.received")
             try:
                 stored = await asyncio.wait_for(bus.publish_once(event), NATS_TIMEOUT)

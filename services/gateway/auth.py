@@ -12,7 +12,8 @@ most :data:`CACHE_SECONDS` per token, keyed by a keyed BLAKE2b digest of the tok
 key, so the key is no known derivation of the token and nothing in memory turns back into it).
 Concurrent requests with the same uncached token share one validation. The revocation notices
 (``noetl.sessions.revoked``) drop entries at once: by session or token id, or every entry of the user.
-A validation that was in flight when any notice arrived answers its request but is not cached.
+A validation that was in flight when any notice arrived answers its request but is not cached. What
+else must hear of a revocation (the live streams, live.py) registers in ``Authenticator.on_revoked``.
 
 The gateway's own audit records (credential reads with data, writes, cancels, refusals) go through
 :class:`Auditor`, the client's address through :func:`client_address` (``NOETL_TRUSTED_PROXIES``).
@@ -236,6 +237,9 @@ class Authenticator:
         self._sub = None
         self._subscribing: asyncio.Lock | None = None
         self.validations = 0  # requests made to the sessions service
+        # told of every notice after the cache dropped its entries (None: an unreadable one), e.g. the
+        # live streams (live.Hub.revoked); each must return at once
+        self.on_revoked: list[Callable[[dict[str, Any] | None], Any]] = []
 
     async def _subscribe(self) -> None:
         from noetl_mesh.services.sessions.service import REVOKED
@@ -255,6 +259,12 @@ class Authenticator:
             self.cache.drop(notice)
         else:  # unreadable: drop everything rather than keep something revoked
             self.cache.clear()
+            notice = None
+        for listener in self.on_revoked:
+            try:
+                listener(notice)
+            except Exception:  # noqa: BLE001 - one listener's bug must not keep the notice from the others
+                log.exception("revocation notice listener %r failed", listener)
 
     async def close(self) -> None:
         if self._sub is not None:

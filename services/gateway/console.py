@@ -31,7 +31,7 @@ from noetl_mesh.core import access, view
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Q_CATALOG_GET, Q_EXECUTION_RESULT, Q_EXECUTION_STATE, dumps
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
-from noetl_mesh.services.gateway import auth, live
+from noetl_mesh.services.gateway import auth, headers, live
 from noetl_mesh.services.gateway.app import _Shell, problem
 from noetl_mesh.services.gateway.auth import need
 from noetl_mesh.services.gateway.body import INT64_MAX
@@ -39,11 +39,10 @@ from noetl_mesh.services.gateway.body import INT64_MAX
 UI_DIR = FsPath(__file__).parent / "ui"
 UI = "/ui"
 EXECUTION_ID = r"^[A-Za-z0-9_-]{1,128}$"  # what can be one NATS subject token (live streams)
-# Only the console's own files: scripts, styles, images, connections to this gateway.
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'")
-UI_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
-              "x-frame-options": "DENY", "cache-control": "no-cache"}
+# Only the console's own files: scripts, styles, images, connections to this gateway (headers.py).
+CSP = headers.policy(default_src="'self'", script_src="'self'", style_src="'self'", img_src="'self' data:",
+                     connect_src="'self'", object_src="'none'", form_action="'self'")
+UI_HEADERS = headers.page(CSP)
 
 
 class _ConsoleFiles(StaticFiles):
@@ -85,6 +84,7 @@ def install(app: FastAPI) -> None:
         return await shell.ask(Q_EXECUTION_STATE, {"execution_id": execution_id})
 
     hub = app.state.live = live.Hub(app.state.bus, fetch_state)
+    app.state.auth.on_revoked.append(hub.revoked)  # a revocation ends its live streams at once
 
     # ------------------------------------------------------------------ the state at a point (time travel)
     @app.get("/api/executions/{execution_id}/state", tags=["console"])
@@ -169,7 +169,7 @@ def install(app: FastAPI) -> None:
         were requested, started or ended (read the list again), ``resync``, ``bye``."""
         token = auth.bearer(request.headers.get("authorization"))
         _refuse_busy(token)
-        body = live.stream(hub, live.LIST, token, hello={"topic": "executions"}, seconds=_seconds(seconds),
+        body = live.stream(hub, live.LIST, token, who=who, hello={"topic": "executions"}, seconds=_seconds(seconds),
                            still_allowed=_still_allowed(token, "execution.read"))
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
@@ -184,7 +184,8 @@ def install(app: FastAPI) -> None:
         not recorded yet is watched all the same (an execution just started)."""
         token = auth.bearer(request.headers.get("authorization"))
         _refuse_busy(token)  # an id not recorded yet is fine: an execution just started is watched from its start
-        body = live.stream(hub, execution_id, token, hello={"topic": "execution", "execution_id": execution_id},
+        body = live.stream(hub, execution_id, token, who=who,
+                           hello={"topic": "execution", "execution_id": execution_id},
                            seconds=_seconds(seconds), still_allowed=_still_allowed(token, "execution.read"))
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 

@@ -16,9 +16,17 @@ A stream (:func:`stream`) writes, as server-sent events:
   events (core/view.py, asked of the recorder once per topic however many streams watch it, at most
   every :data:`MIN_STATE_INTERVAL` s, or twice the time the last view took); ``executions`` — ids
   of executions that started or ended (the list page reads its page again); ``resync`` — after a NATS
-  reconnection, when notices may have been lost: read everything again; ``bye`` — the stream ends
-  (its lifetime ``live_stream_seconds`` passed, or the token was revoked); a comment every
-  :data:`HEARTBEAT` s keeps proxies from closing an idle stream.
+  reconnection, when notices may have been lost: read everything again; ``bye`` — the stream ends,
+  ``reason`` saying why: ``lifetime`` (``live_stream_seconds`` passed), ``revoked`` (its session or
+  token was revoked, or its user disabled: ``cause`` is the notice's reason), ``unauthorized`` (its
+  token no longer validates or lacks the permission), ``busy``; a comment every :data:`HEARTBEAT` s
+  keeps proxies from closing an idle stream.
+
+Revocation ends a stream at once, not at its next check: the gateway's revocation notices
+(``noetl.sessions.revoked``, auth.py) reach :meth:`Hub.revoked`, which ends every stream of the
+session or token a notice names, and makes every stream of the user a notice names without an id (a
+user disabled, a password or role change) check its token again now. A notice missed (NATS away) is
+caught by the check every :data:`RECHECK` s.
 
 Everything is bounded: what a stream has not written yet is merged into one pending record (counts, a
 tail of :data:`TAIL` events, one state), so a slow reader costs memory that does not grow with the
@@ -76,6 +84,8 @@ class Pending:
         self.changed: dict[str, str] = {}
         self.more = 0
         self.resync = False
+        self.ended: dict[str, Any] | None = None  # the bye of a revocation: the stream ends at once
+        self.recheck: str | None = None  # why the stream's token must be checked again now
         self.wake = asyncio.Event()
 
     def add_notice(self, notice: dict[str, Any]) -> None:
@@ -200,6 +210,8 @@ class Hub:
         self.topics: dict[str, Topic] = {}
         self.streams = 0
         self.per_session: collections.Counter = collections.Counter()
+        self.holders: dict[str, set[Pending]] = {}  # session or token id -> its streams
+        self.by_user: dict[str, set[Pending]] = {}  # user id -> its streams
         self._key = secrets.token_bytes(16)
         self._lock = asyncio.Lock()
         self._announcer: asyncio.Task | None = None
@@ -231,6 +243,48 @@ class Hub:
         self.per_session[key] -= 1
         if self.per_session[key] <= 0:
             del self.per_session[key]
+
+    def hold(self, listener: Pending, who: dict[str, Any]) -> None:
+        """Know ``listener`` as a stream of ``who`` (a principal), so revocations reach it."""
+        for index, key in ((self.holders, _ident(who)), (self.by_user, who.get("user_id"))):
+            if isinstance(key, str):
+                index.setdefault(key, set()).add(listener)
+
+    def unhold(self, listener: Pending, who: dict[str, Any]) -> None:
+        for index, key in ((self.holders, _ident(who)), (self.by_user, who.get("user_id"))):
+            streams = index.get(key) if isinstance(key, str) else None
+            if streams is not None:
+                streams.discard(listener)
+                if not streams:
+                    del index[key]
+
+    def revoked(self, notice: dict[str, Any] | None) -> int:
+        """A revocation notice (services/sessions: ``{session_id | token_id, user_id, reason}``): the
+        streams of the session or token it names end now; the streams of a user it names without an
+        id check their token again now (a disabled user's fail, a password change keeps the session
+        that made it); an unreadable notice (None) makes every stream check. How many streams it
+        touched."""
+        if not isinstance(notice, dict):
+            targets = [(listener, None) for streams in self.by_user.values() for listener in streams]
+            for listener, _ in targets:
+                listener.recheck = "an unreadable revocation notice"
+                listener.wake.set()
+            return len(targets)
+        cause = notice.get("reason") if isinstance(notice.get("reason"), str) else "revoked"
+        ident = _ident(notice)
+        if ident is not None:
+            what = "session" if isinstance(notice.get("session_id"), str) else "API token"
+            streams = list(self.holders.get(ident, ()))
+            for listener in streams:
+                listener.ended = {"reason": "revoked", "cause": cause,
+                                  "message": f"the stream's {what} was revoked ({cause}): log in again"}
+                listener.wake.set()
+            return len(streams)
+        streams = list(self.by_user.get(notice.get("user_id"), ())) if isinstance(notice.get("user_id"), str) else []
+        for listener in streams:
+            listener.recheck = cause
+            listener.wake.set()
+        return len(streams)
 
     async def join(self, key: str) -> Pending:
         async with self._lock:
@@ -298,12 +352,13 @@ class Hub:
                     await sub.unsubscribe()
 
 
-async def stream(hub: Hub, key: str, token: str, *, hello: dict[str, Any], seconds: float,
+async def stream(hub: Hub, key: str, token: str, *, who: dict[str, Any], hello: dict[str, Any], seconds: float,
                  still_allowed: Callable[[], Awaitable[str | None]]) -> AsyncIterator[bytes]:
-    """The server-sent events of one stream on topic ``key`` until ``seconds`` pass or
-    ``still_allowed()`` (called every :data:`RECHECK` s) answers why not. The stream is counted
-    (``Hub.admit``) and joins its topic once it starts, and is let go when it ends however it ends: a
-    response that never started counts nothing."""
+    """The server-sent events of one stream on topic ``key``, for the principal ``who``, until
+    ``seconds`` pass, a revocation notice ends it (``Hub.revoked``), or ``still_allowed()`` (called
+    every :data:`RECHECK` s, and at once when a notice about the user asks) answers why not. The stream
+    is counted (``Hub.admit``) and joins its topic once it starts, and is let go when it ends however it
+    ends: a response that never started counts nothing."""
     try:
         ticket = hub.admit(token)
     except Busy as exc:  # others got in between the route's check and now
@@ -314,21 +369,32 @@ async def stream(hub: Hub, key: str, token: str, *, hello: dict[str, Any], secon
     except BaseException:
         hub.release(ticket)
         raise
+    hub.hold(listener, who)
     try:
+        # a notice that came between the route's check and hold() reached no stream: check once more
+        # (the validation the route just made is cached unless a notice dropped it)
+        why = await still_allowed()
+        if why is not None:
+            yield sse("bye", {"reason": "unauthorized", "message": why})
+            return
         yield sse("hello", {**hello, "seconds": seconds, "heartbeat": HEARTBEAT})
         end = time.monotonic() + seconds
         checked = time.monotonic()
         reconnects = _reconnects(hub.bus)
         while True:
+            if listener.ended is not None:
+                yield sse("bye", listener.ended)
+                return
             now = time.monotonic()
             if now >= end:
                 yield sse("bye", {"reason": "lifetime", "message": "the stream's lifetime passed: open a new one"})
                 return
-            if now - checked >= RECHECK:
-                checked = now
+            if listener.recheck is not None or now - checked >= RECHECK:
+                cause, listener.recheck, checked = listener.recheck, None, now
                 why = await still_allowed()
                 if why is not None:
-                    yield sse("bye", {"reason": "unauthorized", "message": why})
+                    yield sse("bye", {"reason": "revoked", "cause": cause, "message": why} if cause else
+                              {"reason": "unauthorized", "message": why})
                     return
             try:
                 await asyncio.wait_for(listener.wake.wait(), min(HEARTBEAT, end - now, RECHECK))
@@ -340,12 +406,23 @@ async def stream(hub: Hub, key: str, token: str, *, hello: dict[str, Any], secon
                 else:
                     yield b": keep-alive\n\n"
                     continue
+            if listener.ended is not None or listener.recheck is not None:
+                continue  # the top of the loop ends the stream, or checks its token, first
             for event, data in listener.take():
                 yield sse(event, data)
             await asyncio.sleep(COALESCE)
     finally:
+        hub.unhold(listener, who)
         hub.release(ticket)
         await hub.leave(key, listener)
+
+
+def _ident(principal: dict[str, Any]) -> str | None:
+    """The session or token id of a principal or a revocation notice."""
+    for key in ("session_id", "token_id"):
+        if isinstance(principal.get(key), str):
+            return principal[key]
+    return None
 
 
 def _reconnects(bus: Bus) -> int:

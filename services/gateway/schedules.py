@@ -23,6 +23,7 @@ from noetl_mesh.core import access, schedules
 from noetl_mesh.core.schedules import Q_PREFIX, ScheduleError
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Q_CATALOG_GET, BusError
+from noetl_mesh.lang.paths import MAX_PATH
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.app import _json_request, _Shell, json_body, problem
 from noetl_mesh.services.gateway.auth import need
@@ -39,7 +40,7 @@ class ScheduleBody(BaseModel):
     first, with an optional IANA ``timezone``), ``every`` (a duration) or ``at`` (an instant)."""
 
     model_config = ConfigDict(extra="forbid")
-    path: str = Field(max_length=schedules.MAX_PATH, description="the playbook's catalog path")
+    path: str = Field(max_length=MAX_PATH, description="the playbook's catalog path (lang/paths.py)")
     version: int | None = Field(None, ge=1, le=INT64_MAX,
                                 description="a catalog version; none: the latest at each firing")
     workload: dict[str, Any] | None = Field(None, description="merged over the playbook's workload")

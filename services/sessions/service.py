@@ -26,7 +26,7 @@ again (it must still be live) and checks the permission itself. Times are ISO 86
 | ``noetl.q.users.enable`` | ``{principal, user_id}`` | ``{user}`` | ``user.admin`` |
 | ``noetl.q.users.roles`` | ``{principal, user_id, roles}`` | ``{user}``; its sessions take the roles, its tokens keep the roles it still has | ``user.admin`` |
 | ``noetl.q.users.password`` | ``{principal, password, current_password?, user_id?}`` | ``{user}``; the user's other sessions are revoked | oneself (with ``current_password`` when one is set), else ``user.admin`` |
-| ``noetl.q.tokens.create`` | ``{principal, name, roles?, expires_in?}`` (seconds) | ``{token, token_id, name, roles, expires_at}``; roles a subset of the caller's | ``token.own`` |
+| ``noetl.q.tokens.create`` | ``{principal, name, roles?, expires_in?}`` (seconds) | ``{token, token_id, name, roles, expires_at}``; roles a subset of the caller's, ending no later than the caller (without ``expires_in``: when it ends) | ``token.own`` |
 | ``noetl.q.tokens.list`` | ``{principal, user_id?}`` | ``{tokens: [token record]}`` | ``token.own`` / ``token.any`` |
 | ``noetl.q.tokens.revoke`` | ``{principal, token_id}`` | ``{revoked: [{token_id}]}`` | ``token.own`` / ``token.any`` |
 | ``noetl.q.audit.list`` | ``{principal, user?, action?, since?, limit?: 100}`` | ``{records: [record]}`` newest first (``limit`` ≤ 1000) | ``audit.read`` |
@@ -79,6 +79,7 @@ MAX_HASH_QUEUE = 32  # password checks waiting for the hashing slot per replica;
 BOOTSTRAP_TTL = 30  # seconds the bootstrap claim lives: a replica that dies mid-bootstrap blocks nobody
 MAX_TOKEN_SECONDS = 10 * 365 * 24 * 3600
 CAS_TRIES = 20
+WRONG_LOGIN = "wrong username or password"  # every failed password login: unknown user, wrong password, disabled
 ENV = object()  # OIDC configuration from the environment
 
 
@@ -237,17 +238,19 @@ class SessionsService:
                                              f"= {limits.current().max_password_bytes} bytes")
         got = await self._user_by_name(name)
         user = got[0] if got else None
-        verdict = await self._checked(self._counters(name, ip), user.get("password_hash") if user else None, password)
+        # A disabled user's login fails like a wrong password, whether its password is right or not: the
+        # hash is checked either way, the failure counted, the answer the same. Telling them apart would
+        # let a guesser confirm a disabled user's password (to try elsewhere); the audit log says which.
+        disabled = bool(user and user.get("disabled"))
+        verdict, matched = await self._checked(self._counters(name, ip), user.get("password_hash") if user else None,
+                                               password, refuse=disabled)
         if verdict != "ok":
+            reason = "disabled" if disabled else "wrong username or password"
             await self._audit("session.login_failed", actor={"user_id": user and user["user_id"], "username": name},
                               client_ip=ip, outcome="failed",
-                              details={"method": "password", "reason": "wrong username or password",
-                                       "locked": verdict == "locked"})
-            raise AccessError("unauthenticated", "wrong username or password")
-        if user.get("disabled"):
-            await self._audit("session.login_failed", actor={"user_id": user["user_id"], "username": name},
-                              client_ip=ip, outcome="failed", details={"method": "password", "reason": "disabled"})
-            raise AccessError("unauthenticated", "the user is disabled")
+                              details={"method": "password", "reason": reason, "locked": verdict == "locked",
+                                       **({"password_matched": matched} if disabled else {})})
+            raise AccessError("unauthenticated", WRONG_LOGIN)
         if access.needs_rehash(user["password_hash"], self.hasher):  # hashed with other parameters
             new_hash = await self._hash(password)
             user = await self._update_user(user["user_id"], lambda u: {**u, "password_hash": new_hash}) or user
@@ -332,19 +335,23 @@ class SessionsService:
                               details={"before": before, "after": user["roles"], "via": "oidc"})
         return user
 
-    async def _checked(self, counters, stored: str | None, password: str) -> str:
-        """Check a password under the failed-login counters: ``ok``, ``failed``, or ``locked`` (failed,
-        and this failure locked the user or the address). The counters are read and written inside the hashing
-        slot, so at most ``hash_threads`` attempts per replica are ever between the check and the
-        record: parallel guesses are throttled, parallel correct logins merely wait their turn."""
+    async def _checked(self, counters, stored: str | None, password: str, refuse: bool = False) -> tuple[str, bool]:
+        """Check a password under the failed-login counters: (``ok``, ``failed``, or ``locked`` (failed,
+        and this failure locked the user or the address); whether the password matched). ``refuse``: the
+        account may not log in (disabled): the hash is checked all the same and the attempt counts as a
+        failure, so nothing a caller can observe (answer, time, lockout) depends on the password.
+        The counters are read and written inside the hashing slot, so at most ``hash_threads`` attempts
+        per replica are ever between the check and the record: parallel guesses are throttled, parallel
+        correct logins merely wait their turn."""
         async with self._hash_slot():
             seen = await self._check(counters)
-            if await asyncio.to_thread(access.verify_password, stored, password, self.hasher):
+            matched = await asyncio.to_thread(access.verify_password, stored, password, self.hasher)
+            if matched and not refuse:
                 for key, _, whom in counters:
                     if whom == "this user" and seen[key]:  # a success forgets the user's failures
                         await self.logins.purge(key)
-                return "ok"
-            return "locked" if await self._failed(counters) else "failed"
+                return "ok", True
+            return ("locked" if await self._failed(counters) else "failed"), matched
 
     async def _check(self, counters) -> dict[str, bool]:
         """Refuse (locked, with retry_after) while a counter says wait; which counters hold failures."""
@@ -705,7 +712,7 @@ class SessionsService:
         for entry in tokens:
             got = await self.users.get(token_key(entry["token_id"]), fresh=True)
             if got:
-                await self._revoke_token(got[0], "user_disabled")
+                await self._revoke_token(got[0], "user_disabled", cascade=False)  # all of them go
             else:
                 await self.users.purge(token_index(uid, entry["token_id"]))
         await self._audit("user.disabled", actor=caller, client_ip=ip, target={"user_id": uid, "username": user["username"]},
@@ -750,7 +757,7 @@ class SessionsService:
             current = req.get("current_password")
             if not isinstance(current, str) or len(current.encode()) > limits.current().max_password_bytes:
                 raise AccessError("bad_request", "current_password is needed to change your own password")
-            if await self._checked(self._counters(target["username"], ip), target["password_hash"], current) != "ok":
+            if (await self._checked(self._counters(target["username"], ip), target["password_hash"], current))[0] != "ok":
                 await self._audit("user.password_changed", actor=caller, client_ip=ip, outcome="failed",
                                   target={"user_id": uid}, details={"reason": "wrong current password"})
                 raise AccessError("unauthenticated", "the current password is wrong")
@@ -762,12 +769,13 @@ class SessionsService:
         return {"user": access.public_user(user)}
 
     # ------------------------------------------------------------------ API tokens
-    async def _new_api_token(self, user: dict, name: str, roles: list[str], expires_at: float | None) -> tuple[str, dict]:
+    async def _new_api_token(self, user: dict, name: str, roles: list[str], expires_at: float | None,
+                             minted_by: dict | None = None) -> tuple[str, dict]:
         now = time.time()
         token = access.new_token("token")
         tid = access.token_id(token)
         uid = user["user_id"]
-        rec = access.token_record(tid, name, user, roles, now, expires_at)
+        rec = access.token_record(tid, name, user, roles, now, expires_at, minted_by)
         ttl = expires_at - now if expires_at else None
         await self.users.create(token_index(uid, tid), {"token_id": tid, "name": name, "created_at": rec["created_at"]},
                                 ttl=ttl)
@@ -785,11 +793,28 @@ class SessionsService:
                                       lambda rec: access.token_ttl(rec, time.time())) or rec
         return token, rec
 
-    async def _revoke_token(self, rec: dict, reason: str) -> None:
+    async def _revoke_token(self, rec: dict, reason: str, cascade: bool = True) -> None:
         await self.users.purge(token_key(rec["token_id"]))
         await self.users.purge(token_index(rec["user_id"], rec["token_id"]))
         await self._notify({"token_id": rec["token_id"], "user_id": rec["user_id"], "reason": reason})
         log.info("API token %s of user %s revoked: %s", rec["token_id"], rec["user_id"], reason)
+        if cascade:
+            await self._revoke_minted(rec["user_id"], rec["token_id"])
+
+    async def _revoke_minted(self, uid: str, tid: str) -> int:
+        """Revoke the API tokens the revoked token ``tid`` made, and, through :meth:`_revoke_token`, what
+        those made: a token may have no end of its own, so revoking a leaked one must end the copies
+        made with it (a session's tokens end with its lifetime: access.token_expiry). A user's tokens are
+        few (``max_tokens_per_user``)."""
+        made = []
+        for _, entry, _ in await self.users.values(token_index(uid)):
+            made_id = entry.get("token_id") if isinstance(entry, dict) else None
+            got = await self.users.get(token_key(made_id), fresh=True) if isinstance(made_id, str) else None
+            if got is not None and access.minted_by(got[0], {"token_id": tid}):
+                made.append(got[0])
+        for rec in made:
+            await self._revoke_token(rec, "maker_revoked")
+        return len(made)
 
     async def _token_principal(self, tid: str) -> dict:
         got = await self.users.get(token_key(tid))
@@ -805,10 +830,8 @@ class SessionsService:
         await self._require(caller, "token.own", ip)
         name = access.token_name(req.get("name"))
         roles = access.token_roles(req.get("roles"), caller["roles"])  # never more than the caller has now
-        expires_in = req.get("expires_in")
-        if expires_in is not None and (not isinstance(expires_in, int) or isinstance(expires_in, bool)
-                                       or not 1 <= expires_in <= MAX_TOKEN_SECONDS):
-            raise AccessError("bad_request", f"expires_in: whole seconds, 1 to {MAX_TOKEN_SECONDS}")
+        # never longer than the caller lives: a stolen session does not become a lasting token
+        expires_at = access.token_expiry(req.get("expires_in"), caller, time.time(), MAX_TOKEN_SECONDS)
         uid = caller["user_id"]
         if len(await self.users.values(token_index(uid))) >= limits.current().max_tokens_per_user:
             raise AccessError("conflict", f"the user has max_tokens_per_user = {limits.current().max_tokens_per_user} "
@@ -816,10 +839,10 @@ class SessionsService:
         got = await self._user(uid)
         if got is None:
             raise AccessError("unauthenticated", "the caller's user does not exist")
-        token, rec = await self._new_api_token(got[0], name, roles, time.time() + expires_in if expires_in else None)
+        token, rec = await self._new_api_token(got[0], name, roles, expires_at, access.minter(caller))
         await self._audit("token.created", actor=caller, client_ip=ip,
                           target={"token_id": rec["token_id"], "name": name, "roles": rec["roles"],
-                                  "expires_at": rec["expires_at"]})
+                                  "expires_at": rec["expires_at"], "minted_by": rec["minted_by"]})
         return {"token": token, "token_id": rec["token_id"], "name": name, "roles": rec["roles"],
                 "expires_at": rec["expires_at"]}
 

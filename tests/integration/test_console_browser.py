@@ -296,3 +296,34 @@ CONTRAST = """() => {
   }
   return low;
 }"""
+
+
+def test_the_api_docs_render_under_their_policy(console):
+    """/docs (Swagger UI) and /redoc in the browser, under their Content-Security-Policy: each renders
+    the API, no script or style is refused (Swagger UI's inline start-up script passes by its hash), and
+    nothing is asked of another origin (ReDoc's footer logo, on a CDN, is the one thing refused)."""
+    page = console.page.context.browser.new_page(viewport={"width": 1280, "height": 900})
+    page.add_init_script("window.__csp = []; document.addEventListener('securitypolicyviolation', "
+                         "e => window.__csp.push([e.effectiveDirective, e.blockedURI]))")
+    errors: list[str] = []
+    requested: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("request", lambda req: requested.append(req.url))
+    failed: dict[str, str | None] = {}
+    page.on("requestfailed", lambda req: failed.__setitem__(req.url, req.failure))
+    try:
+        for path, rendered in (("/docs", ".opblock-summary-path"), ("/redoc", "[data-section-id] h2")):
+            resp = page.goto(f"{console.url}{path}")
+            assert "script-src 'self'" in resp.headers["content-security-policy"], path
+            page.wait_for_selector(rendered, timeout=30_000)
+            assert "/api/executions" in page.inner_text("body"), path  # the routes are listed
+            page.wait_for_timeout(500)  # late work (ReDoc's search worker) has its chance to be refused
+            refused = page.evaluate("window.__csp")
+            expected = [["img-src", "https://cdn.redoc.ly/redoc/logo-mini.svg"]] if path == "/redoc" else []
+            assert refused == expected, (path, refused)
+            page.screenshot(path=str(SHOTS / f"20-api{path.replace('/', '-')}.png"))
+        assert not errors, errors
+        outside = {u: failed.get(u) for u in requested if not u.startswith((console.url, "data:", "blob:"))}
+        assert set(outside.values()) <= {"csp"}, outside  # refused by the policy: never sent
+    finally:
+        page.close()

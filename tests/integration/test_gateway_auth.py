@@ -398,6 +398,49 @@ def test_users_sessions_and_tokens_through_the_api(stack, people):
     stack.run(go())
 
 
+def test_a_token_never_outlives_what_makes_it_and_ends_with_it(stack, people):
+    """A session mints tokens that end by its own end at the latest (a stolen session does not become
+    a lasting token); a token mints tokens within its own expiry, and revoking it ends what it made."""
+    async def go() -> None:
+        async with stack.client() as admin:
+            await admin.add_user("a-minter", ["developer"], password=PASSWORD)
+        async with GatewayClient(stack.url, token="") as c:
+            c.use(None)
+            session = (await c.login("a-minter", PASSWORD))["token"]
+            ends = (await c.whoami())["expires_at"]
+            made = await c.create_token("by-session")  # no expires_in: no longer than the session
+            assert made["expires_at"] == ends
+            with pytest.raises(GatewayError) as longer:
+                await c.create_token("forever", expires_in=30 * 24 * 3600)
+            assert longer.value.status == 403 and "cannot outlive the session that makes it" in longer.value.message
+            short = await c.create_token("short", expires_in=600)
+            listed = {t["name"]: t for t in await c.tokens()}
+            assert listed["short"]["minted_by"] == {"kind": "session", "session_id": access.token_id(session)}
+
+            c.use(short["token"])  # a token makes tokens within its own expiry
+            child = await c.create_token("child", roles=["viewer"])
+            assert child["expires_at"] == short["expires_at"]
+            with pytest.raises(GatewayError) as beyond:
+                await c.create_token("beyond", expires_in=601)
+            assert beyond.value.status == 403 and "cannot outlive the API token" in beyond.value.message
+            c.use(child["token"])
+            grandchild = await c.create_token("grandchild")
+            assert grandchild["roles"] == ["viewer"] and grandchild["expires_at"] == short["expires_at"]
+
+            c.use(session)
+            await c.revoke_token(short["token_id"])  # ends what it made, and what that made
+            for token in (child["token"], grandchild["token"]):
+                await _refused(c, token)
+            c.use(session)
+            assert {t["name"] for t in await c.tokens()} == {"by-session"}
+
+            await c.logout()  # a session's tokens stay: they end by the session's lifetime at the latest
+            c.use(made["token"])
+            assert (await c.whoami())["token_name"] == "by-session"
+
+    stack.run(go())
+
+
 # ------------------------------------------------------------------------------ the command line
 def test_cli_login_whoami_tokens_users_logout(stack, people, capsys, monkeypatch):
     url = stack.url

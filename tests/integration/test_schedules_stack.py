@@ -17,7 +17,7 @@ import pytest
 from noetl_mesh.cli import main as cli
 from noetl_mesh.client import GatewayClient, GatewayError
 from noetl_mesh.core import schedules
-from noetl_mesh.infra.bus import Bus
+from noetl_mesh.infra.bus import Bus, BusError
 from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.infra.nats_auth import NatsAuth, connect_options
 from noetl_mesh.services.scheduler.store import ScheduleStore
@@ -244,6 +244,34 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
         assert cli(["schedule", verb, "noon", *gw]) == 0
     assert cli(["schedule", "delete", "noon", *gw]) == 0
     assert cli(["schedule", "get", "noon", *gw]) == 1
+
+
+def test_a_schedule_path_is_a_catalog_path_at_the_gateway_and_at_the_scheduler(stack):
+    """``../../etc/passwd`` is no catalog path: the gateway answers 422 at body.path (before asking the
+    catalog), the scheduler refuses it asked directly, and the catalog never registers such a path."""
+    async def go() -> None:
+        async with stack.client() as admin:
+            for path in ("../../etc/passwd", "/etc/passwd", "tests//tick"):
+                with pytest.raises(GatewayError) as exc:
+                    await admin.schedule_add(path, every="1h")
+                assert exc.value.status == 422 and exc.value.errors[0]["location"] == "body.path", exc.value
+                assert "a catalog path is segments" in exc.value.message
+            with pytest.raises(GatewayError) as exc:
+                await admin.register(TICK.replace("path: tests/tick", "path: ../../etc/passwd"))
+            assert exc.value.status == 422 and "segment '..' starts with '.'" in str(exc.value.errors)
+            settings = stack.stack.settings
+            bus = await Bus.connect(settings.nats_url, "test-gateway", settings.creds_for("gateway"))
+            try:
+                with pytest.raises(BusError) as refused:
+                    await bus.request(schedules.Q_PREFIX + "add", {"schedule": {"path": "../../etc/passwd", "every": "1h"},
+                                                                   "created_by": {"user_id": "0" * 32}})
+                assert refused.value.kind == "invalid_schedule"
+                assert [e["location"] for e in refused.value.details] == ["path"]
+            finally:
+                await bus.close()
+            assert all(s["path"] != "../../etc/passwd" for s in await admin.schedules())
+
+    stack.run(go())
 
 
 def test_cli_lists_schedules(stack, monkeypatch, capsys):

@@ -29,7 +29,8 @@ from noetl_mesh.infra.bus import Bus, BusError
 from noetl_mesh.services.sessions import audit
 from noetl_mesh.services.sessions import service as S
 from noetl_mesh.services.sessions.oidc import OidcConfig
-from noetl_mesh.services.sessions.store import LOGINS, SESSIONS, USERS, Conflict, session_index, session_key
+from noetl_mesh.services.sessions.store import (LOGINS, SESSIONS, USERS, Conflict, failed_user_key, session_index,
+                                                 session_key)
 
 pytestmark = pytest.mark.integration
 
@@ -318,7 +319,7 @@ def test_sessions_of_a_user_list_revoke_disable(fresh_nats):
             assert done["user"]["disabled"] and done["revoked"] == {"sessions": 2, "tokens": 1}
             for token in (t1, t3, tok["token"]):
                 assert (await h.fails(S.Q_VALIDATE, {"token": token})).kind == "unauthenticated"
-            assert (await h.fails(S.Q_LOGIN, {"username": "dev", "password": DEV_PW})).message == "the user is disabled"
+            assert (await h.fails(S.Q_LOGIN, {"username": "dev", "password": DEV_PW})).message == "wrong username or password"
             assert (await h.fails(S.Q_USERS_DISABLE, {"principal": admin, "user_id": admin["user_id"]})).kind == "bad_request"
             await h.call(S.Q_USERS_ENABLE, {"principal": admin, "user_id": dev["user_id"]})
             t4, p4 = await h.login("dev")
@@ -345,6 +346,45 @@ def test_sessions_of_a_user_list_revoke_disable(fresh_nats):
     run(main())
 
 
+class CountingHasher(PasswordHasher):
+    """CHEAP's parameters; counts the password checks."""
+
+    def __init__(self) -> None:
+        super().__init__(time_cost=1, memory_cost=1024, parallelism=1)
+        self.verified = 0
+
+    def verify(self, hash, password) -> bool:  # noqa: A002 - argon2's name
+        self.verified += 1
+        return super().verify(hash, password)
+
+
+def test_a_disabled_user_fails_to_log_in_exactly_as_a_wrong_password_does(fresh_nats):
+    """No oracle: a disabled user's right and wrong passwords (and an unknown user) get the same answer
+    after the same work (the hash is checked each time) and count against the lockout alike; only the
+    audit log tells them apart."""
+    hasher = CountingHasher()
+
+    async def main():
+        async with running(fresh_nats.url, hasher=hasher) as h:
+            _, admin = await h.bootstrap()
+            dev = await h.add(admin, "dev", ["developer"])
+            await h.call(S.Q_USERS_DISABLE, {"principal": admin, "user_id": dev["user_id"]})
+            answers = []
+            for name, password in (("dev", DEV_PW), ("dev", "wrong password 1"), ("nobody", DEV_PW)):
+                before = hasher.verified
+                refused = await h.fails(S.Q_LOGIN, {"username": name, "password": password, "client_ip": "10.3.3.3"})
+                assert hasher.verified == before + 1, (name, password)  # the hash was checked either way
+                answers.append((refused.kind, refused.message, refused.details))
+            assert answers == [("unauthenticated", "wrong username or password", None)] * 3
+            counted = await h.raw(LOGINS, failed_user_key("dev"))
+            assert counted[0]["failures"] == 2  # the right password counts as a failure too
+            failed = (await h.call(S.Q_AUDIT_LIST, {"principal": admin, "action": "session.login_failed"}))["records"]
+            mine = [r["details"] for r in failed if r["actor"]["username"] == "dev"]
+            assert [(d["reason"], d["password_matched"]) for d in mine] == [("disabled", False), ("disabled", True)]
+
+    run(main())
+
+
 # ------------------------------------------------------------------------------ API tokens
 def test_api_token_lifecycle(fresh_nats):
     async def main():
@@ -353,7 +393,8 @@ def test_api_token_lifecycle(fresh_nats):
             dev = await h.add(admin, "dev", ["developer"])
             _, p = await h.login("dev")
             made = await h.call(S.Q_TOKENS_CREATE, {"principal": p, "name": "deploy", "roles": ["viewer"]})
-            assert made["token"].startswith("noetl_t_") and made["roles"] == ["viewer"] and made["expires_at"] is None
+            assert made["token"].startswith("noetl_t_") and made["roles"] == ["viewer"]
+            assert made["expires_at"] == p["expires_at"]  # no later than the session that made it
             used = await h.call(S.Q_VALIDATE, {"token": made["token"]})
             assert used["kind"] == "token" and used["token_id"] == made["token_id"] and used["roles"] == ["viewer"]
             assert used["user_id"] == dev["user_id"] and used["token_name"] == "deploy"
@@ -366,7 +407,7 @@ def test_api_token_lifecycle(fresh_nats):
             listed = (await h.call(S.Q_TOKENS_LIST, {"principal": p}))["tokens"]
             assert [t["name"] for t in listed] == ["full", "deploy"]
             assert all(set(t) == {"token_id", "name", "user_id", "username", "email", "display_name", "roles",
-                                  "created_at", "expires_at"} for t in listed)
+                                  "created_at", "expires_at", "minted_by"} for t in listed)
             _, viewer = await h.login("admin", ADMIN_PW)
             assert len((await h.call(S.Q_TOKENS_LIST, {"principal": viewer, "user_id": dev["user_id"]}))["tokens"]) == 2
 

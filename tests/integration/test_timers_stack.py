@@ -160,6 +160,35 @@ def test_a_signal_sent_before_its_wait_begins_is_kept(timed):
     assert final["status"] == "COMPLETED" and final["steps"]["end"]["result"] is False
 
 
+def test_an_early_signal_the_schema_refuses_is_not_delivered_and_the_wait_goes_on(timed):
+    """Sent before its wait begins, a payload the wait's schema refuses is kept (only the roles could be
+    checked), refused when the wait begins (signal.checked, and the execution's refused_signals with the
+    schema's error), never delivered: the wait still waits, and takes the valid signal sent next."""
+    async def go():
+        async with timed.client() as client:
+            eid = await client.start(APPROVAL, {"nap": "2s"})
+            await _until(client, eid, "wait.started")  # the nap's wait, not the approval's
+            assert (await client.signal(eid, "approve", {"ok": "yes"}))["status"] == "KEPT"
+            events = await _until(client, eid, "signal.checked")
+            [checked] = [e for e in events if e["name"] == "signal.checked"]
+            assert checked["source"] == "admission" and checked["data"]["accepted"] is False
+            assert checked["data"]["location"] == "body['ok']" and "'yes' is not of type 'boolean'" in checked["data"]["error"]
+            status = await client.status(eid)
+            assert status["status"] == "RUNNING" and "kept_signals" not in status
+            [refused] = status["refused_signals"]
+            assert refused["signal"] == "approve" and refused["step"] == "start" and "boolean" in refused["error"]
+            [waiting] = [w for w in status["waits"] if w.get("signal") == "approve"]
+            assert waiting["status"] == "waiting" and waiting["refused_signals"] == [refused]
+            assert (await client.signal(eid, "approve", {"ok": True}))["status"] == "DELIVERED"
+            return await client.wait(eid, timeout=30), await client.all_events(eid)
+
+    final, events = timed.run(go(), 60)
+    assert final["status"] == "COMPLETED" and final["steps"]["end"]["result"] is True
+    assert final["steps"]["start"]["result"]["payload"] == {"ok": True}
+    assert [e["data"]["outcome"]["result"]["payload"] for e in events
+            if e["name"] == "wait.ended" and (e["data"]["outcome"].get("result") or {}).get("signal")] == [{"ok": True}]
+
+
 def test_cancel_clears_pending_timers(timed):
     async def go():
         async with timed.client() as client:

@@ -148,6 +148,48 @@ def test_api_token_expiry():
     assert not access.token_live({**rec, "expires_at": 12}, T0) and not access.token_live({}, T0)
 
 
+SESSION = {"kind": "session", "session_id": "5" * 32, "user_id": "a" * 32, "roles": ["developer"],
+           "expires_at": iso(T0 + 3600)}  # a principal: its session ends in an hour
+
+
+def test_a_token_never_outlives_the_session_or_token_that_makes_it():
+    top = 10 * 365 * 24 * 3600
+    # a session: at most its absolute end; by default exactly that (never "no expiry")
+    assert access.token_expiry(None, SESSION, T0, top) == T0 + 3600
+    assert access.token_expiry(600, SESSION, T0, top) == T0 + 600
+    assert access.token_expiry(3600, SESSION, T0, top) == T0 + 3600
+    with pytest.raises(AccessError, match=r"cannot outlive the session that makes it: at most 3599 s") as longer:
+        access.token_expiry(3601, SESSION, T0 + 1, top)
+    assert longer.value.kind == "forbidden" and iso(T0 + 3600) in longer.value.message
+    # a token with an expiry: the same, with its own
+    token = {"kind": "token", "token_id": "6" * 32, "user_id": "a" * 32, "expires_at": iso(T0 + 60)}
+    assert access.token_expiry(None, token, T0, top) == T0 + 60
+    with pytest.raises(AccessError, match="cannot outlive the API token that makes it: at most 60 s"):
+        access.token_expiry(61, token, T0, top)
+    # only a token without expiry (the bootstrap's line) makes tokens without expiry
+    forever = {**token, "expires_at": None}
+    assert access.token_expiry(None, forever, T0, top) is None
+    assert access.token_expiry(top, forever, T0, top) == T0 + top
+    for bad in (0, -1, top + 1, 1.5, "60", True):
+        with pytest.raises(AccessError, match="expires_in: whole seconds") as exc:
+            access.token_expiry(bad, forever, T0, top)
+        assert exc.value.kind == "bad_request"
+
+
+def test_a_token_record_names_what_made_it():
+    user = {"user_id": "a" * 32, "username": "ann"}
+    made = access.token_record("7" * 32, "ci", user, ["viewer"], T0, T0 + 60, access.minter(SESSION))
+    assert made["minted_by"] == {"kind": "session", "session_id": "5" * 32}
+    assert access.minted_by(made, {"session_id": "5" * 32}) and not access.minted_by(made, {"session_id": "4" * 32})
+    assert not access.minted_by(made, {"token_id": "5" * 32})  # a session id is no token id
+    child = access.token_record("8" * 32, "job", user, ["viewer"], T0, T0 + 60,
+                                access.minter(access.principal(made, "token")))
+    assert child["minted_by"] == {"kind": "token", "token_id": "7" * 32} and access.minted_by(child, {"token_id": "7" * 32})
+    boot = access.token_record("9" * 32, "bootstrap", user, ["admin"], T0, None)
+    assert boot["minted_by"] is None and not access.minted_by(boot, {"token_id": None})
+    assert not access.minted_by({"minted_by": "x"}, {"token_id": "x"})
+
+
 # ---------------------------------------------------------------------------- lockout
 def test_lockout_slows_then_locks_then_forgets():
     policy = LockoutPolicy(slow_after=3, lock_after=10, lock_seconds=900)

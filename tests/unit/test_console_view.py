@@ -237,6 +237,35 @@ def test_stream_admission_is_limited_per_session_and_in_total():
         assert hub.streams == 1 and list(hub.per_session.values()) == [1]
 
 
+def test_a_revocation_notice_ends_its_sessions_streams_and_rechecks_its_users():
+    async def go():
+        hub = live.Hub(bus=None)  # type: ignore[arg-type]
+        ann_s = {"user_id": "u1", "kind": "session", "session_id": "s1"}
+        ann_t = {"user_id": "u1", "kind": "token", "token_id": "t1"}
+        bob = {"user_id": "u2", "kind": "session", "session_id": "s2"}
+        streams = {name: live.Pending() for name in ("ann_s", "ann_s2", "ann_t", "bob")}
+        for name, who in (("ann_s", ann_s), ("ann_s2", ann_s), ("ann_t", ann_t), ("bob", bob)):
+            hub.hold(streams[name], who)
+        assert hub.revoked({"session_id": "s1", "user_id": "u1", "reason": "logout"}) == 2
+        for name in ("ann_s", "ann_s2"):
+            assert streams[name].wake.is_set() and streams[name].ended == {
+                "reason": "revoked", "cause": "logout",
+                "message": "the stream's session was revoked (logout): log in again"}
+        assert streams["ann_t"].ended is None and not streams["bob"].wake.is_set()
+        assert hub.revoked({"token_id": "t1", "user_id": "u1", "reason": "revoked"}) == 1
+        assert "API token was revoked" in streams["ann_t"].ended["message"]
+        # a notice naming only the user: each of its streams checks its token now (not ended blindly)
+        assert hub.revoked({"user_id": "u2", "reason": "user_disabled"}) == 1
+        assert streams["bob"].recheck == "user_disabled" and streams["bob"].ended is None
+        assert hub.revoked(None) == 4 and streams["ann_t"].recheck == "an unreadable revocation notice"
+        assert hub.revoked({"session_id": "nobody's", "reason": "logout"}) == 0
+        for name, who in (("ann_s", ann_s), ("ann_s2", ann_s), ("ann_t", ann_t), ("bob", bob)):
+            hub.unhold(streams[name], who)
+        assert hub.holders == {} and hub.by_user == {}
+
+    asyncio.run(go())
+
+
 def test_server_sent_events_are_one_json_line_each():
     frame = live.sse("state", {"a": "line\nbreak", "n": 1})
     assert frame == b'event: state\ndata: {"a":"line\\nbreak","n":1}\n\n'

@@ -210,7 +210,14 @@ def test_check_lists_every_error_with_its_location():
     ({"path": "p", "at": "2026-06-01T11:00:00Z"}, "at", "in the past"),
     ({"path": "p", "at": "2026-07-01T11:00:00"}, "at", "no time zone"),
     ({"path": "p", "at": "tomorrow"}, "at", "not an ISO-8601 instant"),
-    ({"path": "p\x00x", "every": 5}, "path", "control characters"),
+    ({"path": "p\x00x", "every": 5}, "path", "it holds '\\x00'"),
+    ({"path": "../../etc/passwd", "every": 5}, "path", "segment '..' starts with '.'"),
+    ({"path": "reports/./daily", "every": 5}, "path", "segment '.' starts with '.'"),
+    ({"path": "/etc/passwd", "every": 5}, "path", "empty segment"),
+    ({"path": "reports//daily", "every": 5}, "path", "empty segment"),
+    ({"path": "reports\\daily", "every": 5}, "path", "it holds '\\\\'"),
+    ({"path": "x" * 1025, "every": 5}, "path", "1025 characters"),
+    ({"path": 7, "every": 5}, "path", "not a string"),
     ({"path": "p", "every": 5, "version": True}, "version", "whole number"),
 ])
 def test_check_refuses(body, location, says):
@@ -349,3 +356,27 @@ def test_a_firing_acts_for_the_creator_only_while_the_creator_could_start_it():
     paused = S.with_paused({"id": "x", "paused": False}, True, 0, "its creator ann is disabled")
     assert paused["paused_reason"] == "its creator ann is disabled"
     assert "paused_reason" not in S.with_paused(paused, False, 1)  # resumed: the reason goes
+
+
+VALID_PATHS = ("p", "reports/daily", "a-b/c_d/v1.2", "_x/-y")
+
+
+@pytest.mark.parametrize("path", [*VALID_PATHS, "../../etc/passwd", "..", "a/./b", "/abs", "a/", "a//b", "a b", "a\\b",
+                                  "a\x00b", "é/x", ".hidden/x", "x" * 1025])
+def test_a_schedule_path_is_refused_exactly_when_the_catalog_would_refuse_it(path):
+    """One rule (lang/paths.py) for the catalog's metadata.path and a schedule's path."""
+    from noetl_mesh.lang.paths import path_problem
+    from noetl_mesh.lang.validate import validate
+
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "n", "path": path},
+           "workflow": [{"step": "start", "tool": {"kind": "noop"}}]}
+    catalog = [e.message for e in validate(doc).errors if tuple(e.path[:2]) == ("metadata", "path")]
+    try:
+        S.check({"path": path, "every": 5}, now=NOW, max_bytes=1 << 20)
+        schedule = []
+    except ScheduleError as exc:
+        schedule = [e["message"] for e in exc.errors if e["location"] == "path"]
+    assert bool(catalog) == bool(schedule) == (path not in VALID_PATHS), (catalog, schedule)
+    if schedule:
+        assert schedule[0].endswith(path_problem(path))
+        assert any(m == path_problem(path) or "NUL" in m for m in catalog), catalog

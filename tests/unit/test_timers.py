@@ -238,3 +238,167 @@ def test_a_loop_step_timeout_cancels_the_child_executions_of_its_iterations():
     assert [(e["iteration"], e["data"]["status"]) for e in children] == [(0, "CANCELLED"), (1, "CANCELLED")]
     # cancelled at the timeout, not at the end of the execution a minute later
     assert all(names.index("playbook.child.finished") < names.index("wait.ended") for e in children)
+
+
+# --------------------------------------------------------------------- a signal that came before its wait
+APPROVAL = """
+- step: start
+  tool:
+    - {name: nap, kind: wait, duration: 10s}
+    - name: ok
+      kind: wait
+      signal: approve
+      timeout: 1h
+      schema: {type: object, required: [ok], properties: {ok: {type: boolean}}}
+  next: {arcs: [{step: done}]}
+- step: done
+  tool: {kind: noop, result: "{{ start.result.payload }}"}
+"""
+
+
+def timed_out(r) -> bool:
+    """The approval wait ended by its timeout (no signal was delivered to it), so the step failed."""
+    ended = [e["data"]["outcome"] for e in r.log if e["name"] == "wait.ended"]
+    return summary(r.state)["status"] == "FAILED" and ended[-1]["error"]["kind"] == "timeout"
+
+
+def test_an_early_signal_the_schema_refuses_is_not_delivered_and_the_wait_goes_on():
+    """The signal comes before its wait (during the nap): when the wait begins it is checked against the
+    wait's schema, refused (recorded, with the schema's error), and the wait takes the next valid one."""
+    r = run(book(APPROVAL), signals=[(1, "approve", {"ok": "yes"}), (20, "approve", {"ok": True})])
+    s = summary(r.state)
+    assert s["status"] == "COMPLETED" and s["steps"]["done"]["result"] == {"ok": True}
+    checked = [e for e in r.log if e["name"] == "signal.checked"]
+    assert [(e["status"], e["data"]["accepted"]) for e in checked] == [("error", False), ("success", True)]
+    assert checked[0]["data"]["location"] == "body['ok']" and "'yes' is not of type 'boolean'" in checked[0]["data"]["error"]
+    refused = s["refused_signals"]
+    assert [(x["signal"], x["step"], x["task"], x["location"]) for x in refused] == [("approve", "start", "ok", "body['ok']")]
+    assert "is not of type 'boolean'" in refused[0]["error"]
+    ended = [e["data"]["outcome"] for e in r.log if e["name"] == "wait.ended"]
+    assert ended[-1]["result"]["payload"] == {"ok": True}  # never the refused payload
+    names = [e["name"] for e in r.log]  # refused when the wait began, before anything resumed it
+    assert names.index("signal.checked") > names.index("wait.started") and s["signals"] == {"approve": 2}
+
+
+def test_an_early_signal_the_schema_accepts_is_delivered_when_its_wait_begins():
+    r = run(book(APPROVAL), signals=[(1, "approve", {"ok": False})])
+    s = summary(r.state)
+    assert s["status"] == "COMPLETED" and s["steps"]["done"]["result"] == {"ok": False}
+    assert [e["data"]["accepted"] for e in r.log if e["name"] == "signal.checked"] == [True]
+    assert "refused_signals" not in s and "kept_signals" not in s
+
+
+def test_an_early_signal_is_checked_only_within_bounds():
+    """The control plane runs no regular expression and stops past signal_check_steps: such an early
+    signal is refused, saying why, even when it would match; one sent to the open wait is checked in full
+    by the gateway (schema_refusal)."""
+    pattern = APPROVAL.replace("properties: {ok: {type: boolean}}", "properties: {ok: {type: string, pattern: '^(a+)+$'}}")
+    r = run(book(pattern), signals=[(1, "approve", {"ok": "aaa"})])
+    s = summary(r.state)
+    assert timed_out(r)  # it waited on, for a signal that never came, until its timeout
+    assert "its schema uses a pattern" in s["refused_signals"][0]["error"]
+    from noetl_mesh.core.state import fold
+
+    upto = next(i for i, e in enumerate(r.log) if e["name"] == "signal.checked")  # while it waits: in the inbox
+    waiting = summary(fold(r.log[:upto + 1], r.execution_id))
+    assert [w["status"] for w in waiting["waits"]] == ["ended", "waiting"]
+    assert waiting["waits"][1]["refused_signals"][0]["error"] == s["refused_signals"][0]["error"]
+    from noetl_mesh import limits
+
+    with limits.override(signal_check_steps=5):
+        r = run(book(APPROVAL), signals=[(1, "approve", {"ok": True})])
+    assert "more than 5 steps" in summary(r.state)["refused_signals"][0]["error"]
+
+
+def test_a_signal_unchecked_by_the_gateway_never_reaches_a_wait_with_a_schema():
+    """A signal sent while the gateway saw no open wait (it was kept, unchecked) that finds the wait open
+    in the log (the wait began meanwhile) is checked like an early one; the wait takes a signal as it is
+    only when the gateway checked it for that wait (``wait_id``)."""
+    from noetl_mesh.core.events import make_event
+    from noetl_mesh.core.state import fold
+
+    r = run(book(APPROVAL), signals=[(12, "approve", {"ok": 3})])  # after the nap: the wait is open
+    s = summary(r.state)
+    assert timed_out(r) and "is not of type 'boolean'" in s["refused_signals"][0]["error"]
+    log = run(book(APPROVAL)).log  # no signal: cut where the wait has begun
+    started = next(i for i, e in enumerate(log) if e["name"] == "wait.started" and e["data"]["kind"] == "signal")
+    log, wait_id = log[:started + 1], log[started]["data"]["wait_id"]
+    xid = log[0]["execution_id"]
+    checked = make_event("signal.received", xid, event_id="sig-checked", source="gateway",
+                         data={"signal": "approve", "payload": {"ok": True}, "by": "u", "at": "t", "wait_id": wait_id})
+    state = fold(log + [checked], xid)
+    assert state.task_waits[wait_id].outcome["result"]["payload"] == {"ok": True} and not state.kept
+    other = dict(checked, event_id="sig-other", data={**checked["data"], "wait_id": "another wait"})
+    state = fold(log + [other], xid)
+    assert state.task_waits[wait_id].outcome is None and "approve" in state.kept  # for the decider to check
+
+
+def test_replay_folds_the_early_signal_verdicts_to_every_services_state():
+    r = run(book(APPROVAL), signals=[(1, "approve", {"ok": "yes"}), (20, "approve", {"ok": True})])
+    for service in ("admission", "router", "loop-coordinator"):
+        live = r.states[service][r.execution_id]
+        assert live.refused_signals == r.state.refused_signals and live.kept == r.state.kept == {}
+
+
+def test_a_log_from_before_waits_were_named_replays_as_it_ran():
+    """An older log: the gateway checked the signal against the open wait but did not name it; the wait
+    ended with it (wait.ended carries the outcome). Replay ends the wait with it and keeps nothing."""
+    from noetl_mesh.core.state import fold
+
+    r = run(book(APPROVAL), signals=[(12, "approve", {"ok": True})])
+    log = [dict(e, data={k: v for k, v in e["data"].items() if k != "wait_id"}) if e["name"] == "signal.received"
+           else e for e in r.log if e["name"] != "signal.checked"]
+    state = fold(log, r.execution_id)
+    assert state.status == "COMPLETED" and not state.kept
+
+
+def test_the_bounded_check_agrees_with_the_full_one_or_refuses_saying_why():
+    from noetl_mesh.core.signals import early_refusal
+
+    schema = WAITING["waits"][0]["schema"]
+    for payload in ({"ok": 1}, {"no": 1}, [1], {"ok": {"deep": [1]}}):
+        assert early_refusal("a", schema, payload, 50_000) == schema_refusal("a", schema, payload)
+    nested = {"type": "object", "properties": {"n": {"type": "array", "items": {"enum": [1, 2, 3]}}}}
+    assert early_refusal("a", nested, {"n": [1, 4]}, 50_000).location == "body['n'][1]"
+    # work that grows exponentially with a small schema ($refs doubling 40 times) stops at the budget
+    doubling = {f"a{i}": {"allOf": [{"$ref": f"#/$defs/a{i + 1}"}] * 2} for i in range(40)}
+    bomb = {"$defs": {**doubling, "a40": {"type": "integer"}}, "$ref": "#/$defs/a0"}
+    assert "more than 50000 steps" in early_refusal("a", bomb, 1, 50_000).message
+    assert "more than 100 values" in early_refusal("a", {}, list(range(200)), 100).message
+    assert "refers to itself without end" in early_refusal("a", {"$ref": "#"}, 1, 50_000).message
+    for uses in ({"patternProperties": {"^x": {}}}, {"additionalProperties": False, "patternProperties": {"(a+)+$": {}}},
+                 {"unevaluatedProperties": False}):
+        assert "its schema uses" in early_refusal("a", uses, {"x": 1}, 50_000).message, uses
+
+
+def test_no_schema_check_fetches_a_reference_from_elsewhere():
+    """A ``$ref`` to a URL is an error, never a request (jsonschema fetches remote references unless
+    told not to: a playbook author could make the gateway or the control plane call any address)."""
+    import http.server
+    import threading
+
+    from noetl_mesh.core.signals import early_refusal
+
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            asked.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "integer"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = {"$ref": f"http://127.0.0.1:{server.server_port}/schema.json"}
+        no = schema_refusal("a", remote, 1)
+        assert no.status == 422 and "cannot be evaluated" in no.message and "Unresolvable" in no.message
+        assert "cannot be evaluated" in early_refusal("a", remote, 1, 50_000).message
+        assert asked == []
+    finally:
+        server.shutdown()
+        server.server_close()

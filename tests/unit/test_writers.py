@@ -89,12 +89,12 @@ TIME = book("t/time", """
 - step: start
   tool:
     - {name: nap, kind: wait, duration: 2s}
-    - {name: ok, kind: wait, signal: approve, timeout: 1h}
+    - {name: ok, kind: wait, signal: approve, timeout: 1h, schema: {type: object}}
   next: {spec: {delay: 1m}, arcs: [{step: each}]}
 - step: each
   spec: {policy: {lifecycle: {timeout_s: 30}}}
   loop: {in: "{{ [1, 2] }}", iterator: x}
-  tool: [{name: w, kind: wait, signal: "go-{{ iter.x }}"}, {name: slow, kind: wait, duration: 1h}]
+  tool: [{name: w, kind: wait, signal: "go-{{ iter.x }}", schema: {type: integer}}, {name: slow, kind: wait, duration: 1h}]
   next: {arcs: [{step: slow_step, when: "{{ event.error.kind == 'timeout' }}"}]}
 - step: slow_step
   spec: {policy: {lifecycle: {timeout_s: 5}}}
@@ -102,7 +102,8 @@ TIME = book("t/time", """
   next: {arcs: [{step: done, when: "{{ event.error.kind == 'timeout' }}"}]}
 - step: done
   tool: {kind: noop}
-""")  # D29, D30: delays, waits, signals (step runs' and iterations'), timeouts of a step and a loop step
+""")  # D29, D30: delays, waits, signals (step runs' and iterations', checked against their schemas in the
+# control plane: signal.checked), timeouts of a step and a loop step
 
 
 async def _run(doc, workload=None, catalog=(), signals=()):

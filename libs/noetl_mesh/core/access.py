@@ -227,11 +227,47 @@ def principal(rec: dict[str, Any], kind: str, policy: SessionPolicy | None = Non
 
 
 def token_record(tid: str, name: str, user: dict[str, Any], roles: list[str], now: float,
-                 expires_at: float | None) -> dict[str, Any]:
-    """The KV value of a new API token (never the token)."""
+                 expires_at: float | None, minted_by: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The KV value of a new API token (never the token). ``minted_by``: the session or token that
+    made it (:func:`minter`; None for the bootstrap's)."""
     return {"token_id": tid, "name": name, "user_id": user["user_id"], "username": user["username"],
             "email": user.get("email"), "display_name": user.get("display_name"), "roles": list(roles),
-            "created_at": iso(now), "expires_at": iso(expires_at) if expires_at else None}
+            "created_at": iso(now), "expires_at": iso(expires_at) if expires_at else None, "minted_by": minted_by}
+
+
+def minter(caller: dict[str, Any]) -> dict[str, Any]:
+    """What a token record keeps of the principal that made it: its kind and id (never a secret)."""
+    key = "session_id" if caller.get("kind") == "session" else "token_id"
+    return {"kind": caller.get("kind"), key: caller.get(key)}
+
+
+def minted_by(rec: dict[str, Any], ended: dict[str, Any]) -> bool:
+    """Whether the token record ``rec`` was made by the session or token ``ended`` (``{session_id}`` or
+    ``{token_id}``)."""
+    made = rec.get("minted_by")
+    if not isinstance(made, dict):
+        return False
+    return any(isinstance(ended.get(k), str) and made.get(k) == ended[k] for k in ("session_id", "token_id"))
+
+
+def token_expiry(expires_in: Any, caller: dict[str, Any], now: float, max_seconds: int) -> float | None:
+    """When a new API token ends (epoch seconds; None: never), for a caller (a principal read from the
+    store). A token never outlives what makes it: a session's absolute end (``expires_at``: its idle
+    expiry is not counted, a refresh moves it), a token's own expiry. Without ``expires_in`` the new
+    token ends when its maker does; asking for longer is ``forbidden``, naming the longest allowed.
+    Only a token without expiry makes tokens without expiry (docs/security.md §2)."""
+    if expires_in is not None and (not isinstance(expires_in, int) or isinstance(expires_in, bool)
+                                   or not 1 <= expires_in <= max_seconds):
+        raise AccessError("bad_request", f"expires_in: whole seconds, 1 to {max_seconds}")
+    ends = epoch(caller.get("expires_at"))
+    if expires_in is None:
+        return ends
+    wanted = now + expires_in
+    if ends is not None and wanted > ends:
+        maker = "session" if caller.get("kind") == "session" else "API token"
+        raise AccessError("forbidden", f"expires_in: a token cannot outlive the {maker} that makes it: at most "
+                                       f"{max(0, math.floor(ends - now))} s (the {maker} ends at {iso(ends)})")
+    return wanted
 
 
 def token_live(rec: dict[str, Any], now: float) -> bool:

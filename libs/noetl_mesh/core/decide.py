@@ -34,7 +34,7 @@ from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy
 from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
-                    graph_of, playbook_digest)
+                    graph_of, open_wait, playbook_digest)
 
 DEFAULT_POOL = "default"
 # The event classes (events.event_class) each decider folds: a service consumes the messages of these
@@ -261,7 +261,7 @@ def _step_timeout(out: _Out, run: StepRun, sdef: dict) -> None:
 
 
 # =============================================================== waits (D29 b, D30)
-WAKES = frozenset({"wait.started", "signal.received", "timer.fired"})  # events after which a wait may resume
+WAKES = frozenset({"wait.started", "signal.received", "signal.checked", "timer.fired"})  # a wait may resume after them
 
 
 def _suspended(out: _Out, event: dict) -> None:
@@ -298,12 +298,38 @@ def _start_wait(out: _Out, event: dict) -> None:
         out.timer("wait_timeout", float(spec["timeout_at"]), {"wait_id": wid}, key=f"wait-timeout:{wid}", **ids)
 
 
+def _check_kept_signals(out: _Out, *, iterations: bool) -> None:
+    """D30: a kept signal that meets an open wait with a schema it was not checked against (it came
+    before the wait began, or while the gateway saw no open wait) is checked here, within
+    ``signal_check_steps`` and without running a regular expression (signals.early_refusal), and the
+    verdict recorded: ``signal.checked`` (the fold delivers an accepted signal, drops a refused one; the
+    wait goes on waiting)."""
+    from .signals import early_refusal
+
+    state = out.state
+    for name, signal in list(state.kept.items()):
+        wait = open_wait(state, name)
+        if wait is None or wait.ended or (wait.iteration is not None) != iterations or wait.takes(signal):
+            continue
+        run = state.runs.get(wait.step_run_id)
+        if run is None or run.ended:
+            continue
+        refusal = early_refusal(name, wait.spec.get("schema"), signal.get("payload"),
+                                limits.current().signal_check_steps)
+        data = {"signal": name, "wait_id": wait.id, "accepted": refusal is None}
+        if refusal is not None:
+            data.update(error=refusal.message, location=refusal.location)
+        out.event("signal.checked", status="success" if refusal is None else "error", step=wait.step,
+                  step_run_id=wait.step_run_id, iteration=wait.iteration, task=wait.task, data=data)
+
+
 def _resume_waits(out: _Out, *, iterations: bool) -> None:
     """Resume every wait whose time, signal or timeout came (admission: step runs' waits; the
     loop-coordinator: loop iterations')."""
     state = out.state
     if state.halted:
         return
+    _check_kept_signals(out, iterations=iterations)
     for wait in list(state.task_waits.values()):
         if wait.outcome is None or wait.ended or (wait.iteration is not None) != iterations:
             continue

@@ -44,6 +44,7 @@ ENTITY = {
     "wait.started": "task",  # a run waits for a time or a signal (a `wait` task)
     "wait.ended": "task",  # the wait is over: how, and the task's outcome
     "signal.received": "workflow",  # a signal sent to the execution
+    "signal.checked": "task",  # a signal that met its wait unchecked, checked against the wait's schema
 }
 TERMINAL_STEP_EVENTS = ("step.done", "step.failed", "loop.done")  # D13
 ALIASES = {"call.done": "step.done", "call.error": "step.failed"}  # D13: accepted in `when`
@@ -81,7 +82,7 @@ def batch_class(events: list[dict[str, Any]]) -> str:
 MAY_WRITE: dict[str, frozenset[str]] = {
     "gateway": frozenset({"playbook.execution.requested", "execution.cancelled", "signal.received"}),
     "admission": frozenset({
-        "timer.scheduled", "wait.started", "wait.ended",  # step runs' waits and timeouts
+        "timer.scheduled", "wait.started", "wait.ended", "signal.checked",  # step runs' waits and timeouts
         "playbook.request.evaluated", "workflow.started", "token.enqueued",  # the entry token
         "step.admitted", "step.skipped", "step.scheduled",
         "step.started", "step.done", "step.failed",  # tool-less steps; an admit rule that cannot be evaluated
@@ -94,7 +95,7 @@ MAY_WRITE: dict[str, frozenset[str]] = {
         "playbook.child.finished", "execution.cancelled",  # to a parent; to the children of a finished parent
     }),
     "loop-coordinator": frozenset({
-        "timer.scheduled", "wait.started", "wait.ended",  # loop iterations' waits, loop steps' timeouts
+        "timer.scheduled", "wait.started", "wait.ended", "signal.checked",  # loop iterations' waits, loop steps' timeouts
         "step.started", "step.failed", "loop.started", "loop.iteration.started", "loop.done",
         "playbook.execution.requested", "playbook.child.finished", "execution.cancelled",  # iterations' children
     }),

@@ -27,6 +27,7 @@ from zoneinfo import ZoneInfo, available_timezones
 import orjson
 
 from ..lang.durations import parse_duration, parse_instant  # the language's durations and instants
+from ..lang.paths import path_problem  # a schedule names a catalog path: the catalog's rule
 from .events import make_event, stable_id
 from .access import allowed
 
@@ -42,7 +43,6 @@ SOURCE = "scheduler"  # the writer of the requests it makes (core/events.py MAY_
 DURABLE = "scheduler"  # its consumer of the firings
 
 ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")  # one subject token and one KV key
-MAX_PATH = 1024
 MAX_EXPRESSION = 256  # characters of a cron expression
 MAX_EVERY = 366 * 86400  # seconds
 MAX_NEXT = 100  # next fire times asked at once
@@ -339,10 +339,9 @@ def check(body: Any, *, now: float, max_bytes: int) -> dict[str, Any]:
               for k in body if k not in FIELDS]
     out: dict[str, Any] = {}
     path = body.get("path")
-    if not isinstance(path, str) or not path.strip():
-        errors.append(_error("path", "the catalog path of the playbook to start (a non-empty string)"))
-    elif len(path) > MAX_PATH or any(ord(c) < 32 for c in path):
-        errors.append(_error("path", f"a catalog path has at most {MAX_PATH} characters and no control characters"))
+    problem = path_problem(path)
+    if problem is not None:
+        errors.append(_error("path", f"the catalog path of the playbook to start: {problem}"))
     else:
         out["path"] = path
     version = body.get("version")

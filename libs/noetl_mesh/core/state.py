@@ -119,10 +119,17 @@ class TaskWait:
     started_at: float = 0.0
     outcome: dict[str, Any] | None = None  # the wait task's outcome, once the time or a signal came
     ended: bool = False  # wait.ended: the run was resumed with the outcome
+    refused: list[dict[str, Any]] = field(default_factory=list)  # D30: signals its schema refused (signal.checked)
 
     @property
     def signal(self) -> str | None:
         return self.spec.get("signal") if self.kind == "signal" else None
+
+    def takes(self, signal: dict[str, Any]) -> bool:
+        """D30: whether a signal (``signal.received``'s data) may be its outcome as it is: the wait has
+        no schema, or the gateway checked the payload against this wait (``wait_id``). Any other signal
+        is checked in the control plane first (decide: ``signal.checked``)."""
+        return self.spec.get("schema") is None or signal.get("wait_id") == self.id
 
 
 @dataclass
@@ -150,6 +157,7 @@ class ExecutionState:
     task_waits: dict[str, TaskWait] = field(default_factory=dict)  # D29 (b), D30: wait tasks, by wait id
     signals: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # D30: accepted signals by name
     kept: dict[str, dict[str, Any]] = field(default_factory=dict)  # D30: a signal no wait has taken yet, by name
+    refused_signals: list[dict[str, Any]] = field(default_factory=list)  # D30: kept signals a schema refused
     seen: set[str] = field(default_factory=set)  # event ids applied (D21)
     token_seq: int = 0
     events: int = 0
@@ -426,22 +434,47 @@ def _wait_started(s: ExecutionState, e: dict, d: dict) -> None:
                     d.get("spec") or {}, d.get("continuation") or {}, float(e.get("timestamp") or 0))
     s.task_waits[wid] = wait
     name = wait.signal
-    if name is not None and name in s.kept:  # D30: a signal that came first is delivered now
-        wait.outcome = wait_outcome(wait, "signal", s.kept.pop(name))
+    if name is not None and name in s.kept and wait.takes(s.kept[name]):  # D30: a signal that came first
+        wait.outcome = wait_outcome(wait, "signal", s.kept.pop(name))  # (with a schema: signal.checked decides)
+
+
+def open_wait(s: ExecutionState, name: str) -> TaskWait | None:
+    """D30: the wait a signal of ``name`` goes to: the oldest that has no outcome yet."""
+    return next((w for w in s.task_waits.values() if w.signal == name and w.outcome is None), None)
 
 
 def _signal(s: ExecutionState, e: dict, d: dict) -> None:
-    """D30: the oldest open wait for the name takes the signal; with none, the signal is kept for the
-    next wait of that name (one at most: the gateway refuses a second)."""
+    """D30: the oldest open wait for the name takes the signal if it was checked against that wait's
+    schema (or the wait has none); otherwise the signal is kept: for the next wait of that name, or for
+    the check of the open wait's schema in the control plane (``signal.checked``). One kept at most:
+    the gateway refuses a second."""
     name = d.get("signal")
     if not isinstance(name, str):
         return
     s.signals.setdefault(name, []).append(d)
-    for wait in s.task_waits.values():
-        if wait.signal == name and wait.outcome is None:
-            wait.outcome = wait_outcome(wait, "signal", d)
-            return
+    wait = open_wait(s, name)
+    if wait is not None and wait.takes(d):
+        wait.outcome = wait_outcome(wait, "signal", d)
+        return
     s.kept.setdefault(name, d)
+
+
+def _signal_checked(s: ExecutionState, e: dict, d: dict) -> None:
+    """D30: the control plane's verdict on a kept signal against the wait's schema: accepted, it is the
+    wait's outcome; refused, it is dropped (recorded on the wait and the execution) and the wait goes on
+    waiting for another."""
+    wait = s.task_waits.get(d.get("wait_id"))
+    name = d.get("signal")
+    if wait is None or wait.outcome is not None or wait.signal != name or name not in s.kept:
+        return
+    signal = s.kept.pop(name)
+    if d.get("accepted"):
+        wait.outcome = wait_outcome(wait, "signal", signal)
+        return
+    refusal = {"signal": name, "wait_id": wait.id, "step": wait.step, "task": wait.task, "iteration": wait.iteration,
+               "by": signal.get("by"), "at": signal.get("at"), "error": d.get("error"), "location": d.get("location")}
+    wait.refused.append(refusal)
+    s.refused_signals.append(refusal)
 
 
 def _wait_ended(s: ExecutionState, e: dict, d: dict) -> None:
@@ -450,6 +483,13 @@ def _wait_ended(s: ExecutionState, e: dict, d: dict) -> None:
         wait.ended = True
         if wait.outcome is None:
             wait.outcome = d.get("outcome")
+            # a log written before signals named the wait they were checked for (the gateway had
+            # checked it): the signal the wait ended with is no longer kept
+            result = (wait.outcome or {}).get("result")
+            kept = s.kept.get(wait.signal) if wait.signal else None
+            if kept is not None and isinstance(result, dict) and result.get("at") == kept.get("at") \
+                    and result.get("by") == kept.get("by"):
+                del s.kept[wait.signal]
 
 
 def _next_evaluated(s: ExecutionState, e: dict, d: dict) -> None:
@@ -502,6 +542,7 @@ _HANDLERS = {
     "wait.started": _wait_started,
     "wait.ended": _wait_ended,
     "signal.received": _signal,
+    "signal.checked": _signal_checked,
 }
 
 __all__ = [
@@ -533,6 +574,8 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         out["signals"] = {name: len(sent) for name, sent in state.signals.items()}
     if state.kept:
         out["kept_signals"] = list(state.kept)
+    if state.refused_signals:  # D30: kept signals their wait's schema refused when they met
+        out["refused_signals"] = list(state.refused_signals)
     if state.request.get("schedule"):  # started by a schedule's firing (D31)
         out["schedule"] = state.request["schedule"]
     return out
@@ -540,6 +583,9 @@ def summary(state: ExecutionState) -> dict[str, Any]:
 
 def wait_view(wait: TaskWait) -> dict[str, Any]:
     """A wait task as the API shows it (D30's inbox): what it waits for, never its continuation."""
-    return {"wait_id": wait.id, "step": wait.step, "task": wait.task, "iteration": wait.iteration,
-            "kind": wait.kind, "status": "ended" if wait.ended else "resolved" if wait.outcome else "waiting",
-            "started_at": wait.started_at, **wait.spec}
+    out = {"wait_id": wait.id, "step": wait.step, "task": wait.task, "iteration": wait.iteration,
+           "kind": wait.kind, "status": "ended" if wait.ended else "resolved" if wait.outcome else "waiting",
+           "started_at": wait.started_at, **wait.spec}
+    if wait.refused:
+        out["refused_signals"] = list(wait.refused)
+    return out

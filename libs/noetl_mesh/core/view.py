@@ -216,7 +216,8 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
                   for w in list(state.task_waits.values())[:MAX_WAITS]],
         "children": list(state.children)[:MAX_CHILDREN], "children_total": len(state.children),
         "signals": {name: len(sent) for name, sent in state.signals.items()},
-        "kept_signals": list(state.kept), "folded": state.events,
+        "kept_signals": list(state.kept), "refused_signals": preview(state.refused_signals[-MAX_WAITS:], limit),
+        "folded": state.events,
     }
     request = state.request if isinstance(state.request, dict) else {}
     if request.get("parent_execution_id"):

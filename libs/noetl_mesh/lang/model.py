@@ -15,6 +15,7 @@ from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Discri
 
 from .. import limits
 from .durations import is_template, parse_duration, parse_instant
+from .paths import path_problem
 
 # D6: names that templates reserve; no step or task may use them.
 RESERVED_NAMES = frozenset(
@@ -37,8 +38,16 @@ def _instant(value: Any) -> Any:
     return value
 
 
+def _catalog_path(value: str) -> str:
+    problem = path_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 Duration = Annotated[Union[float, str], AfterValidator(_duration)]  # seconds, "5s", "2h", "PT5M" (D29)
 Instant = Annotated[str, AfterValidator(_instant)]  # ISO-8601 with a time zone
+CatalogPath = Annotated[str, AfterValidator(_catalog_path)]  # lang/paths.py: what names a catalog entry
 
 
 class Strict(BaseModel):
@@ -315,7 +324,7 @@ class Step(Strict):
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
-    path: str
+    path: CatalogPath = Field(description="the catalog path (segments of letters, digits, _ - . separated by /)")
     version: int | str | None = None
     description: str | None = None
 

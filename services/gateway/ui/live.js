@@ -27,6 +27,8 @@ export function openStream(path, handlers, { query } = {}) {
       }
       if (closed) return;
       if (reason === "unauthorized") { status("unauthorized"); return; }
+      // the session or token was revoked (a logout elsewhere, a disabled user): back to the login
+      if (reason === "revoked") { status("unauthorized"); (handlers.unauthorized || (() => {}))(); return; }
       // after the gateway's own end of a stream, at once; after a failure, a growing delay
       const wait = reason === "lifetime" ? 100 : backoff;
       if (reason !== "lifetime") backoff = Math.min(backoff * 2, 30000);
