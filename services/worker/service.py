@@ -208,6 +208,7 @@ class WorkerService:
         self.grace = grace if grace is not None else float(os.environ.get("NOETL_SHUTDOWN_GRACE") or 10)
         self.tools = tools
         self.sandbox: Supervisor | None = None  # made at start when the worker makes its own tools
+        self._sandbox_start: asyncio.Task | None = None
         self.keychain = bus_resolver(self.bus.request, Q_CREDENTIAL_RESOLVE)  # D24: per-execution TTL cache
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
         self.running: dict[asyncio.Task, str] = {}
@@ -230,16 +231,25 @@ class WorkerService:
     async def start(self) -> None:
         await self.bus.attach()
         if self.tools is None:
-            # D33: user code runs sandboxed; a worker that cannot sandbox says so now and refuses it
+            # D33: user code runs sandboxed; a worker that cannot sandbox says so as it starts, and refuses it
             self.sandbox = Supervisor(sandbox_policy.from_env(), secret_paths=self._secret_paths())
-            await self.sandbox.start()
-            (log.error if self.sandbox.describe().startswith("sandbox UNAVAILABLE") else log.info)(
-                "worker %s: %s", self.pool, self.sandbox.describe())
+            self._sandbox_start = asyncio.create_task(self._start_sandbox(), name="sandbox-start")
             self.tools = default_tools(sandbox=self.sandbox)
         self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
                                           max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
+
+    async def _start_sandbox(self) -> None:
+        """The fork server starts beside the worker's first fetch (a task waits for it if it must)."""
+        assert self.sandbox is not None
+        try:
+            await self.sandbox.start()
+        except Exception as exc:  # noqa: BLE001 - each task reports it again
+            log.error("worker %s: the sandbox's fork server did not start: %s", self.pool, exc)
+            return
+        unavailable = self.sandbox.describe().startswith("sandbox UNAVAILABLE")
+        (log.error if unavailable else log.info)("worker %s: %s", self.pool, self.sandbox.describe())
 
     def _secret_paths(self) -> list[str]:
         """What the sandbox must never show a task: this worker's NATS credentials and the stack's home."""
@@ -276,6 +286,9 @@ class WorkerService:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})
         if self.sandbox is not None:
+            if self._sandbox_start is not None:
+                self._sandbox_start.cancel()
+                await asyncio.gather(self._sandbox_start, return_exceptions=True)
             await self.sandbox.close()
 
     async def _pull(self) -> None:
