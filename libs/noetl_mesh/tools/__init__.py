@@ -1,6 +1,7 @@
 """Tools: what a task of each ``kind`` does (D8, D10, D25, D27, D28).
 
-``default_tools()`` gives the built-in registry kind -> tool instance (noop, python, http, duckdb);
+``default_tools()`` gives the built-in registry kind -> tool instance (noop, python, http, duckdb,
+postgres), the http and postgres tools under the worker pool's sandbox policy (D33);
 ``close_tools()`` releases what they hold (python child processes, http connections).
 
 This module imports nothing heavy at import time: the python tool's child process
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..sandbox.policy import Policy
     from .base import Tool, ToolContext
 
 __all__ = ["Tool", "ToolContext", "default_tools", "close_tools"]
@@ -22,8 +24,11 @@ def default_tools(
     python_pool_size: int = 2,
     python_max_tasks: int = 200,
     http_trust_env: bool = True,
+    policy: "Policy | None" = None,
 ) -> dict[str, Any]:
-    """kind -> tool instance for ``noop``, ``python``, ``http`` and ``duckdb``."""
+    """kind -> tool instance for ``noop``, ``python``, ``http``, ``duckdb`` and ``postgres``. ``policy``:
+    the destinations http and postgres tasks may reach (D33; the worker passes its pool's; None: the
+    default, nothing opened)."""
     from .duckdb import DuckdbTool
     from .http import HttpTool
     from .noop import NoopTool
@@ -33,9 +38,9 @@ def default_tools(
     return {
         "noop": NoopTool(),
         "python": PythonTool(pool_size=python_pool_size, max_tasks_per_child=python_max_tasks),
-        "http": HttpTool(trust_env=http_trust_env),
+        "http": HttpTool(trust_env=http_trust_env, policy=policy),
         "duckdb": DuckdbTool(),
-        "postgres": PostgresTool(),
+        "postgres": PostgresTool(policy=policy),
     }
 
 
