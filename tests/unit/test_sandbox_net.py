@@ -363,3 +363,9 @@ def test_the_postgres_tool_answers_a_refusal_with_the_sandbox_outcome():
     assert out["status"] == "error" and out["error"]["kind"] == "sandbox" and out["error"]["retryable"] is False
     assert out["error"]["message"].startswith("postgres task refused: 127.0.0.1 is a loopback address")
     assert "pg-secret-1" not in str(out)
+
+
+def test_the_policy_a_worker_logs_names_its_entries_as_they_are_written():
+    p = from_env({"NOETL_SANDBOX_ALLOW_NET": "127.0.0.1:8765, [::1]:80, 10.0.0.0/8, db.internal:5432"})
+    assert "allow-net 127.0.0.1:8765, [::1]:80, 10.0.0.0/8, db.internal:5432;" in p.describe()
+    assert parse_destinations(", ".join(map(str, p.allow))) == p.allow  # and read back the same
