@@ -84,7 +84,21 @@ def test_an_http_task_cannot_read_a_services_metrics_port(opened_api):
 
 
 def test_an_http_task_cannot_reach_the_cloud_metadata_address(opened_api):
-    """Refused before any connection is tried: the outcome is the refusal, not a timeout."""
+    """Refused before any connection is tried: the outcome is the refusal, not a timeout. This machine
+    sends nothing to that address, even when the check is broken: the worker's backend is first asked
+    in-process, with a connector that fails the test if it is ever called."""
+    import asyncio
+
+    from noetl_mesh.sandbox.net import Refused
+    from noetl_mesh.sandbox.policy import Policy
+    from noetl_mesh.tools.http import _GuardedBackend
+
+    class NeverConnects:
+        async def connect_tcp(self, host, port, **kw):
+            pytest.fail(f"the backend would have connected to {host}:{port}")
+
+    with pytest.raises(Refused):
+        asyncio.run(_GuardedBackend(Policy(), inner=NeverConnects()).connect_tcp("169.254.169.254", 80, timeout=5))
     final, outcome = probe(opened_api, opened_api.developer,
                            {"kind": "http", "url": "http://169.254.169.254/latest/meta-data/", "timeout": 30})
     assert refused(final, outcome).startswith("http task refused: 169.254.169.254 is a cloud metadata address, "
@@ -109,7 +123,7 @@ def test_the_opened_endpoint_works_its_neighbour_does_not_and_a_redirect_to_loop
 def test_a_postgres_task_cannot_reach_the_embedded_postgres(opened_api, module_pg):
     """The stack's own database (its event log) is on loopback: closed by default."""
     final, outcome = probe(opened_api, opened_api.developer,
-                           {"kind": "postgres", "dsn": module_pg, "command": "select count(*) as n from noetl_events"})
+                           {"kind": "postgres", "dsn": module_pg, "command": "select count(*) as n from credential"})
     endpoint = pg_endpoint(module_pg)
     assert refused(final, outcome) == (f"postgres task refused: 127.0.0.1 is a loopback address, closed to tasks on "
                                        f"this worker pool (D33); open it with NOETL_SANDBOX_ALLOW_NET={endpoint} "
