@@ -235,6 +235,25 @@ def _fail(message: str, code: int = EXIT_INVALID) -> int:
     return code
 
 
+ALLOW_NET_HELP = ("open a destination to the workers' http and postgres tasks (D33): an address, a network or a host "
+                  "name, with an optional port (127.0.0.1:8765, 10.0.0.0/8, db.internal:5432); repeatable or "
+                  "comma-separated; sets NOETL_SANDBOX_ALLOW_NET for the stack's workers (default: the environment's)")
+
+
+def _allow_net(args: argparse.Namespace) -> str | None:
+    """``--allow-net`` (repeatable, comma-separated) as the text of NOETL_SANDBOX_ALLOW_NET for the
+    embedded stack's workers, or None when it is not given (they read the environment's). ValueError
+    naming what cannot be read: an entry of the flag, or a sandbox setting of the environment (the
+    workers would not start)."""
+    from .sandbox.policy import ENV, from_env, parse_destinations
+
+    text = ",".join(args.allow_net) if getattr(args, "allow_net", None) else None
+    if text is not None:
+        parse_destinations(text, "--allow-net")
+    from_env({**os.environ, ENV["allow"]: text} if text is not None else os.environ)
+    return text
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input, 3 --timeout
     passed, 4 no gateway at --gateway, 5 the embedded stack cannot start, 128 + the signal's number when
@@ -282,6 +301,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                   "--gateway URL for another)", file=sys.stderr)
     if _bad_url(gateway):
         return _fail(_bad_url(gateway))
+    if gateway and getattr(args, "allow_net", None):
+        return _fail(f"--allow-net sets what the workers of the stack `noetl run` starts may reach; the workers "
+                     f"behind {gateway} have their own setting (NOETL_SANDBOX_ALLOW_NET where they run)")
+    try:
+        args.allow_net_text = None if gateway else _allow_net(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     with _Signals() as signals:
         run, servers = _Run(args, gateway, signals), None
         try:
@@ -377,7 +403,8 @@ class _Run:
         args, stack = self.args, None
         try:
             if servers is not None:
-                stack = await _embedded_stack(servers, metrics_port=args.metrics_port)
+                stack = await _embedded_stack(servers, metrics_port=args.metrics_port,
+                                              allow_net=getattr(args, "allow_net_text", None))
                 if stack.metrics_url and not args.json:
                     print(f"metrics: {stack.metrics_url}/metrics (and /livez, /readyz)", file=sys.stderr, flush=True)
             gateway = stack.gateway_url if stack is not None else self.gateway
@@ -670,18 +697,20 @@ def _provision(persistent: str | None = None) -> _Servers:
 
 
 async def _embedded_stack(servers: _Servers, processes: bool = False, metrics_port: int | None = None,
-                          log_format: str | None = None, port: int = 0, counts: dict[str, int] | None = None):
+                          log_format: str | None = None, port: int = 0, counts: dict[str, int] | None = None,
+                          allow_net: str | None = None):
     """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised;
     the gateway on ``port`` (0: any free one), ``counts`` replicas per service (stack.parse_replicas).
     ``stop()`` stops the services; the servers are the caller's to stop. ``metrics_port``: in this
     process, the port of its one metrics server (0: a free one; None: none); with ``processes``, the
-    first of the services' ports (0 or None: free ones)."""
+    first of the services' ports (0 or None: free ones). ``allow_net``: NOETL_SANDBOX_ALLOW_NET for the
+    workers (None: the environment's)."""
     from .stack import InProcessStack, ProcessStack, Settings
 
     persistent = servers.persistent
     creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
     settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds,
-                        metrics_port=metrics_port, log_format=log_format, port=port)
+                        metrics_port=metrics_port, log_format=log_format, port=port, allow_net=allow_net)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file, counts=counts)
@@ -704,6 +733,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     home = os.path.abspath(args.home)
     try:
         args.counts = parse_replicas(args.replicas)
+        args.allow_net_text = _allow_net(args)
     except ValueError as exc:
         return _fail(str(exc))
     from .infra.probes import port_free
@@ -748,7 +778,8 @@ async def _up(args: argparse.Namespace, home: str, servers: _Servers, first: boo
         logs.configure(None, args.log_format)
     stack = await _embedded_stack(servers, processes=not args.in_process,
                                   metrics_port=args.metrics_port if not args.in_process else (args.metrics_port or 0),
-                                  log_format=args.log_format, port=args.port, counts=args.counts)
+                                  log_format=args.log_format, port=args.port, counts=args.counts,
+                                  allow_net=getattr(args, "allow_net_text", None))
     url, stored = stack.gateway_url, False
     monitoring = getattr(servers.nats, "monitor_url", None)
     replicas: dict[str, int] = {}
@@ -836,6 +867,10 @@ def cmd_service(args: argparse.Namespace) -> int:
 
     try:
         settings = _nats_settings(args)
+        if args.name == "worker":  # D33: a bad sandbox setting stops the worker here, in one line
+            from .sandbox.policy import from_env
+
+            from_env()
     except ValueError as exc:
         return _fail(str(exc))
     from .infra import logs
@@ -1269,6 +1304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--migrate", action="store_true",
                    help="run the playbook (and the --register ones) through `noetl migrate` in memory first, for "
                         "a quick try of a legacy playbook; what needs a person is printed")
+    p.add_argument("--allow-net", action="append", metavar="HOST[:PORT]|CIDR", help=ALLOW_NET_HELP)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("migrate", help="rewrite legacy NoETL playbooks into the canonical language (docs/migrate.md)",
@@ -1300,6 +1336,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for --in-process); 0 or unset: free ports, printed (NOETL_METRICS_PORT)")
     p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("NOETL_LOG_FORMAT", "text"),
                    help="the services' log lines: text, or one JSON object per line (NOETL_LOG_FORMAT)")
+    p.add_argument("--allow-net", action="append", metavar="HOST[:PORT]|CIDR", help=ALLOW_NET_HELP)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("service", help="run one service")

@@ -86,6 +86,9 @@ class Settings:
     metrics_optional: bool = False  # metrics_port is only the default: when it is taken, serve none
     metrics_host: str | None = None  # NOETL_METRICS_HOST, else 127.0.0.1
     log_format: str | None = None  # text or json (process stacks pass it to each service)
+    # what the workers' tasks may reach beyond the default (D33): NOETL_SANDBOX_ALLOW_NET for the workers
+    # (``--allow-net``); None: the environment's
+    allow_net: str | None = None
 
     def creds_for(self, service: str) -> str | None:
         """The credentials file of ``service`` (``admin`` for the stack's setup)."""
@@ -118,7 +121,8 @@ def make_service(name: str, bus: Bus, settings: Settings):
             raise ValueError("the event-recorder needs a Postgres DSN (--pg-dsn or NOETL_PG_DSN)")
         return cls(bus, pg_dsn=settings.pg_dsn)
     if name == "worker":
-        return cls(bus, pool=settings.pool, concurrency=settings.concurrency, ack_wait=settings.ack_wait)
+        return cls(bus, pool=settings.pool, concurrency=settings.concurrency, ack_wait=settings.ack_wait,
+                   allow_net=settings.allow_net)
     if name == "gateway":
         return cls(bus, host=settings.host, port=settings.port)
     return cls(bus)
@@ -365,6 +369,8 @@ class ProcessStack:
         if s.log_format:
             args += ["--log-format", s.log_format]
         out = open(os.path.join(self.log_dir, f"{key}.log"), "ab") if self.log_dir else subprocess.DEVNULL
+        if name == "worker" and s.allow_net is not None:  # D33: its sandbox policy reads it at start
+            env["NOETL_SANDBOX_ALLOW_NET"] = s.allow_net
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own descriptor

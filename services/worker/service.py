@@ -9,6 +9,8 @@ another worker, not after ``ack_wait``. Long tasks keep their lease with in-prog
 ``noetl.cancel.<execution>`` broadcast aborts the execution's running commands and drops its queued
 ones (D15, D18). While a command runs, its secrets are masked in every log record of the process
 (D24: ``keychain.install_log_masking``; httpx and httpcore, which log request URLs, stay at WARNING).
+The pool's sandbox policy (D33) is read once at start, with this worker's NATS servers closed to tasks
+whatever it allows (:func:`sandbox_policy`), logged, and handed to the tools.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
-from noetl_mesh.sandbox import policy as sandbox_policy
+from noetl_mesh.sandbox import policy as sandbox
+from noetl_mesh.sandbox.net import resolve_endpoints
 from noetl_mesh.sandbox.supervisor import Supervisor
 from noetl_mesh.tools import close_tools, default_tools
 
@@ -41,6 +44,17 @@ def payload_limit(command: dict) -> int | None:
     """D23: the playbook's ``executor.spec.policy.limits.max_payload_bytes``, if it sets one."""
     executor = (command.get("spec_layers") or {}).get("executor") or {}
     return ((executor.get("policy") or {}).get("limits") or {}).get("max_payload_bytes")
+
+
+def sandbox_policy(nc: Any, allow_net: str | None = None) -> sandbox.Policy:
+    """D33: the pool's policy from the environment (``allow_net``, when given, over
+    NOETL_SANDBOX_ALLOW_NET: the stack runners' ``--allow-net``), with the address and port of every
+    NATS server the client ``nc`` is connected to or knows of (its own and the discovered ones) closed
+    whatever the policy allows. :class:`sandbox.PolicyError` (naming the variable) on a bad setting."""
+    env = os.environ if allow_net is None else {**os.environ, sandbox.ENV["allow"]: allow_net}
+    policy = sandbox.from_env(env)
+    urls = [u for u in (nc.connected_url, *nc.servers) if u is not None and u.hostname]
+    return policy.with_engine_endpoints(resolve_endpoints((u.hostname, u.port or 4222) for u in urls))
 
 
 class EventBatcher:
@@ -202,8 +216,10 @@ class WorkerService:
     name = "worker"
 
     def __init__(self, bus: Bus, *, pool: str = "default", concurrency: int = 8, ack_wait: float = 30.0,
-                 tools: dict[str, Any] | None = None, grace: float | None = None):
+                 tools: dict[str, Any] | None = None, grace: float | None = None, allow_net: str | None = None):
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
+        self.allow_net = allow_net  # D33: over NOETL_SANDBOX_ALLOW_NET when given (see sandbox_policy)
+        self.policy: sandbox.Policy | None = None
         # seconds a stopping worker lets its running commands finish before handing them back
         self.grace = grace if grace is not None else float(os.environ.get("NOETL_SHUTDOWN_GRACE") or 10)
         self.tools = tools
@@ -230,9 +246,12 @@ class WorkerService:
 
     async def start(self) -> None:
         await self.bus.attach()
+        self.policy = await asyncio.to_thread(sandbox_policy, self.bus.nc, self.allow_net)  # names resolve
+        log.info("worker %s: %s; closed whatever it allows: NATS %s", self.pool, self.policy.describe(),
+                 ", ".join(f"{a}:{p}" for a, p, _ in self.policy.engine) or "none known")
         if self.tools is None:
             # D33: user code runs sandboxed; a worker that cannot sandbox says so as it starts, and refuses it
-            self.sandbox = Supervisor(sandbox_policy.from_env(), secret_paths=self._secret_paths())
+            self.sandbox = Supervisor(self.policy, secret_paths=self._secret_paths())
             self._sandbox_start = asyncio.create_task(self._start_sandbox(), name="sandbox-start")
             self.tools = default_tools(sandbox=self.sandbox)
         self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),

@@ -116,12 +116,25 @@ def fixture_api() -> Iterator[FixtureApi]:
     api.stop()
 
 
+def pg_endpoint(dsn: str) -> str:
+    """``HOST:PORT`` of a Postgres connection string: what a stack's workers must be allowed to reach
+    for tasks that use that database (NOETL_SANDBOX_ALLOW_NET)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    parts = conninfo_to_dict(dsn)
+    return f"{parts.get('host') or '127.0.0.1'}:{parts.get('port') or 5432}"
+
+
 def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), nats_kw: dict | None = None,
-                settings_kw: dict | None = None, **kw: Any):
+                settings_kw: dict | None = None, allow_net: str = "", **kw: Any):
+    """A whole stack in a background loop. ``allow_net``: what its tasks may reach beyond the default
+    (D33: NOETL_SANDBOX_ALLOW_NET for its workers, whatever the environment says): nothing unless a test
+    names the endpoints its tasks call (``fixture_api.endpoint``, ``pg_endpoint(dsn)``)."""
     auth = NatsAuth(tempfile.mkdtemp(prefix="noetl-creds-"), pools=pools).ensure()
     nats = EmbeddedNats(auth=auth, **(nats_kw or {})).start()
     loop = LoopThread()
-    settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory), **(settings_kw or {}))
+    settings = Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory),
+                        **{"allow_net": allow_net, **(settings_kw or {})})
     stack = loop.run(InProcessStack(settings, **kw).start())
     return nats, loop, StackHandle(loop, stack)
 
@@ -151,8 +164,15 @@ def module_pg(pg_server, pg_template) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def stack(module_pg) -> Iterator[StackHandle]:
-    nats, loop, handle = start_stack(module_pg)
+def allow_net() -> str:
+    """What the tasks of the module's ``stack`` may reach beyond the default (D33): nothing. A module
+    whose tasks call the fixture API or the embedded Postgres overrides it with exactly those endpoints."""
+    return ""
+
+
+@pytest.fixture(scope="module")
+def stack(module_pg, allow_net) -> Iterator[StackHandle]:
+    nats, loop, handle = start_stack(module_pg, allow_net=allow_net)
     yield handle
     stop_stack(nats, loop, handle)
 

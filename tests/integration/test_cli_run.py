@@ -244,11 +244,38 @@ def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
 
 # ------------------------------------------------------------------------------ the examples as the README says
 def test_the_pagination_example_without_its_api_fails_naming_the_url():
-    proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--workload", '{"api_url": "http://127.0.0.1:1"}')
+    proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--workload", '{"api_url": "http://127.0.0.1:1"}',
+                 "--allow-net", "127.0.0.1:1")
     assert proc.returncode == 1, proc.stderr
     assert "iteration.failed   fetch_all_endpoints[0] (GET http://127.0.0.1:1/assessments: cannot connect" in proc.stdout
-    assert ("message: '2 of 2 endpoint(s) could not be read from http://127.0.0.1:1: is the API running? "
-            "(python -m noetl_mesh.testing.fixture_api)'") in proc.stdout
+    assert ("message: '2 of 2 endpoint(s) could not be read from http://127.0.0.1:1: is the API running "
+            "(python -m noetl_mesh.testing.fixture_api), and open to the workers (noetl run --allow-net "
+            "127.0.0.1:8765)?'") in proc.stdout
+
+
+def test_the_pagination_example_without_allow_net_is_refused_saying_how_to_open_it():
+    """D33: loopback is closed to tasks; the refusal is not retried and names the flag that opens it."""
+    proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--workload", '{"api_url": "http://127.0.0.1:1"}', "--json")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["error"]["message"].startswith("2 of 2 endpoint(s) could not be read from http://127.0.0.1:1")
+    fetches = [e for e in out["events"] if e["name"] == "task.processed" and e["task"] == "fetch_page"]
+    assert len(fetches) == 2 and all(e["attempt"] == 1 for e in fetches)  # refused once each, not retried
+    proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--workload", '{"api_url": "http://127.0.0.1:1"}')
+    assert ("GET http://127.0.0.1:1/assessments" not in proc.stdout
+            and "http task refused: 127.0.0.1 is a loopback address, closed to tasks on this worker pool (D33); "
+                "open it with NOETL_SANDBOX_ALLOW_NET=127.0.0.1:1 (noetl run/up: --allow-net 127.0.0.1:1)" in proc.stdout)
+
+
+def test_allow_net_is_checked_before_anything_starts():
+    proc = noetl("run", str(EXAMPLES / "hello.yaml"), "--allow-net", "127.0.0.1:99999")
+    assert proc.returncode == 2
+    assert proc.stderr == "noetl: --allow-net: '127.0.0.1:99999': the port must be a number from 1 to 65535\n"
+    proc = noetl("run", str(EXAMPLES / "hello.yaml"), env={**ENV, "NOETL_SANDBOX_ALLOW_NET": "not a host"})
+    assert proc.returncode == 2
+    assert proc.stderr == "noetl: NOETL_SANDBOX_ALLOW_NET: 'not a host' is neither an address, a network nor a host name\n"
+    proc = noetl("run", str(EXAMPLES / "hello.yaml"), "--gateway", "http://127.0.0.1:1", "--allow-net", "10.0.0.1")
+    assert proc.returncode == 2 and "the workers behind http://127.0.0.1:1 have their own setting" in proc.stderr
 
 
 def test_the_pagination_example_with_the_fixture_api_started_as_the_readme_says(tmp_path):
@@ -259,7 +286,7 @@ def test_the_pagination_example_with_the_fixture_api_started_as_the_readme_says(
                            stdout=subprocess.PIPE, text=True, env=ENV)
     try:
         assert api.stdout.readline() == f"fixture API at http://127.0.0.1:{port} (Ctrl-C stops it)\n"
-        proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--json",
+        proc = noetl("run", str(EXAMPLES / "pagination.yaml"), "--json", "--allow-net", f"127.0.0.1:{port}",
                      "--workload", json.dumps({"api_url": f"http://127.0.0.1:{port}"}))
     finally:
         api.send_signal(signal.SIGINT)

@@ -89,7 +89,7 @@ class Capture(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def kc_stack(module_pg) -> Iterator[Any]:
+def kc_stack(module_pg, fixture_api) -> Iterator[Any]:
     """A whole stack whose recorder encrypts with a test key; the logs of every service are captured.
     Until the worker service wires a resolver itself, the test gives it the one it should use."""
     old = os.environ.get("NOETL_CREDENTIAL_KEY")
@@ -113,7 +113,7 @@ def kc_stack(module_pg) -> Iterator[Any]:
         return await real(command, tools, publish, **kw)
 
     worker_service.execute_command = wired
-    nats, loop, handle = start_stack(module_pg)
+    nats, loop, handle = start_stack(module_pg, allow_net=fixture_api.endpoint)  # its tasks call the API (D33)
     handle.capture = capture
     handle.commands = []
     try:

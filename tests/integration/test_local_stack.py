@@ -18,12 +18,24 @@ from pathlib import Path
 import pytest
 
 from noetl_mesh.stack import free_port
+from noetl_mesh.testing.fixture_api import FixtureApi
 
 from conftest import noetl_up
 
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}
+PROBE = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {{name: probe, path: tests/up_probe}}
+workflow:
+  - step: start
+    tool: {{kind: http, url: "{api}/assessments"}}
+    next: {{arcs: [{{step: neighbour}}]}}
+  - step: neighbour
+    tool: {{kind: http, url: "{neighbour}/"}}
+"""
 
 
 def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
@@ -36,8 +48,9 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
         return subprocess.run([sys.executable, "-m", "noetl_mesh.cli", *args], capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=root)
 
-    up, out = noetl_up(["--port", str(port), "--replicas", "admission=2,router=2,worker=3"], env, timeout=180,
-                       cwd=root)
+    api = FixtureApi().start()  # D33: the workers (processes) may reach it, as --allow-net says, and no more
+    up, out = noetl_up(["--port", str(port), "--replicas", "admission=2,router=2,worker=3",
+                        "--allow-net", api.endpoint], env, timeout=180, cwd=root)
     try:
         assert f"  gateway: http://127.0.0.1:{port} (web console at http://127.0.0.1:{port}/ui, OpenAPI docs at " \
                f"http://127.0.0.1:{port}/docs)" in out
@@ -75,6 +88,14 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
         status = noetl("status", eid)  # found without --gateway, with the token `noetl up` stored
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["status"] == "COMPLETED"
+        api_port = int(api.endpoint.rsplit(":", 1)[1])
+        Path(root, "probe.yaml").write_text(PROBE.format(api=api.url, neighbour=f"http://127.0.0.1:{api_port + 1}"))
+        probe = noetl("run", "probe.yaml", "--json")
+        assert probe.returncode == 1, probe.stderr
+        steps = json.loads(probe.stdout)["steps"]
+        assert steps["start"]["status"] == "done" and steps["start"]["result"]["data"]["paging"]["page"] == 1
+        assert steps["neighbour"]["status"] == "failed"
+        assert json.loads(probe.stdout)["error"]["kind"] == "sandbox"
         streams = noetl("inspect", "streams")
         assert streams.returncode == 0 and re.search(r"^NOETL_EVENTS\s+\d+", streams.stdout, re.M), streams
         up.send_signal(signal.SIGTERM)
@@ -83,5 +104,6 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
         if up.poll() is None:
             up.kill()
             up.wait()
+        api.stop()
         shutil.rmtree(root, ignore_errors=True)
     assert up.returncode == 0

@@ -17,15 +17,19 @@ from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
 from noetl_mesh.lang.migrate import migrate_text
 from noetl_mesh.lang.validate import load_playbook
+from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools import close_tools, default_tools
+
+from conftest import pg_endpoint
 
 pytestmark = pytest.mark.integration
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "migrate"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 
 
-async def _run(doc, workload=None, credentials=None):
-    tools = default_tools()
+async def _run(doc, workload=None, credentials=None, allow_net=""):
+    """``allow_net``: the endpoints its tasks may reach (D33): the fixture API's, the database's."""
+    tools = default_tools(policy=Policy(allow=parse_destinations(allow_net)))
     try:
         return await run_local(doc, workload=workload, tools=tools, credentials=credentials)
     finally:
@@ -56,12 +60,14 @@ def test_migrated_fixture_runs_and_gives_its_results(name):
 
 
 def test_migrated_http_pipeline_reads_the_body_and_the_status(fixture_api):
-    run = asyncio.run(_run(migrated("http_pipeline"), workload={"api_url": fixture_api.url}))
+    run = asyncio.run(_run(migrated("http_pipeline"), workload={"api_url": fixture_api.url},
+                           allow_net=fixture_api.endpoint))
     check("http_pipeline", summary(run.state))
 
 
 def test_migrated_postgres_playbook_runs_with_the_stored_credential(pg_dsn):
-    run = asyncio.run(_run(migrated("postgres_crud"), credentials={"pg_local": {"dsn": pg_dsn}}))
+    run = asyncio.run(_run(migrated("postgres_crud"), credentials={"pg_local": {"dsn": pg_dsn}},
+                           allow_net=pg_endpoint(pg_dsn)))
     check("postgres_crud", summary(run.state))
 
 

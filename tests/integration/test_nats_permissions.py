@@ -25,8 +25,9 @@ TIMEOUT = 0.5  # a refused JetStream request is never answered: it times out (th
 
 
 @pytest.fixture(scope="module")
-def secured(module_pg):
-    nats_server, loop, handle = start_stack(module_pg, pools=("default", "other"))
+def secured(module_pg, fixture_api):
+    nats_server, loop, handle = start_stack(module_pg, pools=("default", "other"),
+                                            allow_net=fixture_api.endpoint)  # a task calls the API (D33)
     handle.server = nats_server
     handle.auth = NatsAuth(handle.stack.settings.nats_creds)
     yield handle

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import sys
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
+from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools import close_tools, default_tools
 from noetl_mesh.tools.base import ToolContext
 from noetl_mesh.tools.postgres import PostgresTool, split_statements
+
+from conftest import pg_endpoint
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +27,24 @@ def ctx(**kw) -> ToolContext:
     return ToolContext(execution_id="e1", step="s", task_name="t", **kw)
 
 
-def run_tasks(*tasks, keychain=None, **ctx_kw) -> list[dict]:
-    """Run tasks in order on one tool instance; their outcomes."""
+@pytest.fixture(autouse=True)
+def _open(pg_server, monkeypatch) -> None:
+    """D33: these tools may reach the session's Postgres (on loopback), nothing else."""
+    monkeypatch.setattr(sys.modules[__name__], "OPEN", opened_to(pg_endpoint(pg_server.dsn())))
+
+
+def opened_to(*endpoints: str) -> Policy:
+    return Policy(allow=parse_destinations(",".join(endpoints)))
+
+
+OPEN = Policy()  # set by _open for each test
+
+
+def run_tasks(*tasks, keychain=None, policy=None, **ctx_kw) -> list[dict]:
+    """Run tasks in order on one tool instance (under ``policy``, default OPEN); their outcomes."""
 
     async def go():
-        tool = PostgresTool()
+        tool = PostgresTool(policy=policy or OPEN)
         try:
             return [await tool.run(task, {}, ctx(keychain=keychain or {}, **ctx_kw)) for task in tasks]
         finally:
@@ -134,6 +151,7 @@ def test_missing_or_unusable_connection_info():
         {"auth": "partial", "command": "select 1"},
         {"dsn": "postgresql://u:s3cr3t-pw@127.0.0.1:1/db", "command": "select 1"},
         keychain={"partial": {"user": "u", "password": "s3cr3t-pw"}},
+        policy=opened_to("127.0.0.1:1"),  # open, and nothing listens there
     )
     assert none["error"]["kind"] == "invalid_task" and "dsn" in none["error"]["message"]
     assert unknown["error"]["kind"] == "invalid_task" and "'nope'" in unknown["error"]["message"]
@@ -144,7 +162,7 @@ def test_missing_or_unusable_connection_info():
 
 def test_timeout_and_cancel(pg_dsn):
     async def go():
-        tool = PostgresTool()
+        tool = PostgresTool(policy=OPEN)
         try:
             slow = {"dsn": pg_dsn, "command": "select pg_sleep(5)"}
             timed_out = await tool.run(slow, {}, ctx(timeout=0.3))
@@ -186,7 +204,7 @@ def playbook(tasks, workflow_extra=()):
 
 def run_engine(doc, dsn):
     async def go():
-        tools = default_tools()
+        tools = default_tools(policy=OPEN)
         try:
             return await run_local(doc, tools=tools, workload={"dsn": dsn})
         finally:

@@ -27,7 +27,7 @@ BY_ID = {s.id: s for s in SCENARIOS}
 def test_two_replicas_of_each_control_plane_service(pg_dsn, fixture_api):
     """Executions of every shape at once, handled by two replicas of admission, router and
     loop-coordinator and two workers: outcomes as prescribed, and both replicas did work."""
-    nats, loop, stack = start_stack(pg_dsn, replicas=2, workers=2)
+    nats, loop, stack = start_stack(pg_dsn, replicas=2, workers=2, allow_net=fixture_api.endpoint)
     try:
         chosen = [BY_ID[k] for k in ("fork_join", "admission", "back_edge_before_join", "loops", "ctx",
                                      "pagination", "best_effort", "retry", "inclusive", "empty_loop")]

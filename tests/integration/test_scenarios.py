@@ -10,6 +10,7 @@ import pytest
 
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import summary
+from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools import close_tools, default_tools
 from scenarios import SCENARIOS
 
@@ -25,8 +26,14 @@ def comparable(s):
     return {k: s[k] for k in ("status", "ctx", "steps", "workload")}
 
 
-async def _local(doc, workload):
-    tools = default_tools()
+@pytest.fixture(scope="module")
+def allow_net(fixture_api) -> str:
+    """The scenarios' tasks call the fixture API: the stack's workers may reach it, nothing more (D33)."""
+    return fixture_api.endpoint
+
+
+async def _local(doc, workload, allow_net):
+    tools = default_tools(policy=Policy(allow=parse_destinations(allow_net)))  # the same for the reference
     try:
         return await run_local(doc, workload=workload, tools=tools)
     finally:
@@ -34,16 +41,16 @@ async def _local(doc, workload):
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=IDS)
-def test_scenario_local_engine(scenario, fixture_api):
-    run = asyncio.run(_local(scenario.doc(fixture_api.url), workload_of(scenario, fixture_api)))
+def test_scenario_local_engine(scenario, fixture_api, allow_net):
+    run = asyncio.run(_local(scenario.doc(fixture_api.url), workload_of(scenario, fixture_api), allow_net))
     scenario.expect(summary(run.state), run.log)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=IDS)
-def test_scenario_through_gateway(scenario, stack, fixture_api):
+def test_scenario_through_gateway(scenario, stack, fixture_api, allow_net):
     status, events = stack.execute(scenario.doc(fixture_api.url), workload_of(scenario, fixture_api))
     scenario.expect(status, events)
-    reference = asyncio.run(_local(scenario.doc(fixture_api.url), workload_of(scenario, fixture_api)))
+    reference = asyncio.run(_local(scenario.doc(fixture_api.url), workload_of(scenario, fixture_api), allow_net))
     expected = comparable(summary(reference.state))
     got = comparable(status)
     if scenario.id not in ("namespaces",):  # execution ids differ by design

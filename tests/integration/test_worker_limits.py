@@ -14,8 +14,10 @@ from urllib.parse import quote, quote_plus
 import pytest
 
 from noetl_mesh import limits
+from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools.base import ToolContext
 from noetl_mesh.tools.postgres import PostgresTool
+from conftest import pg_endpoint
 from streams import MIB, StreamServer
 
 pytestmark = pytest.mark.integration
@@ -30,6 +32,12 @@ def streams():
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def allow_net(streams) -> str:
+    """The module's stack's tasks call the stream server: its endpoint alone is opened (D33)."""
+    return streams.split("//", 1)[1]
+
+
 # ========================================================================================== postgres
 
 
@@ -37,7 +45,7 @@ def pg(*tasks: dict) -> tuple[list[dict], list[float]]:
     """Run the tasks in order on one tool (one pool) under LIMIT; (outcomes, seconds each)."""
 
     async def go():
-        tool = PostgresTool()
+        tool = PostgresTool(policy=Policy(allow=parse_destinations(pg_endpoint(tasks[0]["dsn"]))))  # D33: it alone
         outs, times = [], []
         try:
             with limits.override(max_result_bytes=LIMIT):

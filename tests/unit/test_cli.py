@@ -336,3 +336,17 @@ def test_a_reader_that_goes_away_is_not_an_error():
     proc.stdout.close()  # the reader goes away before the command writes (its imports take longer)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == ""
+
+
+def test_bad_sandbox_settings_stop_run_up_and_a_worker_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """D33: ``--allow-net`` and NOETL_SANDBOX_* are read before a server starts; the error names the
+    option or variable and the entry."""
+    monkeypatch.delenv("NOETL_SANDBOX_ALLOW_NET", raising=False)
+    assert main(["up", "--home", str(tmp_path / "home"), "--allow-net", "10.0.0.1:8080", "--allow-net", "x/y"]) == 2
+    assert capsys.readouterr().err == "noetl: --allow-net: 'x/y' is neither an address, a network nor a host name\n"
+    assert not (tmp_path / "home").exists()
+    monkeypatch.setenv("NOETL_SANDBOX_ALLOW_NET", "[::1")
+    assert main(["service", "worker", "--nats-url", "nats://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == "noetl: NOETL_SANDBOX_ALLOW_NET: '[::1': a '[' without its ']'\n"
+    assert main(["run", str(EXAMPLES[0])]) == 2
+    assert capsys.readouterr().err == "noetl: NOETL_SANDBOX_ALLOW_NET: '[::1': a '[' without its ']'\n"

@@ -311,7 +311,11 @@ def test_http_url_query_secret_reaches_neither_events_nor_logs(monkeypatch, capl
 
     from noetl_mesh.core.keychain import LOG_MASKING, install_log_masking
     from noetl_mesh.testing.fixture_api import QuietHTTPServer
+    from noetl_mesh.sandbox.policy import Policy, parse_destinations
     from noetl_mesh.tools.http import HttpTool
+
+    def open_to(url: str) -> Policy:
+        return Policy(allow=parse_destinations(url.split("//", 1)[1]))
 
     class Echo(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -344,7 +348,7 @@ def test_http_url_query_secret_reaches_neither_events_nor_logs(monkeypatch, capl
         events.append(e)
 
     async def main():
-        tool = HttpTool(trust_env=False)
+        tool = HttpTool(trust_env=False, policy=open_to(base))  # D33: this server only
         try:
             return await execute_command(
                 command(tasks, [{"name": "api", "kind": "env", "var": "KC_HTTP_SECRET"}]), {"http": tool}, publish,

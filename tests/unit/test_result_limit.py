@@ -16,6 +16,7 @@ from noetl_mesh import limits
 from noetl_mesh.core.pipeline import run_pipeline
 from noetl_mesh.tools.base import ToolContext
 from noetl_mesh.tools.duckdb import DuckdbTool
+from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools.http import HttpTool
 from noetl_mesh.tools.python import PythonTool
 from streams import MIB, StreamServer
@@ -118,7 +119,7 @@ def streams():
 
 def http(url: str) -> tuple[dict, float, int]:
     """(outcome, seconds, peak bytes allocated by Python meanwhile)."""
-    tool = HttpTool(trust_env=False)
+    tool = HttpTool(trust_env=False, policy=Policy(allow=parse_destinations(url.split("/")[2])))  # D33: this server
 
     async def main():
         try:

@@ -106,16 +106,16 @@ def templates():
 def bounded(source):
     """Render under the test budget: returns the outcome; fails on anything but a value or TemplateError."""
     tracemalloc.start()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # the CPU time of this thread, what the budget bounds (another process's load is not in it)
     try:
         render(source, CONTEXT, "w")
         outcome = "value"
     except TemplateError as e:
         outcome = e.reason
-    elapsed = time.perf_counter() - t0
+    used = time.thread_time() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert elapsed < TIME_BOUND_S, (elapsed, outcome, source)
+    assert used < TIME_BOUND_S, (used, outcome, source)
     assert peak < PEAK_BOUND, (peak, outcome, source)
     return outcome
 

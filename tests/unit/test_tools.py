@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from noetl_mesh.core.pipeline import run_pipeline
+from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools import close_tools, default_tools
 from noetl_mesh.tools.base import ToolContext
 from noetl_mesh.tools.duckdb import DuckdbTool, to_json_value
@@ -429,8 +430,13 @@ def server():
     srv.server_close()
 
 
+def opened_to(*urls: str) -> Policy:
+    """D33: a pool that opens exactly the host:port of each URL (the loopback servers of these tests)."""
+    return Policy(allow=parse_destinations(",".join(urlsplit(u).netloc for u in urls if "://" in u)))
+
+
 def http(*tasks: dict, spec: dict | None = None, keychain: dict | None = None) -> list[dict]:
-    tool = HttpTool(trust_env=False)
+    tool = HttpTool(trust_env=False, policy=opened_to(*(str(t.get("url") or t.get("endpoint")) for t in tasks)))
 
     async def main():
         try:
@@ -544,7 +550,7 @@ def test_http_follows_redirects_and_rejects_bad_url(server):
 
 
 def test_pipeline_with_default_tools(server):
-    tools = default_tools(http_trust_env=False)
+    tools = default_tools(http_trust_env=False, policy=opened_to(server))
     cmd = {
         "execution_id": "e1", "step": "s", "step_run_id": "r1", "iteration": None,
         "tasks": [

@@ -81,7 +81,10 @@ class Destination:
         return host is not None and host.rstrip(".").lower() == self.host
 
     def __str__(self) -> str:
-        where = str(self.network) if self.network is not None else str(self.host)
+        if self.network is not None:  # one address as written (127.0.0.1, not 127.0.0.1/32)
+            where = str(self.network.network_address) if self.network.num_addresses == 1 else str(self.network)
+        else:
+            where = str(self.host)
         if self.port is None:
             return where
         return f"[{where}]:{self.port}" if self.network is not None and self.network.version == 6 else f"{where}:{self.port}"

@@ -2,7 +2,8 @@
 
 Routes: ``/assessments?page=N&pageSize=M`` (25 items in the envelope ``{"data": {"data": [...],
 "paging": {"page", "hasMore"}}}``), ``/status/<code>``, ``/flaky/<key>/<n>`` (503 for the first n calls
-of a key, then 200), ``/slow/<seconds>``, ``/echo`` (POST: the JSON body back). Anything else is 404.
+of a key, then 200), ``/slow/<seconds>``, ``/redirect?to=URL`` (302 to URL), ``/echo`` (POST: the JSON
+body back). Anything else is 404.
 
 ``python -m noetl_mesh.testing.fixture_api [--port 8765]`` serves it in the foreground (the port
 ``examples/pagination.yaml`` expects) until Ctrl-C.
@@ -54,6 +55,12 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) == 2 and parts[0] == "slow":
             time.sleep(float(parts[1]))
             return self._send(200, {"slept": float(parts[1])})
+        if parts == ["redirect"] and "to" in query:
+            self.send_response(302)
+            self.send_header("Location", query["to"])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
         if parts == ["text"]:
             return self._send(200, "plain text", "text/plain")
         return self._send(404, {"error": "not found", "path": url.path})
@@ -81,6 +88,11 @@ class FixtureApi:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT``: what a stack's workers must be allowed to reach (NOETL_SANDBOX_ALLOW_NET)."""
+        return f"127.0.0.1:{self.server.server_address[1]}"
 
     def start(self) -> "FixtureApi":
         self.thread.start()

@@ -2,7 +2,8 @@
 
 ``default_tools()`` gives the built-in registry kind -> tool instance (noop, python, http, duckdb,
 postgres); ``close_tools()`` releases what they hold (the sandbox's task processes, http connections).
-python and duckdb share one sandbox (:mod:`noetl_mesh.sandbox`), set by the pool's policy.
+Under the worker pool's sandbox policy (D33): python and duckdb share one sandbox
+(:mod:`noetl_mesh.sandbox`), http and postgres reach only the destinations it allows.
 
 This module imports nothing heavy at import time: the sandbox's task processes import this package.
 """
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..sandbox.policy import Policy
     from ..sandbox.supervisor import Supervisor
     from .base import Tool, ToolContext
 
@@ -22,10 +24,11 @@ def default_tools(
     *,
     http_trust_env: bool = True,
     sandbox: "Supervisor | None" = None,
+    policy: "Policy | None" = None,
 ) -> dict[str, Any]:
     """kind -> tool instance for ``noop``, ``python``, ``http``, ``duckdb`` and ``postgres``. ``sandbox``:
-    the worker's (its policy, secrets and lifetime); by default one with the safe policy, closed with
-    the tools."""
+    the worker's (its policy, secrets and lifetime); by default one of ``policy``, closed with the
+    tools. ``policy``: the pool's (D33; default: the sandbox's, else the safe default, nothing opened)."""
     from ..sandbox.supervisor import Supervisor
     from .duckdb import DuckdbTool
     from .http import HttpTool
@@ -34,15 +37,16 @@ def default_tools(
     from .python import PythonTool
 
     own = sandbox is None
-    sandbox = sandbox or Supervisor()
+    sandbox = sandbox or Supervisor(policy)
+    policy = policy if policy is not None else sandbox.policy
     python, duckdb = PythonTool(sandbox), DuckdbTool(sandbox)
     python._own = own  # the sandbox is closed once, with the python tool, when the tools made it
     return {
         "noop": NoopTool(),
         "python": python,
-        "http": HttpTool(trust_env=http_trust_env),
+        "http": HttpTool(trust_env=http_trust_env, policy=policy),
         "duckdb": duckdb,
-        "postgres": PostgresTool(),
+        "postgres": PostgresTool(policy=policy),
     }
 
 

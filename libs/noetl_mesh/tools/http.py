@@ -13,6 +13,15 @@ for 408, 429 and 5xx) with the body still in ``result``. Transport failures: ``h
 URL or auth is ``invalid_task`` (not retryable). A body over ``limits.max_result_bytes`` is
 ``result_too_large`` (not retryable): refused from its ``Content-Length``, else read in chunks and
 abandoned as soon as it passes the limit.
+
+Destinations (D33): every connection the client makes -- the first request's, each redirect hop's, each
+retry's -- goes through :class:`_GuardedBackend`, which resolves the host itself, drops the addresses the
+worker pool's policy closes (:mod:`noetl_mesh.sandbox.net`), and connects to an allowed one by address;
+TLS still checks the certificate against the URL's host name. A refused connection is the outcome
+``sandbox`` (not retryable), naming the address, why it is closed and how to open it. A proxy from the
+worker's environment (``trust_env``: ``HTTP(S)_PROXY``, ``ALL_PROXY``, ``NO_PROXY``) is the operator's:
+the connection to the proxy is checked like any other, and a target written as an address is checked
+too; a target written as a name is resolved by the proxy, whose own rules apply to it.
 """
 from __future__ import annotations
 
@@ -21,8 +30,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import httpcore
 import httpx
 
+from ..sandbox.net import Refused, Resolver, allowed_addresses, check_address, is_address
+from ..sandbox.policy import Policy
 from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
 
 __all__ = ["HttpTool"]
@@ -146,15 +158,112 @@ def _form(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------ destinations (D33)
+
+
+class _GuardedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend with the pool's policy in front: a host is resolved here, its closed
+    addresses dropped, and the connection made to an allowed address (the others in turn when it
+    fails), so what is checked is what is connected to. TLS is started by httpcore afterwards with the
+    URL's host name, so certificates are still checked against the name."""
+
+    def __init__(self, policy: Policy, resolver: Resolver | None = None,
+                 inner: httpcore.AsyncNetworkBackend | None = None) -> None:
+        self.policy, self.resolver = policy, resolver
+        self.inner = inner or httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        import anyio
+
+        try:
+            with anyio.fail_after(timeout):
+                addresses = await allowed_addresses(self.policy, "http", host, port, self.resolver)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"resolving {host} took more than {timeout:g}s") from None
+        except OSError as e:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {e.strerror or e}") from None
+        failure: Exception | None = None
+        for address in addresses:
+            try:
+                return await self.inner.connect_tcp(address, port, timeout=timeout, local_address=local_address,
+                                                    socket_options=socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as e:
+                failure = e
+        assert failure is not None
+        raise failure
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        raise Refused("http", f"the unix socket {path} is local, closed to tasks on this worker pool (D33)")
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+class _GuardedTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport on :class:`_GuardedBackend` (httpx 0.28 takes no network backend: it is set on
+    the connection pool it built). Through a proxy, a target written as an address is checked too."""
+
+    def __init__(self, backend: _GuardedBackend, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not hasattr(self._pool, "_network_backend"):  # fail closed should httpx/httpcore change
+            raise RuntimeError("httpcore's connection pool has no _network_backend: the http tool cannot "
+                               "check destinations with this httpcore version")
+        self._pool._network_backend = backend
+        self._backend, self._proxied = backend, kwargs.get("proxy") is not None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            if self._proxied and is_address(request.url.host):
+                check_address(self._backend.policy, "http", request.url.host,
+                              request.url.port or (443 if request.url.scheme == "https" else 80))
+            return await super().handle_async_request(request)
+        except Refused as e:
+            e.url = str(request.url)
+            raise
+
+
+class _GuardedClient(httpx.AsyncClient):
+    """An ``httpx.AsyncClient`` whose every transport (the direct one and each proxy's from the
+    environment) connects through :class:`_GuardedBackend`."""
+
+    def __init__(self, *, policy: Policy, resolver: Resolver | None = None, **kwargs: Any) -> None:
+        self._guard = _GuardedBackend(policy, resolver)
+        super().__init__(**kwargs)
+
+    def _init_transport(self, transport: Any = None, **kwargs: Any) -> httpx.AsyncBaseTransport:
+        if transport is not None:
+            raise ValueError("the http tool's client makes its own transports")
+        return _GuardedTransport(self._guard, **kwargs)
+
+    def _init_proxy_transport(self, proxy: httpx.Proxy, **kwargs: Any) -> httpx.AsyncBaseTransport:
+        return _GuardedTransport(self._guard, proxy=proxy, **kwargs)
+
+
+def _refused(e: Refused, url: str) -> str:
+    """The task's message: the refusal, and the redirect that led there when it was one."""
+    try:
+        asked, got = httpx.URL(url), httpx.URL(e.url or url)
+        redirect = (asked.host, asked.port, asked.scheme) != (got.host, got.port, got.scheme)
+    except httpx.InvalidURL:
+        redirect = False
+    return f"http task refused: a redirect to {e.url}: {e.reason}" if redirect else str(e)
+
+
 class HttpTool:
     """``kind: http``. One ``httpx.AsyncClient`` per instance (per event loop), closed by ``close()``."""
 
     kind = "http"
 
-    def __init__(self, *, trust_env: bool = True, follow_redirects: bool = True, verify: Any = True) -> None:
+    def __init__(self, *, trust_env: bool = True, follow_redirects: bool = True, verify: Any = True,
+                 policy: Policy | None = None, resolver: Resolver | None = None) -> None:
+        """``policy``: the worker pool's (D33; default: nothing opened beyond the default), ``resolver``:
+        how host names are resolved (default: the system's; tests give a stub)."""
         self._clients: dict[bool, httpx.AsyncClient] = {}  # by whether certificates are verified
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._opts = {"trust_env": trust_env, "follow_redirects": follow_redirects, "verify": verify}
+        self._opts = {"trust_env": trust_env, "follow_redirects": follow_redirects, "verify": verify,
+                      "policy": policy if policy is not None else Policy(), "resolver": resolver}
 
     def _get_client(self, verify: bool = True) -> httpx.AsyncClient:
         """The shared client; ``verify=False``: a second one that does not check certificates (a task's
@@ -165,7 +274,7 @@ class HttpTool:
         client = self._clients.get(verify)
         if client is None or client.is_closed:
             opts = self._opts if verify else {**self._opts, "verify": False}
-            client = self._clients[verify] = httpx.AsyncClient(**opts)
+            client = self._clients[verify] = _GuardedClient(**opts)
         return client
 
     async def run(self, task: dict, spec: dict, ctx: ToolContext) -> dict:
@@ -210,6 +319,8 @@ class HttpTool:
             return e.outcome(ctx, http=_http(resp.status_code, dict(resp.headers)))
         except _BadTask as e:
             return error("invalid_task", str(e), False, http=_http(None, {}))
+        except Refused as e:
+            return error(Refused.kind, _refused(e, url), False, http=_http(None, {}))
         except (httpx.InvalidURL, httpx.UnsupportedProtocol) as e:
             return error("invalid_task", f"bad url {url!r}: {e}", False, http=_http(None, {}))
         except httpx.TimeoutException as e:

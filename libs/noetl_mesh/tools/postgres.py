@@ -28,10 +28,19 @@ in an outcome.
 
 Connections come from one ``psycopg_pool.AsyncConnectionPool`` per distinct connection string per tool
 instance (created lazily; ``close()`` closes them).
+
+Destinations (D33): before connecting, every host of the connection (``host``, a comma-separated list,
+with its ``port``; ``hostaddr`` when given; libpq's ``PGHOST``/``PGHOSTADDR``/``PGPORT`` of the worker
+when the task gives none) is resolved here and each address checked with the worker pool's policy
+(:mod:`noetl_mesh.sandbox.net`); unix-socket directories (and no host at all: libpq's local socket) are
+local and refused. The connection string then names the checked addresses (``hostaddr``, with ``host``
+kept for TLS and messages), so libpq connects to nothing else. A refusal is the outcome ``sandbox``
+(not retryable).
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +50,8 @@ from psycopg import conninfo as _conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from ..core.keychain import masker
+from ..sandbox.net import Refused, Resolver, allowed_addresses, check_address, is_address
+from ..sandbox.policy import Policy
 from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
 from .duckdb import FETCH_ROWS, _shape_rows
 
@@ -237,6 +248,71 @@ def _conninfo_for(task: Mapping[str, Any], keychain: Mapping[str, Any]) -> str:
         raise _BadTask(f"{where}: bad connection fields ({type(e).__name__})") from None
 
 
+_LIBPQ_ENV = {"host": "PGHOST", "hostaddr": "PGHOSTADDR", "port": "PGPORT"}
+_UNIX = ("is a unix-socket directory: a local connection, closed to tasks on this worker pool (D33); "
+         "connect over TCP (host and port) to an address the pool allows")
+
+
+def _listed(params: Mapping[str, Any], key: str) -> list[str]:
+    """A libpq list parameter (``host``, ``hostaddr``, ``port``): the task's, else the worker's ``PG*``
+    variable (libpq would read it), split on commas."""
+    value = params.get(key)
+    if value is None:
+        value = os.environ.get(_LIBPQ_ENV[key])
+    return [] if value is None or str(value) == "" else [v.strip() for v in str(value).split(",")]
+
+
+async def _pinned(conninfo: str, policy: Policy, resolver: Resolver | None = None) -> str:
+    """``conninfo`` with every host resolved and checked (D33) and pinned as ``hostaddr``: one entry
+    per allowed address, ``host`` kept (TLS, messages). Refused hosts are left out; :class:`Refused`
+    (the first refusal) when none is left, ``_BadTask`` for lists that do not match, ``_ConnectError``
+    when a name does not resolve and no other host is left."""
+    try:
+        params = _conninfo.conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        raise _BadTask(f"bad connection string ({str(e).strip() or type(e).__name__})") from None
+    hosts, addrs, ports = _listed(params, "host"), _listed(params, "hostaddr"), _listed(params, "port")
+    n = max(len(hosts), len(addrs))
+    if hosts and addrs and len(hosts) != len(addrs):
+        raise _BadTask(f"{len(hosts)} host names but {len(addrs)} hostaddr values")
+    if len(ports) > 1 and len(ports) != n:
+        raise _BadTask(f"{len(ports)} ports for {n} hosts")
+    for p in ports:
+        if not p.isdigit() or not 0 < int(p) < 65536:
+            raise _BadTask(f"port {p[:20]!r} is not a number from 1 to 65535")
+    if n == 0:
+        raise Refused("postgres", "no host given: libpq would use its local unix socket, closed to tasks on this "
+                                  "worker pool (D33); give host and port of a server the pool allows")
+    out: list[tuple[str, str, str]] = []  # (host, hostaddr, port)
+    first: tuple[str, Exception] | None = None  # the first host left out, and why
+    for i in range(n):
+        host = hosts[i] if hosts else ""
+        addr = addrs[i] if addrs else ""
+        port = ports[i] if len(ports) > 1 else ports[0] if ports else "5432"
+        try:
+            if addr:  # the task's own address: checked as is (its host name proves nothing, so is not matched)
+                if not is_address(addr):
+                    raise _BadTask(f"hostaddr {addr[:60]!r} is not an IP address")
+                check_address(policy, "postgres", addr, int(port))
+                out.append((host or addr, addr, port))
+            elif not host or host.startswith(("/", "@")):
+                raise Refused("postgres", f"host {host or '(empty)'!r} {_UNIX}")
+            else:
+                for address in await allowed_addresses(policy, "postgres", host, int(port), resolver):
+                    out.append((host, address, port))
+        except (Refused, OSError) as e:
+            first = first or (host, e)
+    if not out:
+        assert first is not None
+        host, e = first
+        if isinstance(e, OSError):
+            raise _ConnectError(f"cannot resolve {host!r}: {e.strerror or e}")
+        raise e
+    params.update(host=",".join(h for h, _, _ in out), hostaddr=",".join(a for _, a, _ in out),
+                  port=",".join(p for _, _, p in out))
+    return _conninfo.make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+
+
 def _secrets(conninfo: str) -> list[str]:
     try:
         password = _conninfo.conninfo_to_dict(conninfo).get("password")
@@ -321,7 +397,12 @@ class PostgresTool:
 
     kind = "postgres"
 
-    def __init__(self, *, max_size: int = POOL_MAX_SIZE, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+    def __init__(self, *, max_size: int = POOL_MAX_SIZE, connect_timeout: float = CONNECT_TIMEOUT,
+                 policy: Policy | None = None, resolver: Resolver | None = None) -> None:
+        """``policy``: the worker pool's (D33; default: nothing opened beyond the default), ``resolver``:
+        how host names are resolved (default: the system's; tests give a stub)."""
+        self._policy = policy if policy is not None else Policy()
+        self._resolver = resolver
         self._max_size = max_size
         self._connect_timeout = connect_timeout
         self._pools: dict[str, AsyncConnectionPool] = {}
@@ -389,7 +470,10 @@ class PostgresTool:
         timeout = timeout_seconds(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
         plan = _plan(sql, dict(params) if isinstance(params, Mapping) else params)
 
-        work = asyncio.ensure_future(self._execute(conninfo, plan, timeout))
+        async def checked_then_executed() -> dict:  # D33: libpq connects to the checked addresses only
+            return await self._execute(await _pinned(conninfo, self._policy, self._resolver), plan, timeout)
+
+        work = asyncio.ensure_future(checked_then_executed())
         waiter = asyncio.ensure_future(ctx.cancel.wait()) if ctx.cancel is not None else None
         try:
             waits = {work} if waiter is None else {work, waiter}
@@ -415,6 +499,10 @@ class PostgresTool:
             return ok(work.result())
         except ResultTooLarge as e:
             return e.outcome(ctx)
+        except Refused as e:
+            return error(Refused.kind, _mask(str(e), secrets))
+        except _BadTask as e:
+            return error("invalid_task", _mask(str(e), secrets))
         except _ConnectError as e:
             return error("postgres_connect_error", _mask(f"cannot connect to postgres: {e}", secrets), True)
         except psycopg.Error as e:
