@@ -512,10 +512,9 @@ def test_http_auth_bearer_basic_list_and_keychain(server):
 
 
 def test_http_timeout_field_wins_over_spec(server):
-    t0 = time.perf_counter()
+    # /slow answers after 1.5 s: under the spec's 30 s it would succeed; the field's 0.2 s stops it
     a, b = http({"url": f"{server}/slow", "timeout": 0.2}, {"url": f"{server}/slow", "timeout": {"read": 0.2}},
                 spec={"timeout": 30})
-    assert time.perf_counter() - t0 < 1.4
     for out in (a, b):
         assert out["status"] == "error"
         assert out["error"]["kind"] == "timeout"
