@@ -251,3 +251,29 @@ def test_landlock_hides_everything_but_the_listed_paths(tmp_path):
             return True
 
     assert _in_child(body) == 0
+
+
+def test_a_fork_server_that_dies_is_replaced_and_its_running_task_fails_alone():
+    sandbox = Supervisor(Policy())
+    tool = PythonTool(sandbox)
+
+    async def main():
+        try:
+            assert (await tool.run({"code": "result = 1"}, {}, ctx()))["status"] == "ok"
+            first = sandbox._server.proc.pid
+            slow = asyncio.ensure_future(tool.run({"code": "import time\ntime.sleep(60)"}, {}, ctx(120)))
+            for _ in range(500):
+                if sandbox.running():
+                    break
+                await asyncio.sleep(0.02)
+            os.kill(first, 9)
+            lost = await asyncio.wait_for(slow, 60)
+            after = await tool.run({"code": "result = 2"}, {}, ctx())
+            return first, lost, after, sandbox._server.proc.pid
+        finally:
+            await sandbox.close()
+
+    first, lost, after, second = asyncio.run(main())
+    assert lost["status"] == "error" and lost["error"]["kind"] == "python_crash"
+    assert after["status"] == "ok" and after["result"] == 2
+    assert second != first
