@@ -368,7 +368,8 @@ def _free_port() -> int:
 
 def test_a_recorder_started_without_postgres_waits_for_it(nats_url: str) -> None:
     port = _free_port()
-    dsn = f"host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=2"
+    password = "the-recorders-own"
+    dsn = f"host=127.0.0.1 port={port} user=postgres password='{password}' dbname=postgres connect_timeout=2"
     xid = new_execution_id()
 
     async def main() -> None:
@@ -387,7 +388,7 @@ def test_a_recorder_started_without_postgres_waits_for_it(nats_url: str) -> None
             assert unavailable.value.kind == "unavailable"
             await asyncio.sleep(3)  # a few attempts
             assert not rec._task.done()  # still waiting, not exited
-            pg = await asyncio.to_thread(EmbeddedPostgres(port=port, fast=True).start)
+            pg = await asyncio.to_thread(EmbeddedPostgres(port=port, fast=True, password=password).start)
 
             async def records() -> bool:
                 try:
@@ -411,7 +412,7 @@ def test_a_recorder_started_without_postgres_waits_for_it(nats_url: str) -> None
             await eventually(database_down, timeout=10, every=0.2)
             second = new_execution_id()
             await bus.publish_event(requested(second))
-            pg = await asyncio.to_thread(EmbeddedPostgres(port=port, fast=True).start)
+            pg = await asyncio.to_thread(EmbeddedPostgres(port=port, fast=True, password=password).start)
 
             async def migrated_and_recorded() -> bool:
                 try:

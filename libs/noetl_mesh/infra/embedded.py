@@ -688,7 +688,9 @@ class EmbeddedPostgres(_PgAdmin):
         log_path: str | Path | None = None,
         settings: Mapping[str, str | int] | None = None,
         startup_timeout: float = 30.0,
+        password: str | None = None,
     ) -> None:
+        self._requested_password = password  # the superuser's; default a random one per cluster
         self._requested_data_dir = Path(data_dir).absolute() if data_dir is not None else None
         self._requested_port = port
         self._requested_bin_dir = Path(bin_dir) if bin_dir is not None else None
@@ -828,7 +830,7 @@ class EmbeddedPostgres(_PgAdmin):
         (removed at once; never an argument another user could read), then kept in the cluster's
         directory, mode 0600."""
         assert self.bin_dir is not None
-        password = _new_password()
+        password = self._requested_password or _new_password()
         private = Path(tempfile.mkdtemp(prefix="noetl-pg-pw-"))
         try:
             self._chown(private)
@@ -872,7 +874,7 @@ class EmbeddedPostgres(_PgAdmin):
         """Once the server answers: a cluster copied from the template gets a password of its own; a
         cluster made by an earlier version with ``trust`` gets a password and scram-sha-256 in pg_hba."""
         assert self.data_dir is not None
-        fresh = _new_password()
+        fresh = self._requested_password or _new_password()
         with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=5) as conn:
             conn.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(_PG_SUPERUSER),
                                                                      sql.Literal(fresh)))
