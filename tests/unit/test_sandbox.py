@@ -260,7 +260,7 @@ def test_a_fork_server_that_dies_is_replaced_and_its_running_task_fails_alone():
     async def main():
         try:
             assert (await tool.run({"code": "result = 1"}, {}, ctx()))["status"] == "ok"
-            first = sandbox._server.proc.pid
+            first = sandbox.server_pid()
             slow = asyncio.ensure_future(tool.run({"code": "import time\ntime.sleep(60)"}, {}, ctx(120)))
             for _ in range(500):
                 if sandbox.running():
@@ -269,7 +269,7 @@ def test_a_fork_server_that_dies_is_replaced_and_its_running_task_fails_alone():
             os.kill(first, 9)
             lost = await asyncio.wait_for(slow, 60)
             after = await tool.run({"code": "result = 2"}, {}, ctx())
-            return first, lost, after, sandbox._server.proc.pid
+            return first, lost, after, sandbox.server_pid()
         finally:
             await sandbox.close()
 

@@ -1,10 +1,11 @@
 """The sandbox's fork server (D33): ``python -I -m noetl_mesh.sandbox.forkserver FD``.
 
-Started by the worker (:mod:`.supervisor`) with a clean environment and one inherited descriptor, a
-``SOCK_SEQPACKET`` control socket. Its first message is the configuration; the server then confines
-itself once (capabilities dropped, Landlock: the Python installation read-only, the scratch root and the
-pool's data directories writable, nothing else; seccomp), imports what tasks use (the python runner,
-DuckDB), and answers ``{"ready": true, "landlock": ABI}`` (or ``{"ready": false, "error"}``).
+Started by the worker (:mod:`.supervisor`), one per kind of task, with a clean environment and one
+inherited descriptor, a ``SOCK_SEQPACKET`` control socket. Its first message is the configuration; the
+server then confines itself once (capabilities dropped, Landlock: the Python installation read-only, the
+scratch root and the pool's data directories writable, nothing else; seccomp), imports what its tasks
+use (the python runner, or DuckDB), and answers ``{"ready": true, "landlock": ABI}`` (or ``{"ready":
+false, "error"}``).
 
 Then, for each ``{"op": "run", "id", "kind"}`` carrying one descriptor (the task's end of a socket pair),
 it makes the task's scratch directory, forks, and answers ``{"id", "pid"}``. The task process (a copy of
@@ -65,15 +66,15 @@ def _tail(path: str) -> str:
 
 
 class Server:
-    """Keeps ``spare`` task processes of each kind in use forked and confined ahead of need (python
-    from the start, duckdb once a duckdb task came: its spares open their in-memory database while they
-    wait); hands each request to a spare of its kind."""
+    """Keeps ``spare`` task processes forked and confined ahead of need (a duckdb one opens its in-memory
+    database while it waits); hands each request to a spare of its kind (the worker runs one server per
+    kind, so there is one kind, but a request of another kind is served all the same)."""
 
     def __init__(self, ctl: socket.socket, config: dict) -> None:
         self.ctl, self.config = ctl, config
         self.root: str = config["scratch_root"]
         self.spare_count = max(0, int(config.get("spare", 2)))
-        self.wanted: dict[str, int] = {"python": self.spare_count}  # spares to keep, by kind
+        self.wanted: dict[str, int] = {config.get("kind", "python"): self.spare_count}  # spares to keep, by kind
         self.spares: dict[str, list[tuple[int, socket.socket, str]]] = {}  # kind -> (pid, channel, scratch)
         self.children: dict[int, tuple[int | None, str]] = {}  # pid -> (task id or None while spare, scratch)
         self.by_id: dict[int, int] = {}  # task id -> pid
@@ -304,6 +305,9 @@ def main() -> None:
             failed[module] = f"{type(e).__name__}: {e}"
     from . import task  # noqa: F401,F811 - imported once here, not in every task
 
+    import gc
+
+    gc.freeze()  # what is loaded now is never collected in a task process: fewer pages copied after a fork
     _send(ctl, {"ready": True, "landlock": abi, "pid": os.getpid(), "preloaded": preloaded, "failed": failed})
     Server(ctl, config).serve()
 

@@ -38,7 +38,10 @@ log = logging.getLogger("noetl.sandbox")
 
 _STREAM_LIMIT = 1 << 20  # an answer is read in parts of at most this
 _START_TIMEOUT = 60.0
-PRELOAD = ("noetl_mesh.tools.python_runner", "noetl_mesh.tools.duckdb")
+# One fork server per kind of task, started on first use, each with only what its tasks use imported:
+# a python task process is then a fork of a small interpreter (DuckDB's 20 MB of mappings would make
+# every fork and exit of a python task slower), a duckdb one of an interpreter with DuckDB loaded.
+PRELOAD = {"python": ("noetl_mesh.tools.python_runner",), "duckdb": ("noetl_mesh.tools.duckdb",)}
 # Outside the Python installation, what an interpreter and its C extensions read: shared libraries and
 # their cache, time zones, the CPU count and cgroup limits (DuckDB sizes itself by them). No /etc beyond
 # these, no /proc but the task's own /proc/self, no /home, no /root.
@@ -220,19 +223,19 @@ class Supervisor:
     """Runs python and duckdb requests in sandboxed task processes (see the module's text)."""
 
     def __init__(self, policy: Policy | None = None, *, secret_paths: Iterable[str] = (),
-                 preload: Iterable[str] = PRELOAD, python: str | None = None, spare: int = 2) -> None:
+                 python: str | None = None, spare: int = 2) -> None:
         self.policy = policy if policy is not None else Policy()
         self.secret_paths = [p for p in secret_paths if p]
-        self.preload = list(preload)
         self.python = python or sys.executable
         self.spare = spare  # task processes kept forked and confined ahead of need
         self.landlock = 0
         self.spawned = 0  # task processes started (for tests and metrics)
-        self._server: _Server | None = None
-        self._starting: asyncio.Task | None = None
+        self._servers: dict[str, _Server] = {}  # by kind of task
+        self._starting: dict[str, asyncio.Task] = {}
         self._unavailable: str | None = None
         self._root: str | None = None
         self._sem: asyncio.Semaphore | None = None
+        self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._running: dict[int, int] = {}  # task id -> pid of its process, while it runs
 
@@ -275,22 +278,27 @@ class Supervisor:
         return None
 
     # ------------------------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        """Start the fork server (a no-op when it runs). Never raises for an unavailable sandbox:
-        :meth:`run` refuses then, and :meth:`describe` says why."""
+    async def start(self, kind: str = "python") -> None:
+        """Start the fork server of ``kind``'s tasks (a no-op when it runs). Never raises for an
+        unavailable sandbox: :meth:`run` refuses then, and :meth:`describe` says why."""
         loop = asyncio.get_running_loop()
-        if self._server is not None and (self._server.loop is not loop or self._server.dead):
-            self._server.kill()
-            self._server = None
-        if self._server is not None or self._unavailable:
+        server = self._servers.get(kind)
+        if server is not None and (server.loop is not loop or server.dead):
+            server.kill()
+            del self._servers[kind]
+            server = None
+        if server is not None or self._unavailable:
             return
-        if self._starting is not None and not self._starting.done() and self._starting.get_loop() is loop:
-            await asyncio.shield(self._starting)
+        starting = self._starting.get(kind)
+        if starting is not None and not starting.done() and starting.get_loop() is loop:
+            await asyncio.shield(starting)
             return
-        self._starting = asyncio.ensure_future(self._start())
-        await asyncio.shield(self._starting)
+        self._starting[kind] = starting = asyncio.ensure_future(self._start(kind))
+        await asyncio.shield(starting)
 
-    async def _start(self) -> None:
+    async def _start(self, kind: str) -> None:
+        if kind not in PRELOAD:
+            raise ValueError(f"no sandboxed task kind {kind!r}")
         loop = asyncio.get_running_loop()
         if self.policy.enabled:
             why = self._preflight()
@@ -307,7 +315,8 @@ class Supervisor:
             "read": read_paths(self.policy),
             "data_dirs": list(self.policy.data_dirs),
             "network": self.policy.python_network,
-            "preload": self.preload,
+            "kind": kind,
+            "preload": list(PRELOAD[kind]),
             "limits": {name: getattr(values, name) for name in _LIMIT_NAMES},
             "spare": self.spare,
         }
@@ -338,15 +347,18 @@ class Supervisor:
         for module, why in (hello.get("failed") or {}).items():
             log.warning("sandbox: %s cannot be imported in the task processes: %s", module, why)
         self.landlock = hello.get("landlock") or 0
-        self._server = server
-        self._sem = asyncio.Semaphore(limits.current().max_task_processes)
+        self._servers[kind] = server
+        if self._sem is None or self._sem_loop is not loop:  # shared by every kind: the worker's bound
+            self._sem, self._sem_loop = asyncio.Semaphore(limits.current().max_task_processes), loop
 
     async def close(self) -> None:
-        if self._starting is not None and not self._starting.done():
-            self._starting.cancel()
-            await asyncio.gather(self._starting, return_exceptions=True)
-        if self._server is not None:
-            server, self._server = self._server, None
+        for starting in self._starting.values():
+            if not starting.done():
+                starting.cancel()
+        await asyncio.gather(*self._starting.values(), return_exceptions=True)
+        self._starting.clear()
+        servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
             await asyncio.to_thread(server.kill)
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
@@ -356,10 +368,10 @@ class Supervisor:
     async def run(self, kind: str, request: dict, *, timeout: float | None, max_answer: int | None) -> dict:
         """One request in a new task process; its answer (a mapping). Raises :class:`SandboxUnavailable`,
         ``TimeoutError`` (the process was killed), :class:`TaskCrashed`, :class:`ResultTooLarge`."""
-        await self.start()
+        await self.start(kind)
         if self._unavailable:
             raise SandboxUnavailable(f"this worker pool cannot sandbox user code: {self._unavailable} (D33)")
-        server, sem = self._server, self._sem
+        server, sem = self._servers[kind], self._sem
         assert server is not None and sem is not None
         payload = json.dumps(request, ensure_ascii=False, separators=(",", ":"), default=str).encode()
         async with sem:
@@ -403,6 +415,11 @@ class Supervisor:
             server.exits.pop(task_id, None)
             server.pids.pop(task_id, None)
             return json.loads(line)
+
+    def server_pid(self, kind: str = "python") -> int | None:
+        """The pid of ``kind``'s fork server, when it runs."""
+        server = self._servers.get(kind)
+        return server.proc.pid if server is not None else None
 
     async def _end(self, server: _Server, task_id: int, pid_fut: asyncio.Future) -> None:
         """Kill a task process (once the server has started it)."""
