@@ -34,12 +34,12 @@ def test_replicas_are_parsed_and_every_mistake_named():
 
 
 def test_topology_starts_one_recorder_and_gateway_and_the_replicas_asked_for():
-    assert topology() == [("event-recorder", "event-recorder"), ("sessions", "sessions"),
+    assert topology() == [("event-recorder", "event-recorder"), ("credentials", "credentials"), ("sessions", "sessions"),
                           ("admission", "admission-0"), ("router", "router-0"), ("loop-coordinator", "loop-coordinator-0"),
                           ("scheduler", "scheduler-0"), ("worker", "worker-0"), ("gateway", "gateway")]
     assert parse_replicas("event-recorder=2") == {"event-recorder": 2}
     keys = [key for _, key in topology(counts=parse_replicas("admission=2,router=2,worker=3,sessions=2,event-recorder=2"))]
-    assert keys == ["event-recorder-0", "event-recorder-1", "sessions-0", "sessions-1", "admission-0", "admission-1", "router-0", "router-1",
+    assert keys == ["event-recorder-0", "event-recorder-1", "credentials", "sessions-0", "sessions-1", "admission-0", "admission-1", "router-0", "router-1",
                     "loop-coordinator-0", "scheduler-0", "worker-0", "worker-1", "worker-2", "gateway"]
     assert [n for n, _ in topology(replicas=2, workers=0)].count("router") == 2  # the tests' way
     assert "worker" not in [n for n, _ in topology(workers=0)]
