@@ -31,7 +31,6 @@ from noetl_mesh.core.credentials import Refused
 from noetl_mesh.infra.bus import (COMMANDS, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
                                   Q_CREDENTIAL_PUT, Q_EXECUTION_STATUS, Bus, BusError, NoReply,
                                   credential_resolve_subject, unsubscribe_all)
-from noetl_mesh.infra.payloads import is_ref
 from noetl_mesh.services.event_recorder.schema import transient, unstorable
 from noetl_mesh.services.sessions import audit
 
@@ -200,9 +199,9 @@ class CredentialsService:
             command = orjson.loads(raw.data or b"")
         except orjson.JSONDecodeError:
             return raw.subject, None
-        if isinstance(command, dict) and is_ref(command.get("keychain")):
-            try:
-                command["keychain"] = await self.bus.payloads.expand(command["keychain"])
+        if isinstance(command, dict) and "keychain" in command:
+            try:  # the keychain, or a part of it, by reference (D23): read back
+                command["keychain"] = await self.bus.expand(raw.data or b"", command["keychain"])
             except Exception as exc:  # noqa: BLE001 - gone past its retention, or the store unreachable
                 raise BusError("unavailable", f"the keychain of command {seq} cannot be read: {exc}") from exc
         return raw.subject, command

@@ -11,11 +11,13 @@ import time
 from typing import Any, Iterator
 
 import httpx
+import orjson
 import pytest
 from nats.js.api import ConsumerConfig
 
 from conftest import start_stack, stop_stack
 from noetl_mesh.infra.bus import COMMANDS, Bus, BusError, credential_resolve_subject, pool_filter
+from noetl_mesh.infra.payloads import is_ref
 
 pytestmark = pytest.mark.integration
 
@@ -250,3 +252,44 @@ def test_a_playbook_with_keychain_credentials_still_works(grants, fixture_api):
     assert outcomes["fetched"]["result"] == {"user": "svc", "token": "***"}
     assert status["ctx"]["refused"] == "secret_not_declared"  # the secrets tool: declared names only
     assert API_TOKEN not in str(events) and OTHER_TOKEN not in str(events)
+
+
+def test_a_keychain_carried_by_reference_still_resolves(grants):
+    """A command too big for a message carries its keychain as a D23 reference: the credentials service
+    reads the declarations from the payload store."""
+    # 2,000 small entries: the keychain is over max_payload_bytes (256 KiB) while each entry is under it,
+    # so the command carries the whole keychain as one reference
+    padding = "\n".join(f"  - {{name: pad{i}, kind: static, v: {'x' * 150}}}" for i in range(2000))
+    doc = f"""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {{name: big, path: tests/grants/big}}
+keychain:
+  - {{name: db, kind: credential, credential: grant_db}}
+{padding}
+workflow:
+  - step: start
+    tool: {{kind: noop, result: "{{{{ keychain.db.user }}}}:{{{{ keychain.db.password }}}}"}}
+"""
+    seen: list[Any] = []
+    real = grants.stack.services("credentials")[0]._command
+
+    async def watched(seq: int) -> Any:
+        seen.append(orjson.loads((await grants.stack.services("credentials")[0].bus.js.get_msg(COMMANDS, seq)).data))
+        return await real(seq)
+
+    grants.stack.services("credentials")[0]._command = watched
+    try:
+        status, _ = grants.execute(doc, timeout=60)
+    finally:
+        del grants.stack.services("credentials")[0]._command
+    assert status["status"] == "COMPLETED", status
+    assert seen and is_ref(seen[0]["keychain"])  # it did travel by reference
+    assert status["steps"]["start"]["result"] == "***"  # user:password, the basic-auth form: masked whole
+
+    async def check() -> None:
+        records = await audit(grants, "credential.resolved")
+        mine = [r for r in records if r["target"]["execution_id"] == status["execution_id"]]
+        assert len(mine) == 1 and mine[0]["target"]["credentials"] == ["grant_db"]
+
+    grants.run(check())
