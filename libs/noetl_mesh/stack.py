@@ -26,6 +26,7 @@ SINGLE = ("event-recorder", "credentials", "sessions")  # one replica unless ask
 
 
 NEEDS_POSTGRES = ("event-recorder", "credentials")  # the services given the Postgres connection string
+CREDENTIAL_KEY_ENV = ("NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD")  # given to the credentials service only
 SCALABLE = ("event-recorder", "credentials", "admission", "router", "loop-coordinator", "scheduler", "sessions",
             "worker")  # any number of replicas
 MAX_REPLICAS = 64  # per service in one stack runner
@@ -366,6 +367,9 @@ class ProcessStack:
         env.pop("NOETL_PG_DSN", None)
         if s.pg_dsn and name in NEEDS_POSTGRES:  # in its environment: a command line is every user's to read
             env["NOETL_PG_DSN"] = s.pg_dsn
+        if name != "credentials":  # the credential key is the credentials service's alone (a worker never has it)
+            for var in CREDENTIAL_KEY_ENV:
+                env.pop(var, None)
         if s.home:
             args += ["--home", s.home]
         if name == "worker":

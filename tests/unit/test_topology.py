@@ -85,3 +85,28 @@ def test_commands_find_the_gateway_of_the_noetl_up_running_from_the_home(tmp_pat
         up.kill()
         up.wait()
     assert running_stack(str(home)) is None  # its process is gone: a killed stack is no running stack
+
+
+def test_a_process_stack_gives_the_database_and_the_credential_key_only_to_who_needs_them(tmp_path, monkeypatch):
+    """Each service process's environment: the Postgres DSN for the recorder and the credentials service,
+    the credential key for the credentials service alone (a compromised worker finds neither), and every
+    service its home (--home) on its command line."""
+    from noetl_mesh.stack import ProcessStack, Settings
+
+    seen: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    class Recorded:
+        def __init__(self, args, env=None, **kw):
+            seen[args[4]] = (args, env)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setenv("NOETL_CREDENTIAL_KEY", "a-key-from-the-shell")
+    monkeypatch.setenv("NOETL_CREDENTIAL_KEY_OLD", "an-old-key")
+    stack = ProcessStack(Settings(nats_url="nats://x", pg_dsn="host=h password=pg-pw", home=str(tmp_path)))
+    for name in ("event-recorder", "credentials", "worker", "gateway", "router"):
+        stack.spawn(name)
+    for name, (args, env) in seen.items():
+        assert args[args.index("--home") + 1] == str(tmp_path)
+        assert "pg-pw" not in " ".join(args)
+        assert ("NOETL_PG_DSN" in env) == (name in ("event-recorder", "credentials")), name
+        assert ("NOETL_CREDENTIAL_KEY" in env) == ("NOETL_CREDENTIAL_KEY_OLD" in env) == (name == "credentials"), name
