@@ -15,7 +15,7 @@ import orjson
 import pytest
 from nats.js.api import ConsumerConfig
 
-from conftest import start_stack, stop_stack
+from conftest import pg_endpoint, start_stack, stop_stack
 from noetl_mesh.infra.bus import COMMANDS, Bus, BusError, credential_resolve_subject, pool_filter
 from noetl_mesh.infra.payloads import is_ref
 
@@ -43,12 +43,14 @@ workflow:
 
 
 @pytest.fixture(scope="module")
-def grants(module_pg) -> Iterator[Any]:
+def grants(module_pg, fixture_api) -> Iterator[Any]:
     """A stack with the pools default (a worker runs it) and other (none does: the tests hold its
     commands with worker-other's own credentials), and three stored credentials."""
     old = os.environ.get("NOETL_CREDENTIAL_KEY")
     os.environ["NOETL_CREDENTIAL_KEY"] = KEY
-    nats, loop, handle = start_stack(module_pg, pools=("default", "other"))
+    # its tasks call the fixture API and the module's Postgres (D33: nothing else)
+    nats, loop, handle = start_stack(module_pg, pools=("default", "other"),
+                                     allow_net=f"{fixture_api.endpoint},{pg_endpoint(module_pg)}")
     try:
         with httpx.Client(base_url=handle.url, trust_env=False, headers=handle.headers) as gw:
             for name, data in (("grant_db", {"user": "postgres", "password": DB_PASSWORD, "host": "localhost"}),
