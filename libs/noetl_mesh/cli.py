@@ -710,7 +710,8 @@ async def _embedded_stack(servers: _Servers, processes: bool = False, metrics_po
     persistent = servers.persistent
     creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
     settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds,
-                        metrics_port=metrics_port, log_format=log_format, port=port, allow_net=allow_net)
+                        metrics_port=metrics_port, log_format=log_format, port=port, allow_net=allow_net,
+                        home=persistent)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file, counts=counts)
@@ -883,7 +884,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     settings = replace(settings, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"), concurrency=args.concurrency,
                        host=args.host, port=args.port, ack_wait=args.ack_wait,
                        metrics_port=None if port < 0 else port, metrics_optional=args.metrics_port is None,
-                       metrics_host=args.metrics_host)
+                       metrics_host=args.metrics_host, home=os.path.abspath(args.home))
     try:
         run_loop(serve_forever(args.name, settings))
     except PortTaken as exc:
@@ -1341,12 +1342,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("service", help="run one service")
     p.add_argument("name", choices=["gateway", "admission", "router", "loop-coordinator", "event-recorder",
-                                    "sessions", "worker", "scheduler"], help="which service")
+                                    "credentials", "sessions", "worker", "scheduler"], help="which service")
     p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
     p.add_argument("--nats-creds", metavar="FILE",
                    help="the service's NATS credentials (nkey seed file, or a directory of them; NOETL_NATS_CREDS)")
-    p.add_argument("--pg-dsn", metavar="DSN", help="Postgres, for the event-recorder (default: NOETL_PG_DSN, "
-                   "which keeps a password off the command line other users can read)")
+    p.add_argument("--pg-dsn", metavar="DSN", help="Postgres, for the event-recorder and the credentials service "
+                   "(default: NOETL_PG_DSN, which keeps a password off the command line other users can read)")
+    p.add_argument("--home", default=os.environ.get("NOETL_HOME", ".noetl"), metavar="DIR",
+                   help="the stack's home (NOETL_HOME, default .noetl): the credentials service keeps its key file "
+                        "credential.key there unless NOETL_CREDENTIAL_KEY is set")
     p.add_argument("--pool", default="default", help="worker: the pool whose commands it takes")
     p.add_argument("--concurrency", type=int, default=8, help="worker: commands run at once")
     p.add_argument("--ack-wait", type=float, default=30.0, metavar="SECONDS",

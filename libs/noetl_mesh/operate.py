@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 NS = 1_000_000_000  # the JetStream API's durations are nanoseconds
 MAX_PAGES = 100  # of 256 streams or consumers each: enough for any noetl deployment, bounded
 SERVICE_ORDER = ("gateway", "sessions", "admission", "router", "loop-coordinator", "scheduler", "event-recorder",
-                 "worker")
+                 "credentials", "worker")
 
 
 class Unreachable(Exception):

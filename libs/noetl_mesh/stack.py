@@ -21,11 +21,14 @@ from .infra.probes import PortTaken, ProbeServer, readiness
 log = logging.getLogger("noetl.stack")
 
 CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator", "scheduler")
-ALL_SERVICES = (*CONTROL_PLANE, "sessions", "worker", "gateway")
+ALL_SERVICES = (*CONTROL_PLANE, "credentials", "sessions", "worker", "gateway")
+SINGLE = ("event-recorder", "credentials", "sessions")  # one replica unless asked for more
 
 
-NEEDS_POSTGRES = ("event-recorder",)  # the services given the Postgres connection string
-SCALABLE = ("event-recorder", "admission", "router", "loop-coordinator", "scheduler", "sessions", "worker")  # any number of replicas
+NEEDS_POSTGRES = ("event-recorder", "credentials")  # the services given the Postgres connection string
+CREDENTIAL_KEY_ENV = ("NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD")  # given to the credentials service only
+SCALABLE = ("event-recorder", "credentials", "admission", "router", "loop-coordinator", "scheduler", "sessions",
+            "worker")  # any number of replicas
 MAX_REPLICAS = 64  # per service in one stack runner
 
 
@@ -56,14 +59,15 @@ def parse_replicas(text: str | None) -> dict[str, int]:
 
 def topology(replicas: int = 1, workers: int = 1, counts: dict[str, int] | None = None) -> list[tuple[str, str]]:
     """The services of a stack runner, in start order, each with its key (``admission-0``, a log file's
-    name): one recorder, one sessions service, ``replicas`` of each control-plane service and the
-    scheduler, ``workers`` workers, one gateway; ``counts`` (:func:`parse_replicas`) overrides."""
+    name): one recorder, one credentials service, one sessions service, ``replicas`` of each
+    control-plane service and the scheduler, ``workers`` workers, one gateway; ``counts``
+    (:func:`parse_replicas`) overrides."""
     counts = counts or {}
     out = []
-    for name in ("event-recorder", "sessions", *CONTROL_PLANE[1:], "worker"):
-        default = 1 if name in ("event-recorder", "sessions") else workers if name == "worker" else replicas
+    for name in ("event-recorder", "credentials", "sessions", *CONTROL_PLANE[1:], "worker"):
+        default = 1 if name in SINGLE else workers if name == "worker" else replicas
         n = counts.get(name, default)
-        single = n == 1 and name in ("event-recorder", "sessions")
+        single = n == 1 and name in SINGLE
         out += [(name, name if single else f"{name}-{i}") for i in range(n)]
     return out + [("gateway", "gateway")]
 
@@ -89,6 +93,9 @@ class Settings:
     # what the workers' tasks may reach beyond the default (D33): NOETL_SANDBOX_ALLOW_NET for the workers
     # (``--allow-net``); None: the environment's
     allow_net: str | None = None
+    # the stack's home (noetl up --home, noetl service --home): where a service keeps its files (the
+    # credentials service its key file, unless NOETL_CREDENTIAL_KEY is set); None: none
+    home: str | None = None
 
     def creds_for(self, service: str) -> str | None:
         """The credentials file of ``service`` (``admin`` for the stack's setup)."""
@@ -102,6 +109,7 @@ class Settings:
 _CLASSES = {"admission": "admission.service.AdmissionService", "router": "router.service.RouterService",
             "loop-coordinator": "loop_coordinator.service.LoopCoordinatorService",
             "event-recorder": "event_recorder.service.RecorderService", "worker": "worker.service.WorkerService",
+            "credentials": "credentials.service.CredentialsService",
             "gateway": "gateway.app.GatewayService", "sessions": "sessions.service.SessionsService",
             "scheduler": "scheduler.service.SchedulerService"}
 
@@ -120,6 +128,10 @@ def make_service(name: str, bus: Bus, settings: Settings):
         if not settings.pg_dsn:
             raise ValueError("the event-recorder needs a Postgres DSN (--pg-dsn or NOETL_PG_DSN)")
         return cls(bus, pg_dsn=settings.pg_dsn)
+    if name == "credentials":
+        if not settings.pg_dsn:
+            raise ValueError("the credentials service needs a Postgres DSN (--pg-dsn or NOETL_PG_DSN)")
+        return cls(bus, pg_dsn=settings.pg_dsn, home=settings.home)
     if name == "worker":
         return cls(bus, pool=settings.pool, concurrency=settings.concurrency, ack_wait=settings.ack_wait,
                    allow_net=settings.allow_net)
@@ -251,7 +263,7 @@ class InProcessStack:
         the log); else every service at once. ``throwaway``: the NATS server goes next (``noetl run``'s
         own), so nothing is handed back to another replica (Bus.throwaway)."""
         order = {"gateway": 0, "worker": 1, "sessions": 2, "admission": 2, "router": 2, "loop-coordinator": 2,
-                 "scheduler": 2, "event-recorder": 3}
+                 "scheduler": 2, "credentials": 2, "event-recorder": 3}
         for rank in range(4) if ordered else (None,):
             await asyncio.gather(*(stop_service(r, throwaway=throwaway) for r in self.running
                                    if rank is None or order[r.name] == rank),
@@ -355,6 +367,11 @@ class ProcessStack:
         env.pop("NOETL_PG_DSN", None)
         if s.pg_dsn and name in NEEDS_POSTGRES:  # in its environment: a command line is every user's to read
             env["NOETL_PG_DSN"] = s.pg_dsn
+        if name != "credentials":  # the credential key is the credentials service's alone (a worker never has it)
+            for var in CREDENTIAL_KEY_ENV:
+                env.pop(var, None)
+        if s.home:
+            args += ["--home", s.home]
         if name == "worker":
             args += ["--pool", s.pool, "--concurrency", str(s.concurrency), "--ack-wait", str(s.ack_wait)]
         if name == "gateway":

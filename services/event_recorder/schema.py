@@ -39,7 +39,6 @@ from noetl_mesh.core.events import CORRELATION_KEYS
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra.bus import DISPATCH_EVENTS, INFO_EVENTS, LOOP_EVENTS
 
-from . import credentials as _credentials
 
 # What a view of an execution's state folds: its ``ctl`` events (bus.event_class): task progress and loop
 # bookkeeping change no step's status or result (a loop's result and counts are on its loop.done). The
@@ -100,7 +99,9 @@ CREATE TABLE IF NOT EXISTS execution (
 CREATE INDEX IF NOT EXISTS execution_created ON execution (created_at DESC);
 CREATE INDEX IF NOT EXISTS execution_status_created ON execution (status, created_at DESC);
 """),
-    _credentials.MIGRATION,  # 2: the credential store (D24)
+    # 2 made the credential table, which the credentials service keeps now (services/credentials/store.py:
+    # the same table); kept as a number so that the versions of existing databases still line up
+    (2, "credential store (moved to the credentials service)", "SELECT 1"),
     (3, "who started each execution", """
 ALTER TABLE execution ADD COLUMN IF NOT EXISTS requested_by text;
 CREATE INDEX IF NOT EXISTS execution_requested_by_created ON execution (requested_by, created_at DESC);

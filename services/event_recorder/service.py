@@ -60,6 +60,7 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_LIST,
     Q_EXECUTION_RESULT,
     Q_EXECUTION_STATE,
+    Q_EXECUTION_STATUS,
     Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
     LIVE_ASK,
@@ -75,7 +76,7 @@ from noetl_mesh.infra.bus import (
 from noetl_mesh.lang.validate import validate_text
 from noetl_mesh.limits import LimitExceeded
 
-from . import credentials, feeds, live, replies, schema
+from . import feeds, live, replies, schema
 from .feeds import DURABLE, Feed
 
 log = logging.getLogger("noetl.event-recorder")
@@ -91,7 +92,6 @@ MAX_PAGE = 1000
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
                       "started_at", "finished_at", "error", "requested_by")
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
-SECRET_SUBJECTS = "noetl.q.credential."  # replies with secret data: never moved to the object store
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
 DRAIN_QUIET = 0.25  # seconds without a delivery that end a stopping recorder's drain
 YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
@@ -160,7 +160,7 @@ class RecorderService:
             (Q_CATALOG_LIST, self.catalog_list), (Q_EXECUTION_GET, self.execution_get),
             (Q_EXECUTION_EVENTS, self.execution_events), (Q_EXECUTION_LIST, self.execution_list),
             (Q_EXECUTION_WAITS, self.execution_waits), (Q_EXECUTION_STATE, self.execution_state),
-            (Q_EXECUTION_RESULT, self.execution_result),
+            (Q_EXECUTION_RESULT, self.execution_result), (Q_EXECUTION_STATUS, self.execution_status),
             (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
@@ -221,9 +221,7 @@ class RecorderService:
             log.warning("could not migrate the event database: %s", exc)
 
     async def _bind(self) -> None:
-        """The credential subjects (their rotation needs the database), the partitions' durables, and
-        this replica's share of them."""
-        await credentials.serve(self)  # D24: the credential store's subjects
+        """The partitions' durables, and this replica's share of them."""
         await self._durables()
         self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read,
                                      replicas=self.bus.replicas)
@@ -327,8 +325,6 @@ class RecorderService:
 
     # ------------------------------------------------------------------ answering
     async def _serve(self, subject: str, handler) -> None:
-        by_reference = not subject.startswith(SECRET_SUBJECTS)
-
         async def guarded(req: Any) -> Any:
             try:
                 reply = await handler(req if isinstance(req, dict) else {})
@@ -341,19 +337,19 @@ class RecorderService:
                         isinstance(exc, psycopg.DataError) or (exc.sqlstate or "")[:2] in ("22", "23", "54"))):
                     raise BusError("bad_request", f"{subject}: Postgres refuses a value of the request: {exc}") from exc
                 raise
-            return await self._bounded(subject, reply, by_reference)
+            return await self._bounded(subject, reply)
 
         # stop() removes the subscription: a stopped recorder must not stay in the queue group
         # answering with a closed pool.
         self._subs.append(await self.bus.serve(subject, guarded, queue=QUEUE))
 
-    async def _bounded(self, subject: str, reply: Any, by_reference: bool) -> orjson.Fragment:
+    async def _bounded(self, subject: str, reply: Any) -> orjson.Fragment:
         """The reply's JSON within ``max_reply_bytes``: as it is, with its biggest values as D23
         references, or a ``too_large`` error naming the limit."""
         budget = limits.current().max_reply_bytes
         data = dumps(reply)
         size = len(data)
-        if size > budget and by_reference:
+        if size > budget:
             try:
                 data = dumps(await replies.fit(reply, budget, self.bus.payloads.put))
             except Exception as exc:  # noqa: BLE001 - the object store
@@ -796,6 +792,19 @@ class RecorderService:
                 (*[v for _, v in conditions], offset, limit))
             rows = await cur.fetchall()
         return [{**_execution_row(r[:-1]), "requested_by_name": r[-1]} for r in rows]
+
+    async def execution_status(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One execution's projection row, in brief: ``{execution_id, status, requested_by}`` (the
+        credentials service asks whether an execution still runs); ``not_found`` when not recorded."""
+        xid = req.get("execution_id")
+        if not isinstance(xid, str) or not xid:
+            raise BusError("bad_request", "execution_id must be a string")
+        async with self._connection() as conn:
+            row = await (await conn.execute("SELECT status, requested_by FROM execution WHERE execution_id = %s",
+                                            (schema.text(xid),))).fetchone()
+        if row is None:
+            raise BusError("not_found", f"execution {xid} is not recorded")
+        return {"execution_id": xid, "status": row[0], "requested_by": row[1]}
 
     async def execution_waits(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         """D30: waits in progress of running executions, oldest first (``execution_id``, ``kind``

@@ -29,7 +29,7 @@ from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
-from noetl_mesh.infra.bus import COMMANDS, Q_CREDENTIAL_RESOLVE, Bus, loads, pool_filter, release
+from noetl_mesh.infra.bus import COMMANDS, Bus, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.sandbox import policy as sandbox
@@ -225,7 +225,7 @@ class WorkerService:
         self.tools = tools
         self.sandbox: Supervisor | None = None  # made at start when the worker makes its own tools
         self._sandbox_start: asyncio.Task | None = None
-        self.keychain = bus_resolver(self.bus.request, Q_CREDENTIAL_RESOLVE)  # D24: per-execution TTL cache
+        self.keychain = bus_resolver(self.bus.request, pool)  # D24: per-execution TTL cache, bound per command
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
         self.running: dict[asyncio.Task, str] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
@@ -384,8 +384,10 @@ class WorkerService:
                     seen(event)
                     await add(event)
 
+                # D24: credentials are resolved for this command only, named by its place in the stream
+                grant = {"seq": msg.metadata.sequence.stream, "subject": msg.subject}
                 await execute_command(command, self.tools, publish, source=f"worker:{self.pool}",
-                                      keychain_resolver=self.keychain, note=observer.note,
+                                      keychain_resolver=self.keychain.bound(grant), note=observer.note,
                                       on_secrets=functools.partial(self.log_masking.track, asyncio.current_task()))
                 await batcher.close()
             self.done += 1

@@ -16,9 +16,8 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from noetl_mesh.cli import main as cli
-from noetl_mesh.core.keychain import bus_resolver
-from noetl_mesh.infra.bus import COMMANDS, EVENTS, Q_CREDENTIAL_RESOLVE, Bus
-from noetl_mesh.services.event_recorder.credentials import decrypt
+from noetl_mesh.core.credentials import decrypt
+from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus, BusError
 from noetl_mesh.services.sessions.audit import STREAM as AUDIT
 from noetl_mesh.services.sessions.store import LOGINS, SESSIONS, USERS
 from noetl_mesh.services.worker import service as worker_service
@@ -90,8 +89,8 @@ class Capture(logging.Handler):
 
 @pytest.fixture(scope="module")
 def kc_stack(module_pg, fixture_api) -> Iterator[Any]:
-    """A whole stack whose recorder encrypts with a test key; the logs of every service are captured.
-    Until the worker service wires a resolver itself, the test gives it the one it should use."""
+    """A whole stack whose credentials service encrypts with a test key; the logs of every service are
+    captured, and every command a worker runs."""
     old = os.environ.get("NOETL_CREDENTIAL_KEY")
     os.environ["NOETL_CREDENTIAL_KEY"] = KEY
     capture = Capture()
@@ -100,16 +99,9 @@ def kc_stack(module_pg, fixture_api) -> Iterator[Any]:
     root.addHandler(capture)
     root.setLevel(logging.DEBUG)
     real = worker_service.execute_command
-    buses: list[Bus] = []
-    resolver: list[Any] = []
 
     async def wired(command, tools, publish, **kw):
         handle.commands.append(orjson.dumps(command).decode())
-        if "keychain_resolver" not in kw:  # not wired by the service yet: wire it as documented
-            if not resolver:
-                buses.append(await Bus.connect(nats.url, "kc-test-resolver", handle.stack.settings.creds_for("worker")))
-                resolver.append(bus_resolver(buses[0].request, Q_CREDENTIAL_RESOLVE))
-            kw["keychain_resolver"] = resolver[0]
         return await real(command, tools, publish, **kw)
 
     worker_service.execute_command = wired
@@ -119,8 +111,6 @@ def kc_stack(module_pg, fixture_api) -> Iterator[Any]:
     try:
         yield handle
     finally:
-        for bus in buses:
-            loop.run(bus.close())
         stop_stack(nats, loop, handle)
         worker_service.execute_command = real
         root.removeHandler(capture)
@@ -260,7 +250,9 @@ def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
     assert status["steps"]["start"]["result"] == "***"
     call = [e for e in events if e["task"] == "call" and "outcome" in (e.get("data") or {})]
     assert call and call[-1]["data"]["outcome"]["status"] == "ok"
-    assert call[-1]["data"]["outcome"]["result"] == {"echo": {"token": "***", "user": "***"}}  # every stored value
+    # the password is masked; the user is not a secret (it says who: masking it would mask every text
+    # holding that word, error kinds included)
+    assert call[-1]["data"]["outcome"]["result"] == {"echo": {"token": "***", "user": "scanner"}}
 
     hits: list[str] = []
     with psycopg.connect(module_pg) as conn:
@@ -299,45 +291,152 @@ def test_secret_scan(kc_stack, module_pg, fixture_api) -> None:
     assert found == []
 
 
-def test_key_file_generated_with_mode_600(tmp_path, monkeypatch) -> None:
-    from noetl_mesh.services.event_recorder.credentials import load_key
+def test_key_file_generated_with_mode_600_in_the_home_given(tmp_path, monkeypatch) -> None:
+    from noetl_mesh.services.credentials.store import load_key
 
     monkeypatch.delenv("NOETL_CREDENTIAL_KEY", raising=False)
-    monkeypatch.setenv("NOETL_HOME", str(tmp_path / "home"))
-    assert load_key(create=False) is None
-    key = load_key(create=True)
-    path = tmp_path / "home" / "credential.key"
+    monkeypatch.chdir(tmp_path)
+    home = tmp_path / "home"
+    assert load_key(home, create=False) is None
+    key = load_key(home, create=True)
+    path = home / "credential.key"
     assert len(key) == 32 and (path.stat().st_mode & 0o777) == 0o600
-    assert load_key(create=False) == key
+    assert load_key(home, create=False) == key
+    assert not (tmp_path / ".noetl").exists()  # never the working directory's
+    assert load_key(None, create=True) is None  # no home, no key file: only NOETL_CREDENTIAL_KEY
     monkeypatch.setenv("NOETL_CREDENTIAL_KEY", "bm90IDMyIGJ5dGVz")
     with pytest.raises(ValueError, match="32 bytes"):
-        load_key(create=False)
+        load_key(home, create=False)
 
 
 def test_rotation_reencrypts_on_start(nats_url, pg_dsn, monkeypatch) -> None:
     import asyncio
 
-    from noetl_mesh.services.event_recorder.service import RecorderService
+    from noetl_mesh.services.credentials import CredentialsService
 
     old_key, new_key = base64.b64encode(b"o" * 32).decode(), base64.b64encode(b"n" * 32).decode()
 
-    async def with_recorder(fn):
+    async def with_service(fn):
         bus = await Bus.connect(nats_url, "kc-rotate")
         await bus.setup(partitions=4)
-        rec = RecorderService(bus, pg_dsn=pg_dsn)
-        await rec.start()
+        service = CredentialsService(bus, pg_dsn=pg_dsn)
+        await service.start()
         try:
-            return await fn(rec)
+            return await fn(service)
         finally:
-            await rec.stop()
+            await service.stop()
             await bus.close()
 
     monkeypatch.setenv("NOETL_CREDENTIAL_KEY", old_key)
-    asyncio.run(with_recorder(lambda rec: rec.credentials.put({"name": "rot", "data": {"password": "rotate-me"}})))
+    asyncio.run(with_service(lambda svc: svc.put({"name": "rot", "data": {"password": "rotate-me"}})))
     monkeypatch.setenv("NOETL_CREDENTIAL_KEY", new_key)
     monkeypatch.setenv("NOETL_CREDENTIAL_KEY_OLD", old_key)
-    got = asyncio.run(with_recorder(lambda rec: rec.credentials.get({"name": "rot", "include_data": True})))
+    got = asyncio.run(with_service(lambda svc: svc.get({"name": "rot", "include_data": True})))
     assert got["data"] == {"password": "rotate-me"}
     with psycopg.connect(pg_dsn) as conn:
         data, nonce = conn.execute("SELECT data, nonce FROM credential WHERE name = 'rot'").fetchone()
     assert decrypt(base64.b64decode(new_key), "rot", data, nonce) == {"password": "rotate-me"}
+
+
+def test_rows_the_recorder_stored_before_are_read_and_values_postgres_cannot_store_refused(
+        nats_url, pg_dsn, monkeypatch) -> None:
+    """The table the event-recorder made (its migration 2) is the credentials service's now: a row sealed
+    before reads back; a description Postgres cannot store is a bad request, data with a NUL is fine
+    (it is sealed bytes)."""
+    import asyncio
+
+    from noetl_mesh.core.credentials import encrypt
+    from noetl_mesh.services.credentials import CredentialsService
+    from noetl_mesh.services.event_recorder import schema
+
+    monkeypatch.setenv("NOETL_CREDENTIAL_KEY", KEY)
+
+    async def main() -> None:
+        conn = await psycopg.AsyncConnection.connect(pg_dsn)
+        async with conn:
+            await schema.migrate(conn)  # the recorder's migrations: no credential table any more
+            await conn.execute("""CREATE TABLE IF NOT EXISTS credential (id bigserial PRIMARY KEY,
+                name text NOT NULL UNIQUE, kind text NOT NULL DEFAULT 'generic', description text,
+                data bytea NOT NULL, nonce bytea NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),
+                updated_at timestamptz NOT NULL DEFAULT now())""")  # what the recorder's migration 2 made
+            blob, nonce = encrypt(base64.b64decode(KEY), "before", {"password": "kept-from-before"})
+            await conn.execute("INSERT INTO credential (name, kind, data, nonce) VALUES ('before', 'postgres', %s, %s)",
+                               (blob, nonce))
+            await conn.commit()
+        bus = await Bus.connect(nats_url, "kc-before")
+        await bus.setup(partitions=4)
+        service = CredentialsService(bus, pg_dsn=pg_dsn)
+        await service.start()
+        try:
+            got = await bus.request("noetl.q.credential.get", {"name": "before", "include_data": True})
+            assert got["data"] == {"password": "kept-from-before"} and got["kind"] == "postgres"
+            with pytest.raises(BusError) as bad:
+                await bus.request("noetl.q.credential.put", {"name": "c", "kind": "generic", "data": {"a": 1},
+                                                             "description": "a\x00b"})
+            assert bad.value.kind == "bad_request" and "description" in bad.value.message
+            stored = await bus.request("noetl.q.credential.put", {"name": "c", "data": {"pw": "a\x00b"}})
+            assert stored["name"] == "c"
+            assert (await bus.request("noetl.q.credential.get", {"name": "c", "include_data": True}))["data"] == \
+                {"pw": "a\x00b"}
+            with pytest.raises(BusError) as bad:
+                await bus.request("noetl.q.credential.get", {"name": "bad name"})
+            assert bad.value.kind == "bad_request"
+        finally:
+            await service.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_up_keeps_its_key_in_its_home_whatever_the_working_directory(tmp_path) -> None:
+    """`noetl up --home H` started from one directory stores a credential; started again from another
+    directory (one process per service this time: `noetl service credentials --home H`) it reads it back.
+    The key file is H/credential.key, never <working directory>/.noetl."""
+    import re
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from conftest import noetl_up
+
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    for name in ("NOETL_TOKEN", "NOETL_NATS_URL", "NOETL_PG_DSN", "NOETL_GATEWAY_URL", "NOETL_HOME",
+                 "NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD", "NOETL_NATS_CREDS"):
+        env.pop(name, None)
+    root = Path(tempfile.mkdtemp(prefix="noetl-up-"))  # Postgres's own user must reach its data directory
+    os.chmod(root, 0o755)
+    home, first_dir, second_dir = root / "home", root / "first", root / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+
+    def run_up(cwd: Path, extra: list[str]) -> tuple[Any, str, str]:
+        proc, text = noetl_up([*extra, "--home", str(home)], env, cwd=str(cwd), start_new_session=True)
+        return proc, text, re.search(r"gateway: (http://\S+)", text).group(1)
+
+    def stop(proc: Any) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+    try:
+        proc, text, url = run_up(first_dir, ["--in-process"])
+        token = (home / "admin.token").read_text().strip()
+        try:
+            with httpx.Client(base_url=url, trust_env=False, headers={"Authorization": f"Bearer {token}"}) as gw:
+                made = gw.post("/api/credentials", json={"name": "homed", "data": {"password": "homed-pw-1"}})
+                assert made.status_code == 201, made.text
+        finally:
+            stop(proc)
+        assert (home / "credential.key").exists() and not (first_dir / ".noetl").exists()
+        proc, text, url = run_up(second_dir, [])
+        try:
+            with httpx.Client(base_url=url, trust_env=False, headers={"Authorization": f"Bearer {token}"}) as gw:
+                got = gw.get("/api/credentials/homed", params={"include_data": "true"})
+                assert got.status_code == 200, got.text
+                assert got.json()["data"] == {"password": "homed-pw-1"}
+        finally:
+            stop(proc)
+        assert not (second_dir / ".noetl").exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -62,7 +62,7 @@ async def fresh_admin(bus: Bus) -> tuple[SessionsService, str]:
 @contextlib.asynccontextmanager
 async def stack(nats_url: str, pg_dsn: str, control_plane: list | None = None):
     """The recorder and the sessions service on one bus, a gateway app on it; with ``control_plane``
-    (a list, filled with what started) also admission, router and loop-coordinator as the service
+    (a list, filled with what started) also admission, router, loop-coordinator and credentials as the service
     runtime starts them, each a NATS micro service as the gateway's readiness wants them."""
     bus = await fresh_bus(nats_url)
     rec = RecorderService(bus, pg_dsn=pg_dsn)
@@ -71,8 +71,9 @@ async def stack(nats_url: str, pg_dsn: str, control_plane: list | None = None):
     registered = []
     if control_plane is not None:
         registered = [await micro.register("event-recorder", bus, rec), await micro.register("sessions", bus, sessions)]
-        settings = Settings(nats_url=nats_url)
-        control_plane += [await start_service(name, settings) for name in ("admission", "router", "loop-coordinator")]
+        settings = Settings(nats_url=nats_url, pg_dsn=pg_dsn)
+        control_plane += [await start_service(name, settings)
+                          for name in ("admission", "router", "loop-coordinator", "credentials")]
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(bus)), base_url="http://gw",
                                headers={"Authorization": f"Bearer {token}"})
     try:
@@ -276,7 +277,7 @@ def test_health_docs_and_outages(nats_url: str, pg_dsn: str) -> None:
             assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
             assert ready.json()["nats"] == {"ok": True, "state": "connected"} and ready.json()["recorder"]["ok"] is True
             assert ready.json()["services"] == {name: {"ok": True, "replicas": 1, "error": None} for name in (
-                "admission", "router", "loop-coordinator", "event-recorder", "sessions")}
+                "admission", "router", "loop-coordinator", "event-recorder", "credentials", "sessions")}
 
             router = next(r for r in control_plane if r.name == "router")  # the control plane without a router
             control_plane.remove(router)

@@ -57,7 +57,7 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
         nats_url, monitoring = re.search(r"  NATS: (nats://\S+) \(monitoring: (http://\S+)\)", out).groups()
         with urllib.request.urlopen(f"{monitoring}/healthz", timeout=5) as r:  # the printed monitoring URL answers
             assert r.status == 200
-        assert ("services: event-recorder, sessions, admission x2, router x2, loop-coordinator, scheduler, worker x3, "
+        assert ("services: event-recorder, credentials, sessions, admission x2, router x2, loop-coordinator, scheduler, worker x3, "
                 "gateway (one process each") in out
         info = json.loads(Path(root, ".noetl", "stack.json").read_text())
         assert sorted(info["metrics"]) == sorted(info["pids"].keys() - {"nats-server", "postgres"})  # each its port
@@ -72,7 +72,7 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
             assert ps.returncode == 0, ps.stderr
             rows = json.loads(ps.stdout)
             counts = {s: sum(r["service"] == s for r in rows) for s in {r["service"] for r in rows}}
-            want = {"event-recorder": 1, "sessions": 1, "admission": 2, "router": 2, "loop-coordinator": 1,
+            want = {"event-recorder": 1, "credentials": 1, "sessions": 1, "admission": 2, "router": 2, "loop-coordinator": 1,
                     "scheduler": 1, "worker": 3, "gateway": 1}
             if counts == want:
                 break

@@ -351,3 +351,46 @@ def test_noetl_ps_and_inspect_with_a_services_credentials_are_refused_clearly(se
     assert main(["ps", "--nats-url", secured.nats_url, "--nats-creds", worker, "--wait", "0.5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("noetl: NATS refused $SRV.STATS: ") and err.count("\n") == 1, err
+
+
+def test_only_the_credentials_service_answers_credential_subjects(secured):
+    """The credential store left the event-recorder: its user can no longer listen on the credential
+    subjects (nor anyone but the credentials service); a worker may ask resolutions on its own pool's
+    subject only, nothing else of the store; the gateway asks the store's API, never a resolution; and the
+    credentials service answers to an inbox only (a request naming another reply subject gets nothing)."""
+    async def main():
+        async with Conn(secured, "event-recorder") as recorder:
+            for subject in ("noetl.q.credential.get", "noetl.q.credential.resolve.default", "noetl.q.credential.>"):
+                await recorder.nc.subscribe(subject, queue="event-recorder")
+            await recorder.nc.flush()
+            await asyncio.sleep(0.2)
+            for subject in ("noetl.q.credential.get", "noetl.q.credential.resolve.default", "noetl.q.credential.>"):
+                assert any(f'subscription to "{subject}"' in e.lower() for e in recorder.errors), (subject, recorder.errors)
+        async with Conn(secured, "worker-default") as worker:
+            for subject in ("noetl.q.credential.get", "noetl.q.credential.list", "noetl.q.credential.resolve",
+                            "noetl.q.credential.resolve.other"):
+                await worker.refused(worker.nc.request(subject, b'{"name": "x", "include_data": true}',
+                                                       timeout=TIMEOUT), subject)
+            answer = await worker.nc.request("noetl.q.credential.resolve.default", b'{"names": ["x"]}', timeout=5)
+            assert loads(answer.data)["error"]["kind"] == "bad_request"  # answered: refused for naming no command
+            # an answer to a subject the worker listens on (every worker hears noetl.cancel.*): none comes
+            heard = []
+
+            async def hear(msg):
+                heard.append(msg)
+
+            sub = await worker.nc.subscribe("noetl.cancel.stolen", cb=hear)
+            await worker.nc.publish("noetl.q.credential.resolve.default", b'{"names": ["x"]}', reply="noetl.cancel.stolen")
+            await worker.nc.flush()
+            await asyncio.sleep(0.5)
+            await sub.unsubscribe()
+            assert heard == []
+        async with Conn(secured, "gateway") as gateway:
+            await gateway.refused(gateway.nc.request("noetl.q.credential.resolve.default", b"{}", timeout=TIMEOUT),
+                                  "noetl.q.credential.resolve.default")
+            listed = await gateway.nc.request("noetl.q.credential.list", b"{}", timeout=5)
+            assert isinstance(loads(listed.data), list)
+        assert logged(secured, "event-recorder", "noetl.q.credential.get")
+        assert logged(secured, "worker-default", "noetl.q.credential.resolve.other")
+
+    secured.run(main())

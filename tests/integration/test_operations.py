@@ -17,7 +17,7 @@ from noetl_mesh.services.gateway.auth import CACHE_SECONDS
 
 pytestmark = pytest.mark.integration
 
-REPLICAS = {"noetl-event-recorder": 1, "noetl-sessions": 1, "noetl-gateway": 1, "noetl-admission": 2,
+REPLICAS = {"noetl-event-recorder": 1, "noetl-credentials": 1, "noetl-sessions": 1, "noetl-gateway": 1, "noetl-admission": 2,
             "noetl-router": 2, "noetl-loop-coordinator": 2, "noetl-scheduler": 2, "noetl-worker-default": 2}
 PLAYBOOK = {
     "apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "ops", "path": "tests/ops"},
@@ -91,6 +91,10 @@ def test_info_lists_request_endpoints_consumers_and_partitions(ops):
     assert worker["endpoints"][0]["metadata"]["durables"] == "pool-default"
     assert info["noetl-gateway"][0]["metadata"]["url"] == ops.url
     assert any(e["subject"] == "noetl.q.sessions.validate" for e in info["noetl-sessions"][0]["endpoints"])
+    credentials = {e["subject"]: e for e in info["noetl-credentials"][0]["endpoints"]}  # the store left the recorder
+    assert {"noetl.q.credential.get", "noetl.q.credential.resolve.*"} <= set(credentials)
+    assert credentials["noetl.q.credential.resolve.*"]["queue_group"] == "credentials"
+    assert not any(subject.startswith("noetl.q.credential.") for subject in endpoints)
     assert any(e["subject"] == "noetl.q.schedule.add" for e in info["noetl-scheduler"][0]["endpoints"])
     # the replicas of a control-plane service deal the partitions out between them
     deadline = time.monotonic() + 15

@@ -185,7 +185,7 @@ apiVersion: noetl.io/v2
 kind: Playbook
 metadata: {name: leak, path: t/limits/leak}
 keychain:
-  - {name: api, kind: env, var: NOETL_TEST_URL_SECRET}
+  - {name: api, kind: env, var: LEAK_TEST_URL_SECRET}
 workflow:
   - step: start
     tool:
@@ -196,7 +196,8 @@ workflow:
 
 
 def test_a_secret_in_an_http_url_query_string_reaches_neither_events_nor_logs(stack, streams, monkeypatch, caplog):
-    monkeypatch.setenv("NOETL_TEST_URL_SECRET", SECRET)
+    monkeypatch.setenv("LEAK_TEST_URL_SECRET", SECRET)
+    monkeypatch.setenv("NOETL_KEYCHAIN_ENV", "LEAK_TEST_URL_SECRET")  # the worker pool exposes it (D24)
     caplog.set_level(logging.DEBUG)
     for name in ("httpx", "httpcore"):
         caplog.set_level(logging.DEBUG, logger=name)  # however verbose an operator makes them

@@ -38,7 +38,8 @@ def test_resolve_static_env_and_credentials():
         calls.append((eid, [d["name"] for d in decls]))
         return {"db": {"password": "pg-secret-pw"}, "plain": {"token": "plain-tok"}}
 
-    out = arun(resolve(DECLS, "x1", resolver, environ={"KC_TEST_VAR": "env-value-9"}))
+    out = arun(resolve(DECLS, "x1", resolver, environ={"KC_TEST_VAR": "env-value-9",
+                                                       "NOETL_KEYCHAIN_ENV": "KC_TEST_*"}))
     assert out == {"api": {"token": "static-tok-123", "url": "u"}, "home": {"value": "env-value-9"},
                    "db": {"password": "pg-secret-pw"}, "plain": {"token": "plain-tok"}}
     assert calls == [("x1", ["db", "plain", "absent"])]
@@ -52,7 +53,7 @@ def test_cache_maps_stored_names_and_expires_per_execution():
     now = [0.0]
     asked = []
 
-    async def fetch(eid, names):
+    async def fetch(eid, names, grant):
         asked.append((eid, sorted(names)))
         return {"pg_main": {"password": f"pw-{len(asked)}"}, "plain": {"token": "t"}}
 
@@ -111,6 +112,7 @@ def command(tasks, keychain):
 
 def test_worker_resolves_then_masks_every_event(monkeypatch):
     monkeypatch.setenv("KC_TEST_VAR", "env-secret-value")
+    monkeypatch.setenv("NOETL_KEYCHAIN_ENV", "KC_TEST_VAR,KC_TEST_UNSET_VAR")
     tool = Echo()
     events = []
 
@@ -159,6 +161,7 @@ workflow:
 
 def test_local_run_masks_secrets_in_the_log_but_tasks_see_them(monkeypatch):
     monkeypatch.setenv("KC_LOCAL_SECRET", "env-local-secret-42")
+    monkeypatch.setenv("NOETL_KEYCHAIN_ENV", "KC_LOCAL_*")
     doc = yaml.safe_load("""
 apiVersion: noetl.io/v2
 kind: Playbook
@@ -333,6 +336,7 @@ def test_http_url_query_secret_reaches_neither_events_nor_logs(monkeypatch, capl
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{srv.server_address[1]}"
     monkeypatch.setenv("KC_HTTP_SECRET", SECRET)
+    monkeypatch.setenv("NOETL_KEYCHAIN_ENV", "KC_HTTP_SECRET")
     install_log_masking()
     caplog.set_level(logging.DEBUG)
     for name in ("httpx", "httpcore"):

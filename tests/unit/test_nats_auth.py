@@ -117,9 +117,14 @@ def test_a_worker_reads_its_pools_commands_only():
                     "$JS.API.DIRECT.GET.KV_noetl_sessions", "$KV.noetl_sessions.noetl.sessions.s1",
                     "noetl.q.catalog.get", "noetl.q.sessions.validate", "noetl.q.credential.get"):
         assert not may_publish("worker-gpu", subject), subject
-    assert may_publish("worker-gpu", "noetl.q.credential.resolve")
+    # credentials: its own pool's resolutions only (the pool in the subject is the credentials service's
+    # proof of who asks); nothing else of the credential store
+    assert may_publish("worker-gpu", "noetl.q.credential.resolve.gpu")
+    for subject in ("noetl.q.credential.resolve", "noetl.q.credential.resolve.default", "noetl.q.credential.put",
+                    "noetl.q.credential.list", "noetl.q.credential.delete", "noetl.audit.credential.resolved.-"):
+        assert not may_publish("worker-gpu", subject), subject
     assert may_subscribe("worker-gpu", "noetl.cancel.*")
-    for subject in ("_INBOX.>", "_INBOX.UOTHER.x", "noetl.cmd.gpu.*", "noetl.q.credential.resolve", "$KV.>"):
+    for subject in ("_INBOX.>", "_INBOX.UOTHER.x", "noetl.cmd.gpu.*", "noetl.q.credential.resolve.gpu", "$KV.>"):
         assert not may_subscribe("worker-gpu", subject), subject
     assert may_subscribe("worker-gpu", f"{INBOX}.abc")
 
@@ -147,8 +152,8 @@ def test_only_the_sessions_service_touches_its_buckets_and_only_the_admin_bootst
     assert perms("sessions").get("allow_responses") and perms("event-recorder").get("allow_responses")
 
 
-USERS = ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "sessions", "scheduler",
-         "worker-default", "worker-gpu")
+USERS = ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "credentials", "sessions",
+         "scheduler", "worker-default", "worker-gpu")
 
 
 @pytest.mark.parametrize("user", USERS)
@@ -164,7 +169,42 @@ def test_each_service_answers_the_srv_requests_of_its_own_micro_name_only(user):
                 assert not may_subscribe(user, f"$SRV.{verb}.noetl-{other}.ID1"), other
     for subject in ("$SRV.>", "$SRV.*", "$SRV.PING.>", "$SRV.FOO"):
         assert not may_subscribe(user, subject), subject
-    assert perms(user)["allow_responses"] is True  # one reply per request received, to its inbox
+    if user == "credentials":  # it answers with secrets: to inboxes only, whatever reply subject it is given
+        assert perms(user)["allow_responses"] is False and may_publish(user, "_INBOX.UOTHER.x")
+    else:
+        assert perms(user)["allow_responses"] is True  # one reply per request received, to its inbox
+
+
+def test_the_credential_store_is_the_credentials_service_alone():
+    """Only the credentials service answers noetl.q.credential.*; the gateway asks the store's API (not
+    resolve), a worker resolves on its own pool's subject only, the recorder nothing at all; only the
+    credentials service records resolutions in the audit log, and it answers to inboxes only."""
+    for verb in ("put", "list", "get", "delete", "resolve.default", "resolve.gpu"):
+        subject = f"noetl.q.credential.{verb}"
+        assert may_subscribe("credentials", subject if "." not in verb else "noetl.q.credential.resolve.*")
+        for user in USERS:
+            if user != "credentials":
+                assert not may_subscribe(user, subject), (user, subject)
+        assert may_publish("gateway", subject) == ("resolve" not in verb), verb
+        assert not may_publish("event-recorder", subject) and not may_publish("router", subject)
+    assert may_publish("worker-default", "noetl.q.credential.resolve.default")
+    assert not may_publish("worker-default", "noetl.q.credential.resolve.gpu")
+    assert not may_publish("worker-default", "noetl.q.credential.get")
+    assert not may_subscribe("event-recorder", "noetl.q.credential.get")
+    # it reads commands by sequence, asks the recorder one thing, reads payloads, writes two audit records
+    assert may_publish("credentials", "$JS.API.STREAM.MSG.GET.NOETL_COMMANDS")
+    assert may_publish("credentials", "noetl.q.execution.status")
+    assert may_publish("credentials", "$JS.API.STREAM.MSG.GET.OBJ_noetl_payloads")
+    for action in ("resolved", "refused"):
+        assert may_publish("credentials", f"noetl.audit.credential.{action}.-")
+        for user in USERS:
+            if user != "credentials":
+                assert not may_publish(user, f"noetl.audit.credential.{action}.-"), (user, action)
+    for subject in ("noetl.q.execution.get", "noetl.cmd.default.x", "noetl.evt.worker.ctl.x", "noetl.cancel.x",
+                    "$O.noetl_payloads.C.x", "$JS.API.STREAM.PURGE.NOETL_COMMANDS",
+                    "$JS.API.STREAM.MSG.DELETE.NOETL_COMMANDS", "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.pool-default",
+                    "noetl.audit.credential.read.-", "noetl.audit.session.login.-"):
+        assert not may_publish("credentials", subject), subject
 
 
 @pytest.mark.parametrize("user", USERS)
@@ -199,7 +239,7 @@ def test_server_config_holds_public_keys_and_permissions_only(tmp_path):
     assert stat.S_IMODE((tmp_path / "creds").stat().st_mode) == 0o700
     assert f'"_INBOX.{public_key(seeds["worker-gpu"])}.>"' in text
     assert "router-p1" in text and "router-p2" not in text
-    assert "authorization {" in text and text.count('"nkey"') == len(auth.users) == 10  # 8 users, 2 pools
+    assert "authorization {" in text and text.count('"nkey"') == len(auth.users) == 11  # 9 users, 2 pools
 
 
 def test_credentials_are_kept_across_restarts_and_pools_added(tmp_path):

@@ -34,12 +34,12 @@ def test_replicas_are_parsed_and_every_mistake_named():
 
 
 def test_topology_starts_one_recorder_and_gateway_and_the_replicas_asked_for():
-    assert topology() == [("event-recorder", "event-recorder"), ("sessions", "sessions"),
+    assert topology() == [("event-recorder", "event-recorder"), ("credentials", "credentials"), ("sessions", "sessions"),
                           ("admission", "admission-0"), ("router", "router-0"), ("loop-coordinator", "loop-coordinator-0"),
                           ("scheduler", "scheduler-0"), ("worker", "worker-0"), ("gateway", "gateway")]
     assert parse_replicas("event-recorder=2") == {"event-recorder": 2}
     keys = [key for _, key in topology(counts=parse_replicas("admission=2,router=2,worker=3,sessions=2,event-recorder=2"))]
-    assert keys == ["event-recorder-0", "event-recorder-1", "sessions-0", "sessions-1", "admission-0", "admission-1", "router-0", "router-1",
+    assert keys == ["event-recorder-0", "event-recorder-1", "credentials", "sessions-0", "sessions-1", "admission-0", "admission-1", "router-0", "router-1",
                     "loop-coordinator-0", "scheduler-0", "worker-0", "worker-1", "worker-2", "gateway"]
     assert [n for n, _ in topology(replicas=2, workers=0)].count("router") == 2  # the tests' way
     assert "worker" not in [n for n, _ in topology(workers=0)]
@@ -85,3 +85,28 @@ def test_commands_find_the_gateway_of_the_noetl_up_running_from_the_home(tmp_pat
         up.kill()
         up.wait()
     assert running_stack(str(home)) is None  # its process is gone: a killed stack is no running stack
+
+
+def test_a_process_stack_gives_the_database_and_the_credential_key_only_to_who_needs_them(tmp_path, monkeypatch):
+    """Each service process's environment: the Postgres DSN for the recorder and the credentials service,
+    the credential key for the credentials service alone (a compromised worker finds neither), and every
+    service its home (--home) on its command line."""
+    from noetl_mesh.stack import ProcessStack, Settings
+
+    seen: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    class Recorded:
+        def __init__(self, args, env=None, **kw):
+            seen[args[4]] = (args, env)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setenv("NOETL_CREDENTIAL_KEY", "a-key-from-the-shell")
+    monkeypatch.setenv("NOETL_CREDENTIAL_KEY_OLD", "an-old-key")
+    stack = ProcessStack(Settings(nats_url="nats://x", pg_dsn="host=h password=pg-pw", home=str(tmp_path)))
+    for name in ("event-recorder", "credentials", "worker", "gateway", "router"):
+        stack.spawn(name)
+    for name, (args, env) in seen.items():
+        assert args[args.index("--home") + 1] == str(tmp_path)
+        assert "pg-pw" not in " ".join(args)
+        assert ("NOETL_PG_DSN" in env) == (name in ("event-recorder", "credentials")), name
+        assert ("NOETL_CREDENTIAL_KEY" in env) == ("NOETL_CREDENTIAL_KEY_OLD" in env) == (name == "credentials"), name

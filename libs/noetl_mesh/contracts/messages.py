@@ -325,9 +325,27 @@ class CredentialList(RootModel[list[CredentialInfo]]):
     pass
 
 
+class CommandRef(_Exact):
+    """Where a command is stored in NOETL_COMMANDS while a worker holds it."""
+    seq: int
+    subject: str
+
+
 class CredentialResolveRequest(_Exact):
+    """Stored credential names (declared by the command's keychain) for the command a worker holds."""
     names: list[str]
     execution_id: str
+    command: CommandRef
+
+
+class ExecutionStatusRequest(_Exact):
+    execution_id: str
+
+
+class ExecutionStatus(_Open):
+    execution_id: str
+    status: Optional[str] = None
+    requested_by: Optional[str] = None
 
 
 class CredentialValues(RootModel[dict[str, dict[str, Any]]]):

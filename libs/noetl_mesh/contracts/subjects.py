@@ -57,12 +57,16 @@ Q_EXECUTION_LIST = "noetl.q.execution.list"
 Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inbox)
 Q_EXECUTION_STATE = "noetl.q.execution.state"  # the console's view of the state after event N (core/view.py)
 Q_EXECUTION_RESULT = "noetl.q.execution.result"  # one step run's whole result (the console's download)
+Q_EXECUTION_STATUS = "noetl.q.execution.status"  # one execution's status and requester (the credentials service)
 Q_RECORDER_PING = "noetl.q.recorder.ping"
+# ... by the credentials service (queue group ``credentials``)
 Q_CREDENTIAL_PUT = "noetl.q.credential.put"
 Q_CREDENTIAL_LIST = "noetl.q.credential.list"
 Q_CREDENTIAL_GET = "noetl.q.credential.get"
 Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
-Q_CREDENTIAL_RESOLVE = "noetl.q.credential.resolve"  # workers resolve keychain entries (D24)
+# a worker of the pool resolves the keychain credentials of a command it holds (D24): only the NATS user
+# worker-<pool> may publish to noetl.q.credential.resolve.<pool>
+CREDENTIAL_RESOLVE_PREFIX = "noetl.q.credential.resolve."
 # ... by the sessions service (queue group ``sessions``)
 Q_BOOTSTRAP = "noetl.q.sessions.bootstrap"
 Q_LOGIN = "noetl.q.sessions.login"
@@ -85,7 +89,8 @@ Q_AUDIT_LIST = "noetl.q.audit.list"
 # ... by the scheduler (queue group ``scheduler``): noetl.q.schedule.<verb>
 Q_SCHEDULE = {verb: SCHEDULE_Q_PREFIX + verb for verb in SCHEDULE_VERBS}
 
-RECORDER_AREAS = ("catalog", "execution", "recorder", "credential")  # noetl.q.<area>.<verb>
+RECORDER_AREAS = ("catalog", "execution", "recorder")  # noetl.q.<area>.<verb>
+CREDENTIALS_AREAS = ("credential",)
 SESSIONS_AREAS = ("sessions", "users", "tokens", "audit")
 SCHEDULER_AREAS = ("schedule",)
 
@@ -96,6 +101,10 @@ def batch_subject_of(writer: str, cls: str, execution_id: str) -> str:
 
 def stored_subject(partition: int | str, cls: str, execution_id: str, writer: str) -> str:
     return f"noetl.pevt.{partition}.{cls}.{execution_id}.{writer}"
+
+
+def credential_resolve_subject(pool: str) -> str:
+    return CREDENTIAL_RESOLVE_PREFIX + pool
 
 
 def command_subject(pool: str, execution_id: str) -> str:
@@ -192,14 +201,16 @@ _RECORDER_Q = (
      "the console's view of an execution after one event of its log (time travel, core/view.py)", ("gateway",)),
     (Q_EXECUTION_RESULT, "ExecutionResultRequest", "RunResult", "one step run's whole outcome (a download)",
      ("gateway",)),
+    (Q_EXECUTION_STATUS, "ExecutionStatusRequest", "ExecutionStatus",
+     "one execution's status and who started it, from the projection (no fold)", ("credentials",)),
     (Q_RECORDER_PING, "Empty", "RecorderPing", "the recorder's state (the gateway's /ready)", ("gateway",)),
+)
+_CREDENTIALS_Q = (
     (Q_CREDENTIAL_PUT, "CredentialPutRequest", "CredentialInfo", "create or replace a credential (D24)", ("gateway",)),
     (Q_CREDENTIAL_LIST, "Empty", "CredentialList", "credentials without their data", ("gateway",)),
     (Q_CREDENTIAL_GET, "CredentialGetRequest", "CredentialInfo", "one credential (its data only when asked)",
      ("gateway",)),
     (Q_CREDENTIAL_DELETE, "CredentialNameRequest", "Deleted", "delete a credential", ("gateway",)),
-    (Q_CREDENTIAL_RESOLVE, "CredentialResolveRequest", "CredentialValues",
-     "a worker resolves an execution's keychain credentials (D24)", ("worker",)),
 )
 _SESSIONS_Q = (
     (Q_BOOTSTRAP, "BootstrapRequest", "BootstrapReply", "create the first admin while no user exists", ("admin",)),
@@ -277,6 +288,14 @@ CHANNELS: tuple[Channel, ...] = (
             "Workers abort an execution's running commands (it finished), or some step runs (timed out, D29).",
             "CancelNotice", senders=("router",), receivers=("worker",), parameters=_EXECUTION),
     *(_q(s, m, r, d, "event-recorder", who) for s, m, r, d, who in _RECORDER_Q),
+    *(_q(s, m, r, d, "credentials", who) for s, m, r, d, who in _CREDENTIALS_Q),
+    Channel("q-credential-resolve", CREDENTIAL_RESOLVE_PREFIX + "{pool}", "request",
+            "A worker of the pool resolves the keychain credentials (D24) of a command it holds, named by its "
+            "stream sequence and subject in NOETL_COMMANDS; only worker-<pool> may publish here, the answer goes "
+            "to its inbox only. Refused unless the command exists, is of that execution and pool, declares the "
+            "names, and the execution runs; every answer is audited (credential.resolved, credential.refused).",
+            "CredentialResolveRequest", reply="CredentialValues", senders=("worker",), receivers=("credentials",),
+            queue="credentials", parameters={"pool": "the worker pool"}),
     *(_q(s, m, r, d, "sessions", who) for s, m, r, d, who in _SESSIONS_Q),
     *(_q(SCHEDULE_Q_PREFIX + verb, m, r, d, "scheduler", ("gateway",)) for verb, m, r, d in _SCHEDULER_Q),
     Channel("sessions-revoked", SESSIONS_REVOKED, "broadcast",
@@ -299,8 +318,9 @@ CHANNELS: tuple[Channel, ...] = (
             "LiveAsk", senders=("event-recorder",), receivers=("gateway",)),
     Channel("audit", "noetl.audit.{area}.{verb}.{user_id}", "jetstream",
             "An audit record (stream NOETL_AUDIT, max age audit_retention). The sessions service writes the "
-            "session, user and token areas; the gateway its own (credential, execution, access).",
-            "AuditRecord", senders=("sessions", "gateway"), receivers=("sessions",), stream=AUDIT,
+            "session, user and token areas; the gateway its own (credential, execution, access); the credentials "
+            "service credential.resolved and credential.refused (workers' resolutions).",
+            "AuditRecord", senders=("sessions", "gateway", "credentials"), receivers=("sessions",), stream=AUDIT,
             parameters={"area": "what was acted on", "verb": "what was done",
                         "user_id": "the actor's user id, or -"}),
     Channel("schedule-def", "noetl.schedule.def.{schedule_id}", "jetstream",

@@ -1,28 +1,38 @@
 """Keychain resolution and secret masking (D24), pure apart from the clock and the environment.
 
 A playbook's root ``keychain`` lists *declarations* ``{name, kind, ...}``; commands carry them as they
-are, never the secrets. The worker resolves them when a command starts into ``{name: entry}`` (what
-``{{ keychain.<name>.<field> }}`` and a tool's ``auth: <name>`` read):
+are, never the secrets. The worker resolves them when a command starts into a :class:`Keychain`
+``{name: entry}`` (what ``{{ keychain.<name>.<field> }}`` and a tool's ``auth: <name>`` read):
 
 - ``static``: the declaration's own fields (``name`` and ``kind`` removed);
-- ``env``: ``{value: <the worker's environment variable var>}`` (an unset variable: no entry);
+- ``env``: ``{value: <the worker's environment variable var>}``, only for a variable the worker pool
+  exposes to playbooks: ``NOETL_KEYCHAIN_ENV`` on the worker, a comma-separated list of names and
+  ``*`` patterns (``API_TOKEN,PARTNER_*``), empty by default; a ``NOETL_*`` variable (the engine's own
+  settings) never. Any other variable, or one that is not set, is a *denied* entry: a task that reads it
+  fails with an error naming the variable and the setting (:class:`Keychain`);
 - ``credential``: the stored credential's data (``credential: <stored name>``, default the entry's
-  name), fetched over request/reply from the event-recorder (``noetl.q.credential.resolve``) and cached
-  per execution for ``ttl`` seconds (:class:`KeychainCache`). A credential that is not stored: no entry.
+  name), fetched over request/reply from the credentials service for the command the worker holds
+  (``noetl.q.credential.resolve.<pool>``, with the command's place in ``NOETL_COMMANDS``: :meth:`KeychainCache.bound`)
+  and cached per execution for ``ttl`` seconds (:class:`KeychainCache`). A credential that is not
+  stored: no entry; one the service refuses: a denied entry.
 
-Everything the worker publishes goes through :func:`mask`: each resolved string value of at least
-``MIN_SECRET`` characters is replaced by ``***`` wherever it occurs, as it is or encoded (URL-encoded,
-JSON-escaped, base64, HTTP basic auth: :class:`Masker`). While a command runs, its secrets are also
-masked in every log record of the worker process (:class:`LogMasking`, :func:`install_log_masking`).
+Everything the worker publishes goes through :func:`mask`: the *secret* values of resolved entries
+(:func:`secrets_of`: every field but a few that name where and who — user, host, port, database... —
+and of a connection string its password) are replaced by ``***`` wherever they occur, as they are or
+encoded (URL-encoded, JSON-escaped, base64, HTTP basic auth: :class:`Masker`). While a command runs,
+its secrets are also masked in every log record of the worker process (:class:`LogMasking`,
+:func:`install_log_masking`).
 
-The ``secrets`` tool fetches one stored credential by name (:meth:`KeychainCache.credential`); its
-values are remembered per execution (:meth:`KeychainCache.known_secrets`) and masked in every event the
-worker publishes after the fetch, for that command and the later commands of the execution that this
-worker runs. A different worker only masks the values it has itself fetched or resolved.
+The ``secrets`` tool fetches a stored credential the keychain declares (:meth:`KeychainCache.credential`
+through the same bound resolution); its values are remembered per execution
+(:meth:`KeychainCache.known_secrets`) and masked in every event the worker publishes after the fetch,
+for that command and the later commands of the execution that this worker runs. A different worker
+only masks the values it has itself fetched or resolved.
 """
 from __future__ import annotations
 
 import base64
+import fnmatch
 import json
 import logging
 import os
@@ -30,6 +40,7 @@ import re
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterable, Mapping
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import orjson
 
@@ -37,11 +48,55 @@ import orjson
 MASK = "***"
 MIN_SECRET = 4
 DEFAULT_TTL = 60.0
+ENV_SETTING = "NOETL_KEYCHAIN_ENV"  # the worker's environment variables playbooks may read (D24)
+ENGINE_ENV = "NOETL_"  # the engine's own settings: never exposed to playbooks
 
 # (execution_id, declarations) -> {entry name: resolved entry}
 Resolver = Callable[[str, list], Awaitable[Mapping[str, Any]]]
-# (execution_id, stored credential names) -> {stored name: data}
-Fetch = Callable[[str, list], Awaitable[Mapping[str, Any]]]
+# (execution_id, stored credential names, grant) -> {stored name: data}; the grant names the command
+# the worker holds ({seq, subject} in NOETL_COMMANDS), None for a resolver that needs none
+Fetch = Callable[[str, list, Any], Awaitable[Mapping[str, Any]]]
+
+
+class KeychainDenied(Exception):
+    """A keychain entry a task may not read (a variable the pool does not expose, a credential the
+    store refused): its message says which and why. Not a LookupError, so that a template reading the
+    entry fails with it rather than with "undefined"."""
+
+
+class KeychainRefused(Exception):
+    """The credential store refused a resolution (not granted: undeclared, finished, ...)."""
+
+
+class Keychain(dict):
+    """A resolved keychain: ``{name: entry}``, plus the *denied* entries (``denied``: name -> why),
+    which are not in it; reading one (``keychain[name]``, ``.get(name)``, a template's
+    ``keychain.<name>``) raises :class:`KeychainDenied` with that reason."""
+
+    def __init__(self, entries: Mapping[str, Any] = (), denied: Mapping[str, str] | None = None):
+        super().__init__(entries)
+        self.denied: dict[str, str] = dict(denied or {})
+
+    def __missing__(self, key: Any) -> Any:
+        if key in self.denied:
+            raise KeychainDenied(self.denied[key])
+        raise KeyError(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key not in self and key in self.denied:
+            raise KeychainDenied(self.denied[key])
+        return super().get(key, default)
+
+    def __bool__(self) -> bool:
+        return bool(len(self) or self.denied)
+
+
+def env_allowed(var: str, setting: str | None) -> bool:
+    """Whether ``var`` is one of the worker's variables the pool exposes (``NOETL_KEYCHAIN_ENV``)."""
+    if var.startswith(ENGINE_ENV):
+        return False
+    patterns = [p.strip() for p in (setting or "").split(",") if p.strip()]
+    return any(fnmatch.fnmatchcase(var, p) for p in patterns)
 
 
 def declarations_of(keychain: Any) -> list[dict[str, Any]]:
@@ -57,15 +112,24 @@ def stored_name(declaration: Mapping[str, Any]) -> str:
     return stored if isinstance(stored, str) and stored else declaration["name"]
 
 
+def declared_credential(keychain: Any, name: str) -> str | None:
+    """The stored credential that ``name`` stands for in a keychain's ``credential`` declarations (an
+    entry's name, or a stored name one of them gives), None when none declares it."""
+    decls = [d for d in declarations_of(keychain) if d["kind"] == "credential"]
+    for d in decls:
+        if d["name"] == name:
+            return stored_name(d)
+    return name if any(stored_name(d) == name for d in decls) else None
+
+
 async def resolve(keychain: Any, execution_id: str, resolver: Resolver | None = None, *,
-                  environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``{name: entry}`` for a command's keychain declarations. ``resolver`` resolves the
-    ``credential`` entries (none without it). A ``keychain`` that is already a mapping is taken as
-    resolved."""
+                  environ: Mapping[str, str] | None = None) -> Keychain:
+    """The :class:`Keychain` of a command's declarations. ``resolver`` resolves the ``credential``
+    entries (none without it). A ``keychain`` that is already a mapping is taken as resolved."""
     if isinstance(keychain, Mapping):
-        return dict(keychain)
+        return keychain if isinstance(keychain, Keychain) else Keychain(keychain)
     env = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
+    out = Keychain()
     credentials: list[dict[str, Any]] = []
     for d in declarations_of(keychain):
         kind, name = d["kind"], d["name"]
@@ -73,12 +137,27 @@ async def resolve(keychain: Any, execution_id: str, resolver: Resolver | None = 
             out[name] = {k: v for k, v in d.items() if k not in ("name", "kind")}
         elif kind == "env":
             var = d.get("var") or name
-            if isinstance(var, str) and var in env:
+            if not isinstance(var, str):
+                out.denied[name] = f"keychain entry {name!r}: var must be the name of an environment variable"
+            elif not env_allowed(var, env.get(ENV_SETTING)):
+                out.denied[name] = (f"keychain entry {name!r} reads the environment variable {var}, which this worker "
+                                    f"pool does not expose to playbooks: add it to {ENV_SETTING} on the worker "
+                                    f"(now {env.get(ENV_SETTING) or 'empty'!r})" if not var.startswith(ENGINE_ENV) else
+                                    f"keychain entry {name!r} reads the environment variable {var}: the engine's "
+                                    f"own settings ({ENGINE_ENV}*) are never exposed to playbooks")
+            elif var not in env:
+                out.denied[name] = f"keychain entry {name!r}: the environment variable {var} is not set on this worker"
+            else:
                 out[name] = {"value": env[var]}
         else:
             credentials.append(d)
     if credentials and resolver is not None:
-        resolved = await resolver(execution_id, credentials)
+        try:
+            resolved = await resolver(execution_id, credentials)
+        except KeychainRefused as refused:
+            for d in credentials:
+                out.denied[d["name"]] = f"keychain entry {d['name']!r} (credential {stored_name(d)!r}): {refused}"
+            return out
         for d in credentials:
             if d["name"] in (resolved or {}):
                 out[d["name"]] = resolved[d["name"]]
@@ -87,7 +166,8 @@ async def resolve(keychain: Any, execution_id: str, resolver: Resolver | None = 
 
 class KeychainCache:
     """Stored credentials by execution, each kept ``ttl`` seconds; ``fetch`` asks for the missing ones.
-    Use the instance itself as the worker's ``keychain_resolver``."""
+    The worker binds it to each command it runs (:meth:`bound`: the grant the credential store checks);
+    unbound, it asks without a grant (the local engine, tests)."""
 
     def __init__(self, fetch: Fetch, ttl: float = DEFAULT_TTL, clock: Callable[[], float] = time.monotonic):
         self.fetch, self.ttl, self.clock = fetch, ttl, clock
@@ -95,7 +175,11 @@ class KeychainCache:
         self._secrets: dict[str, tuple[float, set[str]]] = {}  # execution -> (expiry, values to mask)
         self.fetches = 0
 
-    async def get(self, execution_id: str, names: Iterable[str]) -> dict[str, Any]:
+    def bound(self, grant: Any) -> "BoundResolver":
+        """This cache, asking with ``grant`` (the command the worker holds: ``{seq, subject}``)."""
+        return BoundResolver(self, grant)
+
+    async def get(self, execution_id: str, names: Iterable[str], grant: Any = None) -> dict[str, Any]:
         """``{stored name: data}`` for the names that are stored."""
         now = self.clock()
         self._expire(now)
@@ -105,22 +189,22 @@ class KeychainCache:
         missing = [n for n in wanted if n not in have]
         if missing:
             self.fetches += 1
-            got = await self.fetch(execution_id, missing) or {}
+            got = await self.fetch(execution_id, missing, grant) or {}
             for n in missing:
                 have[n] = got.get(n)
                 self._entries[(execution_id, n)] = (now + self.ttl, have[n])
         return {n: have[n] for n in wanted if have.get(n) is not None}
 
-    async def __call__(self, execution_id: str, declarations: list) -> dict[str, Any]:
+    async def __call__(self, execution_id: str, declarations: list, grant: Any = None) -> dict[str, Any]:
         decls = declarations_of(list(declarations))
-        stored = await self.get(execution_id, [stored_name(d) for d in decls])
+        stored = await self.get(execution_id, [stored_name(d) for d in decls], grant)
         return {d["name"]: stored[stored_name(d)] for d in decls if stored_name(d) in stored}
 
-    async def credential(self, execution_id: str, name: str) -> Any:
+    async def credential(self, execution_id: str, name: str, grant: Any = None) -> Any:
         """The data of the stored credential ``name`` (None when not stored), through the cache; its
         values are remembered as secrets of the execution (:meth:`known_secrets`). Fetch failures
         propagate."""
-        data = (await self.get(execution_id, [name])).get(name)
+        data = (await self.get(execution_id, [name], grant)).get(name)
         if data is not None:
             self.remember(execution_id, secrets_of(data))
         return data
@@ -153,12 +237,42 @@ class KeychainCache:
             del self._secrets[eid]
 
 
-def bus_resolver(request: Callable[..., Awaitable[Any]], subject: str, ttl: float = DEFAULT_TTL,
-                 timeout: float = 10.0) -> KeychainCache:
-    """The worker's resolver over request/reply: ``bus_resolver(bus.request, bus.Q_CREDENTIAL_RESOLVE)``."""
+class BoundResolver:
+    """A :class:`KeychainCache` for one command: every fetch carries the command's ``grant``."""
 
-    async def fetch(execution_id: str, names: list) -> Mapping[str, Any]:
-        return await request(subject, {"names": list(names), "execution_id": execution_id}, timeout=timeout)
+    def __init__(self, cache: KeychainCache, grant: Any):
+        self.cache, self.grant = cache, grant
+
+    async def __call__(self, execution_id: str, declarations: list) -> dict[str, Any]:
+        return await self.cache(execution_id, declarations, self.grant)
+
+    async def credential(self, execution_id: str, name: str) -> Any:
+        return await self.cache.credential(execution_id, name, self.grant)
+
+    def remember(self, execution_id: str, values: Iterable[str]) -> None:
+        self.cache.remember(execution_id, values)
+
+    def known_secrets(self, execution_id: str) -> list[str]:
+        return self.cache.known_secrets(execution_id)
+
+
+def bus_resolver(request: Callable[..., Awaitable[Any]], pool: str, ttl: float = DEFAULT_TTL,
+                 timeout: float = 10.0) -> KeychainCache:
+    """The worker's resolver over request/reply (``bus_resolver(bus.request, pool)``), to be bound to
+    each command (:meth:`KeychainCache.bound`): it asks the credentials service on
+    ``noetl.q.credential.resolve.<pool>``; a refusal (``forbidden``) is :class:`KeychainRefused`."""
+    from ..contracts.subjects import credential_resolve_subject
+
+    subject = credential_resolve_subject(pool)
+
+    async def fetch(execution_id: str, names: list, grant: Any) -> Mapping[str, Any]:
+        try:
+            return await request(subject, {"names": list(names), "execution_id": execution_id, "command": grant},
+                                 timeout=timeout)
+        except Exception as exc:
+            if getattr(exc, "kind", None) in ("forbidden", "bad_request"):  # infra BusError: the store refused
+                raise KeychainRefused(getattr(exc, "message", str(exc))) from None
+            raise
 
     return KeychainCache(fetch, ttl=ttl)
 
@@ -166,7 +280,7 @@ def bus_resolver(request: Callable[..., Awaitable[Any]], subject: str, ttl: floa
 def dict_resolver(store: Mapping[str, Any], ttl: float = DEFAULT_TTL) -> KeychainCache:
     """A resolver over an in-memory ``{stored name: data}`` (the local engine, tests)."""
 
-    async def fetch(execution_id: str, names: list) -> Mapping[str, Any]:
+    async def fetch(execution_id: str, names: list, grant: Any = None) -> Mapping[str, Any]:
         return {n: store[n] for n in names if n in store}
 
     return KeychainCache(fetch, ttl=ttl)
@@ -174,29 +288,71 @@ def dict_resolver(store: Mapping[str, Any], ttl: float = DEFAULT_TTL) -> Keychai
 
 # ------------------------------------------------------------------------------------------ masking
 _USER_KEYS = ("username", "user", "login")
-_PASSWORD_KEYS = frozenset({"password", "passwd", "pass", "secret", "token", "api_key", "apikey", "key",
-                            "client_secret"})
+# A credential's fields that say where and as whom, never masked (masking "postgres" as a user turns the
+# error kind postgres_error into ***_error). Every other field is a secret: a password, token, key,
+# secret, private key, or a field of unknown meaning (safe by default).
+PUBLIC_FIELDS = frozenset({"user", "username", "login", "user_name", "host", "hostname", "port", "database",
+                           "dbname", "db", "schema", "region", "sslmode"})
+# Connection strings: masked as a whole and, apart, their password (and secret query parameters), so the
+# rest of what a driver says about one (its host, its user) stays readable.
+CONNECTION_FIELDS = frozenset({"dsn", "url", "uri", "conninfo", "connection_string", "connection_url",
+                               "connection_uri", "database_url"})
+_PASSWORD_KEYS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "api_key", "apikey", "key",
+                            "client_secret", "access_token"})
+_LIBPQ_PASSWORD = re.compile(r"(?:^|\s)password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def _public(key: Any) -> bool:
+    return isinstance(key, str) and key.lower() in PUBLIC_FIELDS
+
+
+def connection_secrets(text: str) -> list[str]:
+    """The password of a connection string (``scheme://user:password@host/...``, or libpq's
+    ``password=...``) and its query parameters other than public ones."""
+    found: list[str] = []
+    for m in _LIBPQ_PASSWORD.finditer(text):
+        value = m.group(1)
+        found.append(value[1:-1].replace("\\'", "'") if value.startswith("'") else value)
+    if "://" in text:
+        try:
+            parts = urlsplit(text)
+            if parts.password:
+                found += [parts.password, unquote(parts.password)]
+            found += [v for k, v in parse_qsl(parts.query) if v and not _public(k)]
+        except ValueError:
+            pass
+    return found
 
 
 def secrets_of(resolved: Any) -> list[str]:
-    """Every string value (at any depth) of resolved entries that is long enough to mask, longest first;
-    and, for an entry holding a user (``username``/``user``/``login``) and a password (``password``,
-    ``token``, ``secret``...), ``"<user>:<password>"``: what HTTP basic auth encodes."""
+    """The secret string values (at any depth) of resolved entries that are long enough to mask,
+    longest first: every field's but the public ones' (:data:`PUBLIC_FIELDS`); of a connection string
+    (:data:`CONNECTION_FIELDS`) the whole and its password apart; and, for an entry holding a user
+    (``username``/``user``/``login``) and a password (``password``, ``token``, ``secret``...),
+    ``"<user>:<password>"``: what HTTP basic auth encodes."""
     found: set[str] = set()
 
-    def walk(value: Any) -> None:
+    def add(value: str) -> None:
+        if len(value) >= MIN_SECRET:
+            found.add(value)
+
+    def walk(value: Any, key: Any = None) -> None:
         if isinstance(value, str):
-            if len(value) >= MIN_SECRET:
-                found.add(value)
+            if _public(key):
+                return
+            add(value)
+            if isinstance(key, str) and key.lower() in CONNECTION_FIELDS:
+                for part in connection_secrets(value):
+                    add(part)
         elif isinstance(value, Mapping):
             user = next((value[k] for k in _USER_KEYS if isinstance(value.get(k), str) and value[k]), None)
             for k, v in value.items():
                 if user is not None and k in _PASSWORD_KEYS and isinstance(v, str) and v:
                     found.add(f"{user}:{v}")
-                walk(v)
+                walk(v, k)
         elif isinstance(value, (list, tuple, set)):
             for v in value:
-                walk(v)
+                walk(v, key)
 
     walk(resolved)
     return sorted(found, key=len, reverse=True)
@@ -416,6 +572,7 @@ def install_log_masking() -> LogMasking:
     return LOG_MASKING
 
 
-__all__ = ["KeychainCache", "Resolver", "resolve", "mask", "masker", "Masker", "secrets_of", "bus_resolver",
+__all__ = ["KeychainCache", "BoundResolver", "Keychain", "KeychainDenied", "KeychainRefused", "Resolver", "resolve",
+           "env_allowed", "declared_credential", "connection_secrets", "ENV_SETTING", "PUBLIC_FIELDS", "mask", "masker", "Masker", "secrets_of", "bus_resolver",
            "dict_resolver", "declarations_of", "stored_name", "MASK", "LOG_MASKING", "LogMasking",
            "install_log_masking"]

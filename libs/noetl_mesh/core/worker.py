@@ -6,9 +6,12 @@ Event ids are derived from the command and the task visit (D21), so a command re
 worker crash reproduces the ids of what was already reported and the log keeps each event once.
 
 Keychain (D24): the command carries the playbook's keychain *declarations*; they are resolved here when
-the command starts (``keychain_resolver`` fetches the stored credentials) and every event published is
-masked with the resolved secret values (in every encoded form, see ``keychain.Masker``), so no secret
-reaches a stream or the event log. Secrets that the ``secrets`` tool fetches mid-command are masked from
+the command starts (``keychain_resolver`` fetches the stored credentials; the worker service binds it to
+the command it holds) and every event published is masked with the resolved secret values (in every
+encoded form, see ``keychain.Masker``), so no secret reaches a stream or the event log. The engine's own
+fields are never masked: names and ids travel in the envelope, and in ``data`` an outcome's ``status``
+and an error's ``kind`` and ``retryable`` (:data:`STRUCTURAL`: policies and arcs route on them). Secrets
+that the ``secrets`` tool fetches mid-command (only credentials the keychain declares) are masked from
 then on. ``on_secrets`` hears the command's secrets whenever they change (the service masks its logs
 with them).
 """
@@ -47,12 +50,13 @@ async def execute_command(
     the execution (``known_secrets``: this worker only). ``on_secrets(secrets)`` is called with the
     command's secrets when it starts and whenever they change."""
     execution_id = command["execution_id"]
-    keychain = await resolve(command.get("keychain"), execution_id, keychain_resolver)
+    declarations = command.get("keychain")
+    keychain = await resolve(declarations, execution_id, keychain_resolver)
     secrets = secrets_of(keychain)
     command = {**command, "keychain": keychain}
     fetched: set[str] = set()  # values the secrets tool fetches during this command
     if keychain_resolver is not None and "secrets" not in tools:
-        tools = {**tools, "secrets": SecretsTool(keychain_resolver, sink=fetched)}
+        tools = {**tools, "secrets": SecretsTool(keychain_resolver, sink=fetched, keychain=declarations)}
     known = getattr(keychain_resolver, "known_secrets", None)  # fetched earlier in the execution (same worker)
 
     def current() -> list[str]:
@@ -80,19 +84,47 @@ async def execute_command(
     return [_masked(t, final) for t in terminals] if final else terminals
 
 
+# What the engine routes on inside an event's data (and inside an outcome): never masked.
+STRUCTURAL = (("status",), ("error", "kind"), ("error", "retryable"), ("outcome", "status"),
+              ("outcome", "error", "kind"), ("outcome", "error", "retryable"))
+
+
+def _mask_keeping_structure(value: Any, mask: Masker) -> Any:
+    """``mask(value)`` with the :data:`STRUCTURAL` fields of ``value`` as they were."""
+    masked = mask(value)
+    if masked is value or not isinstance(value, dict) or not isinstance(masked, dict):
+        return masked
+    for path in STRUCTURAL:
+        original, here = value, masked
+        for key in path[:-1]:
+            original = original.get(key) if isinstance(original, dict) else None
+            nxt = here.get(key) if isinstance(here, dict) else None
+            if not isinstance(original, dict) or not isinstance(nxt, dict):
+                break
+            here[key] = nxt = dict(nxt)
+            here = nxt
+        else:
+            if isinstance(original, dict) and path[-1] in original and isinstance(here, dict):
+                kept = original[path[-1]]
+                if isinstance(kept, (str, bool)) or kept is None:
+                    here[path[-1]] = kept
+    return masked
+
+
 def _masked(event: dict[str, Any], mask: Masker) -> dict[str, Any]:
-    """The event with its ``data`` (outcomes, results, errors, ctx patches) masked; the envelope holds
-    only ids and names from the playbook, which routing needs intact. In ``task.suspended`` only the
-    values are masked: the child's id, path and version and the continuation's position and task names
-    are what the control plane acts on (a keychain value that happens to be part of a name must not
-    break it)."""
+    """The event with its ``data`` (outcomes, results, errors, ctx patches) masked but for the
+    :data:`STRUCTURAL` fields; the envelope holds only ids and names from the playbook, which routing
+    needs intact. In ``task.suspended`` only the values are masked: the child's id, path and version and
+    the continuation's position and task names are what the control plane acts on (a keychain value
+    that happens to be part of a name must not break it)."""
     data = event.get("data")
     if data is None:
         return event
     if event["name"] == "task.suspended":
         cont = data.get("continuation") or {}
-        cont = {**cont, **{k: mask(cont.get(k)) for k in ("iter", "ctx_patch", "last")},
-                "outcomes": {n: mask(v) for n, v in (cont.get("outcomes") or {}).items()}}
+        cont = {**cont, **{k: mask(cont.get(k)) for k in ("iter", "ctx_patch")},
+                "last": _mask_keeping_structure(cont.get("last"), mask),
+                "outcomes": {n: _mask_keeping_structure(v, mask) for n, v in (cont.get("outcomes") or {}).items()}}
         if "wait" in data:  # D30: what a person sees in the inbox is masked, the signal's name is not
             wait = data["wait"] or {}
             wait = {**wait, **{k: mask(wait[k]) for k in ("assignee", "form") if k in wait}}
@@ -100,7 +132,7 @@ def _masked(event: dict[str, Any], mask: Masker) -> dict[str, Any]:
         child = data.get("child") or {}
         child = {**child, **{k: mask(child.get(k)) for k in ("workload", "args", "iter_parent")}}
         return {**event, "data": {**data, "child": child, "continuation": cont}}
-    masked = mask(data)
+    masked = _mask_keeping_structure(data, mask)
     return event if masked is data else {**event, "data": masked}
 
 

@@ -63,9 +63,9 @@ log = logging.getLogger("noetl.bus")
 from ..contracts.subjects import (  # noqa: F401 - the names of every stream and subject: contracts/subjects.py
     COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
-    Q_CREDENTIAL_PUT, Q_CREDENTIAL_RESOLVE, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_WAITS,
+    Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
     Q_EXECUTION_RESULT, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject,
-    command_subject, live_subject, pool_filter, timer_subject, timer_target)
+    command_subject, credential_resolve_subject, live_subject, pool_filter, timer_subject, timer_target)
 
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
 DEFAULT_PARTITIONS = 16
@@ -483,9 +483,12 @@ class Bus:
                 raise BusError("payload_missing", str(exc)) from exc
         return reply
 
-    async def serve(self, subject: str, handler: Callable[[Any], Awaitable[Any]], queue: str):
+    async def serve(self, subject: str, handler: Callable[..., Awaitable[Any]], queue: str, *,
+                    with_msg: bool = False):
         """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
-        exception becomes an error reply, so the requester never just times out. Requests, error
+        exception becomes an error reply, so the requester never just times out; :class:`NoReply`
+        answers nothing (a reply subject that must not be answered). ``with_msg``: the handler is
+        called with the request and the NATS message (its subject and reply subject). Requests, error
         replies and the time taken are counted (:meth:`endpoint`)."""
         counts = self.endpoint(subject, queue)
 
@@ -501,7 +504,10 @@ class Bus:
                         raise BusError("bad_request", f"{subject}: the request is not valid JSON: {exc}") from None
                     xid = request.get("execution_id") if isinstance(request, dict) else None
                     with logs.bind(xid if isinstance(xid, str) else None):
-                        reply = await handler(request)
+                        reply = await (handler(request, msg) if with_msg else handler(request))
+                except NoReply as exc:
+                    counts.record(started, error=str(exc))
+                    return
                 except BusError as exc:
                     outcome = exc.kind if exc.kind in ERROR_KINDS else "error"
                     reply = {"error": {"kind": exc.kind, "message": exc.message, "details": exc.details}}
@@ -666,6 +672,10 @@ class _QuietLog:
 ERROR_KINDS = frozenset({
     "bad_request", "not_found", "invalid_playbook", "conflict", "too_large", "unavailable", "internal", "forbidden",
     "unauthenticated", "locked", "invalid_schedule", "timeout", "payload_missing", "unsupported", "too_many"})
+
+
+class NoReply(Exception):
+    """Raised by a request handler (:meth:`Bus.serve`): answer nothing; the message says why (counted)."""
 
 
 class BusError(Exception):

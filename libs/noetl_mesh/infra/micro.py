@@ -45,6 +45,7 @@ DESCRIPTIONS = {
     "router": "noetl control plane: evaluates arcs, detects the end of executions",
     "loop-coordinator": "noetl control plane: dispatches and collects loop iterations",
     "event-recorder": "noetl event log in Postgres: records every event, answers catalog and execution queries",
+    "credentials": "noetl credential store: sealed credentials, resolved for the commands workers hold",
     "sessions": "noetl logins, sessions, users, API tokens and the audit log",
     "scheduler": "noetl schedules: turns firings into execution requests",
     "worker": "noetl worker: runs the commands of its pool",

@@ -8,8 +8,9 @@ permissions; each service holds its own seed in a file (0600). Users:
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
 | ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
-| ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket), answer ``noetl.q.{catalog,execution,recorder,credential}.*``, publish notices of what it committed (``noetl.live.>``) |
-| ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve keychain entries, hear cancels |
+| ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket), answer ``noetl.q.{catalog,execution,recorder}.*``, publish notices of what it committed (``noetl.live.>``) |
+| ``credentials`` | answer ``noetl.q.credential.*`` and the workers' ``noetl.q.credential.resolve.<pool>``, read a command of ``NOETL_COMMANDS`` by its sequence, ask the recorder an execution's status, record ``credential.resolved``/``credential.refused`` audit records; it answers to inboxes only (no ``allow_responses``) |
+| ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve the credentials of the commands it holds (``noetl.q.credential.resolve.<pool>``: its pool's subject only), hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
 | ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
 
@@ -37,7 +38,7 @@ import nkeys
 
 ADMIN = "admin"
 CONTROL_PLANE = ("admission", "router", "loop-coordinator")
-SERVICES = ("gateway", *CONTROL_PLANE, "event-recorder", "sessions", "scheduler")  # and worker-<pool>
+SERVICES = ("gateway", *CONTROL_PLANE, "event-recorder", "credentials", "sessions", "scheduler")  # and worker-<pool>
 WRITERS = ("gateway", *CONTROL_PLANE, "worker", "scheduler")  # the writer token of noetl.evt.<writer>.<class>.<execution>
 WORKER_PREFIX = "worker-"
 CONFIG_FILE = "nats-auth.conf"  # the server's part: public keys and permissions
@@ -47,7 +48,7 @@ DEFAULT_PARTITIONS = 16
 
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
-                                  RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
+                                  CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
                                   SESSIONS_AREAS)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
@@ -56,10 +57,11 @@ SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
 SCHEDULE_STREAMS = (SCHEDULES, f"KV_{SCHEDULES_BUCKET}")
 ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
+CREDENTIALS_AUDIT = ("credential.resolved", "credential.refused")  # audit records only the credentials service writes
 from ..contracts.subjects import LIVE_PREFIX, LIVE_WATCH  # noqa: E402 - the console's live streams
 LIVE = LIVE_PREFIX.rstrip(".")
 SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
-READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "sessions")  # the gateway pings them
+READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "credentials", "sessions")  # the gateway pings them
 
 _POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
@@ -182,7 +184,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub.append(f"noetl.evt.{writer}.>")
     if user == "gateway":
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]
-        pub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS if area != "credential"]
+        pub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         pub += [f"noetl.q.credential.{verb}" for verb in ("put", "list", "get", "delete")]  # not resolve
         pub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]  # bootstrap denied below
         pub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
@@ -224,6 +226,13 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         pub.append(f"{LIVE}.>")  # notices of committed batches, for the console
         sub.append(LIVE_WATCH)  # of what the gateways' console streams show
+    elif user == "credentials":
+        pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=False)]  # attach; a command's keychain by reference
+        pub.append(_js("STREAM", "MSG", "GET", COMMANDS))  # the command a worker says it holds, by its sequence
+        pub.append("noetl.q.execution.status")  # whether its execution still runs (the recorder)
+        pub += [f"noetl.audit.{action}.*" for action in CREDENTIALS_AUDIT]
+        pub.append("_INBOX.>")  # its answers: to inboxes only (no allow_responses, below)
+        sub += [f"noetl.q.{area}.*" for area in CREDENTIALS_AREAS] + [CREDENTIAL_RESOLVE_PREFIX + "*"]
     elif user == "sessions":
         pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
         for stream in SESSION_STREAMS:
@@ -243,7 +252,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
-        pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), "noetl.q.credential.resolve",
+        pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), CREDENTIAL_RESOLVE_PREFIX + pool,
                 *_payloads(write=True)]
         sub.append("noetl.cancel.*")
         purges.add(PAYLOADS)
@@ -275,6 +284,10 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny.append("noetl.sessions.revoked")
     if user != "scheduler":
         deny.append("noetl.q.users.standing")  # answered without a token: the scheduler's only
+    if user != "credentials":  # its records of workers' resolutions: nobody else writes them
+        deny += [f"noetl.audit.{action}.>" for action in CREDENTIALS_AUDIT]
+    if not user.startswith(WORKER_PREFIX):  # a worker asks on its own pool's subject only (allowed above)
+        deny.append(CREDENTIAL_RESOLVE_PREFIX + ">")
     if user != "scheduler":  # the schedules stream and bucket are the scheduler's: a schedule message fires
         deny += [x for stream in SCHEDULE_STREAMS for x in _stream_api(stream)]
         deny += [f"$KV.{SCHEDULES_BUCKET}.>", "noetl.schedule.>"]
@@ -294,14 +307,17 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [_js("CONSUMER", "DELETE", ">")]
     if user not in (*CONTROL_PLANE, "event-recorder"):
         deny.append(f"$KV.{MEMBERS_BUCKET}.>")
-    sub_deny = [f"noetl.q.{a}.>" for a in (*RECORDER_AREAS, *SESSIONS_AREAS, *SCHEDULER_AREAS)
+    sub_deny = [f"noetl.q.{a}.>" for a in (*RECORDER_AREAS, *CREDENTIALS_AREAS, *SESSIONS_AREAS, *SCHEDULER_AREAS)
                 if not (user == "event-recorder" and a in RECORDER_AREAS or user == "sessions" and a in SESSIONS_AREAS
-                        or user == "scheduler" and a in SCHEDULER_AREAS)]
+                        or user == "scheduler" and a in SCHEDULER_AREAS
+                        or user == "credentials" and a in CREDENTIALS_AREAS)]
     sub_deny += ["noetl.evt.>", "noetl.cmd.>", "$JS.>", "$KV.>", "$O.>"]  # stored traffic arrives via inboxes only
     # allow_responses: one reply to each request received (the $SRV requests every service answers, and
     # the request/reply services' queries), to whatever inbox the requester chose, and nothing else
+    # The credentials service answers with secrets: not to whatever subject a requester names, only to
+    # inboxes (its publish allow list), which only their owner may read
     return {"publish": {"allow": pub, "deny": sorted(set(deny) - set(pub))},
-            "subscribe": {"allow": sub, "deny": sub_deny}, "allow_responses": True}
+            "subscribe": {"allow": sub, "deny": sub_deny}, "allow_responses": user != "credentials"}
 
 
 def server_config(users: dict[str, str], *, partitions: int) -> str:

@@ -1,0 +1,201 @@
+"""The credential store's rules (D24), pure apart from the random nonce of :func:`encrypt`: what a
+stored credential may look like, how it is sealed at rest, and who may have its data.
+
+Sealing. A credential's data is kept as ``AES-GCM(key, nonce, json(data), associated data = its
+name)`` with a random 96-bit nonce per write: a row copied under another name does not open.
+
+Credentials are capabilities. A worker gets a credential's data only for a command it holds, for the
+names that command's playbook keychain declares, while the execution runs, and only a worker of the
+command's pool (:func:`authorize`). The worker names the command by where it is: its stream sequence
+in ``NOETL_COMMANDS`` and its subject. That stream is a work queue: a command exists there from the
+moment admission or the loop-coordinator publishes it until a worker acknowledges it (or the router
+purges a finished execution's commands), and every command carries the playbook's keychain
+declarations, so the stored message itself is the grant: nothing to sign, nothing to forge, and it ends
+when the command does. The pool is the subject the request came on, ``noetl.q.credential.resolve.<pool>``,
+which only the NATS user ``worker-<pool>`` may publish to (infra/nats_auth.py); the answer goes only to
+an ``_INBOX.`` subject (every user but the admin may read only its own). The execution's status comes
+from the event log: a command can outlive its execution (a worker that keeps its lease on the command
+of a run that timed out, D29, while the execution completed: a completed execution's commands are not
+purged).
+
+A refusal (:class:`Refused`) has a ``reason`` (one word, for the audit log and for tests) and a message
+saying what was asked and why it is refused.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import orjson
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, command_subject
+from .keychain import declarations_of, stored_name
+from .state import FINAL
+
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}\Z")
+KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}\Z")
+KEY_ENV, OLD_KEY_ENV = "NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD"
+KEY_FILE = "credential.key"  # in the stack's home, when NOETL_CREDENTIAL_KEY is not set
+MAX_NAMES = 64  # credentials one resolution may ask for
+INBOX = "_INBOX."
+_POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+
+
+class Invalid(ValueError):
+    """A request the store refuses as malformed (``bad_request``)."""
+
+
+# ------------------------------------------------------------------------------------------ values
+def name_of(value: Any, what: str = "name") -> str:
+    if not isinstance(value, str) or not NAME.match(value):
+        raise Invalid(f"{what} must be an identifier (letters, digits, '_', '.', '-'; at most 128, starting with "
+                      f"a letter or '_'), got {_show(value)}")
+    return value
+
+
+def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | None]:
+    """``(name, kind, data, description)`` of a put request, or :class:`Invalid`."""
+    name = name_of(req.get("name"))
+    kind = req.get("kind", "generic")
+    if not isinstance(kind, str) or not KIND.match(kind):
+        raise Invalid("kind must be a short word such as 'postgres', 'http' or 'generic'")
+    data = req.get("data")
+    if not isinstance(data, dict) or not data:
+        raise Invalid("data must be a non-empty mapping of the credential's fields")
+    description = req.get("description")
+    if description is not None and not isinstance(description, str):
+        raise Invalid("description must be a string")
+    return name, kind, data, description
+
+
+def decode_key(text: str, where: str) -> bytes:
+    try:
+        key = base64.b64decode(text.strip(), validate=True)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where} is not base64: {exc}") from None
+    if len(key) != 32:
+        raise ValueError(f"{where} must be base64 of 32 bytes, got {len(key)} bytes")
+    return key
+
+
+def new_key_text() -> str:
+    return base64.b64encode(AESGCM.generate_key(bit_length=256)).decode()
+
+
+def encrypt(key: bytes, name: str, data: Any) -> tuple[bytes, bytes]:
+    """``(ciphertext, nonce)``; TypeError for data JSON cannot carry (an unpaired surrogate, a huge int)."""
+    nonce = os.urandom(12)
+    return AESGCM(key).encrypt(nonce, orjson.dumps(data), name.encode()), nonce
+
+
+def decrypt(key: bytes, name: str, blob: bytes, nonce: bytes) -> Any:
+    """The data; ``cryptography.exceptions.InvalidTag`` under another key or name."""
+    return orjson.loads(AESGCM(key).decrypt(bytes(nonce), bytes(blob), name.encode()))
+
+
+# ------------------------------------------------------------------------------------------ grants
+class Refused(Exception):
+    """A resolution that is not granted: ``reason`` is one word (audit, tests), ``message`` says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """What a worker asks: the stored credentials ``names`` for ``execution_id``, for the command it
+    holds at stream sequence ``seq`` of ``NOETL_COMMANDS`` (stored under ``subject``)."""
+
+    pool: str
+    execution_id: str
+    names: tuple[str, ...]
+    seq: int
+    subject: str
+
+    def summary(self) -> dict[str, Any]:
+        """What the audit log keeps of the request (no value is ever in it)."""
+        return {"execution_id": self.execution_id, "names": list(self.names),
+                "command": {"stream": COMMANDS, "seq": self.seq, "subject": self.subject}}
+
+
+def parse_resolve(subject: str, reply: str | None, req: Any) -> Resolve:
+    """The request on ``noetl.q.credential.resolve.<pool>``: ``{execution_id, names, command: {seq,
+    subject}}``, answered to ``reply``. :class:`Refused` (``bad_request``) when malformed."""
+    pool = subject[len(CREDENTIAL_RESOLVE_PREFIX):] if subject.startswith(CREDENTIAL_RESOLVE_PREFIX) else ""
+    if not _POOL.match(pool):
+        raise Refused("bad_request", f"{subject}: resolutions are asked on {CREDENTIAL_RESOLVE_PREFIX}<pool>")
+    if not isinstance(reply, str) or not reply.startswith(INBOX) or len(reply) <= len(INBOX):
+        raise Refused("bad_reply", f"the answer of a resolution goes to an inbox ({INBOX}...), never to "
+                                   f"{_show(reply)}")
+    if not isinstance(req, Mapping):
+        raise Refused("bad_request", "the request must be a JSON object {execution_id, names, command}")
+    eid = req.get("execution_id")
+    if not isinstance(eid, str) or not eid or len(eid) > 128 or "." in eid or "*" in eid or ">" in eid \
+            or any(c.isspace() for c in eid):
+        raise Refused("bad_request", f"execution_id must be an execution's id, got {_show(eid)}")
+    names = req.get("names")
+    if not isinstance(names, list) or not names or len(names) > MAX_NAMES:
+        raise Refused("bad_request", f"names must be a list of 1 to {MAX_NAMES} credential names")
+    try:
+        clean = tuple(dict.fromkeys(name_of(n, "each name") for n in names))
+    except Invalid as exc:
+        raise Refused("bad_request", str(exc)) from None
+    command = req.get("command")
+    seq = command.get("seq") if isinstance(command, Mapping) else None
+    where = command.get("subject") if isinstance(command, Mapping) else None
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1 or not isinstance(where, str) or not where:
+        raise Refused("bad_request", "command must be {seq, subject}: the stream sequence and the subject of the "
+                                     f"command the worker holds in {COMMANDS}")
+    return Resolve(pool, eid, clean, seq, where)
+
+
+def authorize(ask: Resolve, stored_subject: str | None, command: Any) -> list[str]:
+    """The stored names ``ask`` may have, given the message at ``ask.seq`` of ``NOETL_COMMANDS``
+    (``stored_subject`` None: there is none) and its ``command`` (its keychain expanded, D23).
+    :class:`Refused` otherwise."""
+    held = f"command {ask.seq} of {COMMANDS}"
+    if stored_subject is None:
+        raise Refused("no_command", f"{held} does not exist: no worker holds it (never sent, acknowledged, or "
+                                    "purged with its finished execution)")
+    if stored_subject != ask.subject:
+        raise Refused("no_command", f"{held} is stored under {stored_subject}, not {ask.subject}")
+    parts = stored_subject.split(".")
+    if len(parts) != 4 or stored_subject != command_subject(parts[2], parts[3]):
+        raise Refused("no_command", f"{held} ({stored_subject}) is not a command of one execution")
+    pool, eid = parts[2], parts[3]
+    if pool != ask.pool:
+        raise Refused("wrong_pool", f"{held} is for the worker pool {pool!r}; worker-{ask.pool} may not resolve "
+                                    "its credentials")
+    if eid != ask.execution_id or not isinstance(command, Mapping) or command.get("execution_id") != eid \
+            or command.get("pool") != pool:
+        raise Refused("wrong_execution", f"{held} is not a command of execution {ask.execution_id}")
+    declared = {stored_name(d) for d in declarations_of(command.get("keychain")) if d["kind"] == "credential"}
+    undeclared = [n for n in ask.names if n not in declared]
+    if undeclared:
+        raise Refused("undeclared", f"credential(s) {', '.join(map(repr, undeclared))} are not declared by the "
+                                    f"keychain of execution {eid} (kind credential; declared: "
+                                    f"{', '.join(map(repr, sorted(declared))) or 'none'})")
+    return list(ask.names)
+
+
+def check_running(ask: Resolve, status: str | None) -> None:
+    """:class:`Refused` (``finished``) when the event log says the execution ended. An execution not
+    recorded yet (its command exists: admission admitted it) is running."""
+    if status in FINAL:
+        raise Refused("finished", f"execution {ask.execution_id} has finished ({status}): its credentials are "
+                                  "no longer resolved")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = ["NAME", "KIND", "KEY_ENV", "OLD_KEY_ENV", "KEY_FILE", "Invalid", "name_of", "put_fields", "decode_key",
+           "new_key_text", "encrypt", "decrypt", "Refused", "Resolve", "parse_resolve", "authorize",
+           "check_running"]

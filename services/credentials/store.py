@@ -1,0 +1,193 @@
+"""The credential table in Postgres (D24): rows sealed with the credential key (core/credentials.py).
+
+The key comes from configuration:
+
+- ``NOETL_CREDENTIAL_KEY``: base64 of 32 bytes;
+- otherwise the file ``<home>/credential.key`` of the stack's home (``noetl up --home``, ``noetl
+  service credentials --home``), generated on the first write (mode 600) when it does not exist.
+
+Rotation: start the service with the new key in ``NOETL_CREDENTIAL_KEY`` and the previous one in
+``NOETL_CREDENTIAL_KEY_OLD``; every row that the new key cannot open but the old one can is
+re-encrypted under the new key before the service answers (:meth:`CredentialStore.rotate`).
+
+The table is the one the event-recorder kept before this service existed (its migration 2): same
+columns, same sealing, so existing rows keep working. This service's own migrations are numbered in
+``credential_schema_version``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from noetl_mesh.core.credentials import (KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
+                                         new_key_text)
+from noetl_mesh.infra.bus import BusError
+
+log = logging.getLogger("noetl.credentials")
+
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (1, "credential store (the event-recorder's migration 2 made the same table)", """
+CREATE TABLE IF NOT EXISTS credential (
+    id          bigserial PRIMARY KEY,
+    name        text NOT NULL UNIQUE,
+    kind        text NOT NULL DEFAULT 'generic',
+    description text,
+    data        bytea NOT NULL,
+    nonce       bytea NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    updated_at  timestamptz NOT NULL DEFAULT now()
+);
+"""),
+]
+_LOCK = 0x6E6F65746C63  # pg_advisory_xact_lock key of these migrations ("noetlc")
+_META = ("name", "kind", "description", "created_at", "updated_at")
+
+
+async def migrate(conn: AsyncConnection) -> int:
+    """Apply the missing migrations (replicas starting together wait on an advisory lock)."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK,))
+        await conn.execute("""CREATE TABLE IF NOT EXISTS credential_schema_version (
+            version int PRIMARY KEY, description text, applied_at timestamptz NOT NULL DEFAULT now())""")
+        current = (await (await conn.execute(
+            "SELECT coalesce(max(version), 0) FROM credential_schema_version")).fetchone())[0]
+        for version, description, ddl in MIGRATIONS:
+            if version > current:
+                await conn.execute(ddl)
+                await conn.execute("INSERT INTO credential_schema_version (version, description) VALUES (%s, %s)",
+                                   (version, description))
+                current = version
+    return current
+
+
+def key_file(home: str | os.PathLike | None) -> Path | None:
+    """``<home>/credential.key``; None without a home (then only ``NOETL_CREDENTIAL_KEY`` works)."""
+    return Path(home) / KEY_FILE if home else None
+
+
+def load_key(home: str | os.PathLike | None, create: bool) -> bytes | None:
+    """The configured key: ``NOETL_CREDENTIAL_KEY``, else the home's key file (generated when ``create``)."""
+    if os.environ.get(KEY_ENV):
+        return decode_key(os.environ[KEY_ENV], KEY_ENV)
+    path = key_file(home)
+    if path is None:
+        return None
+    if path.exists():
+        return decode_key(path.read_text(), str(path))
+    if not create:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = new_key_text()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    log.warning("no %s: generated a credential key in %s (keep it: stored credentials need it)", KEY_ENV, path)
+    return decode_key(text, str(path))
+
+
+class CredentialStore:
+    """The rows, sealed and opened with the key; every method opens one connection of ``pool``."""
+
+    def __init__(self, pool: AsyncConnectionPool, home: str | os.PathLike | None):
+        self.pool, self.home = pool, home
+        self._key: bytes | None = None
+
+    def key(self, create: bool = False) -> bytes:
+        if self._key is None:
+            self._key = load_key(self.home, create)
+        if self._key is None:
+            where = key_file(self.home)
+            raise BusError("unavailable", f"no credential key: set {KEY_ENV}" + (
+                f" (the key file {where} does not exist)" if where else " (the service was started without a home "
+                                                                         "for its key file)"))
+        return self._key
+
+    def open(self, name: str, blob: bytes, nonce: bytes) -> Any:
+        try:
+            return decrypt(self.key(), name, blob, nonce)
+        except InvalidTag:
+            raise BusError("internal", f"credential {name!r} cannot be decrypted with the configured key "
+                                       f"(rotated without {OLD_KEY_ENV}?)") from None
+
+    async def rotate(self) -> int:
+        """Re-encrypt under the current key every row that only ``NOETL_CREDENTIAL_KEY_OLD`` opens."""
+        old_text = os.environ.get(OLD_KEY_ENV)
+        if not old_text:
+            return 0
+        old, new = decode_key(old_text, OLD_KEY_ENV), self.key(create=True)
+        done = 0
+        async with self.pool.connection() as conn:
+            async with conn.transaction():
+                rows = await (await conn.execute("SELECT name, data, nonce FROM credential FOR UPDATE")).fetchall()
+                for name, blob, nonce in rows:
+                    try:
+                        decrypt(new, name, blob, nonce)
+                        continue  # already under the new key
+                    except InvalidTag:
+                        pass
+                    try:
+                        data = decrypt(old, name, blob, nonce)
+                    except InvalidTag:
+                        log.error("credential %r opens with neither the new nor the old key", name)
+                        continue
+                    blob2, nonce2 = encrypt(new, name, data)
+                    await conn.execute("UPDATE credential SET data = %s, nonce = %s, updated_at = now() WHERE name = %s",
+                                       (blob2, nonce2, name))
+                    done += 1
+        if done:
+            log.warning("re-encrypted %d credential(s) under the new key", done)
+        return done
+
+    async def put(self, name: str, kind: str, data: dict[str, Any], description: str | None) -> dict[str, Any]:
+        try:
+            blob, nonce = encrypt(self.key(create=True), name, data)
+        except TypeError as exc:  # orjson: an unpaired surrogate, an integer over 64 bits
+            raise BusError("bad_request", f"data cannot be stored: {exc}") from None
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                """INSERT INTO credential (name, kind, description, data, nonce) VALUES (%s, %s, %s, %s, %s)
+                   ON CONFLICT (name) DO UPDATE SET kind = excluded.kind, description = excluded.description,
+                       data = excluded.data, nonce = excluded.nonce, updated_at = now()
+                   RETURNING name, kind, description, created_at, updated_at""",
+                (name, kind, description, blob, nonce))).fetchone()
+        return _meta(row)
+
+    async def list(self) -> list[dict[str, Any]]:
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(
+                "SELECT name, kind, description, created_at, updated_at FROM credential ORDER BY name")).fetchall()
+        return [_meta(r) for r in rows]
+
+    async def get(self, name: str, include_data: bool) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT name, kind, description, created_at, updated_at, data, nonce FROM credential WHERE name = %s",
+                (name,))).fetchone()
+        if row is None:
+            return None
+        out = _meta(row[:5])
+        if include_data:
+            out["data"] = self.open(name, row[5], row[6])
+        return out
+
+    async def delete(self, name: str) -> bool:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute("DELETE FROM credential WHERE name = %s RETURNING name", (name,))).fetchone()
+        return row is not None
+
+    async def data(self, names: list[str]) -> dict[str, Any]:
+        """``{name: data}`` of the stored ones among ``names``."""
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(
+                "SELECT name, data, nonce FROM credential WHERE name = ANY(%s)", (list(set(names)),))).fetchall()
+        return {name: self.open(name, blob, nonce) for name, blob, nonce in rows}
+
+
+def _meta(row: tuple) -> dict[str, Any]:
+    return {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in zip(_META, row)}

@@ -1,0 +1,254 @@
+"""The credential store's rules (core/credentials.py): who may have a credential's data (a worker, for a
+command it holds, of its pool and execution, for names its keychain declares, while the execution
+runs), the keychain's environment allow-list, and what masking hides (secret fields only, never the
+engine's own fields)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import orjson
+import pytest
+import yaml
+
+from noetl_mesh.core.credentials import (Invalid, Refused, authorize, check_running, decrypt, encrypt, parse_resolve,
+                                         put_fields)
+from noetl_mesh.core.keychain import (Keychain, KeychainDenied, KeychainRefused, env_allowed, mask, resolve,
+                                      secrets_of)
+from noetl_mesh.core.local import run_local
+from noetl_mesh.core.state import summary
+from noetl_mesh.core.worker import execute_command
+from noetl_mesh.tools.noop import NoopTool
+
+KEYCHAIN = [{"name": "db", "kind": "credential", "credential": "pg_main"}, {"name": "api", "kind": "credential"},
+            {"name": "home", "kind": "env", "var": "HOME"}, {"name": "k", "kind": "static", "x": "y"}]
+COMMAND = {"command_id": "c1", "pool": "default", "execution_id": "e1", "step": "s", "keychain": KEYCHAIN}
+INBOX = "_INBOX.UWORKERKEY.abc.1"
+
+
+def arun(coro):
+    return asyncio.run(coro)
+
+
+def ask(names=("pg_main",), *, pool="default", eid="e1", seq=7, subject="noetl.cmd.default.e1", reply=INBOX):
+    return parse_resolve(f"noetl.q.credential.resolve.{pool}", reply,
+                         {"execution_id": eid, "names": list(names), "command": {"seq": seq, "subject": subject}})
+
+
+def refused(fn, *args) -> Refused:
+    with pytest.raises(Refused) as caught:
+        fn(*args)
+    return caught.value
+
+
+# ------------------------------------------------------------------------------------------ grants
+def test_a_command_held_grants_the_names_its_keychain_declares():
+    assert authorize(ask(("pg_main", "api")), "noetl.cmd.default.e1", COMMAND) == ["pg_main", "api"]
+    check_running(ask(), "RUNNING")
+    check_running(ask(), None)  # not recorded yet: its command exists, so admission admitted it
+
+
+def test_every_forged_or_replayed_resolution_is_refused_with_its_reason():
+    cases = {
+        "no_command": (ask(), None, None),  # acknowledged, purged, or never sent
+        "wrong_execution": (ask(eid="e2", subject="noetl.cmd.default.e1"), "noetl.cmd.default.e1", COMMAND),
+        "undeclared": (ask(("pg_main", "other_db")), "noetl.cmd.default.e1", COMMAND),
+        "wrong_pool": (ask(pool="gpu", subject="noetl.cmd.default.e1"), "noetl.cmd.default.e1", COMMAND),
+    }
+    for reason, (a, stored, command) in cases.items():
+        r = refused(authorize, a, stored, command)
+        assert r.reason == reason, (reason, r.message)
+    # the stored subject is not the one the worker named; a command whose body says another execution
+    assert refused(authorize, ask(), "noetl.cmd.default.e9", COMMAND).reason == "no_command"
+    assert refused(authorize, ask(), "noetl.cmd.default.e1", {**COMMAND, "execution_id": "e9"}).reason == \
+        "wrong_execution"
+    assert refused(authorize, ask(), "noetl.cmd.default.e1", {**COMMAND, "pool": "gpu"}).reason == "wrong_execution"
+    assert refused(authorize, ask(subject="noetl.cmd.default"), "noetl.cmd.default", COMMAND).reason == "no_command"
+    # an env or static entry's name is no credential of the keychain
+    assert refused(authorize, ask(("home",)), "noetl.cmd.default.e1", COMMAND).reason == "undeclared"
+    assert refused(authorize, ask(("k",)), "noetl.cmd.default.e1", COMMAND).reason == "undeclared"
+    # the entry's name is not the stored name it stands for
+    message = refused(authorize, ask(("db",)), "noetl.cmd.default.e1", COMMAND).message
+    assert "'db'" in message and "declared: 'api', 'pg_main'" in message
+    for status in ("COMPLETED", "FAILED", "CANCELLED"):
+        r = refused(check_running, ask(), status)
+        assert r.reason == "finished" and status in r.message
+
+
+def test_malformed_requests_and_replies_are_refused():
+    r = refused(parse_resolve, "noetl.q.credential.resolve.default", "noetl.cancel.x",
+                {"execution_id": "e1", "names": ["a"], "command": {"seq": 1, "subject": "s"}})
+    assert r.reason == "bad_reply" and "inbox" in r.message
+    for reply in (None, "", "_INBOX.", "noetl.evt.worker.ctl.e1"):
+        assert refused(parse_resolve, "noetl.q.credential.resolve.default", reply, {}).reason == "bad_reply"
+    for body in (None, [], {"names": ["a"], "command": {"seq": 1, "subject": "s"}},
+                 {"execution_id": "e1", "names": [], "command": {"seq": 1, "subject": "s"}},
+                 {"execution_id": "e1", "names": ["bad name"], "command": {"seq": 1, "subject": "s"}},
+                 {"execution_id": "e1", "names": ["a"] * 65, "command": {"seq": 1, "subject": "s"}},
+                 {"execution_id": "e1", "names": ["a"]},
+                 {"execution_id": "e1", "names": ["a"], "command": {"seq": 0, "subject": "s"}},
+                 {"execution_id": "e1", "names": ["a"], "command": {"seq": True, "subject": "s"}},
+                 {"execution_id": "e.*", "names": ["a"], "command": {"seq": 1, "subject": "s"}}):
+        assert refused(parse_resolve, "noetl.q.credential.resolve.default", INBOX, body).reason == "bad_request", body
+    assert refused(parse_resolve, "noetl.q.credential.resolve", INBOX, {}).reason == "bad_request"
+
+
+def test_sealing_binds_the_name_and_put_checks_its_fields():
+    from cryptography.exceptions import InvalidTag
+
+    key = bytes(range(32))
+    blob, nonce = encrypt(key, "a", {"password": "pw"})
+    assert decrypt(key, "a", blob, nonce) == {"password": "pw"}
+    with pytest.raises(InvalidTag):
+        decrypt(key, "b", blob, nonce)  # a row copied under another name does not open
+    assert put_fields({"name": "a", "data": {"x": 1}}) == ("a", "generic", {"x": 1}, None)
+    for bad in ({"name": "x"}, {"name": "x", "data": {}}, {"name": "bad name", "data": {"a": 1}},
+                {"name": "x", "kind": "no spaces", "data": {"a": 1}}, {"name": "x", "data": {"a": 1}, "description": 1}):
+        with pytest.raises(Invalid):
+            put_fields(bad)
+
+
+# ------------------------------------------------------------------------------------------ env entries
+def test_env_entries_read_only_what_the_pool_exposes():
+    assert env_allowed("API_TOKEN", "API_TOKEN,PARTNER_*") and env_allowed("PARTNER_X", "API_TOKEN, PARTNER_*")
+    assert not env_allowed("HOME", "API_TOKEN,PARTNER_*") and not env_allowed("API_TOKEN", None)
+    assert not env_allowed("NOETL_CREDENTIAL_KEY", "*")  # the engine's own settings never
+    environ = {"API_TOKEN": "tok-123456", "HOME": "/root", "NOETL_NATS_CREDS": "/x/worker.nk",
+               "NOETL_KEYCHAIN_ENV": "API_TOKEN,MISSING_*,NOETL_*"}
+    decls = [{"name": "api", "kind": "env", "var": "API_TOKEN"}, {"name": "home", "kind": "env", "var": "HOME"},
+             {"name": "seed", "kind": "env", "var": "NOETL_NATS_CREDS"},
+             {"name": "gone", "kind": "env", "var": "MISSING_ONE"}]
+    kc = arun(resolve(decls, "e1", environ=environ))
+    assert dict(kc) == {"api": {"value": "tok-123456"}}
+    with pytest.raises(KeychainDenied, match="HOME, which this worker pool does not expose to playbooks: add it to "
+                                             "NOETL_KEYCHAIN_ENV"):
+        kc["home"]
+    with pytest.raises(KeychainDenied, match=r"engine's own settings \(NOETL_\*\)"):
+        kc.get("seed")
+    with pytest.raises(KeychainDenied, match="MISSING_ONE is not set"):
+        kc["gone"]
+    assert kc.get("nothing") is None and "home" not in kc
+    assert arun(resolve(decls[1:2], "e1", environ={})) and not Keychain()  # only denied: still a keychain
+
+
+def test_a_task_reading_a_denied_entry_fails_naming_the_variable_and_the_setting(monkeypatch):
+    monkeypatch.delenv("NOETL_KEYCHAIN_ENV", raising=False)
+    monkeypatch.setenv("KC_RULES_TOKEN", "never-seen-token")
+    doc = yaml.safe_load("""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: kc, path: t/kc-env-denied}
+keychain: [{name: tok, kind: env, var: KC_RULES_TOKEN}]
+workflow:
+  - step: start
+    tool:
+      - {name: free, kind: noop, result: fine}
+      - {name: reads, kind: noop, result: "{{ keychain.tok.value }}"}
+""")
+    run = arun(run_local(doc, tools={"noop": NoopTool()}))
+    assert summary(run.state)["status"] == "FAILED"
+    outcomes = {e["task"]: e["data"]["outcome"] for e in run.log if e["name"] == "task.processed"}
+    assert outcomes["free"]["status"] == "ok"  # a task that does not read it runs
+    error = outcomes["reads"]["error"]
+    assert error["kind"] == "template_error"
+    assert "KC_RULES_TOKEN" in error["message"] and "NOETL_KEYCHAIN_ENV" in error["message"]
+    assert "never-seen-token" not in orjson.dumps(run.log).decode()
+
+
+def test_a_refused_credential_is_a_denied_entry():
+    async def resolver(eid, decls):
+        raise KeychainRefused("execution e1 has finished (COMPLETED)")
+
+    kc = arun(resolve(KEYCHAIN[:2], "e1", resolver))
+    with pytest.raises(KeychainDenied, match="credential 'pg_main'.*has finished"):
+        kc["db"]
+
+
+# ------------------------------------------------------------------------------------------ masking
+def test_only_secret_fields_are_masked():
+    data = {"db": {"host": "db.internal", "port": 5432, "user": "postgres", "dbname": "postgres",
+                   "password": "pg-pass-123", "sslmode": "require"},
+            "api": {"token": "api-tok-456", "client_id": "the-client"},
+            "dsn": {"dsn": "postgresql://app:dsn%2Fpw-789@db.internal:5432/postgres?sslmode=require"},
+            "kv": {"dsn": "host=db.internal user=postgres password='kv pw 0' dbname=postgres"},
+            "key": {"private_key": "-----BEGIN PRIVATE KEY-----\nMIIabc\n-----END PRIVATE KEY-----"}}
+    found = set(secrets_of(data))
+    for secret in ("pg-pass-123", "api-tok-456", "the-client", "dsn%2Fpw-789", "dsn/pw-789", "kv pw 0",
+                   "postgres:pg-pass-123", data["key"]["private_key"], data["dsn"]["dsn"], data["kv"]["dsn"]):
+        assert secret in found, secret
+    for public in ("db.internal", "postgres", "require"):
+        assert public not in found, public
+
+
+def test_a_credential_whose_user_is_postgres_leaves_the_error_kind_alone():
+    """The reproduction: a user 'postgres' masked turned postgres_error into ***_error, and the arc that
+    routes on the error kind no longer matched."""
+    secrets = secrets_of({"db": {"user": "postgres", "password": "pg-pass-123", "host": "localhost"}})
+    outcome = {"status": "error", "error": {"kind": "postgres_error", "message": "password pg-pass-123 for postgres"}}
+    assert mask(outcome, secrets)["error"] == {"kind": "postgres_error", "message": "password *** for postgres"}
+
+
+def test_the_engines_own_fields_are_never_masked_even_when_a_secret_equals_them():
+    """A secret that happens to be an error kind, a status or a step name: the data is masked, the fields
+    the engine routes on are not."""
+    events = []
+
+    async def publish(e):
+        events.append(e)
+
+    class Fails:
+        async def run(self, task, spec, ctx):
+            return {"status": "error", "error": {"kind": "http_error", "message": "http_error from ok"}}
+
+    keychain = {"tok": {"token": "http_error"}, "other": {"secret": "start"}}
+    command = {"command_id": "c1", "pool": "default", "execution_id": "e1", "step": "start", "step_run_id": "r1",
+               "iteration": None, "chunk": None, "tasks": [{"name": "start", "kind": "fails"}], "workbook": [],
+               "spec_layers": {}, "workload": {}, "ctx": {}, "args": {}, "iter": None, "steps": {},
+               "keychain": keychain, "loop_mode": None}
+    terminals = arun(execute_command(command, {"fails": Fails()}, publish))
+    processed = next(e for e in events if e["name"] == "task.processed")
+    assert processed["task"] == "start" and processed["step"] == "start"
+    assert processed["data"]["outcome"]["status"] == "error"
+    assert processed["data"]["outcome"]["error"]["kind"] == "http_error"
+    assert processed["data"]["outcome"]["error"]["message"] == "*** from ok"
+    assert terminals[0]["data"]["error"]["kind"] == "http_error"
+    assert terminals[0]["data"]["error"]["message"] == "*** from ok"
+
+
+def test_an_arc_routes_on_postgres_error_with_a_postgres_user(monkeypatch):
+    doc = yaml.safe_load("""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: kc, path: t/kc-route}
+keychain: [{name: db, kind: credential, credential: pg}]
+workflow:
+  - step: start
+    tool:
+      - name: q
+        kind: http
+        url: http://db.invalid/
+    next:
+      arcs:
+        - {step: recover, when: "{{ event.error.kind == 'postgres_error' }}"}
+  - step: recover
+    tool: {kind: noop, result: recovered}
+""")
+
+    class Failing:
+        async def run(self, task, spec, ctx):
+            user = ctx.keychain["db"]["user"]
+            return {"status": "error", "error": {"kind": f"{user}_error", "message": f"role {user} refused"}}
+
+    run = arun(run_local(doc, tools={"noop": NoopTool(), "http": Failing()},
+                         credentials={"pg": {"user": "postgres", "password": "pg-pw-99"}}))
+    s = summary(run.state)
+    assert s["steps"]["recover"]["result"] == "recovered", s
+    assert s["status"] == "COMPLETED"
+
+
+def test_encoded_forms_of_secret_fields_are_still_masked():
+    secret = "p@ss/wörd"
+    secrets = secrets_of({"api": {"user": "svc", "token": secret}})
+    basic = base64.b64encode(f"svc:{secret}".encode()).decode()
+    text = f"Authorization: Basic {basic}; t={base64.b64encode(secret.encode()).decode()}; q=p%40ss%2Fw%C3%B6rd"
+    assert mask(text, secrets) == "Authorization: Basic ***; t=***; q=***"
