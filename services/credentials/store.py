@@ -27,6 +27,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh.core.credentials import (KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
                                          new_key_text)
+from noetl_mesh.infra import pg_migrations
 from noetl_mesh.infra.bus import BusError
 
 log = logging.getLogger("noetl.credentials")
@@ -50,20 +51,8 @@ _META = ("name", "kind", "description", "created_at", "updated_at")
 
 
 async def migrate(conn: AsyncConnection) -> int:
-    """Apply the missing migrations (replicas starting together wait on an advisory lock)."""
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK,))
-        await conn.execute("""CREATE TABLE IF NOT EXISTS credential_schema_version (
-            version int PRIMARY KEY, description text, applied_at timestamptz NOT NULL DEFAULT now())""")
-        current = (await (await conn.execute(
-            "SELECT coalesce(max(version), 0) FROM credential_schema_version")).fetchone())[0]
-        for version, description, ddl in MIGRATIONS:
-            if version > current:
-                await conn.execute(ddl)
-                await conn.execute("INSERT INTO credential_schema_version (version, description) VALUES (%s, %s)",
-                                   (version, description))
-                current = version
-    return current
+    """Apply the missing migrations (replicas starting together wait on an advisory lock); the schema version now in place."""
+    return await pg_migrations.apply(conn, MIGRATIONS, table="credential_schema_version", lock=_LOCK)
 
 
 def key_file(home: str | os.PathLike | None) -> Path | None:

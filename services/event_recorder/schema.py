@@ -37,6 +37,7 @@ from psycopg_pool import PoolTimeout
 
 from noetl_mesh.core.events import CORRELATION_KEYS
 from noetl_mesh.core.state import FINAL
+from noetl_mesh.infra import pg_migrations
 from noetl_mesh.infra.bus import DISPATCH_EVENTS, INFO_EVENTS, LOOP_EVENTS
 
 
@@ -152,20 +153,8 @@ _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas
 
 
 async def migrate(conn: AsyncConnection) -> int:
-    """Apply the missing migrations; returns the schema version now in place."""
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK,))
-        await conn.execute("""CREATE TABLE IF NOT EXISTS schema_version (
-            version int PRIMARY KEY, description text, applied_at timestamptz NOT NULL DEFAULT now())""")
-        cur = await conn.execute("SELECT coalesce(max(version), 0) FROM schema_version")
-        current = (await cur.fetchone())[0]
-        for version, description, ddl in MIGRATIONS:
-            if version > current:
-                await conn.execute(ddl)
-                await conn.execute("INSERT INTO schema_version (version, description) VALUES (%s, %s)",
-                                   (version, description))
-                current = version
-    return current
+    """Apply the missing migrations (replicas starting together wait on an advisory lock); the schema version now in place."""
+    return await pg_migrations.apply(conn, MIGRATIONS, table="schema_version", lock=_LOCK)
 
 
 # ------------------------------------------------------------------------ values Postgres can store

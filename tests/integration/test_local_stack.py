@@ -82,7 +82,9 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
             {info["pids"][f"worker-{i}"] for i in range(3)}  # each replica its own process
 
         run = noetl("run", str(EXAMPLES / "hello.yaml"), "--json")  # no --gateway: the running stack's
-        assert run.returncode == 0, run.stderr
+        assert run.returncode == 0, (run.stderr, run.stdout[-3000:],
+                                     "".join(p.read_text(errors="replace")[-3000:]
+                                             for p in Path(root, ".noetl").glob("worker*.log")))
         assert f"running on the noetl up of {root}/.noetl (http://127.0.0.1:{port}" in run.stderr
         eid = json.loads(run.stdout)["execution_id"]
         status = noetl("status", eid)  # found without --gateway, with the token `noetl up` stored

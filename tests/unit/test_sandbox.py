@@ -277,3 +277,25 @@ def test_a_fork_server_that_dies_is_replaced_and_its_running_task_fails_alone():
     assert lost["status"] == "error" and lost["error"]["kind"] == "python_crash"
     assert after["status"] == "ok" and after["result"] == 2
     assert second != first
+
+
+def test_python_and_duckdb_tasks_share_one_sandbox_without_meeting():
+    """Each kind has its fork server; their task processes' scratch directories never collide."""
+    sandbox = Supervisor(Policy())
+    python, duck = PythonTool(sandbox), DuckdbTool(sandbox)
+
+    async def main():
+        try:
+            outs = []
+            for i in range(6):
+                outs.append(await python.run({"code": "import os\nresult = os.getcwd()"}, {}, ctx()))
+                outs.append(await duck.run({"command": "select current_setting('temp_directory') as t"}, {}, ctx()))
+            return outs
+        finally:
+            await sandbox.close()
+
+    outs = asyncio.run(main())
+    assert [o["status"] for o in outs] == ["ok"] * 12, [o["error"] for o in outs if o["error"]]
+    dirs = [o["result"] if isinstance(o["result"], str) else o["result"]["rows"][0]["t"] for o in outs]
+    assert len({os.path.dirname(d.rstrip("/").removesuffix("/.duckdb_tmp")) for d in dirs}) == 2  # one root per kind
+    assert len(set(dirs)) == 12

@@ -80,6 +80,7 @@ class Server:
         self.by_id: dict[int, int] = {}  # task id -> pid
         self.serial = 0
         self.failures = 0  # spares that died unused in a row (a confinement that fails in every fork)
+        self.last_error: str | None = None
 
     def serve(self) -> None:
         wake_r, wake_w = os.pipe()
@@ -141,7 +142,8 @@ class Server:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as e:
             _rmtree(scratch)
-            _send(self.ctl, {"warning": f"cannot prepare a task process: {e}"})
+            self.last_error = f"the sandbox could not prepare a task process: {e}"
+            _send(self.ctl, {"warning": self.last_error})
             return None
         try:
             pid = os.fork()
@@ -149,7 +151,8 @@ class Server:
             mine.close()
             theirs.close()
             _rmtree(scratch)
-            _send(self.ctl, {"warning": f"cannot start a task process: {e}"})
+            self.last_error = f"the sandbox could not start a task process: {e}"
+            _send(self.ctl, {"warning": self.last_error})
             return None
         if pid == 0:
             code = 70
@@ -185,7 +188,7 @@ class Server:
             while True:
                 spare = spares.pop(0) if spares else self._fork(kind)
                 if spare is None:
-                    _send(self.ctl, {"id": task_id, "error": "cannot start a task process (see the warnings)"})
+                    _send(self.ctl, {"id": task_id, "error": self.last_error or "the sandbox could not start a task process"})
                     return
                 pid, chan, scratch = spare
                 try:

@@ -58,8 +58,8 @@ class SandboxUnavailable(Exception):
 
 
 class TaskCrashed(Exception):
-    """The task process ended without an answer. ``message`` says how; ``limit`` names the resource
-    limit that stopped it, when one did."""
+    """The task process ended without an answer, or could not be started. ``message`` says how, in a
+    sentence; ``limit`` names the resource limit that stopped it, when one did."""
 
     def __init__(self, message: str, limit: str | None = None, stderr: str = "") -> None:
         super().__init__(message)
@@ -67,20 +67,20 @@ class TaskCrashed(Exception):
 
 
 def describe_exit(code: int | None) -> tuple[str, str | None]:
-    """``(how a task process ended, the limit that ended it or None)`` from its exit status."""
+    """``(how a task process ended, in a sentence, the limit that ended it or None)`` from its exit status."""
     if code is None:
-        return "closed its answer without ending", None
+        return "the task process closed its answer without ending", None
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
         if -code == signal.SIGXCPU:
-            return f"was stopped by {name}: it used its CPU time", "task_max_cpu_seconds"
-        return f"was killed by {name}", None
+            return f"the task process was stopped by {name}: it used its CPU time", "task_max_cpu_seconds"
+        return f"the task process was killed by {name}", None
     if code == 70:
-        return "failed before running the task (exit status 70)", None
-    return f"exited with code {code}", None
+        return "the task process failed before running the task (exit status 70)", None
+    return f"the task process exited with code {code}", None
 
 
 def _ancestor(path: str, of: str) -> bool:
@@ -149,7 +149,7 @@ class _Server:
             else:
                 err = None
             if not data:
-                self._died(f"the sandbox's fork server went away ({err or 'end of file'})")
+                self._died(f"the sandbox's fork server went away ({err or 'end of file'}), and its task process with it")
                 return
             message = json.loads(data)
             if "ready" in message:
@@ -308,10 +308,11 @@ class Supervisor:
                 return
         if self._root is None or not os.path.isdir(self._root):
             self._root = tempfile.mkdtemp(prefix="noetl-sandbox-")
+        scratch_root = tempfile.mkdtemp(prefix=f"{kind}-", dir=self._root)  # each server its own: names never meet
         values = limits.current()
         config = {
             "confine": self.policy.enabled,
-            "scratch_root": self._root,
+            "scratch_root": scratch_root,
             "read": read_paths(self.policy),
             "data_dirs": list(self.policy.data_dirs),
             "network": self.policy.python_network,
@@ -321,10 +322,10 @@ class Supervisor:
             "spare": self.spare,
         }
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self._root, "TMPDIR": self._root}
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch_root, "TMPDIR": scratch_root}
         try:
             proc = subprocess.Popen([self.python, "-I", "-m", "noetl_mesh.sandbox.forkserver", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), env=env, cwd=self._root,
+                                    pass_fds=(theirs.fileno(),), env=env, cwd=scratch_root,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
@@ -385,17 +386,21 @@ class Supervisor:
             finally:
                 theirs.close()
             self.spawned += 1
-            pid_fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
+            pid_fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else  # (retrieves it)
                                       self._running.__setitem__(task_id, f.result()))
             mine.setblocking(False)
             reader, writer = await asyncio.open_connection(sock=mine, limit=_STREAM_LIMIT)
             answered, line = False, None
             try:
                 async with asyncio.timeout(timeout):
-                    writer.write(payload)
-                    await writer.drain()
-                    writer.write_eof()
-                    line = await _read_answer(reader, max_answer)
+                    try:
+                        writer.write(payload)
+                        await writer.drain()
+                        writer.write_eof()
+                    except ConnectionError:  # no process took the request: its exit says why
+                        line = b""
+                    else:
+                        line = await _read_answer(reader, max_answer)
                 answered = bool(line)
             finally:
                 writer.close()
@@ -444,7 +449,7 @@ async def _read_answer(stream: asyncio.StreamReader, max_answer: int | None) -> 
         except asyncio.LimitOverrunError as e:
             part = await stream.readexactly(e.consumed)
             done = False
-        except asyncio.IncompleteReadError:
+        except (asyncio.IncompleteReadError, ConnectionError):  # the process died mid-answer, or before it
             return b""
         size += len(part)
         if max_answer is not None and size > max_answer:

@@ -43,8 +43,8 @@ def sandbox_error(e: SandboxUnavailable | TaskCrashed, crash_kind: str, **helper
     if isinstance(e, SandboxUnavailable):
         return error("sandbox", str(e), False, **helpers)
     if e.limit:
-        return error("limit_exceeded", limit_message(e.limit, f"the task process {e.message}"), False, **helpers)
-    message = f"the task process {e.message}"
+        return error("limit_exceeded", limit_message(e.limit, e.message), False, **helpers)
+    message = e.message
     if e.stderr.strip():
         message += f"; its last output: {e.stderr.strip()[-1000:]}"
     return error(crash_kind, message, False, **helpers)
