@@ -942,7 +942,10 @@ def _gateway_call(args: argparse.Namespace, fn) -> int:
 
 
 def _unreachable(gateway: str, exc: BaseException, more: str = "") -> int:
-    """One line for a gateway that does not answer (nothing listens, a wrong URL, a timeout)."""
+    """One line for a gateway that does not answer (nothing listens, a wrong URL, a timeout). A closed
+    standard output (``noetl events ID | head -1``) is not the gateway's doing: it ends quietly (main)."""
+    if isinstance(exc, BrokenPipeError):
+        raise exc
     reason = str(exc) or type(exc).__name__
     return _fail(f"cannot reach the gateway at {gateway} ({reason}){more}", EXIT_UNREACHABLE)
 
