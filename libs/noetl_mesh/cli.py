@@ -635,17 +635,34 @@ def _print_progress(event: dict) -> None:
         if name == "workflow.finished":
             extra = f" {(event.get('data') or {}).get('status')}"
         print(f"  {name:<18} {where}{extra}", flush=True)
-    elif name in ("task.suspended", "playbook.child.finished"):  # child executions (kind: playbook)
+    elif name in ("task.suspended", "playbook.child.finished", "wait.ended"):  # children and waits (D29, D30)
         data = event.get("data") or {}
-        child = data.get("child") or {}
-        if name == "task.suspended":
-            extra = f"{event.get('task')} -> {child.get('path')} ({child.get('execution_id')})"
-        else:
-            extra = f"{data.get('child_execution_id')} {data.get('status')}"
         where = event.get("step") or ""
         if event.get("iteration") is not None:
             where += f"[{event['iteration']}]"
-        print(f"  {'child.started' if name == 'task.suspended' else 'child.finished':<18} {where} {extra}", flush=True)
+        if name == "task.suspended" and "wait" in data:
+            label, extra = "waiting", f"{event.get('task')}: {_wait_text(data['wait'])}"
+        elif name == "task.suspended":
+            child = data.get("child") or {}
+            label, extra = "child.started", f"{event.get('task')} -> {child.get('path')} ({child.get('execution_id')})"
+        elif name == "wait.ended":
+            outcome = data.get("outcome") or {}
+            how = "ok" if outcome.get("status") == "ok" else (outcome.get("error") or {}).get("kind") or "error"
+            label, extra = "wait.ended", f"{event.get('task')}: {how}"
+        else:
+            label, extra = "child.finished", f"{data.get('child_execution_id')} {data.get('status')}"
+        print(f"  {label:<18} {where} {extra}", flush=True)
+
+
+def _wait_text(wait: dict) -> str:
+    """What a wait task waits for, in a few words: a signal (and its timeout) or a time."""
+    if wait.get("signal"):
+        timeout = f" (timeout {wait['timeout']})" if wait.get("timeout") is not None else ""
+        return f"signal {wait['signal']!r}{timeout}"
+    due, since = wait.get("due"), wait.get("suspended_at")
+    if isinstance(due, (int, float)) and isinstance(since, (int, float)):
+        return f"{max(0.0, due - since):g} s"
+    return "a time"
 
 
 class _Servers:

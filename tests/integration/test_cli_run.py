@@ -138,6 +138,24 @@ def test_run_progress_shows_child_executions():
     assert len(finished) == 2 and all(line.endswith("COMPLETED") for line in finished)
 
 
+def test_run_progress_shows_a_wait_and_its_end(tmp_path):
+    pb = tmp_path / "nap.yaml"
+    pb.write_text("""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: nap, path: tests/nap}
+workflow:
+  - step: start
+    tool: {name: pause, kind: wait, duration: 1s}
+""")
+    proc = noetl("run", str(pb))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(re.fullmatch(r"\s+waiting\s+start pause: 1 s", line) for line in lines), proc.stdout
+    assert any(re.fullmatch(r"\s+wait.ended\s+start pause: ok", line) for line in lines), proc.stdout
+    assert "None" not in proc.stdout
+
+
 # ------------------------------------------------------------------------------ stopping early
 def test_run_timeout_is_a_message_and_exit_3(tmp_path):
     pb = tmp_path / "slow.yaml"
