@@ -92,7 +92,8 @@ class GatewayError(Exception):
         else:
             self.message, self.errors = str(detail if detail is not None else body), []
         lines = [f"{e.get('location')}: {e.get('message')}" if e.get("location") else str(e.get("message"))
-                 for e in self.errors if e.get("message") != self.message]
+                 for e in self.errors]
+        lines = [line for line in lines if not self.message.startswith(line)]  # the message says it already
         super().__init__(f"gateway answered {status}: {self.message}" + "".join(f"\n  {line}" for line in lines))
         self.status, self.body, self.retry_after = status, body, retry_after
 

@@ -261,8 +261,10 @@ def test_upcoming_fire_times():
     assert S.upcoming(every, NOW + 25, 3, anchor=NOW + 0.6) == [int(NOW) + 31, int(NOW) + 41, int(NOW) + 51]
     cron = record({"cron": "*/20 * * * * *"})
     assert S.upcoming(cron, NOW + 1, 2) == [int(NOW) + 20, int(NOW) + 40]
-    # the server counts a new schedule from its message's time rounded: one stored at :19.6 first fires at :40
-    assert S.upcoming(cron, NOW + 19.6, 1, anchor=NOW + 19.6) == [int(NOW) + 40]
+    # the server looks for a cron's next instant after the time its message was stored, not rounded:
+    # stored at :19.6 it first fires at :20 (measured on nats-server 2.15: stored at :29.58, :39.18 and
+    # :49.88, "*/10 * * * * *" fired at :30, :40 and :50)
+    assert S.upcoming(cron, NOW + 19.6, 1, anchor=NOW + 19.6) == [int(NOW) + 20]
     at = record({"at": "2026-06-02T00:00:00Z"})
     assert S.upcoming(at, NOW, 3) == [ep("2026-06-02T00:00:00")] and S.upcoming(at, NOW + 86400, 3) == []
     assert S.upcoming(S.with_paused(every, True, NOW), NOW, 3) == []
@@ -380,3 +382,28 @@ def test_a_schedule_path_is_refused_exactly_when_the_catalog_would_refuse_it(pat
     if schedule:
         assert schedule[0].endswith(path_problem(path))
         assert any(m == path_problem(path) or "NUL" in m for m in catalog), catalog
+
+
+def test_a_cron_first_fire_is_announced_as_the_server_fires_it():
+    """Created at 05:02:49.7, every 10 s: the server fires at 05:02:50; the answer says so too (the
+    anchor, when the server took the schedule, is not rounded up past the next instant)."""
+    created = datetime(2026, 11, 27, 5, 2, 49, 700000, tzinfo=timezone.utc).timestamp()
+    rec = record({"cron": "*/10 * * * * *"})
+    assert S.view(rec, created, anchor=created)["next_fire_time"] == "2026-11-27T05:02:50Z"
+    assert S.view(rec, created, 3, anchor=created)["next_fire_times"] == [
+        "2026-11-27T05:02:50Z", "2026-11-27T05:03:00Z", "2026-11-27T05:03:10Z"]
+
+
+def test_a_five_field_cron_is_told_its_own_six_field_form_once():
+    with pytest.raises(S.ScheduleError) as exc:
+        S.parse_cron("*/5 * * * *")
+    (error,) = exc.value.errors
+    assert error["message"].endswith("(five fields? add the seconds first: '0 */5 * * * *')")
+    with pytest.raises(S.ScheduleError) as exc:
+        S.parse_cron("15 3 * * mon")
+    assert "'0 15 3 * * mon'" in exc.value.errors[0]["message"]
+    from noetl_mesh.client import GatewayError
+
+    message = f"body.spec.cron: {error['message']}"
+    body = {"detail": {"message": message, "errors": [{"location": "body.spec.cron", "message": error["message"]}]}}
+    assert str(GatewayError(422, body)).count("five fields?") == 1  # said once, not again as its own error

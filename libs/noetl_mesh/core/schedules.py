@@ -156,7 +156,7 @@ def parse_cron(text: Any, location: str = "cron") -> Cron:
     expanded = MACROS.get(text.strip().lower(), text)
     parts = expanded.split()
     if len(parts) != 6:
-        hint = " (five fields? add the seconds first: '0 */5 * * * *')" if len(parts) == 5 else ""
+        hint = f" (five fields? add the seconds first: '0 {' '.join(parts)}')" if len(parts) == 5 else ""
         raise ScheduleError([_error(location, f"a cron expression has six fields: second minute hour "
                                               f"day-of-month month day-of-week; got {len(parts)}{hint}")])
     errors: list[dict[str, str]] = []
@@ -495,9 +495,10 @@ def upcoming(record: dict[str, Any], now: float, n: int = 5, anchor: float | Non
     if record.get("paused") or n <= 0:
         return []
     spec = record["spec"]
-    start = int(now)
-    if anchor is not None:
-        start = max(start, _round(anchor))
+    # after the later of now and the anchor (when the server took the schedule), to the second below: the
+    # server looks for a cron's next instant after the time itself, so created at 05:02:49.7, an
+    # expression every 10 s fires at 05:02:50 (rounding the anchor up announced 05:03:00)
+    start = int(max(now, anchor)) if anchor is not None else int(now)
     if "at" in spec:
         at = int(parse_instant(spec["at"]))
         return [at] if at > now else []
