@@ -1020,6 +1020,13 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         return reply.get("records", [])
 
     # ------------------------------------------------------------------ health
+    @app.get("/", include_in_schema=False)
+    async def root(_: None = need(PUBLIC)) -> Any:
+        """The printed gateway URL opens the web console (the API is under /api, its docs at /docs)."""
+        from fastapi.responses import RedirectResponse
+
+        return RedirectResponse("/ui/", status_code=307)
+
     @app.get("/health", response_model=Health, tags=["health"])
     async def health(_: None = need(PUBLIC)) -> dict[str, Any]:
         """Liveness: the process is up and answers HTTP. Asks nothing of NATS or the recorder (a

@@ -356,6 +356,9 @@ def test_the_console_files_are_served_offline_with_a_strict_policy(stack):
             assert ref in page.text
             assert client.get(f"/ui/{ref}").status_code == 200, ref
         assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere
+        root = client.get("/")  # the printed gateway URL, opened in a browser: the console
+        assert root.status_code == 307 and root.headers["location"] == "/ui/"
+        assert client.get("/", follow_redirects=True).text == page.text
 
 
 def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack):

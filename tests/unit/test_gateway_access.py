@@ -29,8 +29,8 @@ def test_every_route_declares_exactly_one_permission_or_a_public_marker(app):
     for (method, path), permission in found.items():
         assert permission in (auth.PUBLIC, auth.SIGNED_IN) or permission in access.PERMISSIONS, (method, path)
     public = sorted(path for (_, path), p in found.items() if p == auth.PUBLIC)
-    assert public == ["/api/auth/login", "/asyncapi.json", "/docs", "/docs/assets", "/docs/oauth2-redirect", "/health",
-                      "/openapi.json", "/ready", "/redoc", "/ui"]  # /ui: the console's files (they hold no data)
+    assert public == ["/", "/api/auth/login", "/asyncapi.json", "/docs", "/docs/assets", "/docs/oauth2-redirect", "/health",
+                      "/openapi.json", "/ready", "/redoc", "/ui"]  # /ui: the console's files (they hold no data); /: to /ui/
     signed_in = sorted(f"{m} {p}" for (m, p), perm in found.items() if perm == auth.SIGNED_IN)
     assert signed_in == ["GET /api/auth/whoami", "POST /api/auth/logout", "POST /api/users/{user_id}/password"]
     # the ones the roles are about
