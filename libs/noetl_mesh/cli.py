@@ -992,6 +992,62 @@ def cmd_register(args: argparse.Namespace) -> int:
     return _gateway_call(args, register)
 
 
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``noetl ls``: executions, newest first, with the console's filters; a table, or ``--json``."""
+    import httpx
+
+    from .client import GatewayClient, GatewayError
+
+    if not 1 <= args.limit <= 1000 or args.offset < 0:
+        return _fail("--limit is 1 to 1000 and --offset 0 or more", EXIT_INVALID)
+
+    async def main() -> list[dict]:
+        async with GatewayClient(args.gateway) as client:
+            return await client.list_executions(status=args.status, limit=args.limit, user=args.user,
+                                                path=args.playbook, since=args.since, until=args.until,
+                                                offset=args.offset)
+
+    try:
+        rows = asyncio.run(main())
+    except GatewayError as exc:
+        return _gateway_failed(exc, args.gateway)
+    except (OSError, httpx.TransportError) as exc:
+        return _unreachable(args.gateway, exc)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return EXIT_OK
+    print(_executions_table(rows))
+    if len(rows) == args.limit:
+        print(f"(the {args.limit} newest; --offset {args.offset + args.limit} for the next page)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _executions_table(rows: list[dict]) -> str:
+    """Executions as a table for people: id, status, playbook, who started it, when, how long."""
+    from datetime import datetime
+
+    def when(value: Any) -> str:
+        return str(value or "")[:19].replace("T", " ")
+
+    def took(row: dict) -> str:
+        try:
+            start = datetime.fromisoformat(str(row["started_at"] or row["created_at"]))
+            end = datetime.fromisoformat(str(row["finished_at"])) if row.get("finished_at") else None
+        except (TypeError, ValueError, KeyError):
+            return ""
+        if end is None:
+            return "running" if row.get("status") in ("RUNNING", "PENDING") else ""
+        seconds = (end - start).total_seconds()
+        return f"{seconds:.1f}s" if seconds < 60 else f"{seconds / 60:.1f}m" if seconds < 3600 else f"{seconds / 3600:.1f}h"
+
+    header = ("EXECUTION", "STATUS", "PLAYBOOK", "STARTED BY", "CREATED", "TOOK")
+    table = [header] + [(str(r.get("execution_id")), str(r.get("status")), str(r.get("path") or ""),
+                         str(r.get("requested_by_name") or ("(child)" if r.get("parent_execution_id") else "")),
+                         when(r.get("created_at")), took(r)) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     return _gateway_call(args, lambda c: c.status(args.execution_id))
 
@@ -1397,6 +1453,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
     p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
     p.set_defaults(func=cmd_nats_credentials)
+
+    p = sub.add_parser("ls", aliases=["executions"], help="executions, newest first (filters as the console's)")
+    p.add_argument("--status", type=str.upper, choices=["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"])
+    p.add_argument("--playbook", metavar="PATH", help="only this playbook's (its catalog path)")
+    p.add_argument("--user", metavar="ID", help="only those this user started: a user id, or me")
+    p.add_argument("--since", metavar="TIME", help="created at or after: ISO 8601 (2026-11-27T08:00) or epoch seconds")
+    p.add_argument("--until", metavar="TIME", help="created before: ISO 8601 or epoch seconds")
+    p.add_argument("--limit", type=int, default=20, help="how many (default 20, at most 1000)")
+    p.add_argument("--offset", type=int, default=0, help="skip the newest N (the next page)")
+    p.add_argument("--json", action="store_true", help="the rows as JSON")
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
+    p.set_defaults(func=cmd_ls)
 
     for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
                             ("events", cmd_events, "an execution's events"),

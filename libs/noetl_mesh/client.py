@@ -170,18 +170,19 @@ class GatewayClient:
                 return out
 
     async def list_executions(self, status: str | None = None, limit: int = 1000, all_pages: bool = False,
-                              user: str | None = None) -> list[dict]:
+                              user: str | None = None, path: str | None = None, since: str | None = None,
+                              until: str | None = None, offset: int = 0) -> list[dict]:
         """Executions, newest first; ``all_pages`` follows the pages to the oldest; ``user``: a user
-        id or ``me`` (the executions that user started)."""
+        id or ``me`` (the executions that user started); ``path``: a playbook's; ``since``/``until``:
+        created at or after / before (ISO 8601 or epoch seconds)."""
         out: list[dict] = []
         params: dict[str, Any] = {"limit": limit}
-        if status:
-            params["status"] = status
-        if user:
-            params["user"] = user
+        for key, value in (("status", status), ("user", user), ("path", path), ("since", since), ("until", until)):
+            if value:
+                params[key] = value
         seen: set[str] = set()
         while True:
-            page = await self._call("GET", "/api/executions", params={**params, "offset": len(out)})
+            page = await self._call("GET", "/api/executions", params={**params, "offset": offset + len(out)})
             new = [x for x in page if x["execution_id"] not in seen]
             seen.update(x["execution_id"] for x in new)
             out += new

@@ -2,6 +2,7 @@
 (the shell's 128 + SIGPIPE), not "cannot reach the gateway"."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,3 +31,34 @@ def test_events_into_a_closed_pipe_end_quietly(stack):
         if args[0] == "events":  # 1 MB of events: more than a pipe holds, so it met the closed pipe
             assert code == 141, (code, err)
         assert code in (0, 141) and err == "", (args, code, err)
+
+
+OK = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "fine", "path": "tests/ls_fine"},
+      "workflow": [{"step": "start", "tool": {"kind": "noop", "result": 1}}]}
+BAD = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "bad", "path": "tests/ls_bad"},
+       "workflow": [{"step": "start", "tool": {"kind": "python", "code": "raise ValueError('no')"}}]}
+
+
+def test_ls_lists_executions_newest_first_with_the_consoles_filters(stack):
+    first, _ = stack.execute(OK)
+    bad, _ = stack.execute(BAD)
+    last, _ = stack.execute(OK)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}, "NOETL_TOKEN": stack.token}
+
+    def ls(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "noetl_mesh.cli", "ls", *args, "--gateway", stack.url],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    table = ls("--playbook", "tests/ls_fine")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["EXECUTION", "STATUS", "PLAYBOOK", "STARTED", "BY", "CREATED", "TOOK"]
+    ids = [line.split()[0] for line in lines[1:]]
+    assert ids == [last["execution_id"], first["execution_id"]]  # newest first, only that playbook's
+    assert all(" COMPLETED " in line and " admin " in line for line in lines[1:])
+    failed = ls("--status", "failed", "--json")
+    assert failed.returncode == 0 and bad["execution_id"] in [r["execution_id"] for r in json.loads(failed.stdout)]
+    assert all(r["status"] == "FAILED" for r in json.loads(failed.stdout))
+    one = ls("--limit", "1")
+    assert len(one.stdout.splitlines()) == 2 and "--offset 1 for the next page" in one.stderr
+    assert ls("--limit", "0").returncode == 2
