@@ -414,6 +414,9 @@ class _Run:
                     await client.register((texts or {}).get(path) or read_document(path)[0])
                 self.execution_id = await client.start(text, workload)
                 self.started = time.monotonic()
+                if stack is None:  # on a running stack it outlives this command: its id now, to follow it elsewhere
+                    print(f"noetl: execution {self.execution_id} started (noetl status {self.execution_id})",
+                          file=sys.stderr, flush=True)
                 try:
                     final = await client.wait(self.execution_id, timeout=args.timeout, on_event=self.progress)
                     elapsed = time.monotonic() - self.started  # the execution's, not the stack's stop

@@ -87,6 +87,7 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
                                              for p in Path(root, ".noetl").glob("worker*.log")))
         assert f"running on the noetl up of {root}/.noetl (http://127.0.0.1:{port}" in run.stderr
         eid = json.loads(run.stdout)["execution_id"]
+        assert f"noetl: execution {eid} started (noetl status {eid})" in run.stderr  # said at once, before the end
         status = noetl("status", eid)  # found without --gateway, with the token `noetl up` stored
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["status"] == "COMPLETED"
