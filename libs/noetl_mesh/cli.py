@@ -961,12 +961,20 @@ def _gateway_call(args: argparse.Namespace, fn) -> int:
         return _unreachable(args.gateway, exc)
 
 
+# the gateway a command fell back to when neither --gateway, NOETL_GATEWAY_URL nor a running noetl up
+# named one, and the home it looked in (main sets it; _unreachable says where to look instead)
+_FALLBACK: dict[str, str | None] = {"gateway": None, "home": None}
+
+
 def _unreachable(gateway: str, exc: BaseException, more: str = "") -> int:
     """One line for a gateway that does not answer (nothing listens, a wrong URL, a timeout). A closed
     standard output (``noetl events ID | head -1``) is not the gateway's doing: it ends quietly (main)."""
     if isinstance(exc, BrokenPipeError):
         raise exc
     reason = str(exc) or type(exc).__name__
+    if gateway == _FALLBACK["gateway"] and _FALLBACK["home"] and not more:  # nothing told it where to look
+        more = (f"; no noetl up runs from {_FALLBACK['home']}: start one there (noetl up), or point at one with "
+                "--home DIR, NOETL_HOME=DIR or --gateway URL")
     return _fail(f"cannot reach the gateway at {gateway} ({reason}){more}", EXIT_UNREACHABLE)
 
 
@@ -1457,14 +1465,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
     p.set_defaults(func=cmd_nats_credentials)
 
-    p = sub.add_parser("ls", aliases=["executions"], help="executions, newest first (filters as the console's)")
-    p.add_argument("--status", type=str.upper, choices=["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"])
+    p = sub.add_parser("ls", help="executions, newest first (filters as the console's)")
+    p.add_argument("--status", type=str.upper, choices=["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"],
+                   help="only those in this status (any case)")
     p.add_argument("--playbook", metavar="PATH", help="only this playbook's (its catalog path)")
     p.add_argument("--user", metavar="ID", help="only those this user started: a user id, or me")
     p.add_argument("--since", metavar="TIME", help="created at or after: ISO 8601 (2026-11-27T08:00) or epoch seconds")
     p.add_argument("--until", metavar="TIME", help="created before: ISO 8601 or epoch seconds")
     p.add_argument("--limit", type=int, default=20, help="how many (default 20, at most 1000)")
-    p.add_argument("--offset", type=int, default=0, help="skip the newest N (the next page)")
+    p.add_argument("--offset", type=int, default=0, help="skip the newest N: the next page (default 0)")
     p.add_argument("--json", action="store_true", help="the rows as JSON")
     p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
     p.set_defaults(func=cmd_ls)
@@ -1632,9 +1641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on bad arguments, as D26 wants
         return int(exc.code or 0)
     if getattr(args, "gateway", "") is None and args.func is not cmd_run:  # `noetl run` may start its own stack
-        from .home import gateway_url
+        from .home import DEFAULT_GATEWAY, gateway_url, home_dir
 
         args.gateway = gateway_url(args.home)
+        if args.gateway == DEFAULT_GATEWAY and not os.environ.get("NOETL_GATEWAY_URL"):
+            _FALLBACK.update(gateway=args.gateway, home=home_dir(args.home))
     problem = _bad_url(getattr(args, "gateway", None))
     if problem:
         return _fail(problem, EXIT_INVALID)

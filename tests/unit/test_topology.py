@@ -74,7 +74,10 @@ def test_commands_find_the_gateway_of_the_noetl_up_running_from_the_home(tmp_pat
         assert main(["status", "x1"]) == 4  # it asks that gateway (which is not there)
         assert capsys.readouterr().err.startswith("noetl: cannot reach the gateway at http://127.0.0.1:1 (")
         assert main(["status", "x1", "--home", str(tmp_path / "other")]) == 4  # another home: the default URL
-        assert "cannot reach the gateway at http://127.0.0.1:8082" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "cannot reach the gateway at http://127.0.0.1:8082" in err
+        assert f"no noetl up runs from {tmp_path / 'other'}: start one there (noetl up), or point at one with " \
+               "--home DIR, NOETL_HOME=DIR or --gateway URL" in err  # where it looked, and how to say elsewhere
         monkeypatch.setenv("NOETL_GATEWAY_URL", "http://127.0.0.1:3")
         assert gateway_url() == "http://127.0.0.1:3"  # the environment first
         monkeypatch.delenv("NOETL_GATEWAY_URL")
