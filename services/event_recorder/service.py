@@ -92,6 +92,16 @@ MAX_PAGE = 1000
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
                       "started_at", "finished_at", "error", "requested_by")
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
+# the username of who started an execution: its request event's, else (a child: started by its parent on
+# that user's behalf) its nearest ancestor's, up the parent chain (at most 64 levels, as the depth limit)
+_STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
+    SELECT execution.execution_id, execution.parent_execution_id, 0
+    UNION ALL
+    SELECT x.execution_id, x.parent_execution_id, up.depth + 1 FROM execution x JOIN up ON x.execution_id = up.parent
+    WHERE up.depth < 64)
+  SELECT e.data->'requested_by'->>'username' FROM up JOIN event e ON e.execution_id = up.id
+  WHERE e.name = 'playbook.execution.requested' AND e.data->'requested_by'->>'username' IS NOT NULL
+  ORDER BY up.depth, e.seq LIMIT 1"""
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
 DRAIN_QUIET = 0.25  # seconds without a delivery that end a stopping recorder's drain
 YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
@@ -763,7 +773,8 @@ class RecorderService:
     async def execution_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         """Projection rows, newest first: optional ``status``, ``user`` (a user id), ``path`` (a
         playbook), ``since`` and ``until`` (created at, epoch seconds). Each row also has
-        ``requested_by_name``: the username its request event recorded (null for a child)."""
+        ``requested_by_name``: the username its request event recorded; a child's is its nearest
+        ancestor's (it was started on that user's behalf)."""
         limit = min(max(_int(req.get("limit")) or 50, 1), MAX_PAGE)
         offset = max(_int(req.get("offset")) or 0, 0)
         status = req.get("status")
@@ -785,9 +796,7 @@ class RecorderService:
         where = f"WHERE {' AND '.join(c for c, _ in conditions)}" if conditions else ""
         async with self._connection() as conn:
             cur = await conn.execute(
-                f"SELECT {', '.join(_EXECUTION_COLUMNS)}, (SELECT e.data->'requested_by'->>'username' FROM event e"
-                " WHERE e.execution_id = execution.execution_id AND e.name = 'playbook.execution.requested'"
-                f" ORDER BY e.seq LIMIT 1) FROM execution {where}"
+                f"SELECT {', '.join(_EXECUTION_COLUMNS)}, ({_STARTER_NAME}) FROM execution {where}"
                 " ORDER BY created_at DESC NULLS LAST, execution_id OFFSET %s LIMIT %s",
                 (*[v for _, v in conditions], offset, limit))
             rows = await cur.fetchall()

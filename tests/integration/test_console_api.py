@@ -395,3 +395,23 @@ def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack)
             await bus.close()
 
     stack.run(go())
+
+
+def test_a_child_execution_is_listed_as_started_on_behalf_of_its_parents_starter(stack):
+    """A child is started by its parent, on behalf of whoever started the parent: the list names that user
+    (not a bare id) and the parent, for a grandchild too."""
+    nested = (ROOT / "examples" / "nested.yaml").read_text()
+    child = (ROOT / "examples" / "nested_child.yaml").read_text()
+
+    async def go():
+        async with stack.client() as client:
+            await client.register(child)
+            parent = await client.start(nested)
+            status = await client.wait(parent, timeout=60)
+            assert status["status"] == "COMPLETED", status
+            rows = await client.list_executions(path="examples/nested_child")
+            return parent, rows
+
+    parent, rows = stack.run(go())
+    assert rows and all(r["parent_execution_id"] == parent for r in rows)
+    assert {r["requested_by_name"] for r in rows} == {"admin"}
