@@ -299,3 +299,21 @@ def test_python_and_duckdb_tasks_share_one_sandbox_without_meeting():
     dirs = [o["result"] if isinstance(o["result"], str) else o["result"]["rows"][0]["t"] for o in outs]
     assert len({os.path.dirname(d.rstrip("/").removesuffix("/.duckdb_tmp")) for d in dirs}) == 2  # one root per kind
     assert len(set(dirs)) == 12
+
+
+def test_memory_no_limit_would_count_is_refused_too():
+    """Shared anonymous memory and in-memory files escape the data limit: the address-space limit and
+    the filter stop them; and a task process cannot outlive its fork server."""
+    with limits.override(task_max_memory_bytes=512 * 1024 * 1024):
+        shared, memfd, orphan, ok = run_tasks([
+            ({"code": "import mmap\nm = mmap.mmap(-1, 4 * 1024 ** 3)\nresult = len(m)"}, {}),
+            ({"code": "import os\nfd = os.memfd_create('x')\nresult = fd"}, {}),
+            ({"code": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                      "result = [libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno()]"}, {}),
+            ({"code": "result = len(bytearray(64 * 1024 * 1024))"}, {}),
+        ])
+    assert shared["status"] == "error" and shared["error"]["kind"] == "limit_exceeded", shared
+    assert "task_max_memory_bytes" in shared["error"]["message"]
+    assert memfd["error"]["kind"] == "sandbox", memfd
+    assert orphan["result"] == [-1, 1], orphan  # EPERM
+    assert ok["result"] == 64 * 1024 * 1024

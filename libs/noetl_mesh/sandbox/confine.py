@@ -80,11 +80,17 @@ RLIMITS = {
 }
 
 
+ADDRESS_SPACE_SLACK = 1 << 30  # beyond the memory limit: the libraries, thread stacks and reservations mapped
+
+
 def set_limits(values: Mapping[str, int]) -> None:
     """Resource limits of a task process: memory (data segment and private mappings: what Python,
-    NumPy and DuckDB allocate), CPU time (SIGXCPU, then SIGKILL 2 s later), open files, and the size of
-    a file it writes (the write fails: SIGXFSZ is ignored). No core files."""
+    NumPy and DuckDB allocate; and every mapping, shared ones included, at most 1 GiB beyond that), CPU
+    time (SIGXCPU, then SIGKILL 2 s later), open files, and the size of a file it writes (the write
+    fails: SIGXFSZ is ignored). No core files."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    space = int(values["task_max_memory_bytes"]) + ADDRESS_SPACE_SLACK
+    resource.setrlimit(resource.RLIMIT_AS, (space, space))
     for name, which in RLIMITS.items():
         value = int(values[name])
         hard = value + 2 if which == resource.RLIMIT_CPU else value

@@ -16,7 +16,10 @@ What it refuses (``EPERM``), on x86_64 and aarch64 (any other machine cannot san
   ``personality``, ``open_by_handle_at`` (a classic container escape), SysV and POSIX IPC;
 - changing files' metadata by path or descriptor (``chmod``, ``chown``, ``utime*``, ``*xattr``,
   ``truncate`` by path): the file-system layer (Landlock) controls reading and writing, not these;
-- ``ioctl(TIOCSTI)`` (typing into a terminal).
+- ``ioctl(TIOCSTI)`` (typing into a terminal);
+- memory outside the resource limits: ``memfd_create``, ``memfd_secret`` (a file in memory that no
+  limit counts), and (task layer) ``prctl(PR_SET_PDEATHSIG)``, so a task process cannot outlive its
+  fork server.
 
 Everything else is allowed: the filter is a deny-list over the Linux system-call table, which keeps
 Python, its C extensions and DuckDB working; the file-system view is Landlock's job (landlock.py).
@@ -46,6 +49,7 @@ _CLONE_THREAD = 0x00010000
 _CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
 _AF_INET, _AF_INET6 = 2, 10
 _TIOCSTI = 0x5412
+_PR_SET_PDEATHSIG = 1
 
 # Denied everywhere (names absent from an architecture's table are skipped).
 _DENIED = (
@@ -60,7 +64,8 @@ _DENIED = (
     "truncate chmod fchmod fchmodat fchmodat2 chown lchown fchown fchownat utime utimes utimensat futimesat "
     "setxattr lsetxattr fsetxattr setxattrat removexattr lremovexattr fremovexattr removexattrat file_setattr "
     "shmget shmat shmctl shmdt semget semop semctl semtimedop msgget msgsnd msgrcv msgctl "
-    "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr"
+    "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr "
+    "memfd_create memfd_secret"
 ).split()
 _NO_PROGRAMS = ("execve", "execveat", "fork", "vfork")
 
@@ -87,6 +92,7 @@ _X86_64 = {
     "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "mq_open": 240,
     "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
     "execve": 59, "execveat": 322, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "ioctl": 16,
+    "memfd_create": 319, "memfd_secret": 447, "prctl": 157,
 }
 _AARCH64 = {
     "socket": 198, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "process_madvise": 440,
@@ -109,7 +115,7 @@ _AARCH64 = {
     "semget": 190, "semop": 193, "semctl": 191, "semtimedop": 192, "msgget": 186, "msgsnd": 189,
     "msgrcv": 188, "msgctl": 187, "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182,
     "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185, "execve": 221, "execveat": 281,
-    "clone": 220, "clone3": 435, "ioctl": 29,
+    "clone": 220, "clone3": 435, "ioctl": 29, "memfd_create": 279, "memfd_secret": 447, "prctl": 167,
 }
 # machine -> (AUDIT_ARCH_*, table, the seccomp system call's number)
 _ARCHES = {"x86_64": (0xC000003E, _X86_64, 317), "aarch64": (0xC00000B7, _AARCH64, 277)}
@@ -220,6 +226,12 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
                 a.op(_RET, _RET_ALLOW)
             return body
 
+        def prctl_body() -> None:  # not PR_SET_PDEATHSIG: a task process dies with its fork server
+            a.op(_JEQ, _PR_SET_PDEATHSIG, 0, 1)
+            a.op(_RET, eperm)
+            a.op(_RET, _RET_ALLOW)
+
+        arg_block("prctl", 0, prctl_body)
         arg_block("kill", 0, own_pid("kill", False))
         arg_block("tgkill", 0, own_pid("tgkill", False))
         arg_block("rt_tgsigqueueinfo", 0, own_pid("rtsq", False))

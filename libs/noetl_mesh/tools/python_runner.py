@@ -142,7 +142,7 @@ def run(req: dict, confined: bool = False) -> dict:
                 out["errno"] = e.errno
             if sandbox_refusal(e, confined):
                 out["sandbox"] = True
-            if isinstance(e, MemoryError):
+            if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == 12):  # ENOMEM: a mapping
                 out["limit"] = "task_max_memory_bytes"
             return out
     finally:
