@@ -317,3 +317,11 @@ def test_memory_no_limit_would_count_is_refused_too():
     assert memfd["error"]["kind"] == "sandbox", memfd
     assert orphan["result"] == [-1, 1], orphan  # EPERM
     assert ok["result"] == 64 * 1024 * 1024
+
+
+def test_a_task_runs_at_a_lower_priority_than_its_worker_and_cannot_raise_it():
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    nice, = run_tasks([({"code": "import os\nbefore = os.getpriority(os.PRIO_PROCESS, 0)\n"
+                                 "try:\n    os.setpriority(os.PRIO_PROCESS, 0, 0)\n    raised = True\n"
+                                 "except OSError:\n    raised = False\nresult = [before, raised]"}, {})])
+    assert nice["result"] == [min(19, own + 10), False], nice

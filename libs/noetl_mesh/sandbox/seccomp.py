@@ -54,7 +54,7 @@ _PR_SET_PDEATHSIG = 1
 # Denied everywhere (names absent from an architecture's table are skipped).
 _DENIED = (
     "ptrace process_vm_readv process_vm_writev process_madvise kcmp pidfd_getfd pidfd_open pidfd_send_signal "
-    "tkill rt_sigqueueinfo setpriority ioprio_set move_pages migrate_pages "
+    "tkill rt_sigqueueinfo ioprio_set move_pages migrate_pages "
     "mount umount2 pivot_root chroot unshare setns open_tree open_tree_attr move_mount fsopen fsconfig fsmount fspick "
     "mount_setattr bpf perf_event_open userfaultfd io_uring_setup io_uring_enter io_uring_register "
     "kexec_load kexec_file_load init_module finit_module delete_module create_module reboot swapon swapoff acct "
@@ -67,7 +67,8 @@ _DENIED = (
     "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr "
     "memfd_create memfd_secret"
 ).split()
-_NO_PROGRAMS = ("execve", "execveat", "fork", "vfork")
+# the task layer's own: no programs or processes; no priority changes (the fork server lowers a task's)
+_NO_PROGRAMS = ("execve", "execveat", "fork", "vfork", "setpriority")
 
 _X86_64 = {
     "socket": 41, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "process_madvise": 440,
