@@ -156,7 +156,7 @@ async def restart_local(old: LocalRun, from_step: str, *, workload: Mapping[str,
     from . import restart
 
     xid = execution_id or old.execution_id
-    start = restart.seed(old.log_of(xid), from_step, status=old.state_of(xid).status)
+    start = restart.seed(old.log_of(xid), from_step, status=old.state_of(xid).status, execution_id=xid)
     return await run_local(start["playbook"], request=restart.request(start, workload=dict(workload or {}) or None),
                            **kw)
 

@@ -48,8 +48,11 @@ def seed(events: Iterable[dict[str, Any]], from_step: str, *, status: str | None
     """What a restart of the execution from ``from_step`` starts with (module docstring). ``events``:
     the execution's events in log order — all of them, or those a state folds (``ctl``) up to and
     including the cut; ``status``: the execution's status (from its projection; the events up to the
-    cut cannot tell). At most ``max_events`` (``max_state_events``) are folded. Raises
-    :class:`Refused` or :class:`~noetl_mesh.limits.LimitExceeded`."""
+    cut cannot tell: an execution not finished is refused before anything is folded). At most
+    ``max_events`` (``max_state_events``) are folded. Raises :class:`Refused` or
+    :class:`~noetl_mesh.limits.LimitExceeded`."""
+    if status is not None:
+        finished(execution_id, status)
     bound = limits.current().max_state_events if max_events is None else max_events
     state: ExecutionState | None = None
     arrived: dict[str, dict[str, Any]] = {}  # every token enqueued so far, in arrival order, by id
@@ -82,9 +85,6 @@ def seed(events: Iterable[dict[str, Any]], from_step: str, *, status: str | None
         elif name == "playbook.request.evaluated" and event.get("status") != "error":
             catalog = {"path": data.get("path"), "version": data.get("version")}
     xid = execution_id or (state.execution_id if state else "")
-    if status is not None and status not in FINAL:
-        raise Refused(NOT_FINISHED, f"execution {xid} is {status}: only a finished execution (COMPLETED, FAILED or "
-                                    "CANCELLED) can be restarted; wait for it, or cancel it first")
     if state is None or not isinstance(state.playbook, dict):
         raise Refused(NO_PLAYBOOK, f"execution {xid} never ran a playbook (its request was refused): there is no "
                                    "step to restart from")
@@ -101,6 +101,15 @@ def seed(events: Iterable[dict[str, Any]], from_step: str, *, status: str | None
         "iter_parent": state.request.get("iter_parent"),
         "state": _reduced(state, run.id, arrived, consumed),
     }
+
+
+def finished(execution_id: str | None, status: str | None) -> None:
+    """Refuse (:class:`Refused`, ``not_finished``) an execution that has not finished: only a finished
+    one is restarted, so that the old one is never changed and never runs next to its restart."""
+    if status not in FINAL:
+        which = f"execution {execution_id}" if execution_id else "the execution"
+        raise Refused(NOT_FINISHED, f"{which} is {status}: only a finished execution (COMPLETED, FAILED or "
+                                    "CANCELLED) can be restarted; wait for it, or cancel it first")
 
 
 def _never_started(state: ExecutionState, step: str) -> str:
@@ -214,4 +223,4 @@ def _count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
-__all__ = ["seed", "request", "check", "Refused", "NOT_FINISHED", "NO_PLAYBOOK", "UNKNOWN_STEP", "NEVER_STARTED"]
+__all__ = ["seed", "request", "check", "finished", "Refused", "NOT_FINISHED", "NO_PLAYBOOK", "UNKNOWN_STEP", "NEVER_STARTED"]
