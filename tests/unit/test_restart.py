@@ -359,3 +359,16 @@ def test_a_delayed_token_on_its_way_at_the_cut_arrives_in_the_new_execution():
     new = again(old, "fast", workload={"broken": False})
     s = summary(new.state)
     assert s["status"] == "COMPLETED" and s["steps"]["slow"]["result"] == "slow" and tasks(new, "start") == 0
+
+
+def test_the_console_view_marks_what_was_carried_over_and_where_from():
+    from noetl_mesh.core import view
+
+    old = run(CHAIN)
+    new = again(old, "c", workload={"broken": False})
+    shown = view.execution_view(new.state)
+    assert shown["restarted_from"]["execution"] == old.execution_id and shown["restarted_from"]["step"] == "c"
+    assert shown["steps"]["a"]["restored"] and shown["steps"]["a"]["runs"] == 0
+    assert shown["runs"]["a"]["shown"][0]["restored"] and shown["runs"]["a"]["shown"][0]["result"] == {"rows": 3}
+    assert "restored" not in shown["steps"]["c"] and shown["steps"]["c"]["runs"] == 1
+    assert "restarted_from" not in view.execution_view(old.state)
