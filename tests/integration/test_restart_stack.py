@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from noetl_mesh import limits
 from noetl_mesh.client import GatewayError
 
 from noetl_mesh.core.state import fold, summary
@@ -276,6 +277,21 @@ def test_who_may_restart_and_what_is_refused(stack):
             return await client.status(xid)
 
     assert stack.run(old_one())["restarts"] == [answer["execution_id"]]
+
+
+def test_the_fold_before_the_step_is_bounded(stack):
+    """A restart folds the old execution's state events before the step's first start, at most
+    max_state_events (an execution with 500,000 events costs a bounded query): past it, 413."""
+    old, old_events = run(stack, CHAIN)
+    before = sum(1 for e in old_events if e["name"] not in ("task.started", "task.processed", "step.started",
+                                                             "step.scheduled", "playbook.processed")
+                 and e["seq"] < next(x["seq"] for x in old_events if x["name"] == "step.started" and x["step"] == "c"))
+    with limits.override(max_state_events=before - 1):  # the recorder runs in this process
+        status, detail = refusal(stack, old["execution_id"], {"from_step": "c"})
+    assert status == 413 and "max_state_events" in detail["message"]
+    with limits.override(max_state_events=before):
+        status, _ = refusal(stack, old["execution_id"], {"from_step": "c"})
+    assert status == 202
 
 
 def test_noetl_restart_follows_the_new_execution_and_says_it_in_its_exit_status(stack, tmp_path):
