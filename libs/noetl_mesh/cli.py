@@ -413,22 +413,10 @@ class _Run:
                 for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
                     await client.register((texts or {}).get(path) or read_document(path)[0])
                 self.execution_id = await client.start(text, workload)
-                self.started = time.monotonic()
                 if stack is None:  # on a running stack it outlives this command: its id now, to follow it elsewhere
                     print(f"noetl: execution {self.execution_id} started (noetl status {self.execution_id})",
                           file=sys.stderr, flush=True)
-                try:
-                    final = await client.wait(self.execution_id, timeout=args.timeout, on_event=self.progress)
-                    elapsed = time.monotonic() - self.started  # the execution's, not the stack's stop
-                except (TimeoutError, asyncio.CancelledError) as exc:
-                    timed_out = isinstance(exc, TimeoutError)
-                    self.stopping(None if timed_out else self.signals.received)
-                    if stack is not None:
-                        await self._cancel(client)
-                    if timed_out:
-                        raise _TimedOut() from None
-                    raise
-                events = await client.all_events(self.execution_id)
+                final, events, elapsed = await self._follow(client, cancel=stack is not None)
         except asyncio.CancelledError:
             self.stopping(self.signals.received)
             raise
@@ -436,9 +424,49 @@ class _Run:
             if stack is not None:
                 # all at once: nothing of this stack is kept; nothing handed back unless NATS is someone else's
                 await stack.stop(ordered=False, throwaway=isinstance(servers.nats, EmbeddedNats))
+        return self._report(final, events, elapsed)
+
+    async def restart(self, execution_id: str, from_step: str, workload: dict | None) -> int:
+        """``noetl restart`` (D32): ask the gateway for the restart, then follow the new execution as a
+        run on a gateway is followed."""
+        from .client import GatewayClient
+
+        try:
+            async with GatewayClient(self.gateway) as client:
+                answer = await client.restart(execution_id, from_step, workload)
+                self.execution_id = answer["execution_id"]
+                if not self.args.json:
+                    print(f"noetl: execution {self.execution_id} restarts {execution_id} from step {from_step!r}",
+                          file=sys.stderr, flush=True)
+                final, events, elapsed = await self._follow(client, cancel=False)
+        except asyncio.CancelledError:
+            self.stopping(self.signals.received)
+            raise
+        return self._report(final, events, elapsed)
+
+    async def _follow(self, client, cancel: bool) -> tuple[dict, list[dict], float]:
+        """Wait for the execution's end (progress on the way); on ``--timeout`` or a signal, say so and
+        (``cancel``: it runs on the embedded stack) cancel it."""
+        self.started = time.monotonic()
+        try:
+            final = await client.wait(self.execution_id, timeout=self.args.timeout, on_event=self.progress)
+            elapsed = time.monotonic() - self.started  # the execution's, not the stack's stop
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            timed_out = isinstance(exc, TimeoutError)
+            self.stopping(None if timed_out else self.signals.received)
+            if cancel:
+                await self._cancel(client)
+            if timed_out:
+                raise _TimedOut() from None
+            raise
+        return final, await client.all_events(self.execution_id), elapsed
+
+    def _report(self, final: dict, events: list[dict], elapsed: float) -> int:
         self.close()
-        if args.json:
+        if self.args.json:
             out = {k: final.get(k) for k in ("execution_id", "status", "workload", "ctx", "steps", "error")}
+            if final.get("restarted_from"):  # D32
+                out["restarted_from"] = final["restarted_from"]
             out["events"] = [{k: e.get(k) for k in ("name", "step", "task", "iteration", "attempt")} for e in events]
             print(json.dumps(out, default=str))
         else:
@@ -1071,6 +1099,40 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return _gateway_call(args, lambda c: c.cancel(args.execution_id))
 
 
+def cmd_restart(args: argparse.Namespace) -> int:
+    """``noetl restart ID --from STEP [--workload JSON] [--json]`` (D32): a new execution that goes on
+    from STEP of the finished execution ID, followed to its end as ``noetl run`` follows one; exit 0
+    COMPLETED, 1 FAILED/CANCELLED or refused by the gateway, 2 bad arguments, 3 --timeout passed (it
+    keeps running), 4 no gateway."""
+    import httpx
+
+    from .client import GatewayError
+
+    try:
+        workload = json.loads(args.workload) if args.workload else None
+    except json.JSONDecodeError as exc:
+        return _fail(f"--workload is not valid JSON: {exc}")
+    if workload is not None and not isinstance(workload, dict):
+        return _fail("--workload must be a JSON object")
+    with _Signals() as signals:
+        run = _Run(args, args.gateway, signals)
+        try:
+            return _arun(run.restart(args.execution_id, args.from_step, workload), signals)
+        except Interrupted as exc:
+            run.stopping(exc.signum)
+            return 128 + exc.signum
+        except _TimedOut:
+            return EXIT_TIMEOUT
+        except GatewayError as exc:
+            return _gateway_failed(exc, args.gateway)
+        except (OSError, httpx.TransportError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            return _unreachable(args.gateway, exc)
+        finally:
+            run.close()
+
+
 def cmd_signal(args: argparse.Namespace) -> int:
     """``noetl signal ID NAME [--data JSON]`` (D30)."""
     try:
@@ -1486,6 +1548,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         p.set_defaults(func=fn)
 
+    p = sub.add_parser("restart", help="restart a finished execution from one of its steps (D32), and follow the "
+                                       "new execution to its end", epilog=RESTART_EXIT_CODES)
+    p.add_argument("execution_id", help="the finished execution's id")
+    p.add_argument("--from", dest="from_step", required=True, metavar="STEP",
+                   help="the step to go on from: the steps before it are not run again")
+    p.add_argument("--workload", metavar="JSON", help="JSON object deep-merged over the old execution's workload")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the outcome (as noetl run --json)")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help=f"seconds to wait for the end; then exit {EXIT_TIMEOUT} (the execution keeps running)")
+    p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
+    p.set_defaults(func=cmd_restart)
+
     p = sub.add_parser("signal", help="send a signal to an execution (D30): it resumes the wait task waiting for it")
     p.add_argument("execution_id", help="the execution's id")
     p.add_argument("name", help="the signal's name (the wait task's `signal`)")
@@ -1583,6 +1657,9 @@ MIGRATE_EXIT_CODES = (f"exit status: {EXIT_OK} every file translated fully (or a
 RUN_EXIT_CODES = (f"exit status: {EXIT_OK} COMPLETED, {EXIT_FAILED} FAILED or CANCELLED, {EXIT_INVALID} an invalid "
                   f"playbook or arguments, {EXIT_TIMEOUT} --timeout passed, {EXIT_UNREACHABLE} no gateway at --gateway, "
                   f"{EXIT_STACK} the embedded stack cannot start, 130/143 interrupted (SIGINT/SIGTERM)")
+RESTART_EXIT_CODES = (f"exit status: {EXIT_OK} COMPLETED, {EXIT_FAILED} FAILED or CANCELLED, or the gateway refused "
+                      f"the restart, {EXIT_INVALID} bad arguments, {EXIT_TIMEOUT} --timeout passed (the execution "
+                      f"keeps running), {EXIT_UNREACHABLE} no gateway, 130/143 interrupted (SIGINT/SIGTERM)")
 EXIT_CODES = (f"exit status: {EXIT_OK} success; {EXIT_FAILED} failed (an execution, a check, a refusal of the gateway); "
               f"{EXIT_INVALID} invalid input; {EXIT_TIMEOUT} noetl run --timeout passed; {EXIT_UNREACHABLE} no gateway "
               f"answers at the URL; {EXIT_STACK} the embedded stack cannot start (e.g. one runs from that home "

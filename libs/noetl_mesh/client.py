@@ -189,6 +189,14 @@ class GatewayClient:
             if not all_pages or len(page) < limit or not new:
                 return out
 
+    async def restart(self, execution_id: str, from_step: str, workload: dict | None = None) -> dict:
+        """D32: a new execution that goes on from ``from_step`` of the finished ``execution_id``:
+        ``{execution_id, status, restarted_from}``."""
+        body: dict[str, Any] = {"from_step": from_step}
+        if workload is not None:
+            body["workload"] = workload
+        return await self._call("POST", f"/api/executions/{execution_id}/restart", json=body)
+
     async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
         return await self._call("POST", f"/api/executions/{execution_id}/cancel", json={"reason": reason})
 

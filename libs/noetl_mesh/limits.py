@@ -67,7 +67,8 @@ LIMITS: tuple[Limit, ...] = (
     Limit("max_signal_bytes", 256 * KIB, "bytes", "a signal's payload",
           "gateway, POST /api/executions/{id}/signals/{name} (413)"),
     Limit("max_state_events", 500_000, "events", "the events folded for one view of an execution's state",
-          "event-recorder, the console's view (GET /api/executions/{id}/state): 413"),
+          "event-recorder, the console's view (GET /api/executions/{id}/state) and a restart's seed "
+          "(POST /api/executions/{id}/restart): 413"),
     Limit("max_live_streams", 1_000, "streams", "the live streams (server-sent events) one gateway serves at once",
           "gateway, GET /api/live/...: 503 with Retry-After"),
     Limit("max_live_streams_per_session", 8, "streams", "the live streams of one session or API token at once",

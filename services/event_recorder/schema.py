@@ -147,6 +147,12 @@ CREATE TABLE IF NOT EXISTS loop_progress (
     PRIMARY KEY (execution_id, step_run_id)
 );
 """),
+    # D32: the execution a restart goes on from; the index lists an execution's restarts (partial: most
+    # executions are not restarts)
+    (6, "the execution each restart goes on from", """
+ALTER TABLE execution ADD COLUMN IF NOT EXISTS restarted_from text;
+CREATE INDEX IF NOT EXISTS execution_restarts ON execution (restarted_from, created_at) WHERE restarted_from IS NOT NULL;
+"""),
 ]
 
 _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas
@@ -407,16 +413,18 @@ def is_rejected(event: dict[str, Any]) -> bool:
 
 # ------------------------------------------------------------------------ the execution projection
 UPSERT_REQUESTED = """
-INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at, requested_by)
+INSERT INTO execution AS x (execution_id, path, version, status, parent_execution_id, created_at, requested_by,
+                            restarted_from)
 VALUES (%(id)s, coalesce(%(path)s, (SELECT path FROM catalog WHERE id = %(catalog_id)s)),
         coalesce(%(version)s, (SELECT version FROM catalog WHERE id = %(catalog_id)s)),
         'PENDING', %(parent)s, to_timestamp(%(ts)s),
-        coalesce(%(by)s, (SELECT requested_by FROM execution WHERE execution_id = %(parent)s)))
+        coalesce(%(by)s, (SELECT requested_by FROM execution WHERE execution_id = %(parent)s)), %(restarted_from)s)
 ON CONFLICT (execution_id) DO UPDATE SET
     path = coalesce(x.path, excluded.path), version = coalesce(x.version, excluded.version),
     parent_execution_id = coalesce(x.parent_execution_id, excluded.parent_execution_id),
     created_at = least(x.created_at, excluded.created_at),
-    requested_by = coalesce(x.requested_by, excluded.requested_by)"""
+    requested_by = coalesce(x.requested_by, excluded.requested_by),
+    restarted_from = coalesce(x.restarted_from, excluded.restarted_from)"""
 UPDATE_EVALUATED = """
 UPDATE execution SET path = coalesce(path, %(path)s), version = coalesce(version, %(version)s)
 WHERE execution_id = %(id)s"""
@@ -480,7 +488,8 @@ def projection(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
                 "version": _small_int(catalog.get("version")), "catalog_id": _small_int(catalog.get("id")),
                 "parent": _str(data.get("parent_execution_id")), "ts": ts,
                 # who started it (the gateway's caller); a child without one takes its parent's
-                "by": _str(_dict(data.get("requested_by")).get("user_id"))})
+                "by": _str(_dict(data.get("requested_by")).get("user_id")),
+                "restarted_from": _str(_dict(data.get("restarted_from")).get("execution"))})  # D32
         elif name == "playbook.request.evaluated" and e.get("status") != "error":
             out[UPDATE_EVALUATED].append({"id": xid, "path": _str(data.get("path")),
                                           "version": _small_int(data.get("version"))})

@@ -43,11 +43,12 @@ from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
-from noetl_mesh.core import view
+from noetl_mesh.core import restart, view
 from noetl_mesh.core.events import event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra import logs, metrics
 from noetl_mesh.infra.membership import Membership
+from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.bus import (
     unsubscribe_all,
@@ -59,6 +60,7 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
     Q_EXECUTION_RESULT,
+    Q_EXECUTION_SEED,
     Q_EXECUTION_STATE,
     Q_EXECUTION_STATUS,
     Q_EXECUTION_WAITS,
@@ -90,7 +92,8 @@ FILTER = "noetl.pevt.>"
 STATUSES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 MAX_PAGE = 1000
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
-                      "started_at", "finished_at", "error", "requested_by")
+                      "started_at", "finished_at", "error", "requested_by", "restarted_from")
+MAX_RESTARTS = 100  # an execution's restarts listed with it (D32), oldest first
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 # the username of who started an execution: its request event's, else (a child: started by its parent on
 # that user's behalf) its nearest ancestor's, up the parent chain (at most 64 levels, as the depth limit)
@@ -171,7 +174,7 @@ class RecorderService:
             (Q_EXECUTION_EVENTS, self.execution_events), (Q_EXECUTION_LIST, self.execution_list),
             (Q_EXECUTION_WAITS, self.execution_waits), (Q_EXECUTION_STATE, self.execution_state),
             (Q_EXECUTION_RESULT, self.execution_result), (Q_EXECUTION_STATUS, self.execution_status),
-            (Q_RECORDER_PING, self.ping),
+            (Q_EXECUTION_SEED, self.execution_seed), (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
         if await self._open_database():  # the usual case: up, so everything is bound when start returns
@@ -641,10 +644,13 @@ class RecorderService:
             cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
                                      " ORDER BY seq", (xid,))
             rows = await cur.fetchall()
+            restarts = await _restarts(conn, xid)
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
-        events = [schema.row_event(r) for r in rows]
+        events = await self._readable([schema.row_event(r) for r in rows])
         out = summary(_fold(xid, events))
+        if restarts:
+            out["restarts"] = restarts
         finished = [e["data"] for e in events if e["name"] == "workflow.finished" and isinstance(e["data"], dict)]
         p = _execution_row(proj) if proj else {}
         out.update({
@@ -723,8 +729,9 @@ class RecorderService:
             if len(rows) > bound_limit:
                 raise BusError("too_large", str(LimitExceeded(
                     "max_state_events", None, f"execution {xid}", what="the events folded for a view of the state")))
-            events = [schema.row_event(r) for r in rows]
+            events = await self._readable([schema.row_event(r) for r in rows])
             state = _fold(xid, events)
+            restarts = await _restarts(conn, xid)
             loop_runs = [rid for step, ids in state.runs_of.items()
                          if isinstance((state.steps_by_name().get(step) or {}).get("loop"), dict) for rid in ids]
             counts: dict[str, dict[str, Any]] = {}
@@ -748,9 +755,82 @@ class RecorderService:
                     "finished_at": p.get("finished_at"),
                     "requested_by": out.get("requested_by") or ({"user_id": p["requested_by"]} if p.get("requested_by") else None),
                     "parent_execution_id": out.get("parent_execution_id") or p.get("parent_execution_id")})
+        if restarts:
+            out["restarts"] = restarts
         if req.get("net"):
             out["net"] = view.net(state.playbook)
         return out
+
+    async def execution_seed(self, req: dict[str, Any]) -> dict[str, Any]:
+        """D32: what a restart of the execution from ``from_step`` starts with (core/restart.py): the
+        state folded up to the step's first ``step.started`` (its ``ctl`` events before it, through the
+        partial index ``event_state``, at most ``max_state_events``). ``conflict`` for an execution not
+        finished, ``invalid_restart`` for a step it has not or that never started, ``too_large`` past
+        the limit. Values the log holds by reference (D23) stay references."""
+        xid = _execution_id(req)
+        step = req.get("from_step")
+        if not isinstance(step, str) or not step or len(step) > 1024:
+            raise BusError("bad_request", "from_step (a step's name) is required")
+        bound = limits.current().max_state_events
+        try:
+            async with self._connection() as conn:
+                row = await (await conn.execute("SELECT status FROM execution WHERE execution_id = %s",
+                                                (xid,))).fetchone()
+                if row is None:
+                    raise BusError("not_found", f"execution {xid} is not known")
+                restart.finished(xid, row[0])
+                cut = await (await conn.execute(
+                    f"{schema.SELECT_EVENT} WHERE execution_id = %s AND name = 'step.started' AND step = %s"
+                    " ORDER BY seq LIMIT 1", (xid, schema.text(step)))).fetchone()
+                if cut is None:  # nothing to fold but what says why: the request, its evaluation, the skips
+                    cur = await conn.execute(
+                        f"{schema.SELECT_EVENT} WHERE execution_id = %s AND (name IN ('playbook.execution.requested',"
+                        " 'playbook.request.evaluated') OR (name = 'step.skipped' AND step = %s)) ORDER BY seq LIMIT %s",
+                        (xid, schema.text(step), bound + 1))
+                else:
+                    cur = await conn.execute(
+                        f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL} AND seq < %s"
+                        " ORDER BY seq LIMIT %s", (xid, cut[0], bound + 1))
+                rows = await cur.fetchall()
+            events = [e for e in map(schema.row_event, [*rows, *([cut] if cut else [])])
+                      if isinstance(e["data"], dict) and not schema.is_rejected(e)]
+            out = restart.seed(await self._readable(events), step, status=row[0], execution_id=xid, max_events=bound)
+        except restart.Refused as exc:
+            kind = "conflict" if exc.kind == restart.NOT_FINISHED else "invalid_restart"
+            raise BusError(kind, exc.message, details={"reason": exc.kind}) from None
+        except LimitExceeded as exc:
+            raise BusError("too_large", str(exc)) from None
+        out["status"] = row[0]
+        return out
+
+    async def _readable(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``events`` with what a fold must read of them read back when a message carried it by reference
+        (D23): a restart's seed, down to its runs and tokens (a result inside one stays the reference the
+        log holds), and a playbook too big to travel inline. Unchanged when such a value has expired."""
+        for event in events:
+            data = event["data"]
+            try:
+                if event["name"] == "playbook.execution.requested" and isinstance(data, dict) and "seed" in data:
+                    event["data"] = {**data, "seed": await self._skeleton(data["seed"])}
+                elif event["name"] == "playbook.request.evaluated" and isinstance(data, dict) \
+                        and is_ref(data.get("playbook")):
+                    event["data"] = {**data, "playbook": await self.bus.payloads.expand(data["playbook"])}
+            except PayloadMissing as exc:
+                log.warning("execution %s: %s of event %s cannot be read back: %s", event["execution_id"],
+                            "the seed" if "seed" in data else "the playbook", event["event_id"], exc)
+        return events
+
+    async def _skeleton(self, seed: Any) -> Any:
+        get = self.bus.payloads.get
+        if is_ref(seed):
+            seed = await get(seed)
+        if not isinstance(seed, dict):
+            return seed
+        seed = {k: (await get(v) if is_ref(v) else v) for k, v in seed.items()}
+        for key in ("runs", "tokens", "delayed"):
+            if isinstance(seed.get(key), list):
+                seed[key] = [await get(item) if is_ref(item) else item for item in seed[key]]
+        return seed
 
     async def execution_result(self, req: dict[str, Any]) -> dict[str, Any]:
         """One step run's outcome as its terminal event carries it: ``{run_id, step, event, result,
@@ -892,6 +972,13 @@ def _by_feed(batch: list[tuple[Feed, Any]]) -> dict[Feed, list[Any]]:
     for feed, msg in batch:
         groups.setdefault(feed, []).append(msg)
     return groups
+
+
+async def _restarts(conn: Any, xid: str) -> list[str]:
+    """D32: the executions restarted from this one, oldest first (at most ``MAX_RESTARTS``)."""
+    cur = await conn.execute("SELECT execution_id FROM execution WHERE restarted_from = %s"
+                             " ORDER BY created_at, execution_id LIMIT %s", (xid, MAX_RESTARTS))
+    return [r[0] for r in await cur.fetchall()]
 
 
 async def _event_count(conn: Any, xid: str) -> int:

@@ -65,11 +65,12 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from noetl_mesh import limits
+from noetl_mesh.core import restart
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import bounded, metrics, micro, tracing
 from noetl_mesh.infra.nats_auth import READY_SERVICES
-from noetl_mesh.infra.payloads import MARKER, PayloadMissing
+from noetl_mesh.infra.payloads import MARKER, PayloadMissing, is_ref
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
@@ -81,6 +82,7 @@ from noetl_mesh.infra.bus import (
     Q_EXECUTION_EVENTS,
     Q_EXECUTION_GET,
     Q_EXECUTION_LIST,
+    Q_EXECUTION_SEED,
     Q_EXECUTION_WAITS,
     Q_RECORDER_PING,
     Bus,
@@ -190,6 +192,21 @@ class CredentialBody(BaseModel):
 
 class SignalPayload(RootModel[Any]):
     """D30: the signal's payload, any JSON value (checked against the wait's ``schema``)."""
+
+
+class RestartRequest(BaseModel):
+    """D32: restart a finished execution from one of its steps; ``workload`` is merged over the old
+    execution's workload for the new execution only."""
+
+    model_config = ConfigDict(extra="forbid")
+    from_step: str = Field(min_length=1, max_length=1024, description="the step to go on from")
+    workload: dict[str, Any] | None = Field(None, description="merged over the old execution's workload")
+
+
+class Restarted(BaseModel):
+    execution_id: str = Field(description="the new execution")
+    status: Literal["PENDING"]
+    restarted_from: dict[str, Any] = Field(description="{execution, step, upto_event}")
 
 
 class CancelRequest(BaseModel):
@@ -799,6 +816,46 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             await auditor.record("execution.cancelled", who, request, target={"execution_id": execution_id},
                                  details={"reason": reason} if reason else None)
         return {"execution_id": execution_id, "status": "CANCELLING"}
+
+    @app.post("/api/executions/{execution_id}/restart", status_code=202, response_model=Restarted,
+              tags=["executions"], openapi_extra=_json_request(RestartRequest))
+    async def restart_execution(execution_id: str, who: dict = need("execution.start"),
+                                body: RestartRequest = json_body(RestartRequest)) -> dict[str, Any]:
+        """Restart a finished execution from one of its steps (D32): a new execution whose initial state
+        is the old one's as it stood when the step first started (ctx, the results of the steps that had
+        finished, the tokens waiting), so the steps before it do not run again. The old execution is not
+        changed. 404: unknown execution; 409: not finished; 422: a step its playbook has not, or that
+        never started. Needs what starting the playbook needs."""
+        with tracing.span("gateway POST /api/executions/{id}/restart", service="gateway") as span:
+            if body.workload is not None:
+                size = len(dumps(body.workload))
+                if size > limits.current().max_workload_bytes:
+                    raise problem(413, str(LimitExceeded("max_workload_bytes", size, "body.workload")), "body.workload")
+            try:
+                start = await shell.ask(Q_EXECUTION_SEED, {"execution_id": execution_id, "from_step": body.from_step})
+            except HTTPException as exc:
+                cause = exc.__cause__
+                if isinstance(cause, BusError) and cause.kind == "invalid_restart":
+                    raise problem(422, cause.message, "body.from_step") from None
+                raise
+            if body.workload and MARKER in dumps(start.get("workload")):  # to merge into it: read it back (D23)
+                try:
+                    start["workload"] = await bus.payloads.expand(start["workload"])
+                except PayloadMissing as exc:
+                    raise problem(410, f"execution {execution_id}'s workload: {exc}") from None
+            data = restart.request(start, workload=body.workload, requested_by=auth.requested_by(who))
+            if body.workload and not is_ref(data["workload"]):
+                size = len(dumps(data["workload"]))
+                if size > limits.current().max_workload_bytes:
+                    raise problem(413, str(LimitExceeded("max_workload_bytes", size, "the merged workload")),
+                                  "body.workload")
+            new_id = new_execution_id()
+            span.set_attribute(tracing.EXECUTION_ID, new_id)
+            with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=new_id):
+                await shell.publish(make_event(
+                    "playbook.execution.requested", new_id, event_id=stable_id("request", new_id),
+                    source="gateway", status="in_progress", data=data), "body")
+        return {"execution_id": new_id, "status": "PENDING", "restarted_from": data["restarted_from"]}
 
     # ------------------------------------------------------------------ signals and waits (D30)
     @app.post("/api/executions/{execution_id}/signals/{name}", status_code=202, tags=["executions"],

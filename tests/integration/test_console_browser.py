@@ -239,6 +239,68 @@ def test_a_wait_answered_from_its_form_moves_the_net_live(console):
     page.wait_for_selector("#exec-status [data-status=completed]")
 
 
+FLAKY = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: flaky, path: console/flaky}
+workload: {broken: true}
+workflow:
+  - step: load
+    tool: {kind: noop, result: {rows: 120}}
+    next: {arcs: [{step: transform}]}
+  - step: transform
+    tool: {kind: noop, result: "{{ load.result.rows * 2 }}"}
+    next: {arcs: [{step: publish}]}
+  - step: publish
+    tool:
+      kind: noop
+      result: "published {{ transform.result }}"
+      spec: {policy: {rules: [{when: "{{ workload.broken }}", then: {do: fail}}, {else: {then: {do: continue}}}]}}
+    next: {arcs: [{step: notify}]}
+  - step: notify
+    tool: {kind: noop, result: sent}
+"""
+
+
+def test_a_failed_step_is_restarted_from_its_detail(console):
+    """D32: "restart from here" on a failed step; the new execution carries the steps before it over."""
+    page = console.page
+    assert console.http.post("/api/catalog", json={"content": FLAKY}).status_code == 201
+    eid = console.http.post("/api/executions", json={"path": "console/flaky"}).json()["execution_id"]
+
+    def failed():
+        resp = console.http.get(f"/api/executions/{eid}", params={"brief": "true"})
+        return resp.status_code == 200 and resp.json()["status"] == "FAILED"
+
+    console.wait_api(failed)
+    console.go(f"/executions/{eid}")
+    page.wait_for_selector("#net g.node[data-step=publish][data-status=failed]")
+    page.focus("#net g.node[data-step=publish]")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("form.restart-form[data-step=publish]")
+    page.fill("#restart-workload", '{"broken": false}')
+    assert page.evaluate(CONTRAST) == []
+    console.shot("11-restart-from-here")
+    page.click("#restart-from")
+    page.wait_for_function(f"() => /^#\\/executions\\/[0-9a-f]+$/.test(location.hash) && !location.hash.endsWith('{eid}')")
+    new = page.url.rsplit("/", 1)[-1]
+    page.wait_for_selector("#exec-status [data-status=completed]")
+    page.wait_for_selector("#net g.node[data-step=notify][data-status=done]")
+    for step in ("load", "transform"):  # carried over, not run again
+        assert page.get_attribute(f"#net g.node[data-step={step}]", "data-restored") == "true"
+        assert page.get_attribute(f"#net g.node[data-step={step}]", "data-runs") == "0"
+    assert page.get_attribute("#net g.node[data-step=publish]", "data-runs") == "1"
+    assert eid[:8] in page.inner_text("#restarted-from") and "publish" in page.inner_text("#restarted-from")
+    page.focus("#net g.node[data-step=load]")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#step-detail p.restored")
+    assert page.evaluate(CONTRAST) == []
+    console.shot("12-restarted", full=True)
+    page.click("#restarted-from a")  # the old execution lists its restarts
+    page.wait_for_selector(f"#restarts a[href='#/executions/{new}']")
+    assert page.get_attribute("#net g.node[data-step=publish]", "data-status") == "failed"  # never changed
+
+
 def test_a_100000_iteration_loop_renders_fast_as_counts_and_is_cancelled_from_its_page(console):
     page = console.page
     entry = next(e for e in console.http.get("/api/catalog", params={"path": "console/big_loop"}).json())

@@ -222,6 +222,24 @@ class ExecutionView(_Open):
     at: Optional[dict[str, Any]] = Field(None, description="the event it stands after (compact), when not the last")
 
 
+class ExecutionSeedRequest(_Exact):
+    execution_id: str
+    from_step: str = Field(description="the step to restart from")
+
+
+class RestartSeed(_Open):
+    """core/restart.py ``seed``: what a restart of the execution from ``step`` starts with (D32)."""
+    execution_id: str
+    step: str
+    upto_event: str = Field(description="the step's first step.started: the state is folded up to it")
+    playbook: dict[str, Any] = Field(description="the document that ran (or its D23 reference)")
+    catalog: Optional[dict[str, Any]] = Field(None, description="its catalog path and version")
+    workload: Any = Field(description="the execution's workload")
+    iter_parent: Any = None
+    state: dict[str, Any] = Field(description="ctx, runs (each step's last finished run), skipped, tokens, delayed")
+    status: Optional[str] = Field(None, description="the execution's final status")
+
+
 class ExecutionResultRequest(_Exact):
     execution_id: str
     run_id: str

@@ -58,6 +58,7 @@ Q_EXECUTION_WAITS = "noetl.q.execution.waits"  # D30: waits in progress (the inb
 Q_EXECUTION_STATE = "noetl.q.execution.state"  # the console's view of the state after event N (core/view.py)
 Q_EXECUTION_RESULT = "noetl.q.execution.result"  # one step run's whole result (the console's download)
 Q_EXECUTION_STATUS = "noetl.q.execution.status"  # one execution's status and requester (the credentials service)
+Q_EXECUTION_SEED = "noetl.q.execution.seed"  # D32: what a restart from a step starts with (core/restart.py)
 Q_RECORDER_PING = "noetl.q.recorder.ping"
 # ... by the credentials service (queue group ``credentials``)
 Q_CREDENTIAL_PUT = "noetl.q.credential.put"
@@ -203,6 +204,8 @@ _RECORDER_Q = (
      ("gateway",)),
     (Q_EXECUTION_STATUS, "ExecutionStatusRequest", "ExecutionStatus",
      "one execution's status and who started it, from the projection (no fold)", ("credentials",)),
+    (Q_EXECUTION_SEED, "ExecutionSeedRequest", "RestartSeed",
+     "what a restart from a step starts with: the state folded up to the step's first start (D32)", ("gateway",)),
     (Q_RECORDER_PING, "Empty", "RecorderPing", "the recorder's state (the gateway's /ready)", ("gateway",)),
 )
 _CREDENTIALS_Q = (

@@ -32,6 +32,7 @@ from .. import limits
 from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy
+from . import restart as restart_seed
 from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
                     graph_of, open_wait, playbook_digest)
@@ -132,6 +133,10 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
         errors = ["no playbook given"]
     else:
         digest, doc, errors = _validated(resolved)
+    restart = state.request.get("restarted_from")
+    if not errors and restart is not None:  # D32: the seed must fit the playbook before the fold takes it
+        errors = ([] if isinstance(restart, dict) else ["restarted_from is not a mapping"]) \
+            or restart_seed.check(state.request.get("seed"), doc, digest)
     if errors:
         out.event("playbook.request.evaluated", status="error", data={"errors": errors})
         return
@@ -148,8 +153,27 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
               "path": doc["metadata"]["path"], "version": (state.request.get("catalog") or {}).get("version"),
               "parent_execution_id": state.request.get("parent_execution_id")},
     )
+    if restart is not None:
+        out.event("workflow.started", data={"entry_step": entry_step(doc), "restarted_from": restart})
+        _enqueue_seed(out)
+        return
     out.event("workflow.started", data={"entry_step": entry_step(doc)})
     _enqueue(out, entry_step(doc), ENTRY_PLACE, state.request.get("args") or {}, cause_key="entry")
+
+
+def _enqueue_seed(out: _Out) -> None:
+    """D32: a restart's tokens — those that were waiting, and those of the runs that happen again
+    (``from_step``'s among them) — with new ids, in the order they had arrived; a token an arc had
+    delayed arrives at its due time, by a timer (at once when that has passed)."""
+    state = out.state
+    seed = state.request.get("seed") or {}
+    for i, t in enumerate(seed.get("tokens") or ()):
+        _enqueue(out, t["step"], t.get("place", ENTRY_PLACE), t.get("args") or {}, cause_key=f"restart:{i}")
+    for i, t in enumerate(seed.get("delayed") or ()):
+        tid = stable_id("token", state.execution_id, out.cause["event_id"], f"restart-delayed:{i}")
+        due = max(float(t["due"]), float(out.cause.get("timestamp") or 0))  # passed: at once
+        out.timer("token", due, {"token_id": tid, "step": t["step"], "place": t.get("place", ENTRY_PLACE),
+                                 "args": t.get("args") or {}}, key=f"restart-delayed:{i}", step=t["step"])
 
 
 def _keychain_declarations(doc: dict) -> list[dict]:

@@ -78,6 +78,7 @@ async def run_local(
     keychain_resolver: Resolver | None = None,
     catalog: Mapping[str, Any] | None = None,
     signals: Sequence[tuple[float, str, Any]] = (),
+    request: Mapping[str, Any] | None = None,
 ) -> LocalRun:
     """Run one execution to its end. ``seed=None`` moves everything in a fixed order; an int picks
     the next mover at random among those that can move. Keychain ``credential`` entries resolve
@@ -88,7 +89,8 @@ async def run_local(
     Time (D29, D30) runs on a fake clock: when nothing else can move, the earliest timer fires (its
     ``timer.fired`` enters the log as the NATS scheduler would write it), or the earliest of
     ``signals`` — ``(seconds after the start, name, payload)`` — is sent to the root execution; no
-    test waits for real time."""
+    test waits for real time. ``request``: the data of the root's ``playbook.execution.requested``
+    (default ``{workload}``), e.g. a restart's (:func:`restart_local`)."""
     from ..tools import default_tools
 
     if keychain_resolver is None:
@@ -116,11 +118,12 @@ async def run_local(
             run.events.append(e)
 
     send([make_event("playbook.execution.requested", run.execution_id, event_id=f"req-{run.execution_id}",
-                     source="gateway", data={"workload": dict(workload or {})})])
+                     source="gateway", data=dict(request) if request is not None else {"workload": dict(workload or {})})])
 
     def resolve(event: dict[str, Any]) -> Any:
         if event["execution_id"] == run.execution_id:
-            return playbook
+            inline = (event.get("data") or {}).get("playbook")
+            return playbook if inline is None else inline
         path = ((event.get("data") or {}).get("catalog") or {}).get("path")
         return books[path] if path in books else [f"catalog: no playbook at path {path!r}"]
 
@@ -143,6 +146,19 @@ async def run_local(
         await _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tools, publish, sleep or no_sleep,
                      keychain_resolver, len(signals))
     return run
+
+
+async def restart_local(old: LocalRun, from_step: str, *, workload: Mapping[str, Any] | None = None,
+                        execution_id: str | None = None, **kw: Any) -> LocalRun:
+    """D32 in process: a new run that restarts ``execution_id`` (default the root) of ``old`` from
+    ``from_step``, as the gateway makes it (core/restart.py), with ``workload`` merged over the old one;
+    ``kw`` as :func:`run_local`'s."""
+    from . import restart
+
+    xid = execution_id or old.execution_id
+    start = restart.seed(old.log_of(xid), from_step, status=old.state_of(xid).status, execution_id=xid)
+    return await run_local(start["playbook"], request=restart.request(start, workload=dict(workload or {}) or None),
+                           **kw)
 
 
 class _FakeTime:

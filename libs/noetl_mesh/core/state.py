@@ -71,6 +71,7 @@ class StepRun:
     ended: bool = False
     routed: bool = False
     loop: LoopState | None = None
+    restored: bool = False  # D32: carried over from the execution this one restarts, not run here
 
     @property
     def active(self) -> bool:
@@ -250,6 +251,28 @@ def _evaluated(s: ExecutionState, e: dict, d: dict) -> None:
     s.workload = d.get("workload") or {}
     s.keychain = d.get("keychain") if isinstance(d.get("keychain"), list) else []
     s.graph = graph_of(s.playbook, d.get("digest"))
+    if s.request.get("restarted_from") is not None:
+        _restore(s, s.request.get("seed"))
+
+
+def _restore(s: ExecutionState, seed: Any) -> None:
+    """D32: a restart's initial state, from its request's seed (core/restart.py; admission checked it
+    before evaluating the request): ctx, each earlier step's last finished run, the skip counts. Its
+    tokens come as events (admission enqueues them)."""
+    if not isinstance(seed, dict):
+        return
+    if isinstance(seed.get("ctx"), dict):
+        s.ctx.update(seed["ctx"])
+    for r in seed.get("runs") or ():
+        if isinstance(r, dict) and isinstance(r.get("run_id"), str) and r["run_id"] not in s.runs:
+            run = StepRun(r["run_id"], r.get("step"), r.get("args") or {}, status=r.get("status", "done"),
+                          result=r.get("result"), error=r.get("error"), started=True, ended=True, routed=True,
+                          restored=True)
+            s.runs[run.id] = run
+            s.runs_of.setdefault(run.step, []).append(run.id)
+    for step, n in (seed.get("skipped") or {}).items() if isinstance(seed.get("skipped"), dict) else ():
+        if isinstance(n, int):
+            s.skipped[step] = n
 
 
 _GRAPHS: dict[str, WorkflowGraph] = {}
@@ -559,7 +582,10 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         run = state.last_run(step)
         if run is not None:
             status = run.status if run.ended else "cancelled" if state.finished else "running"
-            steps[step] = {"status": status, "runs": len(state.runs_of[step]), "result": run.result}
+            ran = [rid for rid in state.runs_of[step] if not state.runs[rid].restored]
+            steps[step] = {"status": status, "runs": len(ran), "result": run.result}
+            if run.restored:  # D32: its result was carried over; it did not run in this execution
+                steps[step]["restored"] = True
         elif state.skipped.get(step):
             steps[step] = {"status": "skipped", "runs": 0, "result": None}
     out = {"execution_id": state.execution_id, "status": state.status, "workload": state.workload,
@@ -578,6 +604,8 @@ def summary(state: ExecutionState) -> dict[str, Any]:
         out["refused_signals"] = list(state.refused_signals)
     if state.request.get("schedule"):  # started by a schedule's firing (D31)
         out["schedule"] = state.request["schedule"]
+    if isinstance(state.request.get("restarted_from"), dict):  # D32
+        out["restarted_from"] = state.request["restarted_from"]
     return out
 
 

@@ -181,11 +181,14 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
     for step in order:
         ids = state.runs_of.get(step, [])
         active = sum(1 for rid in ids if not state.runs[rid].routed)
-        steps[step] = {"status": _step_status(state, step, waiting), "runs": len(ids),
+        ran = sum(1 for rid in ids if not state.runs[rid].restored)  # D32: not the runs a restart carried over
+        steps[step] = {"status": _step_status(state, step, waiting), "runs": ran,
                        "skipped": state.skipped.get(step, 0), "active": active,
                        "tokens": sum(t["count"] for t in tokens_by_place.values() if t["step"] == step)}
         if not ids:
             continue
+        if state.runs[ids[-1]].restored:  # D32: its last run was carried over from the restarted execution
+            steps[step]["restored"] = True
         sdef = defs.get(step) or {}
         loop = sdef.get("loop") if isinstance(sdef.get("loop"), Mapping) else None
         lspec = (loop or {}).get("spec") or {}
@@ -196,6 +199,8 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
             item: dict[str, Any] = {"run_id": rid, "status": status, "ended": run.ended,
                                     "routed": run.routed, "args": preview(run.args, limit),
                                     "result": preview(run.result, limit), "error": preview(run.error, limit)}
+            if run.restored:
+                item["restored"] = True
             if loop is not None:
                 mode = lspec.get("mode", "sequential")
                 item["loop"] = loop_progress(loops.get(rid), loop_totals.get(rid), ended_counts.get(rid), mode,
@@ -222,6 +227,8 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
     request = state.request if isinstance(state.request, dict) else {}
     if request.get("parent_execution_id"):
         out["parent_execution_id"] = request["parent_execution_id"]
+    if isinstance(request.get("restarted_from"), Mapping):  # D32: the execution and step this one goes on from
+        out["restarted_from"] = {k: request["restarted_from"].get(k) for k in ("execution", "step", "upto_event")}
     who = request.get("requested_by")
     if isinstance(who, Mapping):  # ids and names only (the gateway's auth.requested_by)
         out["requested_by"] = {k: who.get(k) for k in ("user_id", "username") if isinstance(who.get(k), str)}

@@ -64,7 +64,7 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
     COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
-    Q_EXECUTION_RESULT, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject,
+    Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject,
     command_subject, credential_resolve_subject, live_subject, pool_filter, timer_subject, timer_target)
 
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject

@@ -41,7 +41,8 @@ export async function executionPage(main, id, query, ctx) {
         h("div", { class: "panel-head" }, h("h2", {}, "Net"),
           h("span", { class: "legend", "aria-hidden": "true" },
             ["idle", "waiting", "running", "done", "failed", "cancelled", "skipped"].map((st) => h("span", { class: `chip st-${st}` }, st)),
-            h("span", { class: "chip back" }, "back-edge"), h("span", { class: "chip join" }, "⋈ join"))),
+            h("span", { class: "chip back" }, "back-edge"), h("span", { class: "chip join" }, "⋈ join"),
+            h("span", { class: "chip" }, "↺ carried over"))),
         netBox,
         h("div", { class: "timetravel" },
           h("label", { for: "tt" }, "Time travel"), slider, ttLabel,
@@ -122,6 +123,11 @@ export async function executionPage(main, id, query, ctx) {
       fact("duration", view.started_at ? fmtDuration(duration(view.started_at, view.finished_at)) + (view.finished_at ? "" : " so far") : "—"),
       fact("events", num(view.total)),
       view.parent_execution_id ? fact("parent", h("a", { href: `#/executions/${view.parent_execution_id}`, class: "mono", id: "parent-link" }, short(view.parent_execution_id))) : null,
+      view.restarted_from ? fact("restarted from", h("span", { id: "restarted-from" },
+        h("a", { href: `#/executions/${view.restarted_from.execution}`, class: "mono" }, short(view.restarted_from.execution)),
+        ` at step ${view.restarted_from.step}`)) : null,
+      view.restarts && view.restarts.length ? fact(`restarts (${num(view.restarts.length)})`,
+        h("span", { id: "restarts" }, view.restarts.map((r) => [h("a", { href: `#/executions/${r}`, class: "mono" }, short(r)), " "]))) : null,
       view.children && view.children.length ? fact(`children (${num(view.children_total)})`,
         h("span", { id: "children" }, view.children.map((c) => [h("a", { href: `#/executions/${c}`, class: "mono" }, short(c)), " "]))) : null);
     renderActions(view);
@@ -243,23 +249,53 @@ export async function executionPage(main, id, query, ctx) {
         st.tokens ? `, ${num(st.tokens)} token${st.tokens === 1 ? "" : "s"} waiting` : ""),
       node ? h("p", { class: "note" }, [node.join ? "a join (fires once per set of tokens, D16). " : "",
         node.loop ? `a ${node.loop.mode} loop over ${node.loop.iterator}. ` : "", node.kinds.length ? `tasks: ${node.tasks.join(", ")}` : "no tool"]) : null);
+    add(aside, restartForm(view, step, st));
     if (!runs) { add(aside, h("p", { class: "note" }, "No run at this point.")); return; }
     if (runs.total > runs.shown.length) add(aside, h("p", { class: "note" }, `the last ${runs.shown.length} of ${num(runs.total)} runs`));
     for (const run of [...runs.shown].reverse()) {
-      const dl = () => h("button", { type: "button", class: "link", onclick: () => downloadResult(run.run_id) }, "download the whole result");
+      // a run carried over by a restart (D32) is the restarted execution's: its result and tasks are there
+      const from = run.restored && view.restarted_from ? view.restarted_from.execution : id;
+      const dl = () => h("button", { type: "button", class: "link", onclick: () => downloadResult(run.run_id, from) }, "download the whole result");
       add(aside, h("article", { class: "run", "data-run": run.run_id },
         h("h3", {}, "run ", h("span", { class: "mono", title: run.run_id }, short(run.run_id)), " ", statusBadge(run.status)),
+        run.restored ? h("p", { class: "note restored" }, "carried over from execution ",
+          h("a", { href: `#/executions/${from}`, class: "mono" }, short(from)), ": it did not run again") : null,
         run.loop ? loopBlock(run.loop) : null,
         h("h4", {}, "args"), value(run.args),
         run.ended ? [h("h4", {}, "result"), value(run.result, { download: dl() }), !isPreview(run.result) ? h("p", {}, dl()) : null] : null,
         run.error ? [h("h4", {}, "error"), value(run.error)] : null,
-        taskBlocks.get(run.run_id) || taskBlocks.set(run.run_id, tasksBlock(run)).get(run.run_id)));
+        run.restored ? null : taskBlocks.get(run.run_id) || taskBlocks.set(run.run_id, tasksBlock(run)).get(run.run_id)));
     }
   }
 
-  async function downloadResult(runId) {
+  // ---------------------------------------------------------------- restart from a step (D32)
+  function restartForm(view, step, st) {
+    if (!view.finished || !["failed", "cancelled"].includes(st.status) || st.restored) return null;
+    if (!ctx.can("execution.start")) return null;
+    const workload = h("textarea", { id: "restart-workload", rows: 3, class: "mono", "aria-label": "workload changes (JSON, merged over this execution's)" }, "{}");
+    const note = h("p", { role: "status", class: "note", id: "restart-status" });
+    return h("form", { class: "card restart-form", "data-step": step, onsubmit: async (ev) => {
+      ev.preventDefault();
+      let changes;
+      try { changes = workload.value.trim() ? JSON.parse(workload.value) : {}; } catch (e) { note.textContent = `the workload is not JSON: ${e.message}`; return; }
+      if (changes === null || typeof changes !== "object" || Array.isArray(changes)) { note.textContent = "the workload is a JSON object"; return; }
+      note.textContent = "Restarting…";
+      try {
+        const body = { from_step: step };
+        if (Object.keys(changes).length) body.workload = changes;
+        const r = await api(`/api/executions/${id}/restart`, { method: "POST", body });
+        ctx.go(`/executions/${r.execution_id}`);
+      } catch (e) { note.textContent = e.message; }
+    } },
+    h("h3", {}, "Restart from here"),
+    h("p", { class: "note" }, `A new execution goes on from ${step} with this one's state as it stood when ${step} first started: the steps that had finished are not run again.`),
+    h("label", { for: "restart-workload" }, "Workload changes (JSON, merged over this execution's)"), workload,
+    h("button", { type: "submit", class: "primary", id: "restart-from" }, `Restart from ${step}`), note);
+  }
+
+  async function downloadResult(runId, from = id) {
     try {
-      const resp = await api(`/api/executions/${id}/runs/${runId}/result`, { raw: true });
+      const resp = await api(`/api/executions/${from}/runs/${runId}/result`, { raw: true });
       saveFile(`${runId}.json`, await resp.text());
     } catch (e) { banner.textContent = e.message; }
   }

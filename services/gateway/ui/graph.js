@@ -126,8 +126,9 @@ export function drawNet(container, net, { onSelect } = {}) {
       node.grp.setAttribute("class", node.grp.getAttribute("class").replace(/\bst-[a-z]+/, `st-${status}`));
       node.grp.setAttribute("data-status", status);
       node.grp.setAttribute("data-runs", String(st.runs || 0));
-      node.runs.textContent = st.runs ? `×${num(st.runs)}` : (st.skipped ? "skipped" : "");
-      node.grp.setAttribute("aria-label", `step ${id}: ${status}, ${st.runs || 0} run${st.runs === 1 ? "" : "s"}`);
+      node.grp.setAttribute("data-restored", st.restored ? "true" : "false"); // D32: carried over by a restart
+      node.runs.textContent = st.runs ? `×${num(st.runs)}` : (st.restored ? "↺" : st.skipped ? "skipped" : "");
+      node.grp.setAttribute("aria-label", `step ${id}: ${status}, ${st.runs || 0} run${st.runs === 1 ? "" : "s"}${st.restored ? ", its result carried over from the restarted execution" : ""}`);
       if (node.bar) {
         const shown = ((view.runs || {})[id] || {}).shown || [];
         const loop = shown.length ? shown[shown.length - 1].loop : null;
