@@ -707,7 +707,11 @@ class RecorderService:
             raise BusError("bad_request", "seq must be an event's log sequence (an integer)")
         bound_limit = limits.current().max_state_events
         async with self._connection() as conn:
-            proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
+            proj = await (await conn.execute(
+                f"SELECT {', '.join(_EXECUTION_COLUMNS)}, ({_STARTER_NAME}) FROM execution WHERE execution_id = %s",
+                (xid,))).fetchone()
+            starter = proj[-1] if proj else None
+            proj = proj[:-1] if proj else None
             total = await _event_count(conn, xid)
             if not total:
                 raise BusError("not_found", f"execution {xid} is not known")
@@ -753,7 +757,9 @@ class RecorderService:
         out.update({"position": position, "total": total, "at": at, "path": p.get("path"), "version": p.get("version"),
                     "created_at": p.get("created_at"), "started_at": p.get("started_at"),
                     "finished_at": p.get("finished_at"),
-                    "requested_by": out.get("requested_by") or ({"user_id": p["requested_by"]} if p.get("requested_by") else None),
+                    # a child's: its parent's starter's, on whose behalf it runs (username from up the chain)
+                    "requested_by": out.get("requested_by") or ({"user_id": p["requested_by"], "username": starter}
+                                                                 if p.get("requested_by") else None),
                     "parent_execution_id": out.get("parent_execution_id") or p.get("parent_execution_id")})
         if restarts:
             out["restarts"] = restarts

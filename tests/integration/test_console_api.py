@@ -410,8 +410,10 @@ def test_a_child_execution_is_listed_as_started_on_behalf_of_its_parents_starter
             status = await client.wait(parent, timeout=60)
             assert status["status"] == "COMPLETED", status
             rows = await client.list_executions(path="examples/nested_child")
-            return parent, rows
+            views = [(await client._call("GET", f"/api/executions/{r['execution_id']}/state")) for r in rows]
+            return parent, rows, views
 
-    parent, rows = stack.run(go())
+    parent, rows, views = stack.run(go())
     assert rows and all(r["parent_execution_id"] == parent for r in rows)
     assert {r["requested_by_name"] for r in rows} == {"admin"}
+    assert all(v["requested_by"]["username"] == "admin" and v["parent_execution_id"] == parent for v in views)
