@@ -360,6 +360,17 @@ CONTRAST = """() => {
 }"""
 
 
+def test_an_unknown_execution_id_says_so_instead_of_waiting_forever(console):
+    page = console.page
+    console.go(f"/executions/{'ab' * 16}")
+    page.wait_for_selector("#exec-banner")
+    assert "Waiting for the execution's first events" in page.inner_text("#exec-banner")  # maybe just started
+    page.wait_for_selector("#exec-banner[data-state=unknown]", timeout=30_000)  # then: it is not known here
+    assert f"No execution {'ab' * 16} is known to this stack" in page.inner_text("#exec-banner")
+    assert page.get_attribute(".live-dot", "data-state") == "unknown"
+    assert page.inner_text(".live-dot") == "not found"
+
+
 def test_the_api_docs_render_under_their_policy(console):
     """/docs (Swagger UI) and /redoc in the browser, under their Content-Security-Policy: each renders
     the API, no script or style is refused (Swagger UI's inline start-up script passes by its hash), and

@@ -69,9 +69,26 @@ export async function executionPage(main, id, query, ctx) {
     }
   }
 
+  // An execution just started may not be recorded yet: wait for it, but not forever (a wrong id).
+  const UNKNOWN_AFTER_MS = 10000;
+  let firstMiss = null, unknown = false;
   async function loadLatest() {
+    if (unknown) return;
     const view = await fetchState(page.net ? {} : { net: true });
-    if (!view) { banner.textContent = "Waiting for the execution's first events to be recorded…"; return; }
+    if (!view) {
+      firstMiss = firstMiss ?? Date.now();
+      if (Date.now() - firstMiss < UNKNOWN_AFTER_MS) {
+        banner.textContent = "Waiting for the execution's first events to be recorded…";
+        setTimeout(() => { if (!page.latest) loadLatest(); }, UNKNOWN_AFTER_MS - (Date.now() - firstMiss) + 50);
+        return;
+      }
+      unknown = true;
+      banner.textContent = `No execution ${id} is known to this stack: check the id, or the stack it ran on.`;
+      banner.dataset.state = "unknown";
+      if (close) close();
+      liveNote.textContent = "not found"; liveNote.dataset.state = "unknown";
+      return;
+    }
     banner.textContent = "";
     if (view.net && !page.net) setNet(view.net);
     receive(view);
@@ -447,13 +464,14 @@ export async function executionPage(main, id, query, ctx) {
   // ---------------------------------------------------------------- wiring
   // A notice can arrive before the first page is shown (tail() then has nothing to follow), and what is
   // recorded before the stream is live has no notice: once both are there, read the tail again.
-  let loaded = false;
+  let loaded = false, close = null;
   const catchUp = () => { loadLatest(); tail(); loadWaits(); };
-  const close = openStream(`/api/live/executions/${id}`, {
+  close = openStream(`/api/live/executions/${id}`, {
     events: () => { if (!page.latest) loadLatest(); tail(); },
     state: (view) => { if (!page.net) loadLatest(); else receive(view); loadWaits(); },
     resync: () => { loadLatest(); loadTimeline(page.timeline.offset); loadWaits(); },
     status: (st) => {
+      if (unknown) return;
       liveNote.textContent = st === "live" ? "live" : st; liveNote.dataset.state = st;
       if (st === "live" && loaded) catchUp();
     },
