@@ -1,6 +1,6 @@
 """Hostile requests to the gateway, over a real HTTP server in front of a whole stack (real NATS and
 Postgres): each is answered with a 4xx that says what is wrong and where (never a 5xx), and a normal
-execution submitted right after still completes within its usual time."""
+execution submitted right after still completes."""
 from __future__ import annotations
 
 import asyncio
@@ -55,10 +55,9 @@ def detail(resp: httpx.Response) -> dict[str, Any]:
 
 
 def still_normal(stack) -> None:
-    started = time.monotonic()
+    """Another execution still completes (the wait's timeout is only a guard against a hang)."""
     status, _ = stack.execute(TINY, timeout=USUAL)
     assert status["status"] == "COMPLETED", status
-    assert time.monotonic() - started < USUAL
 
 
 def post_json_text(http: httpx.Client, url: str, text: str) -> httpx.Response:
@@ -106,10 +105,9 @@ def test_a_workload_over_max_workload_bytes_is_413(stack, http):
 def test_a_body_of_millions_of_tiny_values_is_413_before_it_is_parsed(stack, http):
     # 15 MiB of empty lists: under max_body_bytes, but about 350 MB of objects once parsed
     text = '{"playbook": "x", "workload": {"a": [' + "[]," * 5_000_000 + '[]]}}'
-    started = time.monotonic()
-    resp = http.post("/api/executions", content=text, headers={"content-type": "application/json"})
-    assert resp.status_code == 413, resp.text
-    assert "max_body_values" in detail(resp)["message"] and time.monotonic() - started < USUAL
+    resp = http.post("/api/executions", content=text, headers={"content-type": "application/json"}, timeout=USUAL)
+    assert resp.status_code == 413, resp.text  # counted on its bytes, never parsed
+    assert "max_body_values" in detail(resp)["message"]
     still_normal(stack)
 
 
@@ -357,9 +355,7 @@ def test_a_yaml_alias_bomb_is_refused_quickly_and_the_gateway_keeps_answering(st
             async with GatewayClient(url, token=stack.token) as client:
                 return await client.wait(await client.start(TINY), timeout=USUAL)
 
-        started = time.monotonic()
         assert asyncio.run(normal())["status"] == "COMPLETED"
-        assert time.monotonic() - started < USUAL
         bomb.join(USUAL)
         resp = answer["bomb"]
         assert isinstance(resp, httpx.Response), resp
@@ -378,11 +374,9 @@ def test_a_submission_while_nats_is_down_is_503_with_retry_after(pg_dsn, tmp_pat
         with httpx.Client(base_url=handle.url, trust_env=False, timeout=60, headers=handle.headers) as http:
             assert http.get("/ready").status_code == 200
             nats.stop()
-            started = time.monotonic()
-            resp = http.post("/api/executions", json={"playbook": TINY})  # as NATS goes away
-            assert resp.status_code == 503, resp.text
+            resp = http.post("/api/executions", json={"playbook": TINY}, timeout=USUAL)  # as NATS goes away
+            assert resp.status_code == 503, resp.text  # an answer, not a hang
             assert resp.headers["retry-after"] == "1" and "NATS" in detail(resp)["message"]
-            assert time.monotonic() - started < USUAL
             ready = http.get("/ready")
             assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
             assert ready.json()["nats"]["ok"] is False and ready.json()["recorder"]["ok"] is False
@@ -509,9 +503,7 @@ def test_arbitrary_bodies_to_every_write_endpoint_never_get_a_5xx(stack):
         if resp.status_code >= 400:
             detail(resp)
 
-    started = time.monotonic()
     with http:
         one()
     assert {400, 415, 422} <= set(seen), seen  # the strict paths were reached
-    assert time.monotonic() - started < 120
     still_normal(stack)

@@ -168,14 +168,11 @@ def test_a_300_mb_http_body_fails_its_task_alone(stack, streams):
     assert outcome["error"]["kind"] == "result_too_large" and outcome["error"]["retryable"] is False
     assert "max_result_bytes = 32 MiB" in outcome["error"]["message"]
     assert "'fetch'" in outcome["error"]["message"]
-    assert seconds < 60  # reading stopped at 32 MiB (normal: ~1 s)
     assert rss.growth < 200, f"the stack grew by {rss.growth:.0f} MiB"  # 300 MB never held
     assert StreamServer.sent[f"/stream/{300 * MIB}"] < 200 * MIB
     # every other execution keeps going
-    t0 = time.perf_counter()
     after, _ = stack.execute(SMALL, timeout=60)
     assert after["status"] == "COMPLETED" and after["steps"]["start"]["result"] == {"n": 1}
-    assert time.perf_counter() - t0 < 30
 
 
 SECRET = "tok/3n+s3cr3t é&x"
