@@ -616,13 +616,16 @@ class _Progress:
         timed = loop["t0"] is not None and loop["t1"] is not None
         elapsed = loop["t1"] - loop["t0"] if timed and ended else now - loop["seen"]
         span = loop["t1"] - loop["t0"] if timed and loop["t1"] > loop["t0"] else elapsed
-        rate = f"{(done + failed) / span:.1f}/s" if span > 0 and done + failed else "-/s"
+        per_second = (done + failed) / span if span > 0 and done + failed else 0.0
+        rate = f"{per_second:.1f}/s" if per_second else "-/s"
         count = f"{done + failed}/{total if total is not None else '?'}"
         extra = f", {failed} failed" if failed else ""
+        left = total - done - failed if total else 0
+        eta = f" ETA {left / per_second:.0f}s" if per_second and left > 0 and not ended else ""
         if bar and total:
             filled = int(20 * (done + failed) / total)
-            return f"{loop['step']} [{'#' * filled}{'.' * (20 - filled)}] {count}{extra} {rate} {elapsed:.1f}s"
-        return f"  {'loop':<18} {loop['step']} {count} iterations{extra}, {rate}, {elapsed:.1f}s"
+            return f"{loop['step']} [{'#' * filled}{'.' * (20 - filled)}] {count}{extra} {rate} {elapsed:.1f}s{eta}"
+        return f"  {'loop':<18} {loop['step']} {count} iterations{extra}, {rate}, {elapsed:.1f}s{eta and ','}{eta}"
 
     def _tick(self, now: float) -> None:
         if not self.loops:

@@ -297,7 +297,7 @@ def test_loop_progress_on_a_terminal_is_a_bar_redrawn_in_place():
     events = _loop_events(4, failed=set())
     for event in events[:4]:  # started, and two iterations of four
         progress(event)
-    assert out.getvalue().endswith("\r\x1b[K  s [##########..........] 2/4 2.0/s 0.0s")
+    assert out.getvalue().endswith("\r\x1b[K  s [##########..........] 2/4 2.0/s 0.0s ETA 1s")  # 2 left at 2/s
     for event in events[4:]:
         progress(event)
     progress.close()
