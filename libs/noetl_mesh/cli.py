@@ -1034,6 +1034,14 @@ def cmd_register(args: argparse.Namespace) -> int:
     return _gateway_call(args, register)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    """``noetl completion bash|zsh|fish``: the shell's completion script, from this parser."""
+    from .completion import script
+
+    print(script(args.shell, build_parser()), end="")
+    return EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     """``noetl ls``: executions, newest first, with the console's filters; a table, or ``--json``."""
     import httpx
@@ -1529,6 +1537,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
     p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
     p.set_defaults(func=cmd_nats_credentials)
+
+    p = sub.add_parser("completion", help="print shell completion: eval \"$(noetl completion bash)\" (zsh, fish too)")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"], help="which shell's script")
+    p.set_defaults(func=cmd_completion)
 
     p = sub.add_parser("ls", help="executions, newest first (filters as the console's)")
     p.add_argument("--status", type=str.upper, choices=["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"],
