@@ -974,14 +974,24 @@ def cmd_nats_credentials(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _columns() -> dict:
+    """The columns a table shows for the commands whose records are wide (the rest: every plain field)."""
+    return {
+        cmd_events: ("timestamp", "name", "step", "task", "iteration", "attempt", "status"),
+        cmd_waits: ("execution_id", "step", "task", "signal", "assignee", "timeout_at", "started_at"),
+    }
+
+
 def _gateway_call(args: argparse.Namespace, fn) -> int:
     import httpx
 
     from .client import GatewayClient, GatewayError
 
+    from .output import emit
+
     async def main() -> int:
         async with GatewayClient(args.gateway) as client:
-            print(json.dumps(await fn(client), indent=2, default=str))
+            emit(await fn(client), getattr(args, "output", None), _columns().get(getattr(args, "func", None)))
             return EXIT_OK
 
     try:
@@ -1103,7 +1113,46 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    return _gateway_call(args, lambda c: c.all_events(args.execution_id))
+    """``noetl events ID [--name N]... [--step S] [--task T] [--iteration I] [--follow]``: the execution's
+    events in log order (the API's filters); ``--follow`` prints them as they come, until the end."""
+    filters = {"name": args.name or None, "step": args.step, "task": args.task, "iteration": args.iteration}
+    if not args.follow:
+        return _gateway_call(args, lambda c: c.all_events(args.execution_id, **filters))
+    import httpx
+
+    from .client import GatewayClient, GatewayError
+    from .output import chosen, table
+
+    fmt = chosen(args.output)
+
+    async def follow() -> int:
+        async with GatewayClient(args.gateway) as client:
+            offset, header = 0, True
+            while True:
+                page = await client.events(args.execution_id, offset=offset, **filters)
+                for event in page["events"]:
+                    if fmt == "table":
+                        lines = table([event], _columns()[cmd_events]).splitlines()
+                        print("\n".join(lines if header else lines[1:]), flush=True)
+                        header = False
+                    else:
+                        print(json.dumps(event, default=str), flush=True)  # one event per line
+                offset += len(page["events"])
+                if not page["events"]:
+                    status = await client.status(args.execution_id, brief=True)
+                    if status.get("status") in ("COMPLETED", "FAILED", "CANCELLED"):
+                        rest = await client.events(args.execution_id, offset=offset, **filters)
+                        if not rest["events"]:
+                            return EXIT_OK
+                        continue
+                    await asyncio.sleep(0.5)
+
+    try:
+        return asyncio.run(follow())
+    except GatewayError as exc:
+        return _gateway_failed(exc, args.gateway)
+    except (OSError, httpx.TransportError) as exc:
+        return _unreachable(args.gateway, exc)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -1556,12 +1605,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ls)
 
     for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
-                            ("events", cmd_events, "an execution's events"),
+                            ("events", cmd_events, "an execution's events (filters as the API's; --follow)"),
                             ("cancel", cmd_cancel, "cancel an execution")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("execution_id", help="the execution's id")
         p.add_argument("--gateway", default=gateway_default, metavar="URL", help=GATEWAY_HELP)
         p.set_defaults(func=fn)
+        if name == "events":
+            p.add_argument("--name", action="append", metavar="EVENT", help="only events of this name (repeatable)")
+            p.add_argument("--step", help="only this step's events")
+            p.add_argument("--task", help="only this task's events")
+            p.add_argument("--iteration", type=int, help="only this loop iteration's events")
+            p.add_argument("--follow", "-f", action="store_true",
+                           help="print events as they are recorded, until the execution ends")
 
     p = sub.add_parser("restart", help="restart a finished execution from one of its steps (D32), and follow the "
                                        "new execution to its end", epilog=RESTART_EXIT_CODES)
@@ -1629,6 +1685,12 @@ def _home_where_gateway(parser: argparse.ArgumentParser) -> None:
     dests = {a.dest for a in parser._actions}
     if "gateway" in dests and "home" not in dests:
         parser.add_argument("--home", metavar="DIR", help=HOME_HELP)
+    # the output layer (output.py) for every command that answers what the gateway says; not for those
+    # with an output of their own (run, restart, ls, verify: --json)
+    if "gateway" in dests and "json" not in dests and "output" not in dests:
+        parser.add_argument("-o", "--output", choices=("table", "yaml", "json"),
+                            help="table or yaml for people, json for programs (default: a table or yaml on a "
+                                 "terminal, json when piped)")
 
 
 DEFAULT_METRICS_PORT = 9464

@@ -157,14 +157,20 @@ class GatewayClient:
     async def status(self, execution_id: str, brief: bool = False) -> dict:
         return await self._call("GET", f"/api/executions/{execution_id}", params={"brief": "true"} if brief else None)
 
-    async def events(self, execution_id: str, offset: int = 0, limit: int = 1000) -> dict:
-        return await self._call("GET", f"/api/executions/{execution_id}/events",
-                                params={"offset": offset, "limit": limit})
+    async def events(self, execution_id: str, offset: int = 0, limit: int = 1000, *, name: list[str] | None = None,
+                     step: str | None = None, task: str | None = None, iteration: int | None = None) -> dict:
+        """A page of the execution's events in log order, filtered as the API filters them."""
+        params: dict[str, Any] = {"offset": offset, "limit": limit}
+        for key, value in (("name", name), ("step", step), ("task", task), ("iteration", iteration)):
+            if value is not None:
+                params[key] = value
+        return await self._call("GET", f"/api/executions/{execution_id}/events", params=params)
 
-    async def all_events(self, execution_id: str) -> list[dict]:
+    async def all_events(self, execution_id: str, **filters: Any) -> list[dict]:
+        """Every event (the filters of :meth:`events`: name, step, task, iteration), page by page."""
         out: list[dict] = []
         while True:
-            page = await self.events(execution_id, offset=len(out))
+            page = await self.events(execution_id, offset=len(out), **filters)
             out += page["events"]
             if not page["events"] or len(out) >= page["total"]:
                 return out

@@ -62,3 +62,47 @@ def test_ls_lists_executions_newest_first_with_the_consoles_filters(stack):
     one = ls("--limit", "1")
     assert len(one.stdout.splitlines()) == 2 and "--offset 1 for the next page" in one.stderr
     assert ls("--limit", "0").returncode == 2
+
+
+NAP = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "nap", "path": "tests/pipes_nap"},
+       "workflow": [{"step": "start", "tool": {"name": "pause", "kind": "wait", "duration": "2s"},
+                     "next": {"arcs": [{"step": "end"}]}},
+                    {"step": "end", "tool": {"kind": "noop", "result": "woke"}}]}
+
+
+def test_status_and_events_as_tables_yaml_or_json_with_the_apis_filters_and_follow(stack):
+    import yaml
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}, "NOETL_TOKEN": stack.token}
+
+    def noetl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "noetl_mesh.cli", *args, "--gateway", stack.url],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+
+    status, _ = stack.execute(LOOP, timeout=120)
+    eid = status["execution_id"]
+    piped = noetl("status", eid)  # a pipe: JSON, as scripts expect
+    assert json.loads(piped.stdout)["status"] == "COMPLETED"
+    as_yaml = noetl("status", eid, "-o", "yaml")
+    assert yaml.safe_load(as_yaml.stdout) == json.loads(piped.stdout)
+    done = noetl("events", eid, "-o", "table", "--name", "loop.iteration.done", "--iteration", "7")
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["TIMESTAMP", "NAME", "STEP", "TASK", "ITERATION", "ATTEMPT", "STATUS"]
+    assert len(lines) == 2 and " loop.iteration.done " in lines[1] and " 7 " in lines[1]
+    two = json.loads(noetl("events", eid, "--name", "step.started", "--name", "loop.done").stdout)
+    assert sorted(e["name"] for e in two) == ["loop.done", "step.started"]
+
+    async def start() -> str:
+        async with stack.client() as client:
+            return await client.start(NAP)
+
+    eid = stack.run(start())
+    follow = noetl("events", eid, "--follow", "-o", "json", timeout=120)  # returns when the execution ends
+    assert follow.returncode == 0, follow.stderr
+    followed = [json.loads(line) for line in follow.stdout.splitlines()]
+    names = [e["name"] for e in followed]
+    assert names[0] == "playbook.execution.requested" and names[-1] == "playbook.processed"
+    assert "wait.ended" in names
+    ids = [e["event_id"] for e in followed]
+    assert len(ids) == len(set(ids))  # each event once
+    assert ids == [e["event_id"] for e in json.loads(noetl("events", eid).stdout)]  # the whole log, in order
