@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import os
 import socket
 import struct
@@ -325,3 +326,94 @@ def test_a_task_runs_at_a_lower_priority_than_its_worker_and_cannot_raise_it():
                                  "try:\n    os.setpriority(os.PRIO_PROCESS, 0, 0)\n    raised = True\n"
                                  "except OSError:\n    raised = False\nresult = [before, raised]"}, {})])
     assert nice["result"] == [min(19, own + 10), False], nice
+
+
+def test_a_task_cannot_make_the_fork_server_read_for_it(monkeypatch):
+    """The end of a crashed task's standard error is read from the server's own descriptor: a link put in
+    its place leads nowhere (not to another process's environment), a FIFO or /dev/zero blocks nothing."""
+    monkeypatch.setenv("NOETL_TEST_SECRET_MARKER", "marker-value-42")
+    me = os.getpid()
+    outs = run_tasks([
+        ({"code": f"import os\nos.unlink('.stderr')\nos.symlink('/proc/{me}/environ', '.stderr')\nos._exit(3)"}, {}),
+        ({"code": "import os\nos.unlink('.stderr')\nos.mkfifo('.stderr')\nos._exit(3)"}, {}),
+        ({"code": "import os\nos.unlink('.stderr')\nos.symlink('/dev/zero', '.stderr')\nos._exit(3)"}, {}),
+        ({"code": "import sys\nsys.stderr.write('mine\\n')\nsys.stderr.flush()\nimport os\nos._exit(4)"}, {}),
+        ({"code": "result = 'still served'"}, {"timeout": 30}),
+    ])
+    assert all(o["error"]["kind"] == "python_crash" for o in outs[:4]), outs
+    assert "marker-value" not in repr(outs)
+    assert outs[3]["error"]["message"].endswith("its last output: mine")
+    assert outs[4]["status"] == "ok" and outs[4]["result"] == "still served"
+
+
+def test_a_task_that_answers_early_and_lingers_is_killed_and_holds_its_slot_until_it_exits():
+    sandbox = Supervisor(Policy())
+    tool = PythonTool(sandbox)
+    code = ("import os, stat, time\n"
+            "for fd in range(3, 64):\n"
+            "    try:\n"
+            "        if stat.S_ISSOCK(os.fstat(fd).st_mode):\n"
+            "            os.write(fd, b'{\"ok\": true, \"result\": \"early\", \"pid\": %d}\\n' % os.getpid())\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "time.sleep(60)\n")
+
+    async def main():
+        try:
+            out = await tool.run({"code": code}, {}, ctx(120))
+            pid = out["result"] and out["py"]["pid"]
+            for _ in range(300):
+                if not _alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            return out, pid, _alive(pid), sandbox.running()  # (before close, which ends everything anyway)
+        finally:
+            await sandbox.close()
+
+    out, pid, alive, running = asyncio.run(main())
+    assert out["result"] == "early" and pid
+    assert not alive and running == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_no_signal_by_io_ownership_no_affinity_of_others_no_inotify_no_net_table():
+    probe = ("import os, fcntl, ctypes, errno\n"
+             "out = {}\n"
+             "r, w = os.pipe()\n"
+             "for name, cmd in (('setown', fcntl.F_SETOWN), ('setsig', 10)):\n"
+             "    try:\n"
+             "        fcntl.fcntl(r, cmd, os.getppid())\n"
+             "        out[name] = 'allowed'\n"
+             "    except OSError as e:\n"
+             "        out[name] = e.errno\n"
+             "try:\n"
+             "    os.sched_setaffinity(os.getppid(), {0})\n"
+             "    out['affinity'] = 'allowed'\n"
+             "except OSError as e:\n"
+             "    out['affinity'] = e.errno\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             "out['inotify'] = libc.inotify_init1(0), ctypes.get_errno()\n"
+             "try:\n"
+             "    open('/proc/self/net/tcp').read()\n"
+             "    out['net'] = 'read'\n"
+             "except OSError as e:\n"
+             "    out['net'] = e.errno\n"
+             "out['own_cgroup'] = bool(open('/proc/self/cgroup').read())\n"
+             "result = out\n")
+    out, = run_tasks([({"code": probe}, {})])
+    res = out["result"]
+    assert res["setown"] == res["setsig"] == errno.EPERM, res
+    assert res["affinity"] == errno.EPERM, res
+    assert res["inotify"] == [-1, errno.EPERM], res
+    assert res["net"] == errno.EACCES and res["own_cgroup"] is True, res

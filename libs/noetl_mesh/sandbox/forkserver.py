@@ -33,6 +33,10 @@ import tempfile
 
 STDERR_TAIL = 4096  # bytes of a task's standard error sent back with its exit
 TASK_NICE = 10  # how much lower a task process's scheduling priority is than the worker's
+# what a task process may read of its own /proc (DuckDB sizes itself by its cgroup; libraries read their
+# limits and maps): not /proc/self/net, which shows every socket of the host's network namespace
+OWN_PROC = tuple(f"/proc/self/{name}" for name in ("cgroup", "mountinfo", "status", "stat", "statm", "maps",
+                                                    "limits", "fd"))
 _MAX_MESSAGE = 1 << 20
 
 
@@ -44,26 +48,42 @@ def _send(ctl: socket.socket, message: dict) -> None:
 
 
 def _rmtree(path: str) -> None:
-    """Remove a scratch directory, whatever modes the task left on it."""
+    """Remove a scratch directory whatever modes the task left in it (a mode-000 directory is opened
+    up through a descriptor, never a path that could lead elsewhere; links are removed, not followed)."""
     def fix(func, p, exc):  # noqa: ARG001
+        for d in (os.path.dirname(p), p):
+            try:
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                os.fchmod(fd, 0o700)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
         try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
             func(p)
         except OSError:
             pass
     shutil.rmtree(path, onerror=fix)
+    if os.path.isdir(path):  # a directory made unreadable one level down: a second pass opens it
+        shutil.rmtree(path, onerror=fix)
 
 
-def _tail(path: str) -> str:
+def _tail(fd: int | None) -> str:
+    """The end of what a task process wrote to its standard error: read from the server's own
+    descriptor of the file it made (never by path: the task may have put a link, a FIFO or another
+    file in its place), at most ``STDERR_TAIL`` bytes."""
+    if fd is None:
+        return ""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - STDERR_TAIL))
-            return f.read().decode("utf-8", "replace")
+        size = os.fstat(fd).st_size
+        return os.pread(fd, STDERR_TAIL, max(0, size - STDERR_TAIL)).decode("utf-8", "replace")
     except OSError:
         return ""
+    finally:
+        os.close(fd)
 
 
 class Server:
@@ -77,7 +97,8 @@ class Server:
         self.spare_count = max(0, int(config.get("spare", 2)))
         self.wanted: dict[str, int] = {config.get("kind", "python"): self.spare_count}  # spares to keep, by kind
         self.spares: dict[str, list[tuple[int, socket.socket, str]]] = {}  # kind -> (pid, channel, scratch)
-        self.children: dict[int, tuple[int | None, str]] = {}  # pid -> (task id or None while spare, scratch)
+        # pid -> (task id or None while spare, scratch, the server's descriptor of its .stderr)
+        self.children: dict[int, tuple[int | None, str, int | None]] = {}
         self.by_id: dict[int, int] = {}  # task id -> pid
         self.serial = 0
         self.failures = 0  # spares that died unused in a row (a confinement that fails in every fork)
@@ -138,10 +159,15 @@ class Server:
         """A new spare for ``kind``: forked, set up and confined, waiting on its channel for a request."""
         self.serial += 1
         scratch = os.path.join(self.root, f"t{self.serial}")
+        err = None
         try:
             os.mkdir(scratch, 0o700)
+            err = os.open(os.path.join(scratch, ".stderr"),
+                          os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         except OSError as e:
+            if err is not None:
+                os.close(err)
             _rmtree(scratch)
             self.last_error = f"the sandbox could not prepare a task process: {e}"
             _send(self.ctl, {"warning": self.last_error})
@@ -151,6 +177,7 @@ class Server:
         except OSError as e:
             mine.close()
             theirs.close()
+            os.close(err)
             _rmtree(scratch)
             self.last_error = f"the sandbox could not start a task process: {e}"
             _send(self.ctl, {"warning": self.last_error})
@@ -159,7 +186,7 @@ class Server:
             code = 70
             try:
                 mine.close()
-                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind)
+                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind, err)
                 code = 0
             except BaseException:  # noqa: BLE001 - what went wrong is on its standard error
                 if os.path.isdir(scratch):  # (gone: the server is closing, and took it; nothing to say)
@@ -169,7 +196,7 @@ class Server:
             finally:
                 os._exit(code)
         theirs.close()
-        self.children[pid] = (None, scratch)
+        self.children[pid] = (None, scratch, err)
         return pid, mine, scratch
 
     def _top_up(self) -> None:
@@ -199,7 +226,7 @@ class Server:
                     chan.close()
                     continue
                 chan.close()
-                self.children[pid] = (task_id, scratch)
+                self.children[pid] = (task_id, scratch, self.children.get(pid, (None, "", None))[2])
                 self.by_id[task_id] = pid
                 _send(self.ctl, {"id": task_id, "pid": pid})
                 return
@@ -217,8 +244,8 @@ class Server:
                 continue
             if pid == 0:
                 return
-            task_id, scratch = self.children.pop(pid, (None, ""))
-            tail = _tail(os.path.join(scratch, ".stderr")) if scratch else ""
+            task_id, scratch, err = self.children.pop(pid, (None, "", None))
+            tail = _tail(err)
             if scratch:
                 _rmtree(scratch)
             if task_id is None:  # a spare that died unused
@@ -238,13 +265,15 @@ class Server:
                 return
 
 
-def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str) -> None:
+def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str, err: int) -> None:
     """In a forked task process: isolate and confine, get ready for a task of ``kind``, wait for its
-    request, run it, answer."""
+    request, run it, answer. ``err``: its standard output and error, a file the server made and reads."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.dup2(err, 1)
+    os.dup2(err, 2)
     keep = chan.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, 1 << 16)
@@ -255,10 +284,6 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    err = os.open(os.path.join(scratch, ".stderr"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(err, 1)
-    os.dup2(err, 2)
-    os.close(err)
     os.chdir(scratch)
     os.environ.clear()
     os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
@@ -270,7 +295,7 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
         pass
     confine.set_limits(config["limits"])
     if config["confine"]:
-        confine.task([*config["read"], "/proc/self"], [scratch, *config["data_dirs"]], network=config["network"])
+        confine.task([*config["read"], *OWN_PROC], [scratch, *config["data_dirs"]], network=config["network"])
     from . import task
 
     warm = task.prepare(kind, config)

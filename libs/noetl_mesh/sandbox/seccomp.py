@@ -50,6 +50,8 @@ _CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x100000
 _AF_INET, _AF_INET6 = 2, 10
 _TIOCSTI = 0x5412
 _PR_SET_PDEATHSIG = 1
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
 
 # Denied everywhere (names absent from an architecture's table are skipped).
 _DENIED = (
@@ -61,14 +63,16 @@ _DENIED = (
     "quotactl quotactl_fd syslog settimeofday clock_settime clock_adjtime adjtimex sethostname setdomainname iopl "
     "ioperm lookup_dcookie name_to_handle_at open_by_handle_at keyctl add_key request_key fanotify_init vhangup "
     "personality uselib nfsservctl _sysctl "
-    "truncate chmod fchmod fchmodat fchmodat2 chown lchown fchown fchownat utime utimes utimensat futimesat "
+    "truncate chmod fchmodat fchmodat2 chown lchown fchown fchownat utime utimes utimensat futimesat "
     "setxattr lsetxattr fsetxattr setxattrat removexattr lremovexattr fremovexattr removexattrat file_setattr "
     "shmget shmat shmctl shmdt semget semop semctl semtimedop msgget msgsnd msgrcv msgctl "
     "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr "
     "memfd_create memfd_secret"
 ).split()
 # the task layer's own: no programs or processes; no priority changes (the fork server lowers a task's)
-_NO_PROGRAMS = ("execve", "execveat", "fork", "vfork", "setpriority")
+# (fchmod: the fork server opens up what a task left unreadable in its scratch, by descriptor)
+_NO_PROGRAMS = ("execve", "execveat", "fork", "vfork", "setpriority", "fchmod", "inotify_init", "inotify_init1",
+                "inotify_add_watch")
 
 _X86_64 = {
     "socket": 41, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "process_madvise": 440,
@@ -93,7 +97,8 @@ _X86_64 = {
     "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "mq_open": 240,
     "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
     "execve": 59, "execveat": 322, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "ioctl": 16,
-    "memfd_create": 319, "memfd_secret": 447, "prctl": 157,
+    "memfd_create": 319, "memfd_secret": 447, "prctl": 157, "fcntl": 72, "sched_setaffinity": 203,
+    "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254,
 }
 _AARCH64 = {
     "socket": 198, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "process_madvise": 440,
@@ -117,6 +122,7 @@ _AARCH64 = {
     "msgrcv": 188, "msgctl": 187, "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182,
     "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185, "execve": 221, "execveat": 281,
     "clone": 220, "clone3": 435, "ioctl": 29, "memfd_create": 279, "memfd_secret": 447, "prctl": 167,
+    "fcntl": 25, "sched_setaffinity": 122, "inotify_init1": 26, "inotify_add_watch": 27,
 }
 # machine -> (AUDIT_ARCH_*, table, the seccomp system call's number)
 _ARCHES = {"x86_64": (0xC000003E, _X86_64, 317), "aarch64": (0xC00000B7, _AARCH64, 277)}
@@ -209,12 +215,23 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
 
     arg_block("socket", 0, socket_body)
 
-    def ioctl_body() -> None:
-        a.op(_JEQ, _TIOCSTI, 0, 1)
-        a.op(_RET, eperm)
+    def ioctl_body() -> None:  # not typing into a terminal; not naming who gets a descriptor's signals
+        for cmd in (_TIOCSTI, _FIOSETOWN, _SIOCSPGRP):
+            a.op(_JEQ, cmd, f"ioctl_no", 0)
         a.op(_RET, _RET_ALLOW)
+        a.label("ioctl_no")
+        a.op(_RET, eperm)
 
     arg_block("ioctl", 1, ioctl_body)
+
+    def fcntl_body() -> None:  # F_SETOWN/F_SETSIG: a signal sent to any process of the same user by I/O
+        for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
+            a.op(_JEQ, cmd, "fcntl_no", 0)
+        a.op(_RET, _RET_ALLOW)
+        a.label("fcntl_no")
+        a.op(_RET, eperm)
+
+    arg_block("fcntl", 1, fcntl_body)
 
     if task_pid is not None:
         def own_pid(label: str, zero_is_self: bool):
@@ -236,7 +253,7 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
         arg_block("kill", 0, own_pid("kill", False))
         arg_block("tgkill", 0, own_pid("tgkill", False))
         arg_block("rt_tgsigqueueinfo", 0, own_pid("rtsq", False))
-        for name in ("prlimit64", "sched_setscheduler", "sched_setparam", "sched_setattr"):
+        for name in ("prlimit64", "sched_setscheduler", "sched_setparam", "sched_setattr", "sched_setaffinity"):
             arg_block(name, 0, own_pid(name, True))
     a.op(_RET, _RET_ALLOW)
     return a.bytes()

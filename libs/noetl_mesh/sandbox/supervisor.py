@@ -38,6 +38,7 @@ log = logging.getLogger("noetl.sandbox")
 
 _STREAM_LIMIT = 1 << 20  # an answer is read in parts of at most this
 _START_TIMEOUT = 60.0
+ANSWER_EXIT_GRACE = 1.0  # seconds a task process has to exit after its answer before it is killed
 # One fork server per kind of task, started on first use, each with only what its tasks use imported:
 # a python task process is then a fork of a small interpreter (DuckDB's 20 MB of mappings would make
 # every fork and exit of a python task slower), a duckdb one of an interpreter with DuckDB loaded.
@@ -238,6 +239,7 @@ class Supervisor:
         self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._running: dict[int, int] = {}  # task id -> pid of its process, while it runs
+        self._finishing: set[asyncio.Task] = set()  # answered tasks whose process has not exited yet
 
     def running(self) -> list[int]:
         """The pids of the task processes running now."""
@@ -353,6 +355,9 @@ class Supervisor:
             self._sem, self._sem_loop = asyncio.Semaphore(limits.current().max_task_processes), loop
 
     async def close(self) -> None:
+        for finishing in list(self._finishing):
+            finishing.cancel()
+        await asyncio.gather(*self._finishing, return_exceptions=True)
         for starting in self._starting.values():
             if not starting.done():
                 starting.cancel()
@@ -375,8 +380,10 @@ class Supervisor:
         server, sem = self._servers[kind], self._sem
         assert server is not None and sem is not None
         payload = json.dumps(request, ensure_ascii=False, separators=(",", ":"), default=str).encode()
-        async with sem:
-            task_id = next(self._ids)
+        await sem.acquire()
+        handed_over = False  # the slot is released by _after_answer once the process has exited
+        task_id = next(self._ids)
+        try:
             loop = asyncio.get_running_loop()
             pid_fut, exit_fut = loop.create_future(), loop.create_future()
             server.pids[task_id], server.exits[task_id] = pid_fut, exit_fut
@@ -404,8 +411,8 @@ class Supervisor:
                 answered = bool(line)
             finally:
                 writer.close()
-                self._running.pop(task_id, None)
                 if not answered:  # a timeout, a cancellation, an oversized or missing answer
+                    self._running.pop(task_id, None)
                     await self._end(server, task_id, pid_fut)
                     if line is None:  # not waiting for its exit
                         server.exits.pop(task_id, None)
@@ -417,9 +424,36 @@ class Supervisor:
                     ended = {"exit": None, "stderr": ""}
                 how, limit = describe_exit(ended.get("exit"))
                 raise TaskCrashed(how, limit, ended.get("stderr") or "")
+            # Answered: the process ends by itself at once. One that goes on (it wrote an answer early
+            # and kept running) is killed; either way its slot is free only once it has exited.
+            finishing = asyncio.ensure_future(self._after_answer(server, task_id, pid_fut, exit_fut, sem))
+            self._finishing.add(finishing)
+            finishing.add_done_callback(self._finishing.discard)
+            handed_over = True
+            return json.loads(line)
+        finally:
+            if not handed_over:
+                self._running.pop(task_id, None)
+                sem.release()
+
+    async def _after_answer(self, server: _Server, task_id: int, pid_fut: asyncio.Future,
+                            exit_fut: asyncio.Future, sem: asyncio.Semaphore) -> None:
+        try:
+            try:
+                async with asyncio.timeout(ANSWER_EXIT_GRACE):
+                    await asyncio.shield(exit_fut)
+            except TimeoutError:
+                log.warning("sandbox: task process %s went on after its answer: killed", self._running.get(task_id))
+                await self._end(server, task_id, pid_fut)
+                async with asyncio.timeout(5):
+                    await asyncio.shield(exit_fut)
+        except (TimeoutError, TaskCrashed, asyncio.CancelledError):
+            pass
+        finally:
             server.exits.pop(task_id, None)
             server.pids.pop(task_id, None)
-            return json.loads(line)
+            self._running.pop(task_id, None)
+            sem.release()
 
     def server_pid(self, kind: str = "python") -> int | None:
         """The pid of ``kind``'s fork server, when it runs."""
