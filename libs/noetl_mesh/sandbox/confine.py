@@ -91,6 +91,9 @@ def set_limits(values: Mapping[str, int]) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     space = int(values["task_max_memory_bytes"]) + ADDRESS_SPACE_SLACK
     resource.setrlimit(resource.RLIMIT_AS, (space, space))
+    threads = values.get("_nproc")
+    if threads is not None:  # the user's tasks now plus what task processes may add (ignored for uid 0)
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(threads), int(threads)))
     for name, which in RLIMITS.items():
         value = int(values[name])
         hard = value + 2 if which == resource.RLIMIT_CPU else value

@@ -86,6 +86,32 @@ def _tail(fd: int | None) -> str:
         os.close(fd)
 
 
+_UID_TASKS: list[float] = [0.0, 0.0]  # (when counted, how many)
+
+
+def _uid_tasks(uid: int) -> int:
+    """The processes and threads running as ``uid`` (what the kernel's RLIMIT_NPROC counts), from /proc;
+    counted at most every 2 s."""
+    import time
+
+    now = time.monotonic()
+    if now - _UID_TASKS[0] < 2.0:
+        return int(_UID_TASKS[1])
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+            if int(fields[b"Uid"].split()[0]) == uid:
+                count += int(fields[b"Threads"])
+        except (OSError, KeyError, ValueError):
+            continue
+    _UID_TASKS[:] = [now, count]
+    return count
+
+
 class Server:
     """Keeps ``spare`` task processes forked and confined ahead of need (a duckdb one opens its in-memory
     database while it waits); hands each request to a spare of its kind (the worker runs one server per
@@ -159,6 +185,10 @@ class Server:
         """A new spare for ``kind``: forked, set up and confined, waiting on its channel for a request."""
         self.serial += 1
         scratch = os.path.join(self.root, f"t{self.serial}")
+        # threads: the kernel counts them per user and never for root, so only a worker that is not root
+        # bounds them (its container's user: the image's)
+        uid = os.getuid()
+        nproc = _uid_tasks(uid) + int(self.config["limits"]["task_max_threads"]) if uid != 0 else None
         err = None
         try:
             os.mkdir(scratch, 0o700)
@@ -186,7 +216,7 @@ class Server:
             code = 70
             try:
                 mine.close()
-                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind, err)
+                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind, err, nproc)
                 code = 0
             except BaseException:  # noqa: BLE001 - what went wrong is on its standard error
                 if os.path.isdir(scratch):  # (gone: the server is closing, and took it; nothing to say)
@@ -265,7 +295,8 @@ class Server:
                 return
 
 
-def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str, err: int) -> None:
+def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str, err: int,
+                  nproc: int | None = None) -> None:
     """In a forked task process: isolate and confine, get ready for a task of ``kind``, wait for its
     request, run it, answer. ``err``: its standard output and error, a file the server made and reads."""
     signal.set_wakeup_fd(-1)
@@ -293,7 +324,7 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
         os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + TASK_NICE))
     except OSError:
         pass
-    confine.set_limits(config["limits"])
+    confine.set_limits({**config["limits"], "_nproc": nproc})
     if config["confine"]:
         confine.task([*config["read"], *OWN_PROC], [scratch, *config["data_dirs"]], network=config["network"])
     from . import task

@@ -51,7 +51,8 @@ _SYSTEM_READ = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/
                 "/dev/random", "/dev/zero")
 _NETWORK_READ = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/gai.conf", "/etc/ssl",
                  "/usr/share/ca-certificates", "/etc/ca-certificates")
-_LIMIT_NAMES = ("task_max_memory_bytes", "task_max_cpu_seconds", "task_max_open_files", "task_max_file_bytes")
+_LIMIT_NAMES = ("task_max_memory_bytes", "task_max_cpu_seconds", "task_max_open_files", "task_max_file_bytes",
+                "task_max_threads")
 
 
 class SandboxUnavailable(Exception):
@@ -188,6 +189,7 @@ class _Server:
         for fut in [*self.pids.values(), *self.exits.values()]:
             if not fut.done():
                 fut.set_exception(TaskCrashed(why))
+                fut.exception()  # a waiter still gets it; one that gave up (closing) is not logged as lost
         self.pids.clear()
         self.exits.clear()
 
