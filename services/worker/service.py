@@ -36,6 +36,7 @@ from noetl_mesh.sandbox import policy as sandbox
 from noetl_mesh.sandbox.net import resolve_endpoints
 from noetl_mesh.sandbox.supervisor import Supervisor
 from noetl_mesh.tools import close_tools, default_tools
+from noetl_mesh.tools.postgres import forget_libpq_env
 
 log = logging.getLogger("noetl.worker")
 
@@ -246,6 +247,9 @@ class WorkerService:
 
     async def start(self) -> None:
         await self.bus.attach()
+        dropped = forget_libpq_env()  # a task's postgres connection must not take the worker's PG* settings
+        if dropped:
+            log.info("worker %s: libpq's %s left out of its environment (D33)", self.pool, ", ".join(sorted(dropped)))
         self.policy = await asyncio.to_thread(sandbox_policy, self.bus.nc, self.allow_net)  # names resolve
         log.info("worker %s: %s; closed whatever it allows: NATS %s", self.pool, self.policy.describe(),
                  ", ".join(f"{a}:{p}" for a, p, _ in self.policy.engine) or "none known")

@@ -247,3 +247,22 @@ def test_engine_jumps_to_fallback_on_syntax_error(pg_dsn):
     assert s["steps"]["start"]["result"]["rows"] == [{"via": "fallback"}]
     tasks = [e["task"] for e in r.log if e["name"] == "task.processed"]
     assert tasks == ["broken", "fallback"]
+
+
+def test_a_pooled_connection_forgets_one_tasks_session_before_the_next(pg_dsn):
+    """Two executions with the same connection share a pool, never a session: a temporary table that
+    shadows a real one, a read-only default or an advisory lock of one is gone for the next."""
+    setup, shadow, lock, victim, check = run_tasks(
+        {"dsn": pg_dsn, "command": "create table orders (id int, card text)"},
+        {"dsn": pg_dsn, "command": "create temp table orders (id int, card text); "
+                                   "set default_transaction_read_only = on"},
+        {"dsn": pg_dsn, "command": "select pg_advisory_lock(42)"},
+        {"dsn": pg_dsn, "command": "insert into orders values (1, 'alice') returning id"},
+        {"dsn": pg_dsn, "command": "select pg_try_advisory_lock(42) as free, "
+                                   "(select count(*) from pg_tables where tablename = 'orders') as real_tables"},
+    )
+    assert [o["status"] for o in (setup, shadow, lock, victim, check)] == ["ok"] * 5, [setup, shadow, lock, victim, check]
+    assert victim["result"]["rows"] == [{"id": 1}]  # written, not refused as read-only
+    assert check["result"]["rows"] == [{"free": True, "real_tables": 1}]
+    rows, = run_tasks({"dsn": pg_dsn, "command": "select card from public.orders"})
+    assert rows["result"]["rows"] == [{"card": "alice"}]  # into the real table, not a temporary one

@@ -301,7 +301,8 @@ def test_postgres_pins_each_checked_address_as_hostaddr_and_keeps_the_host_name(
     got = pinned("host=db.test port=6543 dbname=x user=u password=secret",
                  names={"db.test": ["10.1.2.3", "10.1.2.4"]})
     assert got == {"host": "db.test,db.test", "hostaddr": "10.1.2.3,10.1.2.4", "port": "6543,6543",
-                   "dbname": "x", "user": "u", "password": "secret"}
+                   "dbname": "x", "user": "u", "password": "secret",
+                   "passfile": "/dev/null", "sslcertmode": "disable", "gssencmode": "disable"}
     # a list of hosts: the refused one is left out, the others kept
     got = pinned("host=a.test,b.test port=5432,5433 dbname=x", names={"a.test": ["127.0.0.1"], "b.test": ["10.0.0.5"]})
     assert (got["host"], got["hostaddr"], got["port"]) == ("b.test", "10.0.0.5", "5433")
@@ -323,9 +324,32 @@ def test_postgres_refuses_loopback_unix_sockets_and_no_host(monkeypatch):
         pinned("dbname=x user=postgres")
     with pytest.raises(Refused, match="localhost:5432 resolves to 127.0.0.1"):
         pinned("postgresql://postgres@localhost/x", names={"localhost": ["127.0.0.1"]})
-    monkeypatch.setenv("PGHOST", "127.0.0.1")  # the worker's own libpq default: checked as the task's
-    with pytest.raises(Refused, match="127.0.0.1 is a loopback address"):
+    monkeypatch.setenv("PGHOST", "127.0.0.1")  # the worker's own libpq settings are not a task's
+    with pytest.raises(Refused, match="no host given"):
         pinned("dbname=x")
+
+
+@pytest.mark.parametrize("option", ["service=warehouse", "passfile=/root/.pgpass", "sslkeylogfile=/tmp/keys",
+                                    "sslkey=/root/.postgresql/postgresql.key", "sslcert=/x.crt", "krbsrvname=pg",
+                                    "gssencmode=prefer", "requirepeer=root", "sslrootcert=/etc/shadow"])
+def test_postgres_options_that_reach_the_workers_files_or_identity_are_refused(option):
+    with pytest.raises(Refused, match="D33"):
+        pinned(f"host=db.test port=5432 dbname=x {option}", names={"db.test": ["10.1.2.3"]})
+
+
+def test_postgres_connections_carry_no_password_file_client_certificate_or_kerberos():
+    got = pinned("host=db.test port=5432 dbname=x sslmode=verify-full sslrootcert=system",
+                 names={"db.test": ["10.1.2.3"]})
+    assert (got["passfile"], got["sslcertmode"], got["gssencmode"]) == ("/dev/null", "disable", "disable")
+    assert got["sslrootcert"] == "system"
+
+
+def test_the_worker_forgets_libpqs_environment():
+    from noetl_mesh.tools.postgres import forget_libpq_env
+
+    env = {"PGPASSWORD": "worker-secret", "PGSERVICE": "x", "PGHOST": "h", "HOME": "/root", "PATH": "/bin"}
+    assert sorted(forget_libpq_env(env)) == ["PGHOST", "PGPASSWORD", "PGSERVICE"]
+    assert env == {"HOME": "/root", "PATH": "/bin"}
 
 
 def test_postgres_hostaddr_is_checked_as_given_and_its_host_name_opens_nothing(monkeypatch):

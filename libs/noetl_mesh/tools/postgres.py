@@ -30,19 +30,22 @@ Connections come from one ``psycopg_pool.AsyncConnectionPool`` per distinct conn
 instance (created lazily; ``close()`` closes them).
 
 Destinations (D33): before connecting, every host of the connection (``host``, a comma-separated list,
-with its ``port``; ``hostaddr`` when given; libpq's ``PGHOST``/``PGHOSTADDR``/``PGPORT`` of the worker
-when the task gives none) is resolved here and each address checked with the worker pool's policy
+with its ``port``; ``hostaddr`` when given) is resolved here and each address checked with the worker pool's policy
 (:mod:`noetl_mesh.sandbox.net`); unix-socket directories (and no host at all: libpq's local socket) are
 local and refused. The connection string then names the checked addresses (``hostaddr``, with ``host``
 kept for TLS and messages), so libpq connects to nothing else. A refusal is the outcome ``sandbox``
-(not retryable).
+(not retryable). The connection may set only what concerns the server it reaches (``_TASK_KEYS``): no
+option that reads or writes the worker's files, and no password file, client certificate or Kerberos
+identity of the worker's (``_TASK_FIXED``); the worker starts without libpq's ``PG*`` variables. A
+pooled connection is reset (``DISCARD ALL``) before another task gets it: temporary tables, settings,
+prepared statements and advisory locks of one execution never reach another.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import psycopg
@@ -248,18 +251,39 @@ def _conninfo_for(task: Mapping[str, Any], keychain: Mapping[str, Any]) -> str:
         raise _BadTask(f"{where}: bad connection fields ({type(e).__name__})") from None
 
 
-_LIBPQ_ENV = {"host": "PGHOST", "hostaddr": "PGHOSTADDR", "port": "PGPORT"}
 _UNIX = ("is a unix-socket directory: a local connection, closed to tasks on this worker pool (D33); "
          "connect over TCP (host and port) to an address the pool allows")
 
 
 def _listed(params: Mapping[str, Any], key: str) -> list[str]:
-    """A libpq list parameter (``host``, ``hostaddr``, ``port``): the task's, else the worker's ``PG*``
-    variable (libpq would read it), split on commas."""
+    """A libpq list parameter (``host``, ``hostaddr``, ``port``), split on commas. (The worker's own
+    ``PG*`` variables are not a task's: the worker drops them when it starts, see :func:`forget_libpq_env`.)"""
     value = params.get(key)
-    if value is None:
-        value = os.environ.get(_LIBPQ_ENV[key])
     return [] if value is None or str(value) == "" else [v.strip() for v in str(value).split(",")]
+
+
+# What a task's connection may say. Everything else of libpq reads the worker's files or environment or
+# writes files (service, passfile, sslkey, sslcert, sslkeylogfile, sslcrl...), or hands the worker's
+# identity to a server (gssencmode, krbsrvname, gssdelegation): refused, named in the error.
+_TASK_KEYS = frozenset({
+    "host", "hostaddr", "port", "dbname", "user", "password", "sslmode", "sslrootcert", "application_name",
+    "connect_timeout", "options", "client_encoding", "target_session_attrs", "keepalives", "keepalives_idle",
+    "keepalives_interval", "keepalives_count", "tcp_user_timeout", "sslnegotiation", "require_auth",
+    "load_balance_hosts", "channel_binding",
+})
+# and what is set for every task connection, whatever it said: no password file, no client certificate,
+# no Kerberos/GSSAPI (the worker's credentials), no key log
+_TASK_FIXED = {"passfile": "/dev/null", "sslcertmode": "disable", "gssencmode": "disable"}
+
+
+def forget_libpq_env(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Remove libpq's ``PG*`` variables from the worker's environment (a task's connection would take
+    the worker's password, user, service file or key from them); the names removed."""
+    env = os.environ if environ is None else environ
+    names = [k for k in env if k.startswith("PG")]
+    for k in names:
+        del env[k]
+    return names
 
 
 async def _pinned(conninfo: str, policy: Policy, resolver: Resolver | None = None) -> str:
@@ -271,6 +295,15 @@ async def _pinned(conninfo: str, policy: Policy, resolver: Resolver | None = Non
         params = _conninfo.conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise _BadTask(f"bad connection string ({str(e).strip() or type(e).__name__})") from None
+    refused = sorted(k for k in params if k not in _TASK_KEYS)
+    if refused:
+        raise Refused("postgres", f"the connection option {refused[0]!r} is not a task's to set: it reads or "
+                                  "writes the worker's own files or credentials (D33); allowed: "
+                                  + ", ".join(sorted(_TASK_KEYS)))
+    rootcert = params.get("sslrootcert")
+    if rootcert not in (None, "", "system"):
+        raise Refused("postgres", "sslrootcert names a file of the worker: only 'system' (the worker's trusted "
+                                  "certificates) is a task's to ask for (D33)")
     hosts, addrs, ports = _listed(params, "host"), _listed(params, "hostaddr"), _listed(params, "port")
     n = max(len(hosts), len(addrs))
     if hosts and addrs and len(hosts) != len(addrs):
@@ -309,8 +342,18 @@ async def _pinned(conninfo: str, policy: Policy, resolver: Resolver | None = Non
             raise _ConnectError(f"cannot resolve {host!r}: {e.strerror or e}")
         raise e
     params.update(host=",".join(h for h, _, _ in out), hostaddr=",".join(a for _, a, _ in out),
-                  port=",".join(p for _, _, p in out))
+                  port=",".join(p for _, _, p in out), **_TASK_FIXED)
     return _conninfo.make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+
+
+async def _reset(conn: Any) -> None:
+    """A connection back in the pool forgets its session (temporary tables, settings, prepared
+    statements, advisory locks, LISTENs): the next task, of any execution, starts clean."""
+    await conn.set_autocommit(True)
+    try:
+        await conn.execute("DISCARD ALL")
+    finally:
+        await conn.set_autocommit(False)
 
 
 def _secrets(conninfo: str) -> list[str]:
@@ -427,7 +470,7 @@ class PostgresTool:
             await probe.close()
             pool = AsyncConnectionPool(
                 conninfo, min_size=0, max_size=self._max_size, open=False,
-                timeout=self._connect_timeout, name="noetl-postgres",
+                timeout=self._connect_timeout, name="noetl-postgres", reset=_reset,
             )
             await pool.open(wait=False)
             self._pools[conninfo] = pool
