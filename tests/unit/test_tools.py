@@ -400,6 +400,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, {"hello": "world", "echo": self._echo()})
         elif path == "/text":
             self._send(200, "plain text", "text/plain; charset=utf-8")
+        elif path == "/login":
+            self._send(200, {"ok": True}, extra={"Set-Cookie": "session=VICTIM-SESSION; Path=/"})
         elif path == "/problem":
             self._send(404, {"title": "not here"}, "application/problem+json")
         elif path.startswith("/status/"):
@@ -633,3 +635,13 @@ def test_http_follow_redirects_false_returns_the_redirect(server):
     followed, kept = http({"url": f"{server}/redirect"}, {"url": f"{server}/redirect", "follow_redirects": False})
     assert followed["result"] == "plain text" and followed["http"]["status"] == 200
     assert kept["status"] == "ok" and kept["http"]["status"] == 302 and kept["http"]["headers"]["location"] == "/text"
+
+
+def test_http_keeps_no_cookie_between_tasks(server):
+    """One client serves every execution: a session cookie one task's server set never goes along with
+    another task's request; a task that needs a cookie sends the header itself."""
+    login, other, own = http({"url": f"{server}/login"}, {"url": f"{server}/json"},
+                             {"url": f"{server}/json", "headers": {"Cookie": "mine=1"}})
+    assert login["status"] == "ok" and login["http"]["headers"].get("set-cookie")
+    assert "cookie" not in other["result"]["echo"]["headers"]
+    assert own["result"]["echo"]["headers"]["cookie"] == "mine=1"

@@ -231,6 +231,11 @@ class _GuardedClient(httpx.AsyncClient):
     def __init__(self, *, policy: Policy, resolver: Resolver | None = None, **kwargs: Any) -> None:
         self._guard = _GuardedBackend(policy, resolver)
         super().__init__(**kwargs)
+        # One client serves every task of every execution: it keeps no cookie a server sets, or one
+        # execution's session would go along with another's requests (a task sends its own Cookie header)
+        from http.cookiejar import DefaultCookiePolicy
+
+        self.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
 
     def _init_transport(self, transport: Any = None, **kwargs: Any) -> httpx.AsyncBaseTransport:
         if transport is not None:
