@@ -417,3 +417,9 @@ def test_no_signal_by_io_ownership_no_affinity_of_others_no_inotify_no_net_table
     assert res["affinity"] == errno.EPERM, res
     assert res["inotify"] == [-1, errno.EPERM], res
     assert res["net"] == errno.EACCES and res["own_cgroup"] is True, res
+
+
+def test_no_timeout_is_still_the_task_time_limit():
+    with limits.override(task_max_seconds=1):
+        out, = run_tasks([({"code": "import time\ntime.sleep(30)"}, {"timeout": 0})])
+    assert out["error"]["kind"] == "timeout" and "task_max_seconds" in out["error"]["message"], out

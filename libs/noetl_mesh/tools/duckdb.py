@@ -301,7 +301,9 @@ class DuckdbTool:
         db_path = task.get("db_path")
         if db_path is not None and not isinstance(db_path, str):
             return error("duckdb_error", f"'db_path' must be a string, got {type(db_path).__name__}")
-        timeout = timeout_seconds(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
+        from .python import task_timeout
+
+        timeout, said = task_timeout(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
         values = limits.current()
         request = {"sql": sql, "params": params, "db_path": db_path, "max_result_bytes": values.max_result_bytes,
                    "directories": list(self.sandbox.policy.data_dirs), "memory_bytes": values.task_max_memory_bytes}
@@ -311,7 +313,7 @@ class DuckdbTool:
         except ResultTooLarge as e:
             return e.outcome(ctx)
         except TimeoutError:
-            return error("timeout", f"duckdb task exceeded its timeout of {timeout:g}s (process killed)", True)
+            return error("timeout", f"duckdb task exceeded its timeout of {said} (process killed)", True)
         except (SandboxUnavailable, TaskCrashed) as e:
             return sandbox_error(e, "duckdb_error")
         if answer.get("ok"):

@@ -30,6 +30,16 @@ MAX_STDOUT = 64 * 1024
 _ANSWER_SLACK = 64 * 1024  # an answer's envelope, error message and traceback, beyond result and stdout
 
 
+def task_timeout(value: Any, default: float) -> tuple[float, str]:
+    """A python or duckdb task's timeout: its ``spec.timeout``, at most ``task_max_seconds`` (none, or
+    0, is that limit too: a task process never holds its slot for good); and how to say it."""
+    ceiling = float(limits.current().task_max_seconds)
+    seconds = timeout_seconds(value, default)
+    if seconds is None or seconds > ceiling:
+        return ceiling, f"{ceiling:g}s (task_max_seconds, NOETL_LIMIT_TASK_MAX_SECONDS)"
+    return seconds, f"{seconds:g}s"
+
+
 def limit_message(name: str, what: str) -> str:
     """``what`` stopped by the task process limit ``name``, with its value and how to change it."""
     limit = limits.by_name(name)
@@ -71,7 +81,7 @@ class PythonTool:
             return error(
                 "python_error", f"python task 'args' must render to a mapping, got {type(args).__name__}", py=_py(None)
             )
-        timeout = timeout_seconds(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
+        timeout, said = task_timeout(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
         request = {
             "code": code,
             "args": dict(args),
@@ -84,9 +94,7 @@ class PythonTool:
         except ResultTooLarge as e:
             return e.outcome(ctx, py=_py(None))
         except TimeoutError:
-            return error(
-                "timeout", f"python task exceeded its timeout of {timeout:g}s (process killed)", True, py=_py(None)
-            )
+            return error("timeout", f"python task exceeded its timeout of {said} (process killed)", True, py=_py(None))
         except (SandboxUnavailable, TaskCrashed) as e:
             return sandbox_error(e, "python_crash", py=_py(None if isinstance(e, SandboxUnavailable) else "ChildProcessError"))
         stdout = resp.get("stdout") or ""
