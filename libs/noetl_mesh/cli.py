@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 from .home import HomeLock, finding
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2

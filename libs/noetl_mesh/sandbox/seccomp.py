@@ -217,7 +217,7 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
 
     def ioctl_body() -> None:  # not typing into a terminal; not naming who gets a descriptor's signals
         for cmd in (_TIOCSTI, _FIOSETOWN, _SIOCSPGRP):
-            a.op(_JEQ, cmd, f"ioctl_no", 0)
+            a.op(_JEQ, cmd, "ioctl_no", 0)
         a.op(_RET, _RET_ALLOW)
         a.label("ioctl_no")
         a.op(_RET, eperm)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from .. import limits
-from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
+from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..sandbox.supervisor import Supervisor
