@@ -66,7 +66,7 @@ def test_up_with_replicas_and_a_port_is_found_by_the_other_commands():
         assert sorted(k for k in info["pids"] if k.startswith(("admission", "router", "worker"))) == \
             ["admission-0", "admission-1", "router-0", "router-1", "worker-0", "worker-1", "worker-2"]
 
-        deadline = time.monotonic() + 60  # every replica answers (the processes start in their own time)
+        deadline = time.monotonic() + 180  # every replica answers (the processes start in their own time; a guard)
         while True:
             ps = noetl("ps", "--json", "--wait", "2")
             assert ps.returncode == 0, ps.stderr
