@@ -920,6 +920,12 @@ def cmd_nats_credentials(args: argparse.Namespace) -> int:
     print(f"{auth.config_file}: the server's users ({auth.partitions} partitions, pools {', '.join(auth.pools)})")
     for user in auth.users:
         print(f"{auth.file(user)}: the seed of {user} (keep it secret; NOETL_NATS_CREDS or --nats-creds)")
+    if args.reader is not None:
+        try:
+            auth.grant_read(args.reader)
+        except ValueError as exc:
+            return _fail(str(exc))
+        print(f"the seeds are readable by uid {args.reader} too (an ACL entry: ls -l shows a +)")
     return EXIT_OK
 
 
@@ -1376,6 +1382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the seeds and nats-auth.conf (0700)")
     p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
     p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
+    p.add_argument("--reader", type=int, metavar="UID", help="let this user read the seeds too (an ACL entry): "
+                   "the containers' user, 10001, for docker-compose.yml's secrets")
     p.set_defaults(func=cmd_nats_credentials)
 
     for name, fn, help_ in (("status", cmd_status, "an execution's status and steps"),
