@@ -148,6 +148,10 @@ def test_scaling_cannot_collide():
     assert SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"] == proxy_ip
     [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
     assert ipaddress.ip_address(proxy_ip) in ipaddress.ip_network(subnet["subnet"])
+    # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
+    # container started takes it and the proxy cannot start ("Address already in use")
+    assert ipaddress.ip_network(subnet["ip_range"]).subnet_of(ipaddress.ip_network(subnet["subnet"]))
+    assert ipaddress.ip_address(proxy_ip) not in ipaddress.ip_network(subnet["ip_range"])
     for name, service in SERVICES.items():
         for port in service.get("ports", ()):
             assert port.startswith(("127.0.0.1:", "${NOETL_GATEWAY_BIND:-127.0.0.1}:")), (name, port)
