@@ -910,7 +910,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     """``noetl bootstrap``: the first admin of a deployment (docker-compose.yml), as the NATS admin: the
     sessions service creates it only while no user exists and answers an API token for it, written to
     ``--out`` (0600) or, with ``--out -``, to stdout alone (messages go to stderr)."""
-    from .infra.bus import BusError
+    from .infra.bus import BusError, NatsRefused
     from .stack import bootstrap
 
     args.name = "admin"
@@ -920,11 +920,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if args.out != "-" and os.path.exists(args.out):
         return _fail(f"--out {args.out}: exists; the token is written once (remove the file, or --out -)")
-    try:
-        token = asyncio.run(bootstrap(settings, None, username=args.username, timeout=args.timeout))
-    except BusError as exc:
-        return _fail(f"no sessions service answered at {settings.nats_url} within {args.timeout:g}s ({exc})",
-                     EXIT_UNREACHABLE)
+    try:  # connecting retries for ever (a service waits for NATS): the whole is bounded here
+        token = asyncio.run(asyncio.wait_for(bootstrap(settings, None, username=args.username, timeout=args.timeout),
+                                             args.timeout))
+    except NatsRefused as exc:
+        return _fail(str(exc))
+    except (BusError, TimeoutError) as exc:
+        return _fail(f"no NATS or no sessions service answered at {settings.nats_url} within {args.timeout:g}s"
+                     + (f" ({exc})" if str(exc) else ""), EXIT_UNREACHABLE)
     if token is None:
         return _fail("the stack has users already: log in as one of them (noetl login)", EXIT_FAILED)
     if args.out == "-":
