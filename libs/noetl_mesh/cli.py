@@ -957,6 +957,42 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    """``noetl bootstrap``: the first admin of a deployment (docker-compose.yml), as the NATS admin: the
+    sessions service creates it only while no user exists and answers an API token for it, written to
+    ``--out`` (0600) or, with ``--out -``, to stdout alone (messages go to stderr)."""
+    from .infra.bus import BusError, NatsRefused
+    from .stack import bootstrap
+
+    args.name = "admin"
+    try:
+        settings = _nats_settings(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.out != "-" and os.path.exists(args.out):
+        return _fail(f"--out {args.out}: exists; the token is written once (remove the file, or --out -)")
+    try:  # connecting retries for ever (a service waits for NATS): the whole is bounded here
+        token = asyncio.run(asyncio.wait_for(bootstrap(settings, None, username=args.username, timeout=args.timeout),
+                                             args.timeout))
+    except NatsRefused as exc:
+        return _fail(str(exc))
+    except (BusError, TimeoutError) as exc:
+        return _fail(f"no NATS or no sessions service answered at {settings.nats_url} within {args.timeout:g}s"
+                     + (f" ({exc})" if str(exc) else ""), EXIT_UNREACHABLE)
+    if token is None:
+        return _fail("the stack has users already: log in as one of them (noetl login)", EXIT_FAILED)
+    if args.out == "-":
+        print(token, flush=True)
+    else:
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    where = "stdout" if args.out == "-" else args.out
+    print(f"created the admin {args.username}; its API token is in {where}: noetl login --gateway URL --token - "
+          f"< {'FILE' if args.out == '-' else args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_nats_credentials(args: argparse.Namespace) -> int:
     """``noetl nats-credentials --out DIR``: one nkey seed per service (kept if present) and the server's
     ``authorization`` block (public keys and permissions), for deploy/nats.conf to include."""
@@ -971,6 +1007,12 @@ def cmd_nats_credentials(args: argparse.Namespace) -> int:
     print(f"{auth.config_file}: the server's users ({auth.partitions} partitions, pools {', '.join(auth.pools)})")
     for user in auth.users:
         print(f"{auth.file(user)}: the seed of {user} (keep it secret; NOETL_NATS_CREDS or --nats-creds)")
+    if args.reader is not None:
+        try:
+            auth.grant_read(args.reader)
+        except ValueError as exc:
+            return _fail(str(exc))
+        print(f"the seeds are readable by uid {args.reader} too (an ACL entry: ls -l shows a +)")
     return EXIT_OK
 
 
@@ -1581,10 +1623,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-creds", metavar="FILE", help="the admin's credentials (NOETL_NATS_CREDS)")
     p.set_defaults(func=cmd_setup)
 
+    p = sub.add_parser("bootstrap", help="create the first admin of a new stack and write its API token (as the NATS "
+                                         "admin user; docker-compose.yml's stacks: noetl up and run do it themselves)")
+    p.add_argument("--out", required=True, metavar="FILE", help="where the token goes (created 0600; - for stdout)")
+    p.add_argument("--username", default="admin", help="the admin's name (default: admin)")
+    p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+                   help="how long to wait for the sessions service (default 60)")
+    p.add_argument("--nats-url", metavar="URL", help="the NATS server (default: NOETL_NATS_URL)")
+    p.add_argument("--nats-creds", metavar="FILE", help="the admin's credentials (NOETL_NATS_CREDS)")
+    p.set_defaults(func=cmd_bootstrap)
+
     p = sub.add_parser("nats-credentials", help="generate one NATS user per service and the server's users")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the seeds and nats-auth.conf (0700)")
     p.add_argument("--pool", action="append", help="a worker pool to make a user for (repeatable; default: default)")
     p.add_argument("--partitions", type=int, help="partitions of the events stream (default: NOETL_PARTITIONS, else 16)")
+    p.add_argument("--reader", type=int, metavar="UID", help="let this user read the seeds too (an ACL entry): "
+                   "the containers' user, 10001, for docker-compose.yml's secrets")
     p.set_defaults(func=cmd_nats_credentials)
 
     p = sub.add_parser("completion", help="print shell completion: eval \"$(noetl completion bash)\" (zsh, fish too)")

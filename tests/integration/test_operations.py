@@ -242,3 +242,15 @@ def test_inspect_shows_streams_consumers_buckets_and_object_stores(ops, capsys):
     assert main(["ps", "--nats-url", ops.nats_url, "--nats-creds", ops.admin]) == 0
     text = capsys.readouterr().out.splitlines()
     assert text[0].split()[:4] == ["SERVICE", "ID", "VERSION", "POOL"] and len(text) == 1 + sum(REPLICAS.values())
+
+
+def test_bootstrap_makes_no_second_admin_and_never_overwrites_a_file(ops, tmp_path, capsys):
+    from noetl_mesh.cli import main
+
+    out = tmp_path / "admin.token"
+    args = ["bootstrap", "--out", str(out), "--nats-url", ops.nats_url, "--nats-creds", ops.admin, "--timeout", "10"]
+    assert main(args) == 1  # the stack made its admin when it started
+    assert "has users already" in capsys.readouterr().err and not out.exists()
+    out.write_text("kept\n")
+    assert main(args) == 2 and out.read_text() == "kept\n"
+    assert "exists" in capsys.readouterr().err

@@ -350,3 +350,9 @@ def test_bad_sandbox_settings_stop_run_up_and_a_worker_before_anything_starts(tm
     assert capsys.readouterr().err == "noetl: NOETL_SANDBOX_ALLOW_NET: '[::1': a '[' without its ']'\n"
     assert main(["run", str(EXAMPLES[0])]) == 2
     assert capsys.readouterr().err == "noetl: NOETL_SANDBOX_ALLOW_NET: '[::1': a '[' without its ']'\n"
+
+
+def test_bootstrap_gives_up_after_its_timeout_when_no_nats_answers(capsys):
+    # connecting retries for ever (a service waits for NATS); the command is bounded by --timeout
+    assert main(["bootstrap", "--out", "-", "--nats-url", "nats://127.0.0.1:1", "--timeout", "1.5"]) == 4
+    assert "no NATS or no sessions service answered at nats://127.0.0.1:1 within 1.5s" in capsys.readouterr().err

