@@ -150,14 +150,18 @@ def test_scaling_cannot_collide():
     nginx = (ROOT / "deploy" / "nginx.conf").read_text()
     assert "resolver 127.0.0.11" in nginx and "set $gateway http://gateway:8082;" in nginx
     assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx  # never the client's own claim
-    proxy_ip = SERVICES["proxy"]["networks"]["noetl"]["ipv4_address"]
-    assert SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"] == proxy_ip
-    [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
-    assert ipaddress.ip_address(proxy_ip) in ipaddress.ip_network(subnet["subnet"])
-    # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
-    # container started takes it and the proxy cannot start ("Address already in use")
-    assert ipaddress.ip_network(subnet["ip_range"]).subnet_of(ipaddress.ip_network(subnet["subnet"]))
-    assert ipaddress.ip_address(proxy_ip) not in ipaddress.ip_network(subnet["ip_range"])
+    for prefix in (None, "10.9.8"):  # the default network, and one NOETL_NET_PREFIX names
+        def value(text: str) -> str:  # compose's interpolation of ${NOETL_NET_PREFIX:-default}
+            return re.sub(r"\$\{NOETL_NET_PREFIX:-([0-9.]+)\}", lambda m: prefix or m.group(1), text)
+
+        proxy_ip = value(SERVICES["proxy"]["networks"]["noetl"]["ipv4_address"])
+        assert value(SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"]) == proxy_ip
+        [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
+        network, ip_range = ipaddress.ip_network(value(subnet["subnet"])), ipaddress.ip_network(value(subnet["ip_range"]))
+        assert ipaddress.ip_address(proxy_ip) in network and (prefix is None or str(network) == f"{prefix}.0/24")
+        # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
+        # container started takes it and the proxy cannot start ("Address already in use")
+        assert ip_range.subnet_of(network) and ipaddress.ip_address(proxy_ip) not in ip_range
     for name, service in SERVICES.items():
         for port in service.get("ports", ()):
             assert port.startswith(("127.0.0.1:", "${NOETL_GATEWAY_BIND:-127.0.0.1}:")), (name, port)
