@@ -201,6 +201,58 @@ def test_m4_set_with_scoped_keys_at_rule_task_step_and_arc_level():
     assert rules(m) >= {"M4"} and m.complete
 
 
+def test_m4_a_step_set_reading_its_own_step_reads_the_outcome_of_the_task_it_moved_to():
+    m, doc = mig("""
+        workflow:
+          - step: plan
+            tool: {kind: python, code: "result = {'status': 'ok', 'data': {'delays': [1, 2]}}"}
+            set: {ctx.delays: "{{ plan.data.delays }}", ctx.s: "{{ plan.status }}", ctx.all: "{{ plan }}",
+                  ctx.e: "{{ plan.error }}", ctx.r: "{{ plan.result.data }}"}
+            next: [{step: web}]
+          - step: web
+            tool:
+              - name: get
+                kind: http
+                url: http://127.0.0.1:1/x
+                spec: {policy: {rules: [{when: "{{ outcome.status == 'error' }}", then: {do: fail}}]}}
+            set: {code: "{{ web.status_code }}", items: "{{ web.data.items }}"}
+        """)
+    plan = doc["workflow"][0]["tool"]["spec"]["policy"]["rules"][-1]["else"]["then"]["set_ctx"]
+    assert plan == {"delays": "{{ outcome.result.data.delays }}", "s": "{{ outcome.result.status }}",
+                    "all": "{{ outcome.result }}", "e": "{{ outcome.error }}", "r": "{{ outcome.result.data }}"}
+    # the http task has a policy of its own: a noop passing its result through carries the set
+    web = doc["workflow"][1]["tool"]
+    assert [t["name"] for t in web] == ["get", "web_set"]
+    assert web[1]["spec"]["policy"]["rules"][-1]["else"]["then"]["set_ctx"] == {
+        "code": "{{ outcome.http.status }}", "items": "{{ outcome.result.items }}"}
+    assert m.complete and validate_text(m.text).ok
+
+
+def test_m4_a_step_read_by_its_own_name_where_it_has_no_result_needs_a_person():
+    m, _ = mig("""
+        workflow:
+          - step: many
+            loop: {in: [1, 2], iterator: x}
+            tool:
+              kind: noop
+              spec: {policy: {rules: [{else: {then: {do: continue, set_iter: {y: "{{ many.data }}"}}}}]}}
+            next: [{step: two}]
+          - step: two
+            tool:
+              - name: first
+                kind: noop
+                spec: {policy: {rules: [{else: {then: {do: continue, set_ctx: {y: "{{ two.data }}"}}}}]}}
+              - name: second
+                kind: noop
+        """)
+    said = {(p.rule, p.location): p.message for p in m.problems}
+    loop = said[("M1", "workflow[0].step=many.tool.spec.policy.rules[0].else.then.set_iter.y")]
+    assert "loop step 'many'" in loop and "per iteration" in loop
+    first = said[("M1", "workflow[1].step=two.tool[0].spec.policy.rules[0].else.then.set_ctx.y")]
+    assert "task 'first'" in first and "no result there yet" in first
+    assert all(p.line for p in m.problems)
+
+
 def test_m5_python_conventions():
     m, doc = mig("""
         workload: {n: 3}

@@ -123,7 +123,15 @@ class _Step:
 
     @property
     def result_task(self) -> _Task | None:
-        return self.tasks[-1] if self.tasks else None
+        return _producer(self.tasks, len(self.tasks) - 1)
+
+
+def _producer(tasks: list[_Task], index: int) -> _Task | None:
+    """The task whose result the task at ``index`` gives: itself, or for a noop without ``result``
+    (which passes ``_prev`` through, D10) the task before it."""
+    while index > 0 and tasks[index].kind == "noop" and "result" not in tasks[index].node:
+        index -= 1
+    return tasks[index] if tasks else None
 
 
 @dataclass
@@ -262,6 +270,9 @@ class _Migrator:
         self.legacy = False
         self.structural = 0
         self._set_names: dict[int, dict[str, str]] = {}
+        # task nodes whose policy received what the legacy runtime ran after the step's tool (a step's
+        # 'set', a case's rules): there the step's own name read the result that task's outcome holds
+        self._after_step: set[int] = set()
 
     # -------------------------------------------------------------- findings
     def _line(self, path: Path) -> int | None:
@@ -936,6 +947,7 @@ class _Migrator:
             last = _cmap([("name", f"{st.get('step')}_set"), ("kind", "noop")])
             tool.append(last)
         names = self.step_names_of(st)
+        self._after_step.add(id(last))
         _, then = self._ok_policy(last)
         if key in ("set", "vars"):
             self.split_set(then, values, path + (key,), in_loop, names)
@@ -1222,6 +1234,7 @@ class _Migrator:
             if branch_tasks and not any(_is_map(r) and "else" in r for r in rules):
                 rules.append(_cmap([("else", _cmap([("then", _flow(_cmap([("do", "break")])))]))]))
             last.setdefault("spec", _cmap())["policy"] = _cmap([("rules", rules)])
+            self._after_step.add(id(last))
             for _, tasks in branch_tasks:
                 for k, task in enumerate(tasks):
                     if k == len(tasks) - 1 and _is_map(task) and len(branch_tasks) > 1:
@@ -1478,6 +1491,8 @@ class _Migrator:
             return None, ""
         if site.step is not None and root in tasks and site.kind in ("task", "policy"):
             return self._task_ref(tasks[root], path), "M2"
+        if step is not None and root == step.name and site.kind == "policy" and site.task is not None and self.legacy:
+            return self._own_step_ref(step, site.task, path), "M2"
         if root in self.steps:
             return self._step_ref(self.steps[root], path), "M2"
         if step is not None and root == step.iterator and site.kind in ("task", "policy"):
@@ -1535,6 +1550,32 @@ class _Migrator:
         if head[0] == "attr" and head[1] in ("status", "data") and not self.legacy:
             return None
         return Ref(s.name, [("attr", "result")] + self._reshape(s, path, f"step '{s.name}'"))
+
+    def _own_step_ref(self, s: _Step, task: _Task, path: list) -> Ref:
+        """The step read by its own name in a policy of one of its tasks. The legacy runtime ran a
+        step's ``set`` (and a case) after its tool, with the step's result in place; the canonical
+        policy runs before the step has one, and there the result is the task's ``outcome.result``."""
+        if s.loop:
+            raise NeedsPerson(f"loop step '{s.name}' read by its own name in a task policy: the policy runs per "
+                              "iteration, before the loop has a result; read the loop's result in its arcs "
+                              "(event.result) or in the next step")
+        if id(task.node) not in self._after_step and task is not s.tasks[-1]:
+            raise NeedsPerson(f"step '{s.name}' read by its own name in the policy of its task '{task.name}', "
+                              "which does not give the step's result: the step has no result there yet")
+        producer = _producer(s.tasks, task.index) or task
+        head = path[0] if path else None
+        if head == ("attr", "error"):
+            return Ref("outcome", path)
+        if head is None:
+            if producer.kind == "http":
+                raise NeedsPerson(f"the whole result of http step '{s.name}' is now the response body (the legacy "
+                                  "{status_code, headers, data} is gone): read 'outcome.result' knowing that")
+            return Ref("outcome", [("attr", "result")])
+        rest = path[1:] if head == ("attr", "result") else path
+        if producer.kind == "http" and rest and rest[0][0] in ("attr", "key") and rest[0][1] in HTTP_META:
+            return Ref("outcome", [("attr", a) for a in HTTP_META[rest[0][1]]] + rest[1:])
+        return Ref("outcome", [("attr", "result")] + self._reshape_kind(producer.kind, producer, rest,
+                                                                        f"step '{s.name}'"))
 
     def _task_ref(self, t: _Task, path: list) -> Ref | None:
         head = path[0] if path else None
