@@ -310,7 +310,7 @@ class _Migrator:
         self.structural = len(self.changes)
         self.legacy = self.structural > 0 or self.bare_names_used()
         self.build_model()
-        if self.legacy:
+        if self.legacy or self.end_unrouted():
             self.implicit_end()
             self.build_model()
         self.keychain()
@@ -1311,6 +1311,21 @@ class _Migrator:
                     self.change("M7", p + ("return_step",), f"'return_step: {t.return_step}' dropped: the task's "
                                 f"result is the child's {{execution_id, status, ctx, steps}}; reads of it now read "
                                 f"{s.name}.result.steps.{t.return_step}.result")
+
+    def end_unrouted(self) -> bool:
+        """A step named ``end`` that no arc goes to and that is not the entry step: canonically it never
+        runs, so the playbook can only be legacy there (the legacy runtime went to ``end`` from every
+        step without ``next``), whatever else of it reads as canonical."""
+        from .validate import entry_step
+
+        if "end" not in self.steps or entry_step(self.doc) == "end":
+            return False
+        for s in self.steps.values():
+            nxt = s.node.get("next")
+            arcs = nxt.get("arcs") if _is_map(nxt) else None
+            if _is_seq(arcs) and any(_is_map(a) and a.get("step") == "end" for a in arcs):
+                return False
+        return True
 
     def implicit_end(self) -> None:
         """M6: the legacy runtime went on to the step named ``end`` from a step with no ``next``."""
