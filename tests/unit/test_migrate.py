@@ -229,6 +229,62 @@ def test_m4_a_step_set_reading_its_own_step_reads_the_outcome_of_the_task_it_mov
     assert m.complete and validate_text(m.text).ok
 
 
+def test_m4_an_arc_set_of_ctx_moves_to_the_policy_under_the_arcs_condition():
+    m, doc = mig("""
+        workflow:
+          - step: a
+            tool: {kind: python, code: "result = {'n': 2}"}
+            set: {ctx.seen: 1}
+            next:
+              - step: big
+                when: "{{ result.n > 1 }}"
+                set: {ctx.size: big, ctx.n: "{{ event.result.n }}", tag: t}
+              - step: small
+                set: {vars.size: small}
+          - step: big
+            tool: {kind: noop, result: "{{ args.tag }}"}
+          - step: small
+            tool: {kind: noop}
+        """)
+    a = doc["workflow"][0]
+    assert a["next"]["arcs"] == [{"step": "big", "when": "{{ event.result.n > 1 }}", "args": {"tag": "t"}},
+                                 {"step": "small"}]
+    assert a["tool"]["spec"]["policy"]["rules"] == [
+        {"when": "{{ outcome.status == 'error' }}", "then": {"do": "fail"}},
+        {"when": "{{ outcome.status == 'ok' and outcome.result.n > 1 }}",
+         "then": {"do": "continue", "set_ctx": {"seen": 1, "size": "big", "n": "{{ outcome.result.n }}"}}},
+        # the arc without a condition is taken on success when the one before it is not
+        {"when": "{{ outcome.status == 'ok' and not outcome.result.n > 1 }}",
+         "then": {"do": "continue", "set_ctx": {"seen": 1, "size": "small"}}},
+        {"else": {"then": {"do": "continue", "set_ctx": {"seen": 1}}}}]
+    assert m.complete and validate_text(m.text).ok and not migrate_text(m.text).changed
+
+
+def test_m4_an_arc_set_of_ctx_that_no_task_policy_can_hold_needs_a_person():
+    m, _ = mig("""
+        workflow:
+          - step: many
+            loop: {in: [1, 2], iterator: x}
+            tool: {kind: noop}
+            next: [{step: b, set: {ctx.done: true}}]
+          - step: b
+            next: [{step: c, set: {ctx.b: 1}}]
+          - step: c
+            tool: {kind: noop}
+            next: [{step: b, when: "{{ c.x }} {{ c.y }}", set: {ctx.z: 1}}, {step: many, set: {ctx.a.b: 1}}]
+          - step: d
+            tool: {kind: noop}
+            next: [{step: b}, {step: c, when: "{{ d.x }}", set: {ctx.z: 1}}]
+        """)
+    said = {p.location: p.message for p in m.problems}
+    assert "per iteration" in said["workflow[0].step=many.next.arcs[0].set"]
+    assert "without a tool" in said["workflow[1].step=b.next.arcs[0].set"]
+    assert "not one expression" in said["workflow[2].step=c.next.arcs[0].set"]
+    assert "set the whole value of 'a'" in said["workflow[2].step=c.next.arcs[1].set"]
+    assert "follows arc 0, which has no 'when'" in said["workflow[3].step=d.next.arcs[1].set"]
+    assert all(p.rule == "M4" and p.line for p in m.problems)
+
+
 def test_m4_a_step_read_by_its_own_name_where_it_has_no_result_needs_a_person():
     m, _ = mig("""
         workflow:

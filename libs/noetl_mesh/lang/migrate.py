@@ -273,6 +273,7 @@ class _Migrator:
         # task nodes whose policy received what the legacy runtime ran after the step's tool (a step's
         # 'set', a case's rules): there the step's own name read the result that task's outcome holds
         self._after_step: set[int] = set()
+        self._arc_sets: list[tuple[Any, Path, int, Any]] = []  # (step, its path, arc index, {ctx key: value})
 
     # -------------------------------------------------------------- findings
     def _line(self, path: Path) -> int | None:
@@ -435,6 +436,8 @@ class _Migrator:
         for key in ("set", "set_ctx", "set_iter", "vars"):
             if key in st:
                 self.step_set(st, path, key)
+        for arc_set in [a for a in self._arc_sets if a[0] is st]:
+            self.arc_set_ctx(*arc_set)
         if "pool" in st:
             pool = st.pop("pool")
             spec = st.setdefault("spec", _cmap())
@@ -939,15 +942,8 @@ class _Migrator:
             self.problem("M4", path + (key,), f"'{key}' on a step without a tool: set it on the arc's args instead")
             st[key] = values
             return
-        if _is_map(tool) or (_is_seq(tool) and len(tool) and _is_map(tool[-1])
-                              and not ((tool[-1].get("spec") or {}).get("policy") if _is_map(tool[-1].get("spec"))
-                                       else None)):
-            last = tool if _is_map(tool) else tool[-1]
-        else:
-            last = _cmap([("name", f"{st.get('step')}_set"), ("kind", "noop")])
-            tool.append(last)
+        last = self._after_tool(st)
         names = self.step_names_of(st)
-        self._after_step.add(id(last))
         _, then = self._ok_policy(last)
         if key in ("set", "vars"):
             self.split_set(then, values, path + (key,), in_loop, names)
@@ -956,6 +952,79 @@ class _Migrator:
             for k, v in (values.items() if _is_map(values) else []):
                 target[k] = v
             self.change("M4", path + (key,), f"the step's '{key}' -> the policy of its last task")
+
+    def _after_tool(self, st: Any) -> Any:
+        """The task whose policy runs what the legacy runtime ran after the step's tool: the last task,
+        or a noop appended to pass its result through when that task has a policy of its own (or the
+        last task of a list is not a task)."""
+        tool = st["tool"]
+        if _is_map(tool) or (_is_seq(tool) and len(tool) and _is_map(tool[-1])
+                              and not ((tool[-1].get("spec") or {}).get("policy") if _is_map(tool[-1].get("spec"))
+                                       else None)
+                              or _is_seq(tool) and len(tool) and id(tool[-1]) in self._after_step):
+            last = tool if _is_map(tool) else tool[-1]
+        else:
+            last = _cmap([("name", f"{st.get('step')}_set"), ("kind", "noop")])
+            tool.append(last)
+        self._after_step.add(id(last))
+        return last
+
+    def arc_set_ctx(self, st: Any, path: Path, index: int, writes: Any) -> None:
+        """An arc's ``set: {ctx.x: v}``: an arc cannot write ctx (D12: only a task policy's ``set_ctx``
+        does), so the write moves to the policy that runs after the step's tool (as a step's ``set``),
+        in a rule that holds when that arc is the one taken."""
+        spath = path + ("next", "arcs", index, "set")
+        arcs = st["next"]["arcs"]
+        exclusive = not (_is_map(st["next"].get("spec")) and st["next"]["spec"].get("mode") == "inclusive")
+        if "loop" in st:
+            self.problem("M4", spath, "a loop step's arc 'set' of ctx ran once after the loop; a task policy runs per "
+                         "iteration: compute it in the next step from the loop's result (event.result)")
+            return
+        if not st.get("tool"):
+            self.problem("M4", spath, "an arc 'set' of ctx on a step without a tool: an arc cannot write ctx; pass "
+                         "the values as arc args")
+            return
+        conds = []
+        for j, arc in enumerate(arcs):
+            if j > index or (j < index and not exclusive):
+                continue
+            when = arc.get("when") if _is_map(arc) else None
+            if when is None:
+                if j < index:  # an earlier arc without a condition is taken on every success
+                    self.problem("M4", spath, f"an arc 'set' of ctx on an arc that follows arc {j}, which has no "
+                                 "'when': it is taken only when the step fails; write the ctx in a rule by hand")
+                    return
+                continue
+            expr = _bare_expr(when)
+            if expr is None:
+                self.problem("M4", spath, f"an arc 'set' of ctx under a 'when' that is not one expression ({when!r}): "
+                             "write the rule that sets it in the step's last task policy by hand")
+                return
+            conds.append(f"({expr})" if j == index else f"not ({expr})")
+        last = self._after_tool(st)
+        rules, ok_then = self._ok_policy(last)
+        if not conds:
+            target = ok_then.setdefault("set_ctx", _cmap())
+            for k, v in writes.items():
+                target[k] = v
+            self.change("M4", spath, "arc 'set' of ctx -> set_ctx in the policy after the step's tool (its else rule: "
+                        "the arc is taken on every success)")
+            return
+        then = _cmap([("do", "continue")])
+        both = _cmap()
+        for k, v in (ok_then.get("set_ctx") or {}).items():
+            both[k] = _copy(v)  # the else rule's own writes, which this rule would otherwise skip
+        for k, v in writes.items():
+            both[k] = v
+        then["set_ctx"] = both
+        for k in ("set_iter",):
+            if k in ok_then:
+                then[k] = _copy(ok_then[k])
+        when = "{{ outcome.status == 'ok' and %s }}" % " and ".join(conds)
+        at = next(n for n, r in enumerate(rules) if _is_map(r) and "else" in r)
+        rules.insert(at, _cmap([("when", when), ("then", then)]))
+        self.change("M4", spath, "arc 'set' of ctx -> a rule of the policy after the step's tool that sets it when "
+                    "the arc is the one taken (an arc cannot write ctx, D12)")
 
     def step_names_of(self, st: Any) -> dict:
         return self._set_names.setdefault(id(st), {})
@@ -1091,17 +1160,26 @@ class _Migrator:
                     self.change("M6", apath + ("when",), "arc 'when: false' -> a template")
             if "set" in arc:
                 values = arc.pop("set")
-                args = arc.setdefault("args", _cmap())
+                writes = _cmap()
                 for k, v in (values.items() if _is_map(values) else []):
                     scope, _, name = str(k).partition(".")
                     if not name:
                         scope, name = "args", str(k)
-                    if scope != "args":
-                        self.problem("M4", apath + ("set",), f"arc 'set: {{{k}: ...}}': an arc cannot write {scope}; "
-                                     "set it in the step's last task policy (set_ctx), or pass it as an arc arg")
+                    if scope == "vars":
+                        scope = "ctx"
+                    if scope == "ctx" and "." not in name:
+                        writes[name] = v
                         continue
-                    args[name] = v
-                self.change("M4", apath + ("set",), "arc 'set' -> arc 'args'")
+                    if scope != "args":
+                        self.problem("M4", apath + ("set",), f"arc 'set: {{{k}: ...}}': an arc cannot write {scope}"
+                                     + ("" if scope != "ctx" else " key by key; set the whole value of "
+                                        f"'{name.split('.')[0]}'") + ", or pass it as an arc arg")
+                        continue
+                    arc.setdefault("args", _cmap())[name] = v
+                if "args" in arc:
+                    self.change("M4", apath + ("set",), "arc 'set' -> arc 'args'")
+                if writes:
+                    self._arc_sets.append((st, path, i, writes))
             if "priority" in arc:
                 arc.pop("priority")
                 self.change("M8", apath + ("priority",), "arc 'priority' dropped: arcs are taken in order")
