@@ -178,11 +178,14 @@ def _flow(m: Any) -> Any:
 
 
 def _rename(m: Any, old: str, new: str) -> None:
-    """Key ``old`` renamed ``new`` in place (same position)."""
+    """Key ``old`` renamed ``new`` in place (same position, its comments kept)."""
     keys = list(m.keys())
     pos = keys.index(old)
+    comments = m.ca.items.pop(old, None) if hasattr(m, "ca") else None
     value = m.pop(old)
     m.insert(pos, new, value)
+    if comments is not None:
+        m.ca.items[new] = comments
 
 
 def _insert_after(m: Any, after: str | None, key: str, value: Any) -> None:
@@ -199,6 +202,148 @@ def _styled(old: Any, text: str) -> Any:
         return type(old)(text)
     except Exception:  # noqa: BLE001 - a style class we do not know: plain text
         return text
+
+
+# ------------------------------------------------------------------- comments of moved keys
+# ruamel.yaml keeps a comment (and blank lines) after a value on the deepest last item of that value:
+# ``ca.items[key][2]`` of a mapping, ``ca.items[index][0]`` of a sequence. When a key is popped, or its
+# value replaced, the comment goes with it; these helpers find it again and put it back where the text
+# that followed it now starts.
+
+
+def _last_slot(m: Any, key: Any) -> tuple[Any, Any, int]:
+    """(container, key, position in its comment entry) of the deepest last item of ``m[key]``: where a
+    comment that follows that value is kept."""
+    container, k = m, key
+    value = m[key]
+    while (_is_map(value) or _is_seq(value)) and len(value) and hasattr(value, "fa") and not value.fa.flow_style():
+        container, k = value, (list(value.keys())[-1] if _is_map(value) else len(value) - 1)
+        value = container[k]
+    return container, k, (2 if _is_map(container) else 0)
+
+
+def _block_scalar(value: Any) -> bool:
+    from ruamel.yaml.scalarstring import FoldedScalarString, LiteralScalarString
+
+    return isinstance(value, (LiteralScalarString, FoldedScalarString))
+
+
+def _slot_token(slot: tuple[Any, Any, int]) -> Any:
+    container, k, pos = slot
+    entry = container.ca.items.get(k) if hasattr(container, "ca") else None
+    return entry[pos] if entry and len(entry) > pos and not isinstance(entry[pos], list) else None
+
+
+def _tokens_in(node: Any, out: set[int]) -> set[int]:
+    if hasattr(node, "ca"):  # an entry of a key no longer there stays in ca.items, and is not written
+        live = set(node.keys()) if _is_map(node) else set(range(len(node))) if _is_seq(node) else set()
+        for key, entry in node.ca.items.items():
+            if key not in live:
+                continue
+            for tok in entry or ():
+                for t in (tok if isinstance(tok, list) else [tok]):
+                    if t is not None:
+                        out.add(id(t))
+    if _is_map(node):
+        for v in node.values():
+            _tokens_in(v, out)
+    elif _is_seq(node):
+        for v in node:
+            _tokens_in(v, out)
+    return out
+
+
+def _place_token(m: Any, key: Any, token: Any, src_block: bool) -> None:
+    """Put ``token`` (taken after a value that was a block scalar or not) after the value of ``m[key]``."""
+    container, k, pos = _last_slot(m, key)
+    if not hasattr(container, "ca"):
+        return
+    dst_block = _block_scalar(container[k])
+    text = token.value
+    if src_block and not dst_block:
+        text = "\n" + text  # after a block scalar the line is ended already; after a plain one it is not
+    elif dst_block and not src_block and text.startswith("\n"):
+        text = text[1:]
+    entry = container.ca.items.setdefault(k, [None] * (4 if pos == 2 else 2))
+    while len(entry) <= pos:
+        entry.append(None)
+    if entry[pos] is not None and not isinstance(entry[pos], list):
+        existing = entry[pos]
+        existing.value = existing.value + (text[1:] if not dst_block and text.startswith("\n") else text)
+    else:
+        token.value = text
+        entry[pos] = token
+
+
+class _KeepTrailers:
+    """Around the rewriting of a mapping (a step, a task): a comment that followed one of its values
+    and is no longer in it afterwards (its key popped, its value replaced) is put back after the same
+    key's new value, or, the key gone, after the value that now precedes the key that followed it."""
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+        keys = list(m.keys()) if _is_map(m) else []
+        self.kept = []
+        self.before: list[tuple[Any, Any, list]] = []  # comments kept before a key (after a flow value)
+        for i, k in enumerate(keys):
+            slot = _last_slot(m, k)
+            tok = _slot_token(slot)
+            if tok is not None:
+                self.kept.append((k, keys[i + 1] if i + 1 < len(keys) else None, tok,
+                                  _block_scalar(slot[0][slot[1]])))
+            entry = m.ca.items.get(k)
+            if entry and len(entry) > 1 and isinstance(entry[1], list) and entry[1] and i > 0:
+                self.before.append((k, keys[i - 1], list(entry[1])))
+
+    def __enter__(self) -> "_KeepTrailers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        m = self.m
+        if exc[0] is not None or not (self.kept or self.before) or not _is_map(m) or not len(m):
+            return
+        present = _tokens_in(m, set())
+        for key, previous, toks in self.before:
+            if all(id(t) in present for t in toks):
+                continue
+            if key in m:
+                entry = m.ca.items.setdefault(key, [None, None, None, None])
+                entry[1] = toks
+            elif previous in m:
+                from ruamel.yaml.error import CommentMark
+                from ruamel.yaml.tokens import CommentToken
+
+                text = "".join(" " * (t.column or 0) + t.value for t in toks)
+                _place_token(m, previous, CommentToken(text, CommentMark(0)), True)
+            present.update(id(t) for t in toks)
+        for key, following, tok, src_block in self.kept:
+            if id(tok) in present:
+                continue
+            keys = list(m.keys())
+            if key in m:
+                at = key
+            elif following in m and keys.index(following) > 0:
+                at = keys[keys.index(following) - 1]
+            else:
+                at = keys[-1]
+            _place_token(m, at, tok, src_block)
+            present.add(id(tok))
+
+
+def _append_key(m: Any, key: str, value: Any) -> None:
+    """``m[key] = value`` at the end of ``m``, the comment that followed ``m``'s last value kept after
+    the new one (it is what follows the mapping, such as the blank line before the next step)."""
+    keys = list(m.keys())
+    tok = src_block = None
+    if keys:
+        slot = _last_slot(m, keys[-1])
+        tok = _slot_token(slot)
+        if tok is not None:
+            src_block = _block_scalar(slot[0][slot[1]])
+            slot[0].ca.items[slot[1]][slot[2]] = None
+    m[key] = value
+    if tok is not None:
+        _place_token(m, key, tok, bool(src_block))
 
 
 def _template(value: Any) -> bool:
@@ -376,6 +521,10 @@ class _Migrator:
 
     # ======================================================================= structure
     def step_structure(self, st: Any, path: Path) -> None:
+        with _KeepTrailers(st):
+            self._step_structure(st, path)
+
+    def _step_structure(self, st: Any, path: Path) -> None:
         name = st.get("step")
         if "type" in st:
             kind = st.get("type")
@@ -497,6 +646,10 @@ class _Migrator:
 
     # -------------------------------------------------------------- tasks
     def task_structure(self, t: Any, path: Path, in_loop: bool) -> None:
+        with _KeepTrailers(t):
+            self._task_structure(t, path, in_loop)
+
+    def _task_structure(self, t: Any, path: Path, in_loop: bool) -> None:
         kind = t.get("kind")
         if kind is None and "type" in t:
             _rename(t, "type", "kind")
@@ -1412,20 +1565,28 @@ class _Migrator:
         for s in self.steps.values():
             if s.name == "end" or "next" in s.node:
                 continue
-            s.node["next"] = _cmap([("arcs", _cseq([_cmap([("step", "end")])]))])
+            _append_key(s.node, "next", _cmap([("arcs", _cseq([_cmap([("step", "end")])]))]))
             self.change("M6", ("workflow", s.index), "a step without 'next' -> an arc to 'end' (the legacy "
                                                     "runtime went there)")
 
     # ======================================================================= templates
     def bare_names_used(self) -> bool:
-        """Does any template read a name the canonical language does not define where it stands?"""
+        """Does any template read a name the canonical language does not define where it stands, and
+        that the legacy reading translates? A name nothing translates (it needs a person) is no sign of
+        the dialect: it is left as it is, and a second migration must read the file as the first wrote
+        it."""
         self.build_model()
         found = []
 
         def probe(site: _Site) -> Callable[[Ref], Any]:
             def resolve(ref: Ref) -> Any:
                 if not self._canonical_root(ref.root, site):
-                    found.append(ref.root)
+                    try:
+                        new, _ = self._resolve(ref, site)
+                    except NeedsPerson:
+                        new = None
+                    if new is not None:
+                        found.append(ref.root)
                 return None
             return resolve
 
