@@ -328,6 +328,46 @@ def test_m4_a_step_read_by_its_own_name_where_it_has_no_result_needs_a_person():
     assert all(p.line for p in m.problems)
 
 
+def test_m4_a_task_set_read_by_later_tasks_of_its_pipeline_is_the_runs_own_and_output_is_the_result():
+    m, doc = mig("""
+        workflow:
+          - step: a
+            tool:
+              - name: get
+                kind: http
+                url: http://127.0.0.1:1/users
+                set: {users: "{{ output.data }}", total: "{{ output.data | length }}"}
+              - name: count
+                kind: python
+                code: "result = len(users)"
+              - name: show
+                kind: noop
+                result: "{{ users[0] }}"
+            next: [{step: b}]
+          - step: b
+            tool: {kind: noop, result: "{{ total }}"}
+          - step: many
+            loop: {in: [1, 2], iterator: x}
+            tool:
+              - {name: one, kind: noop, result: 1, set: {seen: "{{ output }}"}}
+              - {name: two, kind: python, code: "result = seen"}
+        """)
+    get, count, show = doc["workflow"][0]["tool"]
+    then = get["spec"]["policy"]["rules"][-1]["else"]["then"]
+    # an http task's legacy result.data was the body: the outcome's result now
+    assert then["set_iter"] == {"users": "{{ outcome.result }}"}
+    assert then["set_ctx"] == {"total": "{{ outcome.result | length }}"}
+    assert count["args"] == {"users": "{{ iter.users }}"} and show["result"] == "{{ iter.users[0] }}"
+    assert doc["workflow"][1]["tool"]["result"] == "{{ ctx.total }}"  # read by another step: ctx
+    one, two = doc["workflow"][2]["tool"]
+    assert one["spec"]["policy"]["rules"][-1]["else"]["then"]["set_iter"] == {"seen": "{{ outcome.result }}"}
+    assert two["args"] == {"seen": "{{ iter.seen }}"}
+    assert m.complete and validate_text(m.text).ok and not migrate_text(m.text).changed
+    m, _ = mig("workflow:\n  - step: a\n    tool: {kind: http, url: 'http://127.0.0.1:1/', set: {ctx.r: '{{ output }}'}}\n")
+    assert [(p.rule, p.location) for p in m.problems] == [("M4", "workflow[0].step=a.tool.set.ctx.r")]
+    assert "response body" in m.problems[0].message and m.problems[0].line == 6
+
+
 def test_m5_python_conventions():
     m, doc = mig("""
         workload: {n: 3}

@@ -419,6 +419,8 @@ class _Migrator:
         # 'set', a case's rules): there the step's own name read the result that task's outcome holds
         self._after_step: set[int] = set()
         self._arc_sets: list[tuple[Any, Path, int, Any]] = []  # (step, its path, arc index, {ctx key: value})
+        self._step: Any = None  # the step whose structure is being rewritten
+        self._reads: dict[int, set[str]] = {}  # id(step node) -> the names its templates and code read
 
     # -------------------------------------------------------------- findings
     def _line(self, path: Path) -> int | None:
@@ -447,11 +449,16 @@ class _Migrator:
         wl = doc.get("workload")
         self.workload_keys = {str(k) for k in wl} if _is_map(wl) else set()
         workflow = doc["workflow"]
+        self._reads = {id(st): _names_read(st) for st in workflow if _is_map(st)}
+        wb = doc.get("workbook")
+        self._reads[id(wb)] = _names_read(wb) if wb is not None else set()
         for i, st in enumerate(workflow):
             if not _is_map(st):
                 self.problem("M6", ("workflow", i), "a step that is not a mapping")
                 continue
+            self._step = st
             self.step_structure(st, ("workflow", i))
+        self._step = None
         self.workbook()
         self.structural = len(self.changes)
         self.legacy = self.structural > 0 or self.bare_names_used()
@@ -1020,7 +1027,8 @@ class _Migrator:
                     (f" (attempts {attempts}, the first included)" if attempts is not None else ""))
 
     # -------------------------------------------------------------- M4: set
-    def split_set(self, then: Any, values: Any, spath: Path, in_loop: bool, names: dict | None = None) -> None:
+    def split_set(self, then: Any, values: Any, spath: Path, in_loop: bool, names: dict | None = None,
+                  report: bool = True) -> None:
         """``set: {ctx.x: v, iter.y: v, z: v}`` (or a list of {name, value}) -> set_ctx / set_iter."""
         pairs: list[tuple[str, Any]] = []
         if _is_map(values):
@@ -1052,7 +1060,8 @@ class _Migrator:
                 continue
             target = then.setdefault(f"set_{scope}", _cmap())
             target[name] = value
-        self.change("M4", spath, "'set' -> " + " and ".join(sorted({f"set_{k.split('_')[1]}" for k in then
+        if report:
+            self.change("M4", spath, "'set' -> " + " and ".join(sorted({f"set_{k.split('_')[1]}" for k in then
                                                                       if k in ("set_ctx", "set_iter")})))
 
     def _ok_policy(self, t: Any) -> tuple[Any, Any]:
@@ -1073,14 +1082,66 @@ class _Migrator:
 
     def task_set(self, t: Any, path: Path, key: str, in_loop: bool) -> None:
         values = t.pop(key)
+        self.task_set_output(values, path + (key,), t.get("kind"))
         _, then = self._ok_policy(t)
         if key == "set":
+            st = self._step
+            if st is not None and in_loop:
+                self.split_set(then, values, path + (key,), in_loop, self.step_names_of(st))
+                return
+            if st is not None and _is_map(values):
+                # a bare name that only this step's pipeline reads is the run's own: iter (D6, the
+                # run's scratch scope outside loops); one another step reads is the execution's: ctx
+                elsewhere = set().union(*(r for k, r in self._reads.items() if k != id(st)))
+                names = self.step_names_of(st)
+                local = _cmap()
+                for k in list(values.keys()):
+                    if "." not in str(k) and str(k) not in elsewhere:
+                        local[k] = values.pop(k)
+                        names[str(k)] = "iter"
+                if local:
+                    self.split_set(then, local, path + (key,), True, report=False)
+                    self.change("M4", path + (key,), f"the task's 'set' of {', '.join(map(str, local))} -> set_iter: "
+                                "only later tasks of the same pipeline read it (iter is the run's own scope, D6)")
+                if not values:
+                    return
+                self.split_set(then, values, path + (key,), in_loop, names)
+                return
             self.split_set(then, values, path + (key,), in_loop)
         elif _is_map(values):
             target = then.setdefault(key, _cmap())
             for k, v in values.items():
                 target[k] = v
             self.change("M4", path + (key,), f"the task's '{key}' -> its policy's else rule")
+
+    def task_set_output(self, values: Any, spath: Path, kind: Any) -> None:
+        """In a task's own ``set:`` the legacy ``output`` was the task's result; in the policy rule the set
+        moves to, ``output`` is the outcome (D8): ``{{ output.data }}`` -> ``{{ outcome.result.data }}``
+        (then read as the task's kind gives its result, M7)."""
+        def resolve(ref: Ref) -> Any:
+            if ref.root != "output":
+                return None
+            if kind == "http" and not ref.path:
+                raise NeedsPerson("the whole result of an http task ('output') is now the response body (the legacy "
+                                  "{status_code, headers, data} is gone): read 'outcome.result' knowing that")
+            return Ref("outcome", [("attr", "result")] + ref.path)
+
+        def walk(node: Any, p: Path) -> None:
+            items = list(node.items()) if _is_map(node) else list(enumerate(node)) if _is_seq(node) else []
+            for k, v in items:
+                if isinstance(v, str) and _template(v):
+                    out = rewrite(v, resolve)
+                    for problem in out.problems:
+                        self.problem("M4", p + (k,), problem)
+                    if out.text != v and not out.problems:
+                        node[k] = _styled(v, out.text)
+                        for old, new in out.changed:
+                            self.change("M4", p + (k,), f"{{{{ {old} }}}} -> {{{{ {new} }}}} (in a task's 'set', "
+                                        "'output' was the task's result)")
+                else:
+                    walk(v, p + (k,))
+
+        walk(values, spath)
 
     def step_set(self, st: Any, path: Path, key: str) -> None:
         values = st.pop(key)
@@ -2003,6 +2064,11 @@ class _Migrator:
             self.problem("M5", path + ("code",), f"'{name}' was a helper of the legacy runtime: define it in the code")
         leftover = free - set(mpy.PRELOADED) - mpy.LEGACY_HELPERS - {"input_data", "context"}
         for name in sorted(leftover):
+            if s is not None and (name in s.set_names or any(o.set_names.get(name) == "ctx" for o in self.steps.values())):
+                value = self._context_value(name, site)  # a name a 'set' wrote: the legacy runtime gave it
+                if value is not None:
+                    new_args.append((name, value))
+                    continue
             self.problem("M5", path + ("code",), f"the code reads '{name}', which nothing defines: pass it in args")
         if imports or prelude:
             text = mpy.insert_lines(text, facts.future_end, imports + prelude)
@@ -2066,6 +2132,37 @@ def _guess_indent(text: str) -> tuple[int, int, int]:
     mapping = maps.most_common(1)[0][0] if maps else 2
     offset = seqs.most_common(1)[0][0] if seqs else 0
     return mapping, offset + 2, offset
+
+
+def _names_read(node: Any) -> set[str]:
+    """The root names the templates in ``node`` read, and the names its Python code reads from outside."""
+    found: set[str] = set()
+
+    def probe(ref: Ref) -> Any:
+        found.add(ref.root)
+        return None
+
+    def walk(n: Any, key: Any = None, kind: Any = None) -> None:
+        if _is_map(n):
+            k2 = n.get("kind", kind)
+            for k, v in n.items():
+                walk(v, k, k2)
+        elif _is_seq(n):
+            for v in n:
+                walk(v, key, kind)
+        elif isinstance(n, str):
+            if key == "code" and kind == "python":
+                try:
+                    facts = mpy.analyse(n)
+                except SyntaxError:
+                    return
+                found.update(facts.free)
+                found.update(p for p, _ in facts.main_params or [])
+            elif _template(n):
+                rewrite(n, probe)
+
+    walk(node)
+    return found
 
 
 def _copy(value: Any) -> Any:
