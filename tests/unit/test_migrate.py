@@ -67,6 +67,17 @@ def test_every_fixture_that_migrates_with_exit_0_validates_and_lint_finds_nothin
     assert complete == FULL  # and needs_person is the one that does not
 
 
+def test_a_migration_that_would_fail_at_run_time_needs_a_person():
+    m, _ = mig("workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ vars.missing }}'}\n",
+               head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    assert [(p.rule, p.location, p.line) for p in m.problems] == [("V", "workflow[0].step=start.tool.result", 6)]
+    assert "ctx.missing is written by no set_ctx" in m.problems[0].message
+    assert "noetl lint L402, line 6, column 24 of the migrated text" in m.problems[0].message
+    # a playbook the migration leaves as it is is lint's to judge, not migrate's
+    text = HEAD + "workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ ctx.missing }}'}\n"
+    assert migrate_text(text).complete and migrate_text(text).text == text
+
+
 def test_needs_person_fixture_names_each_construct_with_its_location():
     m = migrate_text((FIXTURES / "needs_person.yaml").read_text())
     said = {(p.rule, p.location) for p in m.problems}

@@ -476,6 +476,8 @@ class _Migrator:
             self.yaml.dump(self.doc, out)
             text = out.getvalue()
         self.validate(text)
+        if self.changes and not self.problems:
+            self.lint(text)
         return Migration(self.original, text, self.changes, self.problems)
 
     def validate(self, text: str) -> None:
@@ -489,6 +491,21 @@ class _Migrator:
             f = Finding("V", d.location, f"still invalid after the migration: {d.message}", d.line)
             if f not in self.problems:
                 self.problems.append(f)
+
+    def lint(self, text: str) -> None:
+        """What the migration wrote must not fail when it runs: an error of ``noetl lint`` (a name that is
+        not there, a ctx key nothing writes, ...; docs/lint.md) in the migrated text needs a person. A
+        playbook the migration leaves as it is gets none (that is ``noetl lint``'s to say)."""
+        from .lint import lint_text
+
+        for f in lint_text(text).findings:
+            if f.severity != "error" or f.code == "L000":
+                continue
+            at = f", line {f.line}, column {f.column} of the migrated text" if f.line is not None else ""
+            finding = Finding("V", f.location, f"the migrated playbook fails when this runs: {f.message} "
+                              f"(noetl lint {f.code}{at})", self._line(f.path) or f.line)
+            if finding not in self.problems:
+                self.problems.append(finding)
 
     # ======================================================================= M0: header
     def header(self) -> None:
