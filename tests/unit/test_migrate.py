@@ -149,6 +149,7 @@ def test_m1_an_unknown_name_needs_a_person():
     m, _ = mig("workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ nowhere }}'}\n")
     assert [p.rule for p in m.problems] == ["M1"] and "nowhere" in m.problems[0].message
     assert m.problems[0].location == "workflow[0].step=start.tool.result" and m.problems[0].line == 6
+    assert m.problems[0].column == 24 and "(line 6, column 24)" in str(m.problems[0])  # where the key starts
 
 
 def test_m2_a_step_name_reads_its_result_and_data_status_are_the_results_keys():

@@ -71,14 +71,16 @@ class Finding:
     location: str  # e.g. workflow[2].step=fetch.tool[0].url
     message: str
     line: int | None = None
+    column: int | None = None  # with line: where the location starts in the text the finding is about
 
     def __str__(self) -> str:
         where = self.location or "<document>"
-        at = f" (line {self.line})" if self.line else ""
+        at = f" (line {self.line}" + (f", column {self.column}" if self.column else "") + ")" if self.line else ""
         return f"{self.rule}: {where}{at}: {self.message}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "location": self.location, "line": self.line, "message": self.message}
+        return {"rule": self.rule, "location": self.location, "line": self.line, "column": self.column,
+                "message": self.message}
 
 
 @dataclass
@@ -423,17 +425,21 @@ class _Migrator:
         self._reads: dict[int, set[str]] = {}  # id(step node) -> the names its templates and code read
 
     # -------------------------------------------------------------- findings
-    def _line(self, path: Path) -> int | None:
+    def _where(self, path: Path) -> tuple[int | None, int | None]:
+        """(line, column) in the text read where ``path`` starts (or the nearest place it had there)."""
         where = position(self.positions, path) if self.positions.ok else None
-        return where[0] if where else None
+        return (where[0], where[1]) if where else (None, None)
+
+    def _line(self, path: Path) -> int | None:
+        return self._where(path)[0]
 
     def change(self, rule: str, path: Path, message: str) -> None:
-        f = Finding(rule, locate(self.doc, path), message, self._line(path))
+        f = Finding(rule, locate(self.doc, path), message, *self._where(path))
         if f not in self.changes:
             self.changes.append(f)
 
     def problem(self, rule: str, path: Path, message: str) -> None:
-        f = Finding(rule, locate(self.doc, path), message, self._line(path))
+        f = Finding(rule, locate(self.doc, path), message, *self._where(path))
         if f not in self.problems:
             self.problems.append(f)
 
@@ -488,7 +494,7 @@ class _Migrator:
             if any(p.location == d.location or p.location.startswith(d.location + ".")
                    or d.location.startswith(p.location + ".") for p in self.problems):
                 continue  # said already, in the words of the rule that could not translate it
-            f = Finding("V", d.location, f"still invalid after the migration: {d.message}", d.line)
+            f = Finding("V", d.location, f"still invalid after the migration: {d.message}", d.line, d.column)
             if f not in self.problems:
                 self.problems.append(f)
 
@@ -503,7 +509,8 @@ class _Migrator:
                 continue
             at = f", line {f.line}, column {f.column} of the migrated text" if f.line is not None else ""
             finding = Finding("V", f.location, f"the migrated playbook fails when this runs: {f.message} "
-                              f"(noetl lint {f.code}{at})", self._line(f.path) or f.line)
+                              f"(noetl lint {f.code}{at})", *(self._where(f.path) if self._line(f.path)
+                                                               else (f.line, f.column)))
             if finding not in self.problems:
                 self.problems.append(finding)
 
