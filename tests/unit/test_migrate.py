@@ -626,6 +626,37 @@ def test_comments_after_moved_keys_stay_where_the_text_after_them_starts():
     assert m.complete and not migrate_text(text).changed
 
 
+def test_a_comment_on_the_line_of_a_moved_key_moves_with_it():
+    m, _ = mig("""
+        workflow:
+          - step: a
+            tool:
+              - name: get
+                kind: noop
+                result: [1]
+                set:
+                  rows: "{{ output }}"   # why rows
+                  n: "{{ output | length }}"  # why n
+              - {name: use, kind: noop, result: "{{ rows }}"}
+            set:
+              ctx.x: 1  # why x
+              ctx.y: 2  # why y
+            # banner
+            next:
+              - step: b
+                set:
+                  ctx.c: 3   # why c
+                  d: 4       # why d
+                  ctx.e: 5
+          - step: b
+            tool: {kind: noop, result: "{{ n }} {{ args.d }}"}
+        """)
+    lines = {line.split("#")[1].strip(): line.split("#")[0].strip() for line in m.text.splitlines() if "# why" in line}
+    assert lines == {"why rows": 'rows: "{{ outcome.result }}"', "why n": 'n: "{{ outcome.result | length }}"',
+                     "why x": "x: 1", "why y": "y: 2", "why c": "c: 3", "why d": "d: 4"}
+    assert "    # banner\n    next:" in m.text and m.complete
+
+
 # ----------------------------------------------------------------------------------- templates
 
 

@@ -332,6 +332,33 @@ class _KeepTrailers:
             present.add(id(tok))
 
 
+def _carry_comment(src: Any, key: Any, dst: Any, new_key: Any, last_too: bool = False) -> None:
+    """The comment on the line of ``src[key]`` (``# why``), kept on ``dst[new_key]`` where the value
+    moved. What follows the line of the last key (``last_too`` aside) is what follows the whole
+    mapping: it stays, for :class:`_KeepTrailers` to put back where that text starts."""
+    if not (hasattr(src, "ca") and hasattr(dst, "ca") and _is_map(src)):
+        return
+    entry = src.ca.items.get(key)
+    if not entry or len(entry) < 3 or entry[2] is None or _block_scalar(src.get(key)):
+        return
+    text = entry[2].value
+    if not text.lstrip(" ").startswith("#"):
+        return  # no comment on the key's own line
+    keys = list(src.keys())
+    cut = text.find("\n")
+    if keys and key == keys[-1] and not last_too:
+        if not 0 <= cut < len(text) - 1:
+            return  # nothing follows the mapping but the comment: it stays with it
+        from ruamel.yaml.error import CommentMark
+        from ruamel.yaml.tokens import CommentToken
+
+        dst.ca.items[new_key] = [None, None, CommentToken(text[:cut + 1], CommentMark(0)), None]
+        entry[2].value = text[cut:]  # the end of the key's line, then the lines after the mapping
+        return
+    dst.ca.items[new_key] = [None, None, entry[2], None]
+    entry[2] = None
+
+
 def _append_key(m: Any, key: str, value: Any) -> None:
     """``m[key] = value`` at the end of ``m``, the comment that followed ``m``'s last value kept after
     the new one (it is what follows the mapping, such as the blank line before the next step)."""
@@ -1052,7 +1079,7 @@ class _Migrator:
 
     # -------------------------------------------------------------- M4: set
     def split_set(self, then: Any, values: Any, spath: Path, in_loop: bool, names: dict | None = None,
-                  report: bool = True) -> None:
+                  report: bool = True, carry_last: bool = False) -> None:
         """``set: {ctx.x: v, iter.y: v, z: v}`` (or a list of {name, value}) -> set_ctx / set_iter."""
         pairs: list[tuple[str, Any]] = []
         if _is_map(values):
@@ -1084,6 +1111,7 @@ class _Migrator:
                 continue
             target = then.setdefault(f"set_{scope}", _cmap())
             target[name] = value
+            _carry_comment(values, key, target, name, carry_last)
         if report:
             self.change("M4", spath, "'set' -> " + " and ".join(sorted({f"set_{k.split('_')[1]}" for k in then
                                                                       if k in ("set_ctx", "set_iter")})))
@@ -1092,6 +1120,8 @@ class _Migrator:
         """The task's policy rules, made to exist: (rules, the else rule's 'then') where the else is the
         rule that applies to a successful outcome. A task without a policy gets {error: fail, else:
         continue}, which is what no policy does (D9)."""
+        if hasattr(t, "fa") and t.fa.flow_style() and "spec" not in t:
+            t.fa.set_block_style()  # a one-line task that gets a policy of several rules: written as a block
         spec = t.setdefault("spec", _cmap())
         pol = spec.setdefault("policy", _cmap())
         rules = pol.setdefault("rules", _cseq())
@@ -1121,10 +1151,11 @@ class _Migrator:
                 local = _cmap()
                 for k in list(values.keys()):
                     if "." not in str(k) and str(k) not in elsewhere:
+                        _carry_comment(values, k, local, k)
                         local[k] = values.pop(k)
                         names[str(k)] = "iter"
                 if local:
-                    self.split_set(then, local, path + (key,), True, report=False)
+                    self.split_set(then, local, path + (key,), True, report=False, carry_last=True)
                     self.change("M4", path + (key,), f"the task's 'set' of {', '.join(map(str, local))} -> set_iter: "
                                 "only later tasks of the same pipeline read it (iter is the run's own scope, D6)")
                 if not values:
@@ -1245,6 +1276,7 @@ class _Migrator:
             target = ok_then.setdefault("set_ctx", _cmap())
             for k, v in writes.items():
                 target[k] = v
+                _carry_comment(writes, k, target, k, last_too=True)
             self.change("M4", spath, "arc 'set' of ctx -> set_ctx in the policy after the step's tool (its else rule: "
                         "the arc is taken on every success)")
             return
@@ -1254,6 +1286,7 @@ class _Migrator:
             both[k] = _copy(v)  # the else rule's own writes, which this rule would otherwise skip
         for k, v in writes.items():
             both[k] = v
+            _carry_comment(writes, k, both, k, last_too=True)
         then["set_ctx"] = both
         for k in ("set_iter",):
             if k in ok_then:
@@ -1407,6 +1440,7 @@ class _Migrator:
                         scope = "ctx"
                     if scope == "ctx" and "." not in name:
                         writes[name] = v
+                        _carry_comment(values, k, writes, name)
                         continue
                     if scope != "args":
                         self.problem("M4", apath + ("set",), f"arc 'set: {{{k}: ...}}': an arc cannot write {scope}"
@@ -1414,6 +1448,7 @@ class _Migrator:
                                         f"'{name.split('.')[0]}'") + ", or pass it as an arc arg")
                         continue
                     arc.setdefault("args", _cmap())[name] = v
+                    _carry_comment(values, k, arc["args"], name)
                 if "args" in arc:
                     self.change("M4", apath + ("set",), "arc 'set' -> arc 'args'")
                 if writes:
