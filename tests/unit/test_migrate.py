@@ -626,6 +626,35 @@ def test_comments_after_moved_keys_stay_where_the_text_after_them_starts():
     assert m.complete and not migrate_text(text).changed
 
 
+def test_a_comment_is_put_back_once_and_one_under_a_value_stays_with_it():
+    m = migrate_text(HEAD + textwrap.dedent("""
+        workflow:
+          - step: s1
+            tool:
+              - name: a
+                kind: noop
+                result: 1
+                set: {loc: "{{ output }}"}
+                retry: 2
+                # after retry
+              - name: b
+                kind: noop
+                result: "{{ loc }}"
+                retry: 2
+                # after retry of b
+            # about the step's end
+
+          - step: end
+            desc: fin
+        """))
+    text = m.text
+    assert text.count("# after retry\n") == 1 and text.count("# after retry of b") == 1
+    # the last task's comment stays under it; the step's own goes after the arc added to 'end'
+    assert "then: {do: retry, attempts: 2}\n        # after retry of b\n    next:\n" in text
+    assert "        - step: end\n    # about the step's end\n\n  - step: end\n" in text
+    assert m.complete and not migrate_text(text).changed
+
+
 def test_a_comment_on_the_line_of_a_moved_key_moves_with_it():
     m, _ = mig("""
         workflow:

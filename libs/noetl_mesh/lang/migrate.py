@@ -282,8 +282,9 @@ class _KeepTrailers:
     and is no longer in it afterwards (its key popped, its value replaced) is put back after the same
     key's new value, or, the key gone, after the value that now precedes the key that followed it."""
 
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, handled: set[int]) -> None:
         self.m = m
+        self.handled = handled  # ids of the comments put back already (by this or a nested rewrite)
         keys = list(m.keys()) if _is_map(m) else []
         self.kept = []
         self.before: list[tuple[Any, Any, list]] = []  # comments kept before a key (after a flow value)
@@ -319,7 +320,7 @@ class _KeepTrailers:
                 _place_token(m, previous, CommentToken(text, CommentMark(0)), True)
             present.update(id(t) for t in toks)
         for key, following, tok, src_block in self.kept:
-            if id(tok) in present:
+            if id(tok) in present or id(tok) in self.handled:
                 continue
             keys = list(m.keys())
             if key in m:
@@ -330,6 +331,7 @@ class _KeepTrailers:
                 at = keys[-1]
             _place_token(m, at, tok, src_block)
             present.add(id(tok))
+            self.handled.add(id(tok))
 
 
 def _carry_comment(src: Any, key: Any, dst: Any, new_key: Any, last_too: bool = False) -> None:
@@ -361,7 +363,8 @@ def _carry_comment(src: Any, key: Any, dst: Any, new_key: Any, last_too: bool = 
 
 def _append_key(m: Any, key: str, value: Any) -> None:
     """``m[key] = value`` at the end of ``m``, the comment that followed ``m``'s last value kept after
-    the new one (it is what follows the mapping, such as the blank line before the next step)."""
+    the new one (it is what follows the mapping, such as the blank line before the next step); its
+    lines indented under the last value are about that value, and stay there."""
     keys = list(m.keys())
     tok = src_block = None
     if keys:
@@ -369,7 +372,22 @@ def _append_key(m: Any, key: str, value: Any) -> None:
         tok = _slot_token(slot)
         if tok is not None:
             src_block = _block_scalar(slot[0][slot[1]])
-            slot[0].ca.items[slot[1]][slot[2]] = None
+            indent = m.lc.key(keys[0])[1] if getattr(m, "lc", None) is not None and m.lc.data else None
+            lines = tok.value.split("\n")
+            inner = [n for n, line in enumerate(lines) if (n > 0 or src_block) and line.strip()
+                     and indent is not None and len(line) - len(line.lstrip(" ")) > indent]
+            if inner:
+                head, tail = "\n".join(lines[:inner[-1] + 1]) + "\n", "\n".join(lines[inner[-1] + 1:])
+                tok.value = head
+                if not tail:
+                    tok = None
+                else:
+                    from ruamel.yaml.error import CommentMark
+                    from ruamel.yaml.tokens import CommentToken
+
+                    tok, src_block = CommentToken(tail, CommentMark(0)), True
+            else:
+                slot[0].ca.items[slot[1]][slot[2]] = None
     m[key] = value
     if tok is not None:
         _place_token(m, key, tok, bool(src_block))
@@ -449,6 +467,7 @@ class _Migrator:
         self._after_step: set[int] = set()
         self._arc_sets: list[tuple[Any, Path, int, Any]] = []  # (step, its path, arc index, {ctx key: value})
         self._step: Any = None  # the step whose structure is being rewritten
+        self._handled: set[int] = set()  # comments put back after their key moved (_KeepTrailers)
         self._reads: dict[int, set[str]] = {}  # id(step node) -> the names its templates and code read
 
     # -------------------------------------------------------------- findings
@@ -579,7 +598,7 @@ class _Migrator:
 
     # ======================================================================= structure
     def step_structure(self, st: Any, path: Path) -> None:
-        with _KeepTrailers(st):
+        with _KeepTrailers(st, self._handled):
             self._step_structure(st, path)
 
     def _step_structure(self, st: Any, path: Path) -> None:
@@ -704,7 +723,7 @@ class _Migrator:
 
     # -------------------------------------------------------------- tasks
     def task_structure(self, t: Any, path: Path, in_loop: bool) -> None:
-        with _KeepTrailers(t):
+        with _KeepTrailers(t, self._handled):
             self._task_structure(t, path, in_loop)
 
     def _task_structure(self, t: Any, path: Path, in_loop: bool) -> None:
