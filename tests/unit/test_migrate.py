@@ -290,6 +290,23 @@ def test_m4_an_arc_set_of_ctx_moves_to_the_policy_under_the_arcs_condition():
     assert m.complete and validate_text(m.text).ok and not migrate_text(m.text).changed
 
 
+def test_m4_an_arc_set_of_ctx_under_the_negation_of_the_arc_before_says_it_once():
+    m, doc = mig("""
+        workflow:
+          - step: a
+            tool: {kind: noop, result: 1}
+            next:
+              - {step: b, when: "{{ result > 1 }}"}
+              - {step: b, when: "{{ not (result > 1) }}", set: {ctx.small: true}}
+          - step: b
+            tool: {kind: noop}
+        """)
+    rule = doc["workflow"][0]["tool"]["spec"]["policy"]["rules"][1]
+    assert rule == {"when": "{{ outcome.status == 'ok' and not outcome.result > 1 }}",
+                    "then": {"do": "continue", "set_ctx": {"small": True}}}
+    assert m.complete
+
+
 def test_m4_an_arc_set_of_ctx_that_no_task_policy_can_hold_needs_a_person():
     m, _ = mig("""
         workflow:

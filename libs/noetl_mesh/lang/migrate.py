@@ -1289,6 +1289,17 @@ class _Migrator:
                              "write the rule that sets it in the step's last task policy by hand")
                 return
             conds.append(f"({expr})" if j == index else f"not ({expr})")
+        if conds and len(conds) > 1:  # 'not (W0)' says nothing more when this arc's W1 is exactly that
+            from .migrate_jinja import parse_expression
+
+            def ast(text: str) -> Any:
+                try:
+                    return parse_expression(text)
+                except Exception:  # noqa: BLE001 - not comparable: kept
+                    return None
+
+            own = ast(conds[-1])
+            conds = [c for c in conds[:-1] if own is None or ast(c) != own] + conds[-1:]
         last = self._after_tool(st)
         rules, ok_then = self._ok_policy(last)
         if not conds:
