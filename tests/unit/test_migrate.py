@@ -392,6 +392,19 @@ def test_m4_a_task_set_read_by_later_tasks_of_its_pipeline_is_the_runs_own_and_o
     assert one["spec"]["policy"]["rules"][-1]["else"]["then"]["set_iter"] == {"seen": "{{ outcome.result }}"}
     assert two["args"] == {"seen": "{{ iter.seen }}"}
     assert m.complete and validate_text(m.text).ok and not migrate_text(m.text).changed
+    # read by another step's Python code, whatever spelling its tool has: ctx
+    m, doc = mig("""
+        workflow:
+          - step: a
+            tool: [{name: t, kind: noop, result: [1], set: {users: "{{ output }}"}}]
+            next: [{step: b}]
+          - step: b
+            tool: python
+            code: "result = len(users)"
+        """)
+    assert doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"][-1]["else"]["then"] == {
+        "do": "continue", "set_ctx": {"users": "{{ outcome.result }}"}}
+    assert doc["workflow"][1]["tool"]["args"] == {"users": "{{ ctx.users }}"} and m.complete
     m, _ = mig("workflow:\n  - step: a\n    tool: {kind: http, url: 'http://127.0.0.1:1/', set: {ctx.r: '{{ output }}'}}\n")
     assert [(p.rule, p.location) for p in m.problems] == [("M4", "workflow[0].step=a.tool.set.ctx.r")]
     assert "response body" in m.problems[0].message and m.problems[0].line == 6

@@ -2231,23 +2231,24 @@ def _names_read(node: Any) -> set[str]:
         found.add(ref.root)
         return None
 
-    def walk(n: Any, key: Any = None, kind: Any = None) -> None:
+    def walk(n: Any, key: Any = None) -> None:
         if _is_map(n):
-            k2 = n.get("kind", kind)
             for k, v in n.items():
-                walk(v, k, k2)
+                walk(v, k)
         elif _is_seq(n):
             for v in n:
-                walk(v, key, kind)
+                walk(v, key)
         elif isinstance(n, str):
-            if key == "code" and kind == "python":
+            if key == "code":  # Python (whatever spelling of the tool holds it)
                 try:
                     facts = mpy.analyse(n)
                 except SyntaxError:
+                    facts = None
+                if facts is not None:
+                    found.update(facts.free)
+                    found.update(p for p, _ in facts.main_params or [])
                     return
-                found.update(facts.free)
-                found.update(p for p, _ in facts.main_params or [])
-            elif _template(n):
+            if _template(n):
                 rewrite(n, probe)
 
     walk(node)
