@@ -332,6 +332,27 @@ def test_m4_an_arc_set_of_ctx_that_no_task_policy_can_hold_needs_a_person():
     assert all(p.rule == "M4" and p.line for p in m.problems)
 
 
+def test_m8_a_case_reading_its_own_step_reads_the_outcome_in_the_rule_and_the_step_in_the_arc():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool: {kind: python, code: "result = {'hot': True, 'msg': 'x'}"}
+            case:
+              - when: "{{ start.result.hot }}"
+                then:
+                  set: {ctx.v: "{{ start.msg }}"}
+                  next: [{step: b}]
+          - step: b
+            tool: {kind: noop, result: "{{ ctx.v }}"}
+        """)
+    start = doc["workflow"][0]
+    assert start["tool"][0]["spec"]["policy"]["rules"][1] == {
+        "when": "{{ outcome.result.hot }}", "then": {"do": "continue", "set_ctx": {"v": "{{ outcome.result.msg }}"}}}
+    assert start["next"]["arcs"] == [{"step": "b", "when": "{{ start.result.hot }}"}]  # finished there
+    assert "\n      - name: start_task\n        kind: python\n" in m.text  # the one-line task became a block
+    assert m.complete
+
+
 def test_m4_a_step_read_by_its_own_name_where_it_has_no_result_needs_a_person():
     m, _ = mig("""
         workflow:

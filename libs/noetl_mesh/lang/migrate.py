@@ -1614,6 +1614,8 @@ class _Migrator:
                                        ("then", _flow(_cmap([("do", "fail")])))]))
             if branch_tasks and not any(_is_map(r) and "else" in r for r in rules):
                 rules.append(_cmap([("else", _cmap([("then", _flow(_cmap([("do", "break")])))]))]))
+            if hasattr(last, "fa") and last.fa.flow_style() and "spec" not in last:
+                last.fa.set_block_style()  # a one-line task that gets a policy: written as a block
             last.setdefault("spec", _cmap())["policy"] = _cmap([("rules", rules)])
             self._after_step.add(id(last))
             for _, tasks in branch_tasks:
