@@ -223,7 +223,8 @@ def test_m4_set_with_scoped_keys_at_rule_task_step_and_arc_level():
             set: {total: "{{ 1 + 1 }}"}
         """)
     rules_ = doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"]
-    assert rules_[0]["then"] == {"do": "continue", "set_ctx": {"a": 1}, "set_iter": {"b": 2}}
+    # the task's own set runs whatever its policy decides: the rule that continues writes it too
+    assert rules_[0]["then"] == {"do": "continue", "set_ctx": {"a": 1}, "set_iter": {"b": 2, "seen": "{{ iter.x }}"}}
     assert rules_[-1] == {"else": {"then": {"do": "continue", "set_iter": {"seen": "{{ iter.x }}"}}}}
     assert doc["workflow"][0]["next"]["arcs"][0]["args"] == {"c": 3}
     last = doc["workflow"][1]["tool"]["spec"]["policy"]["rules"]
@@ -351,6 +352,42 @@ def test_m8_a_case_reading_its_own_step_reads_the_outcome_in_the_rule_and_the_st
     assert start["next"]["arcs"] == [{"step": "b", "when": "{{ start.result.hot }}"}]  # finished there
     assert "\n      - name: start_task\n        kind: python\n" in m.text  # the one-line task became a block
     assert m.complete
+
+
+def test_m4_a_set_runs_whatever_rule_continues_as_the_legacy_runtime_ran_it_after_the_step():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool: {kind: python, code: "result = {'hot': True}"}
+            case:
+              - when: "{{ result.hot }}"
+                then:
+                  set: {ctx.k: 1}
+                  next: [{step: b}]
+            set: {ctx.always: 2, ctx.k: 0}
+          - step: b
+            tool: {kind: noop, result: "{{ ctx.always }}"}
+        """)
+    rules_ = doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"]
+    # the case's rule also writes the step's set (its own 'k' kept); the else writes the step's set
+    assert rules_[1]["then"] == {"do": "continue", "set_ctx": {"k": 1, "always": 2}}
+    assert rules_[2] == {"else": {"then": {"do": "continue", "set_ctx": {"always": 2, "k": 0}}}}
+    assert m.complete
+
+
+def test_m4_an_arc_ctx_write_that_needs_a_person_stays_on_the_arc():
+    m, doc = mig("""
+        workflow:
+          - step: many
+            loop: {in: [1, 2], iterator: x}
+            tool: {kind: noop}
+            next: [{step: b, set: {ctx.done: true, n: 1}}]  # why
+          - step: b
+            tool: {kind: noop}
+        """)
+    assert doc["workflow"][0]["next"]["arcs"][0] == {"step": "b", "args": {"n": 1}, "set": {"ctx.done": True}}
+    assert [p.location for p in m.problems] == ["workflow[0].step=many.next.arcs[0].set"]
+    assert m.text.count("# why") == 1
 
 
 def test_m4_a_step_read_by_its_own_name_where_it_has_no_result_needs_a_person():
@@ -704,6 +741,20 @@ def test_a_comment_is_put_back_once_and_one_under_a_value_stays_with_it():
     assert "then: {do: retry, attempts: 2}\n        # after retry of b\n    next:\n" in text
     assert "        - step: end\n    # about the step's end\n\n  - step: end\n" in text
     assert m.complete and not migrate_text(text).changed
+
+
+def test_a_label_shaped_task_keeps_its_comments():
+    m, _ = mig("""
+        workflow:
+          - step: a
+            tool:
+              - fetch:
+                  kind: noop  # the kind
+                  result: 1   # the result
+                  set: {ctx.x: 1}  # why x
+        """)
+    lines = {line.split("#")[1].strip(): line.split("#")[0].strip() for line in m.text.splitlines() if "# " in line}
+    assert lines == {"the kind": "kind: noop", "the result": "result: 1", "why x": "x: 1"}
 
 
 def test_a_comment_on_the_line_of_a_moved_key_moves_with_it():

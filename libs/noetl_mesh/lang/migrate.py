@@ -277,6 +277,10 @@ def _place_token(m: Any, key: Any, token: Any, src_block: bool) -> None:
         entry[pos] = token
 
 
+class _LeftOnTheArc(Exception):
+    """An arc's ctx write that no policy can hold: it stays on the arc, for the person to translate."""
+
+
 class _KeepTrailers:
     """Around the rewriting of a mapping (a step, a task): a comment that followed one of its values
     and is no longer in it afterwards (its key popped, its value replaced) is put back after the same
@@ -332,6 +336,19 @@ class _KeepTrailers:
             _place_token(m, at, tok, src_block)
             present.add(id(tok))
             self.handled.add(id(tok))
+
+
+def _writes_of(then: Any) -> set[tuple[str, str]]:
+    """(scope, key) of what a rule's ``then`` writes (set_ctx, set_iter)."""
+    return {(scope, str(k)) for scope in ("set_ctx", "set_iter") if _is_map(then.get(scope))
+            for k in then[scope]}
+
+
+def _keep_comments(src: Any, key: Any, dst: Any) -> None:
+    """``dst[key]``, the same value as ``src[key]`` in a new mapping, keeps its comments."""
+    entry = src.ca.items.get(key) if hasattr(src, "ca") else None
+    if entry is not None and hasattr(dst, "ca"):
+        dst.ca.items[key] = entry
 
 
 def _carry_comment(src: Any, key: Any, dst: Any, new_key: Any, last_too: bool = False) -> None:
@@ -706,6 +723,7 @@ class _Migrator:
         for k, v in inner.items():
             if k != "name":
                 task[k] = v
+                _keep_comments(inner, k, task)
         return task
 
     def flatten_tool(self, item: Any) -> Any:
@@ -715,10 +733,12 @@ class _Migrator:
             if k == "tool" and _is_map(v):
                 for k2, v2 in v.items():
                     out[k2] = v2
+                    _keep_comments(v, k2, out)
             elif k == "tool" and isinstance(v, str):
                 out["kind"] = v
             else:
                 out[k] = v
+                _keep_comments(item, k, out)
         return out
 
     # -------------------------------------------------------------- tasks
@@ -1156,7 +1176,30 @@ class _Migrator:
     def task_set(self, t: Any, path: Path, key: str, in_loop: bool) -> None:
         values = t.pop(key)
         self.task_set_output(values, path + (key,), t.get("kind"))
-        _, then = self._ok_policy(t)
+        rules, then = self._ok_policy(t)
+        before = _writes_of(then)
+        try:
+            self._task_set(t, path, key, in_loop, values, then)
+        finally:
+            self._spread(rules, then, before)
+
+    def _spread(self, rules: Any, then: Any, before: set[tuple[str, str]]) -> None:
+        """The legacy runtime ran a ``set`` after the task (or step) whatever its policy decided: what
+        the else rule now writes (new since ``before``) is written by every other rule that lets the
+        pipeline go on (continue, jump) too, unless that rule writes the key itself."""
+        new = [(scope, k) for scope, k in _writes_of(then) - before]
+        if not new:
+            return
+        for r in rules:
+            other = r.get("then") if _is_map(r) and "else" not in r else None
+            if not _is_map(other) or other is then or other.get("do") not in ("continue", "jump"):
+                continue
+            for scope, k in sorted(new):
+                target = other.setdefault(scope, _cmap())
+                if k not in target:
+                    target[k] = _copy(then[scope][k])
+
+    def _task_set(self, t: Any, path: Path, key: str, in_loop: bool, values: Any, then: Any) -> None:
         if key == "set":
             st = self._step
             if st is not None and in_loop:
@@ -1232,7 +1275,8 @@ class _Migrator:
             return
         last = self._after_tool(st)
         names = self.step_names_of(st)
-        _, then = self._ok_policy(last)
+        rules, then = self._ok_policy(last)
+        before = _writes_of(then)
         if key in ("set", "vars"):
             self.split_set(then, values, path + (key,), in_loop, names)
         else:
@@ -1240,6 +1284,7 @@ class _Migrator:
             for k, v in (values.items() if _is_map(values) else []):
                 target[k] = v
             self.change("M4", path + (key,), f"the step's '{key}' -> the policy of its last task")
+        self._spread(rules, then, before)
 
     def _after_tool(self, st: Any) -> Any:
         """The task whose policy runs what the legacy runtime ran after the step's tool: the last task,
@@ -1263,15 +1308,24 @@ class _Migrator:
         in a rule that holds when that arc is the one taken."""
         spath = path + ("next", "arcs", index, "set")
         arcs = st["next"]["arcs"]
+        try:
+            self._arc_set_ctx(st, spath, arcs, index, writes)
+        except _LeftOnTheArc:
+            arc = arcs[index]  # what needs a person stays where it was written
+            kept = arc.setdefault("set", _cmap())
+            for k, v in writes.items():
+                kept[f"ctx.{k}"] = v
+
+    def _arc_set_ctx(self, st: Any, spath: Path, arcs: Any, index: int, writes: Any) -> None:
         exclusive = not (_is_map(st["next"].get("spec")) and st["next"]["spec"].get("mode") == "inclusive")
         if "loop" in st:
             self.problem("M4", spath, "a loop step's arc 'set' of ctx ran once after the loop; a task policy runs per "
                          "iteration: compute it in the next step from the loop's result (event.result)")
-            return
+            raise _LeftOnTheArc
         if not st.get("tool"):
             self.problem("M4", spath, "an arc 'set' of ctx on a step without a tool: an arc cannot write ctx; pass "
                          "the values as arc args")
-            return
+            raise _LeftOnTheArc
         conds = []
         for j, arc in enumerate(arcs):
             if j > index or (j < index and not exclusive):
@@ -1281,13 +1335,13 @@ class _Migrator:
                 if j < index:  # an earlier arc without a condition is taken on every success
                     self.problem("M4", spath, f"an arc 'set' of ctx on an arc that follows arc {j}, which has no "
                                  "'when': it is taken only when the step fails; write the ctx in a rule by hand")
-                    return
+                    raise _LeftOnTheArc
                 continue
             expr = _bare_expr(when)
             if expr is None:
                 self.problem("M4", spath, f"an arc 'set' of ctx under a 'when' that is not one expression ({when!r}): "
                              "write the rule that sets it in the step's last task policy by hand")
-                return
+                raise _LeftOnTheArc
             conds.append(f"({expr})" if j == index else f"not ({expr})")
         if conds and len(conds) > 1:  # 'not (W0)' says nothing more when this arc's W1 is exactly that
             from .migrate_jinja import parse_expression
@@ -1460,8 +1514,9 @@ class _Migrator:
                     arc["when"] = "{{ false }}"
                     self.change("M6", apath + ("when",), "arc 'when: false' -> a template")
             if "set" in arc:
+                comment = arc.ca.items.pop("set", None) if hasattr(arc, "ca") else None
                 values = arc.pop("set")
-                writes = _cmap()
+                writes, kept, moved = _cmap(), _cmap(), 0
                 for k, v in (values.items() if _is_map(values) else []):
                     scope, _, name = str(k).partition(".")
                     if not name:
@@ -1476,13 +1531,22 @@ class _Migrator:
                         self.problem("M4", apath + ("set",), f"arc 'set: {{{k}: ...}}': an arc cannot write {scope}"
                                      + ("" if scope != "ctx" else " key by key; set the whole value of "
                                         f"'{name.split('.')[0]}'") + ", or pass it as an arc arg")
+                        kept[k] = v  # left on the arc, for the person
                         continue
                     arc.setdefault("args", _cmap())[name] = v
                     _carry_comment(values, k, arc["args"], name)
-                if "args" in arc:
+                    moved += 1
+                if moved:
                     self.change("M4", apath + ("set",), "arc 'set' -> arc 'args'")
+                if kept:
+                    arc["set"] = kept
+                    if comment is not None:
+                        arc.ca.items["set"] = comment
                 if writes:
                     self._arc_sets.append((st, path, i, writes))
+                if comment and len(comment) > 2 and comment[2] is not None and "set" not in arc and len(arc):
+                    # the comment after a flow 'set: {...}  # why' follows what the arc now ends with
+                    _place_token(arc, list(arc.keys())[-1], comment[2], False)
             if "priority" in arc:
                 arc.pop("priority")
                 self.change("M8", apath + ("priority",), "arc 'priority' dropped: arcs are taken in order")
