@@ -843,7 +843,9 @@ def legacy_playbooks(draw):
         loop = "    loop: {in: [1, 2], iterator: item}\n" if draw(st.booleans()) else ""
         step_set = draw(STEP_SETS)
         step_set = step_set % f"s{i}" if "%s" in step_set and not loop else step_set.replace("%s", "producer")
-        nxt = f"    next: [{{step: s{i + 1}}}]\n" if i < n - 1 else ""
+        nxt = (f"    next: [{{step: s{i + 1}}}]\n" if draw(st.booleans()) else
+               f'    next:\n      - step: s{i + 1}\n        when: "{{{{ result is defined }}}}"\n'
+               f'        set: {{ctx.a{i}: "{{{{ event.result }}}}", d: 1}}  # arc\n') if i < n - 1 else ""
         steps.append(f"  - step: s{i}\n{loop}    tool:\n      {task}\n{step_set}{nxt}")
     end = "  - step: end\n    desc: the end\n" if draw(st.booleans()) else ""
     return HEAD + "workload: {message: hi}\nworkflow:\n" + "".join(steps) + end
