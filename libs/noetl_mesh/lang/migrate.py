@@ -289,7 +289,7 @@ class _KeepTrailers:
     def __init__(self, m: Any, handled: set[int]) -> None:
         self.m = m
         self.handled = handled  # ids of the comments put back already (by this or a nested rewrite)
-        keys = list(m.keys()) if _is_map(m) else []
+        keys = list(m.keys()) if _is_map(m) and hasattr(m, "ca") else []
         self.kept = []
         self.before: list[tuple[Any, Any, list]] = []  # comments kept before a key (after a flow value)
         for i, k in enumerate(keys):
@@ -389,7 +389,10 @@ def _append_key(m: Any, key: str, value: Any) -> None:
         tok = _slot_token(slot)
         if tok is not None:
             src_block = _block_scalar(slot[0][slot[1]])
-            indent = m.lc.key(keys[0])[1] if getattr(m, "lc", None) is not None and m.lc.data else None
+            try:
+                indent = m.lc.key(keys[0])[1]
+            except (AttributeError, KeyError, TypeError):  # a mapping the migration made: no columns
+                indent = None
             lines = tok.value.split("\n")
             inner = [n for n, line in enumerate(lines) if (n > 0 or src_block) and line.strip()
                      and indent is not None and len(line) - len(line.lstrip(" ")) > indent]
