@@ -223,7 +223,7 @@ class PartitionedService:
         except BaseException:
             # the state has folded events whose decision is not published: forget it, so that the
             # redelivery rebuilds it and decides again (were it kept, it would fold to nothing). A
-            # message that cannot be folded is dropped (bus.handle_one): the next event's rebuild
+            # message that cannot be folded is dropped (wire.handle_one): the next event's rebuild
             # skips it, as every rebuild does, so that live and rebuilt states agree.
             self.cache.pop(eid, None)
             self.partition_of.pop(eid, None)
@@ -301,7 +301,7 @@ class PartitionedService:
 
 def _fold(state: ExecutionState, event: dict[str, Any]) -> None:
     """Fold one event of a rebuild. One that cannot be folded was dropped when it was delivered
-    (bus.handle_one); it is skipped here too, so that it cannot stop every later event of its execution."""
+    (wire.handle_one); it is skipped here too, so that it cannot stop every later event of its execution."""
     try:
         apply(state, event)
     except UNHANDLEABLE as exc:
