@@ -156,11 +156,15 @@ def test_scaling_cannot_collide():
     proxy_ip = SERVICES["proxy"]["networks"]["noetl"]["ipv4_address"]
     assert SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"] == proxy_ip
     [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
-    assert ipaddress.ip_address(proxy_ip) in ipaddress.ip_network(subnet["subnet"])
-    # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
-    # container started takes it and the proxy cannot start ("Address already in use")
-    assert ipaddress.ip_network(subnet["ip_range"]).subnet_of(ipaddress.ip_network(subnet["subnet"]))
-    assert ipaddress.ip_address(proxy_ip) not in ipaddress.ip_network(subnet["ip_range"])
+    for prefix in (None, "10.9.8"):  # NOETL_NET_PREFIX unset (its default), and set
+        def at(value: str) -> str:
+            return value.replace("${NOETL_NET_PREFIX:-172.30.80}", prefix or "172.30.80")
+        assert "$" not in at(proxy_ip) + at(subnet["subnet"]) + at(subnet["ip_range"])
+        network, addresses = ipaddress.ip_network(at(subnet["subnet"])), ipaddress.ip_network(at(subnet["ip_range"]))
+        assert ipaddress.ip_address(at(proxy_ip)) in network
+        # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
+        # container started takes it and the proxy cannot start ("Address already in use")
+        assert addresses.subnet_of(network) and ipaddress.ip_address(at(proxy_ip)) not in addresses
     for name, service in SERVICES.items():
         for port in service.get("ports", ()):
             assert port.startswith(("127.0.0.1:", "${NOETL_GATEWAY_BIND:-127.0.0.1}:")), (name, port)
