@@ -74,7 +74,7 @@ class Compose:
     def prepare(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(ROOT / "deploy", self.workdir / "deploy",
-                        ignore=shutil.ignore_patterns("nats-creds", "Dockerfile"), dirs_exist_ok=True)
+                        ignore=shutil.ignore_patterns("nats-creds", "tls", "Dockerfile"), dirs_exist_ok=True)
         doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
         for service in doc["services"].values():
             if "ports" in service:
