@@ -269,9 +269,8 @@ class Nats:
     async def __aenter__(self) -> "Nats":
         import nats
 
-        from .infra.nats_auth import connect_options
-
         from .infra import tls
+        from .infra.nats_auth import connect_options
 
         failed: list[Exception] = []
 

@@ -107,11 +107,6 @@ def nats_options(url: str | None = None, environ: Mapping[str, str] | None = Non
     return {"tls": ctx, "tls_handshake_first": first}
 
 
-def nats_configured(environ: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return bool(env.get(NATS_CA) or env.get(NATS_CERT))
-
-
 def gateway_verify(ca: str | None = None, environ: Mapping[str, str] | None = None) -> ssl.SSLContext | bool:
     """What an HTTP client of the gateway verifies its certificate against (httpx's ``verify``): the CA
     file ``ca``, else ``NOETL_GATEWAY_CA``, else the system's authorities (True)."""
