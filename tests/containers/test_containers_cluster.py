@@ -168,10 +168,10 @@ def test_a_route_without_the_route_certificate_cannot_join(up, tmp_path):
             theirs = json.loads(docker("exec", name, "wget", "-q", "-O", "-", "http://127.0.0.1:8222/routez").stdout)
             assert not theirs.get("routes"), (name, theirs)
         assert jsz(up)["meta_cluster"]["cluster_size"] == 3
-        lines = [line.split("] ", 1)[-1] for line in log.splitlines()
-                 if "authentication error" in line or "handshake error" in line]
-        note(f"routes: a client certificate of the stack's CA and a route without TLS refused ({lines[0][:80]}; "
-             f"{lines[-1][:80]})")
+        said = {kind: next(line.split("] ", 1)[-1] for line in log.splitlines() if kind in line)
+                for kind in ("authentication error", "handshake error")}
+        note(f"routes: a client certificate of the stack's CA and a route without TLS refused "
+             f"({said['authentication error'][:90]}; {said['handshake error'][:90]})")
     finally:
         for name in names:
             docker("rm", "-f", name, check=False)
