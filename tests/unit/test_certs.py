@@ -134,6 +134,29 @@ def test_what_no_longer_fits_is_made_again(made):
     assert lines[str(out / "gateway.crt")] == f"made again (issued by {other_ca.subject.rfc4514_string()}, not by ca.crt)"
 
 
+def test_a_new_authority_in_place_makes_every_certificate_again_and_keeps_the_password(made):
+    """Rotation after a leak (docs/operations.md): ca.crt and ca.key removed, the next run makes a new
+    authority and every certificate again, signed by it; the Postgres password, which the database keeps,
+    stays. A CA key left without its certificate, or a key that is not the certificate's, is refused."""
+    out, _ = made
+    old_ca, password = load(out / "ca.crt"), (out / "postgres.password").read_bytes()
+    (out / "ca.crt").unlink()
+    (out / "ca.key").unlink()
+    lines = dict(line.split(": ", 1) for line in certs.ensure(out, clients=["ops"]).lines)
+    new_ca = load(out / "ca.crt")
+    assert new_ca.subject != old_ca.subject and lines[str(out / "ca.crt")].startswith("made (a new authority")
+    for name in (*STACK, "client-ops"):
+        assert lines[str(out / f"{name}.crt")].startswith("made again (issued by "), name
+        load(out / f"{name}.crt").verify_directly_issued_by(new_ca)
+    assert (out / "postgres.password").read_bytes() == password and lines[str(out / "postgres.password")] == "kept"
+    (out / "ca.crt").unlink()
+    with pytest.raises(ValueError, match=r"ca.key exists without .*ca.crt"):
+        certs.ensure(out)
+    (out / "ca.crt").write_text(certs._cert_pem(old_ca))  # a certificate, but another key beside it
+    with pytest.raises(ValueError, match=r"ca.key: not the key of .*ca.crt"):
+        certs.ensure(out)
+
+
 def test_brought_certificates_are_checked_not_replaced(made):
     """Your own authority: ca.crt without ca.key, your certificates in place; what is missing or
     unfit is named, with what it should carry."""
