@@ -1048,6 +1048,22 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def add_certs_parser(sub) -> None:
+    """``noetl certs``'s options (build_parser calls it where the command is listed)."""
+    p = sub.add_parser("certs", help="make a development CA and the TLS certificates of a container stack (NATS, its "
+                                     "routes, Postgres, the gateway and its proxy) and the Postgres password; "
+                                     "keeps what exists and still fits")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the CA, certificates and keys (0700)")
+    p.add_argument("--host", action="append", default=[], metavar="NAME",
+                   help="another name (or address) clients reach NATS and the proxy by (repeatable)")
+    p.add_argument("--client", action="append", default=[], metavar="NAME",
+                   help="also a client certificate client-NAME.crt (for a NATS server that verifies clients; repeatable)")
+    p.add_argument("--days", type=int, default=397, help="validity of a new certificate (default 397; the CA: 10 years)")
+    p.add_argument("--reader", type=int, metavar="UID", help="let this user read the keys the services read too (an "
+                   "ACL entry): the containers' user, 10001, for docker-compose.yml's secrets")
+    p.set_defaults(func=cmd_certs)
+
+
 def _columns() -> dict:
     """The columns a table shows for the commands whose records are wide (the rest: every plain field)."""
     return {
@@ -1678,18 +1694,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the containers' user, 10001, for docker-compose.yml's secrets")
     p.set_defaults(func=cmd_nats_credentials)
 
-    p = sub.add_parser("certs", help="make a development CA and the TLS certificates of a container stack (NATS, its "
-                                     "routes, Postgres, the gateway and its proxy) and the Postgres password; "
-                                     "keeps what exists and still fits")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory for the CA, certificates and keys (0700)")
-    p.add_argument("--host", action="append", default=[], metavar="NAME",
-                   help="another name (or address) clients reach NATS and the proxy by (repeatable)")
-    p.add_argument("--client", action="append", default=[], metavar="NAME",
-                   help="also a client certificate client-NAME.crt (for a NATS server that verifies clients; repeatable)")
-    p.add_argument("--days", type=int, default=397, help="validity of a new certificate (default 397; the CA: 10 years)")
-    p.add_argument("--reader", type=int, metavar="UID", help="let this user read the keys the services read too (an "
-                   "ACL entry): the containers' user, 10001, for docker-compose.yml's secrets")
-    p.set_defaults(func=cmd_certs)
+    add_certs_parser(sub)
 
     p = sub.add_parser("completion", help="print shell completion: eval \"$(noetl completion bash)\" (zsh, fish too)")
     p.add_argument("shell", choices=["bash", "zsh", "fish"], help="which shell's script")
