@@ -932,7 +932,13 @@ def cmd_service(args: argparse.Namespace) -> int:
     # the default port, when taken (another service on this host), leaves the service without one:
     # found by binding it, not by looking first (two services starting at once both saw it free)
     port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
-    settings = replace(settings, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"), concurrency=args.concurrency,
+    from .infra.tls import pg_dsn
+
+    try:  # NOETL_PG_PASSWORD_FILE: the password from a file (a compose secret), not from the DSN
+        dsn = pg_dsn(args.pg_dsn or os.environ.get("NOETL_PG_DSN"))
+    except ValueError as exc:
+        return _fail(f"{args.name}: {exc}")
+    settings = replace(settings, pg_dsn=dsn, concurrency=args.concurrency,
                        host=args.host, port=args.port, ack_wait=args.ack_wait,
                        metrics_port=None if port < 0 else port, metrics_optional=args.metrics_port is None,
                        metrics_host=args.metrics_host, home=os.path.abspath(args.home))
@@ -940,6 +946,8 @@ def cmd_service(args: argparse.Namespace) -> int:
         run_loop(serve_forever(args.name, settings))
     except PortTaken as exc:
         return _fail(f"{args.name}: {exc}; choose another --metrics-port (0: any free one, -1: none)")
+    except ValueError as exc:  # a mistake in the settings (credentials, TLS): one line, exit 2
+        return _fail(str(exc))
     return EXIT_OK
 
 
@@ -952,7 +960,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
         settings = _nats_settings(args)
     except ValueError as exc:
         return _fail(str(exc))
-    asyncio.run(setup(settings))
+    try:
+        asyncio.run(setup(settings))
+    except ValueError as exc:  # NATS refused the credentials, its certificate does not verify, a bad TLS setting
+        return _fail(str(exc))
     print(f"streams, bucket and object store ready at {settings.nats_url}")
     return EXIT_OK
 
@@ -1016,6 +1027,43 @@ def cmd_nats_credentials(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    """``noetl certs --out DIR``: a development CA, the stack's certificates and the Postgres password
+    (infra/certs.py); what exists and still fits is kept, so it can run again (another --host, a renewal)."""
+    from .infra.certs import ensure
+
+    if args.days < 1:
+        return _fail("--days: at least 1")
+    try:
+        report = ensure(args.out, hosts=args.host, clients=args.client, reader=args.reader, days=args.days)
+    except ValueError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"--out {args.out}: {exc.strerror or exc}")
+    for line in report.lines:
+        print(line)
+    if args.reader is not None:
+        print(f"gateway.key, postgres.password and the client keys are readable by uid {args.reader} too (an ACL "
+              "entry: ls -l shows a +)")
+    return EXIT_OK
+
+
+def add_certs_parser(sub) -> None:
+    """``noetl certs``'s options (build_parser calls it where the command is listed)."""
+    p = sub.add_parser("certs", help="make a development CA and the TLS certificates of a container stack (NATS, its "
+                                     "routes, Postgres, the gateway and its proxy) and the Postgres password; "
+                                     "keeps what exists and still fits")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the CA, certificates and keys (0700)")
+    p.add_argument("--host", action="append", default=[], metavar="NAME",
+                   help="another name (or address) clients reach NATS and the proxy by (repeatable)")
+    p.add_argument("--client", action="append", default=[], metavar="NAME",
+                   help="also a client certificate client-NAME.crt (for a NATS server that verifies clients; repeatable)")
+    p.add_argument("--days", type=int, default=397, help="validity of a new certificate (default 397; the CA: 10 years)")
+    p.add_argument("--reader", type=int, metavar="UID", help="let this user read the keys the services read too (an "
+                   "ACL entry): the containers' user, 10001, for docker-compose.yml's secrets")
+    p.set_defaults(func=cmd_certs)
+
+
 def _columns() -> dict:
     """The columns a table shows for the commands whose records are wide (the rest: every plain field)."""
     return {
@@ -1055,6 +1103,11 @@ def _unreachable(gateway: str, exc: BaseException, more: str = "") -> int:
     if isinstance(exc, BrokenPipeError):
         raise exc
     reason = str(exc) or type(exc).__name__
+    from .infra import tls
+
+    if tls.is_verify_failure(exc):  # one line: where, why, and which setting
+        return _fail(f"the gateway at {gateway}: {tls.verify_failure(exc, os.environ.get(tls.GATEWAY_CA), tls.GATEWAY_CA)}"
+                     f"{more}", EXIT_UNREACHABLE)
     if gateway == _FALLBACK["gateway"] and _FALLBACK["home"] and not more:  # nothing told it where to look
         more = (f"; no noetl up runs from {_FALLBACK['home']}: start one there (noetl up), or point at one with "
                 "--home DIR, NOETL_HOME=DIR or --gateway URL")
@@ -1641,6 +1694,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the containers' user, 10001, for docker-compose.yml's secrets")
     p.set_defaults(func=cmd_nats_credentials)
 
+    add_certs_parser(sub)
+
     p = sub.add_parser("completion", help="print shell completion: eval \"$(noetl completion bash)\" (zsh, fish too)")
     p.add_argument("shell", choices=["bash", "zsh", "fish"], help="which shell's script")
     p.set_defaults(func=cmd_completion)
@@ -1866,6 +1921,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 128 + signal.SIGPIPE
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback unasked
+        from .infra.tls import TlsSettingError
+
+        if isinstance(exc, TlsSettingError):  # NOETL_GATEWAY_CA and kin: a file that cannot be used
+            return _fail(str(exc), EXIT_INVALID)
         if getattr(args, "debug", False):
             import traceback
 

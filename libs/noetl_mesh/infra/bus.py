@@ -49,7 +49,7 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
-from . import logs, metrics, tracing
+from . import logs, metrics, tls, tracing
 from ..lang.durations import rfc3339
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
@@ -206,6 +206,7 @@ class Bus:
         # closing its sockets) is given up after 2 unanswered pings, and the client moves to another node:
         # nats-py's default (a ping every 2 minutes) left a service on a cut-off node for up to 6 minutes
         ping = float(os.environ.get("NOETL_NATS_PING_INTERVAL") or PING_INTERVAL)
+        options = connect_options(creds, url)  # a credentials or TLS setting that cannot be used raises here
         delay, attempt = 0.5, 1
         while True:
             try:  # each server tried twice (0.5 s apart): the retries, with their backoff, are ours
@@ -213,15 +214,18 @@ class Bus:
                     servers, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
                     ping_interval=ping, max_outstanding_pings=2,
                     error_cb=quiet.error,
-                    disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds))
+                    disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **options)
                 break
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if quiet.refused is not None:
                     raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
                                       f"credentials ({creds or 'none given'}; docs/nats-security.md)") from None
                 why = quiet.last_error or exc
+                if tls.is_verify_failure(why):  # a certificate does not change by waiting
+                    raise NatsRefused(f"{name}: NATS at {url}: "
+                                      f"{tls.verify_failure(why, os.environ.get(tls.NATS_CA), tls.NATS_CA)}") from None
                 log.warning("%s: cannot reach NATS at %s (attempt %d: %s: %s); retrying in %.1fs", name, url,
-                            attempt, type(why).__name__, why, delay)
+                            attempt, type(why).__name__, tls.handshake_failure(why) or why, delay)
                 quiet.last_error = None
                 await asyncio.sleep(delay)
                 delay, attempt = min(delay * 2, 5.0), attempt + 1
