@@ -643,6 +643,55 @@ def test_m7_an_earlier_statement_or_an_http_status_across_steps_needs_a_person()
     assert [p.rule for p in m.problems] == ["M1"] and "command_0" in m.problems[0].message
 
 
+def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              kind: noop
+              spec:
+                policy:
+                  rules:
+                    - when: "{{ outcome.error.retryable }}"
+                      then: {do: retry}
+                    - when: "{{ output.error.kind == 'x' and not outcome.error.retryable }}"
+                      then: {do: fail}
+                    - when: "{{ outcome.error.message | default('') or outcome.error.kind is defined }}"
+                      then: {do: fail}
+                    - when: "{{ outcome.error and outcome.error.kind == 'y' }}"
+                      then: {do: fail}
+                    - when: "{{ outcome.result.x if outcome.result else outcome.error.kind }}"
+                      then: {do: fail}
+            next: [{step: end, when: "{{ event.error.kind != 'timeout' and start.error.kind is none }}"}]
+          - step: end
+            tool: {kind: noop}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    whens = [r["when"] for r in doc["workflow"][0]["tool"]["spec"]["policy"]["rules"]]
+    assert whens == [
+        "{{ outcome.error and outcome.error.retryable }}",
+        "{{ (output.error and output.error.kind) == 'x' and not (outcome.error and outcome.error.retryable) }}",
+        "{{ outcome.error.message | default('') or outcome.error.kind is defined }}",  # tolerant already
+        "{{ outcome.error and outcome.error.kind == 'y' }}",  # guarded already
+        "{{ outcome.result.x if outcome.result else outcome.error and outcome.error.kind }}"]
+    assert doc["workflow"][0]["next"]["arcs"][0]["when"] == \
+        "{{ (event.error and event.error.kind) != 'timeout' and (start.error and start.error.kind) is none }}"
+    assert m.complete and "M7" in rules(m)
+    assert migrate_text(m.text).text == m.text
+    # what the guard is for: on an ok outcome the error is null, and a strict condition fails reading into it
+    from noetl_mesh.lang.templates import TemplateError, truthy
+
+    ok = {"outcome": {"status": "ok", "result": {"x": 1}, "error": None}}
+    with pytest.raises(TemplateError):
+        truthy("{{ outcome.error.retryable }}", ok)
+    assert truthy(whens[0], ok) is False and truthy(whens[1], dict(ok, output=ok["outcome"])) is False
+    failed = {"outcome": {"status": "error", "result": None, "error": {"kind": "x", "retryable": True}}}
+    assert truthy(whens[0], failed) is True
+    # a canonical playbook's conditions are its own: left as they are
+    text = HEAD + ("workflow:\n  - step: start\n    tool:\n      kind: noop\n      spec: {policy: {rules: "
+                   "[{when: '{{ outcome.error.retryable }}', then: {do: retry}}]}}\n")
+    assert migrate_text(text).text == text
+
+
 def test_m8_case_then_becomes_policy_rules_arcs_and_jumped_to_tasks():
     m, doc = mig("""
         workflow:

@@ -540,6 +540,8 @@ class _Migrator:
             self.build_model()
         self.keychain()
         self.templates()
+        if self.legacy:
+            self.guard_conditions()
         self.python()
         self.drop_return_steps()
         text = self.original
@@ -1915,6 +1917,37 @@ class _Migrator:
                 for old, new in out.changed:
                     self.change(rule, path, f"{{{{ {old} }}}} -> {{{{ {new} }}}}")
 
+    def guard_conditions(self) -> None:
+        """M7: a condition that reads into an error that is null. The legacy runtime read an attribute of
+        a missing value as undefined, false in a condition; canonically a condition is strict (D9), so
+        ``outcome.error.retryable`` on an ok outcome (its ``error`` is null) fails the pipeline, and
+        ``event.error.kind`` on a done step ends its routing. Each such read is guarded by its error:
+        ``(outcome.error and outcome.error.retryable)`` is that same false on success, and the value
+        itself on an error. Reads under ``| default`` or ``is defined``, or guarded already, stay."""
+        for value, site, (container, key, path) in list(self._template_sites()):
+            if path[-1] != "when" or site.kind not in ("policy", "arc") or self.reported(path):
+                continue
+            if site.kind == "policy" and path[-3:-1] != ("rules", path[-2]):
+                continue  # a policy's when is rules[i].when
+
+            def resolve(ref: Ref, site: _Site = site) -> Any:
+                if ref.tolerant or len(ref.path) < 2 or ref.path[0] != ("attr", "error"):
+                    return None
+                roots = {"outcome", "output"} if site.kind == "policy" else {"event"}
+                tasks = {t.name for t in site.step.tasks} if site.step is not None and site.kind == "policy" else set()
+                if ref.root not in roots and ref.root not in self.steps and ref.root not in tasks:
+                    return None
+                from .migrate_jinja import build
+
+                return nodes.And(build(ref.root, ref.path[:1]), build(ref.root, ref.path))
+
+            out = rewrite(value, resolve)
+            if out.text != value and not out.problems:
+                container[key] = _styled(value, out.text)
+                for old, new in out.changed:
+                    self.change("M7", path, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (an error's field read where there "
+                                "may be no error: the legacy runtime read it as false, a condition here fails on it)")
+
     # -------------------------------------------------------------- the resolver
     def _resolver(self, site: _Site, path: Path) -> Any:
         m = self
@@ -1946,7 +1979,7 @@ class _Migrator:
             return self._reshape_outcome(root, path, site.task), "M7"
         if root == "event" and site.kind == "arc":
             if path[:1] == [("attr", "result")] and self.legacy and step is not None:
-                new = self._reshape(step, path[1:], where=f"step '{step.name}'")
+                new = self._reshape(step, path[1:], what=f"step '{step.name}'")
                 return (Ref("event", [("attr", "result")] + new) if new != path[1:] else None), "M7"
             return None, ""
         if root == "event" and site.kind == "policy":  # a case's condition, now a task policy's (M8)
