@@ -49,14 +49,16 @@ def check(name: str, out: dict) -> None:
 
 
 def migrated(name: str) -> dict:
-    m = migrate_text((FIXTURES / f"{name}.yaml").read_text())
+    path = FIXTURES / f"{name}.yaml"
+    m = migrate_text(path.read_text(), source=path)
     assert m.complete, [str(p) for p in m.problems]
     return load_playbook(m.text).document
 
 
 @pytest.mark.parametrize("name", ["heavy_loop", "hello_world", "case_routing", "control_flow_workbook",
                                   "step_set_reads_itself", "unrouted_end", "arc_set_ctx",
-                                  "pipeline_task_set", "policy_error_reads"])
+                                  "pipeline_task_set", "policy_error_reads",
+                                  "step_input_script"])
 def test_migrated_fixture_runs_and_gives_its_results(name):
     check(name, summary(asyncio.run(_run(migrated(name))).state))
 

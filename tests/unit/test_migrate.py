@@ -40,7 +40,7 @@ def rules(m) -> set[str]:
 
 @pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)
 def test_fixture_migrates_fully_to_its_reviewed_form_and_validates(path):
-    m = migrate_text(path.read_text())
+    m = migrate_text(path.read_text(), source=path)  # a script it names is read next to it
     assert m.complete, [str(p) for p in m.problems]
     assert m.text == (FIXTURES / f"{path.stem}.canonical.yaml").read_text()
     assert validate_text(m.text).ok
@@ -56,7 +56,7 @@ LINT_KEPT = {"L101"}  # a join fed by the branches of an exclusive router: the l
 def test_every_fixture_that_migrates_with_exit_0_validates_and_lint_finds_nothing_that_fails():
     complete = []
     for path in LEGACY:
-        m = migrate_text(path.read_text())
+        m = migrate_text(path.read_text(), source=path)
         if not m.complete:
             continue
         complete.append(path)
@@ -497,6 +497,119 @@ def test_m5_python_conventions():
     assert doc["workflow"][0]["tool"]["args"] == {"x": 1, "context": {"n": "{{ workload.n }}"}}
     assert doc["workflow"][1]["tool"]["args"] == {"n": "{{ workload.n }}"}
     assert "M5" in rules(m) and m.complete
+
+
+def test_m6_a_steps_input_is_its_tasks_args():
+    m, doc = mig("""
+        workload: {city: Oslo}
+        workflow:
+          - step: start
+            tool: {kind: python, code: "def main(city, n):\\n    return city * n\\n"}
+            input: {city: "{{ city }}", n: 2}
+            next: [{step: merge}]
+          - step: merge
+            tool: {kind: playbook, path: a/b, args: {x: 1}}
+            with: {y: 2}
+            next: [{step: clash}]
+          - step: clash
+            tool: {kind: workbook, task: w, args: {x: 1}}
+            args: {x: 2}
+            next: [{step: web}]
+          - step: web
+            tool: {kind: http, url: "http://127.0.0.1:1/"}
+            input: {q: 1}
+        """)
+    start, merge, clash, web = doc["workflow"]
+    assert start["tool"]["args"] == {"city": "{{ workload.city }}", "n": 2} and "input" not in start
+    assert list(start["tool"]) == ["kind", "args", "code"]
+    assert merge["tool"]["args"] == {"x": 1, "y": 2} and "with" not in merge
+    assert clash["args"] == {"x": 2} and clash["tool"]["args"] == {"x": 1}  # left as it was, for the person
+    assert web["input"] == {"q": 1}
+    said = {p.location: p.message for p in m.problems if p.rule == "M6"}
+    assert "both give x" in said["workflow[2].step=clash.args"]
+    assert "1 task(s) (http)" in said["workflow[3].step=web.input"]
+    assert len([p for p in m.problems if p.location == "workflow[3].step=web.input"]) == 1  # said once
+
+
+def _script_playbook(tmp_path, script, code_file=None, data=None):
+    if code_file is not None:
+        f = tmp_path / code_file
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(data if data is not None else b"def main(x):\n    return {'x': json.dumps(x)}\n")
+    pb = tmp_path / "pb" / "legacy.yaml"
+    pb.parent.mkdir(exist_ok=True)
+    pb.write_text(HEAD + "workload: {x: 1}\nworkflow:\n  - step: start\n    tool:\n      kind: python\n"
+                  f"      script: {script}\n      args: {{x: '{{{{ workload.x }}}}'}}\n")
+    return pb
+
+
+def test_m5_a_script_next_to_the_playbook_is_inlined(tmp_path):
+    pb = _script_playbook(tmp_path, "code/task.py", "pb/code/task.py")
+    m = migrate_text(pb.read_text(), source=pb)
+    assert m.complete, [str(p) for p in m.problems]
+    code = yaml.safe_load(m.text)["workflow"][0]["tool"]["code"]
+    assert code == "import json\ndef main(x):\n    return {'x': json.dumps(x)}\n"  # then migrated as code (M5)
+    assert "script" not in m.text
+    assert any("'script' -> 'code'" in c.message for c in m.changes)
+    for spelling in ("{path: code/task.py}", "{uri: 'file://code/task.py', source: {type: file}}",
+                     "{source: {type: file, path: code/task.py}}"):
+        pb2 = _script_playbook(tmp_path, spelling)
+        assert migrate_text(pb2.read_text(), source=pb2).text == m.text, spelling
+    # without the playbook's path nothing is read
+    m = migrate_text(pb.read_text())
+    assert [(p.rule, p.location) for p in m.problems] == [("M5", "workflow[0].step=start.tool.script")]
+    assert "whose file is not known here" in m.problems[0].message
+
+
+def test_m5_a_script_outside_the_playbooks_folder_or_not_code_is_not_read(tmp_path):
+    outside = tmp_path / "secret.py"
+    outside.write_text("result = 'the secret'\n")
+    (tmp_path / "pb").mkdir()
+    (tmp_path / "pb" / "link.py").symlink_to(outside)
+    (tmp_path / "pb" / "dir.py").mkdir()
+    (tmp_path / "pb" / "big.py").write_text("x = 1\n" * 50_000)
+    (tmp_path / "pb" / "latin.py").write_bytes(b"x = '\xe9'\n")
+    (tmp_path / "pb" / "nul.py").write_bytes(b"x = 1\x00\n")
+    cases = {"../secret.py": "outside the playbook's folder", str(outside): "not a path relative",
+             "link.py": "outside the playbook's folder", "'~/x.py'": "not a path relative",
+             "dir.py": "not a regular file", "big.py": "more than the 262144", "latin.py": "not UTF-8",
+             "nul.py": "NUL", "missing.py": "cannot be read", "'{{ workload.f }}'": "a template",
+             "gs://bucket/x.py": "not a local file", "{uri: x.py, source: {type: gcs}}": "from 'gcs'",
+             "'.'": "outside the playbook's folder"}
+    for script, why in cases.items():
+        pb = _script_playbook(tmp_path, script)
+        m = migrate_text(pb.read_text(), source=pb)
+        assert [(p.rule, p.location) for p in m.problems] == [("M5", "workflow[0].step=start.tool.script")], script
+        assert why in m.problems[0].message, (script, m.problems[0].message)
+        assert "the secret" not in m.text
+
+
+def test_m5_the_legacy_contexts_fields_read_as_attributes_are_read_by_key():
+    m, doc = mig("""
+        workload: {city: Oslo}
+        workflow:
+          - step: start
+            tool:
+              kind: python
+              code: |
+                run = context.execution_id  # the run
+                return {"run": run, "city": context . city, "n": context.get("city")}
+            next: [{step: two}]
+          - step: two
+            tool:
+              kind: python
+              code: |
+                result = {"p": context.catalog_id}
+        """)
+    code = doc["workflow"][0]["tool"]["code"]
+    assert code == ("run = context['execution_id']  # the run\n"
+                    "result = {\"run\": run, \"city\": context['city'], \"n\": context.get(\"city\")}\n")
+    assert doc["workflow"][0]["tool"]["args"] == {"context": {"city": "{{ workload.city }}",
+                                                              "execution_id": "{{ execution_id }}"}}
+    assert analyse("x = list(context.keys())").context_keys is None  # the whole context: not by key
+    [p] = m.problems
+    assert p.location == "workflow[1].step=two.tool.code" and "context['catalog_id']" in p.message
+    assert "execution_id (or job.execution_id) -> {{ execution_id }}" in p.message  # the field map
 
 
 def test_m5_code_keeps_its_comments_and_wraps_without_touching_strings():

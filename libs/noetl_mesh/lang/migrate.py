@@ -14,14 +14,18 @@ in three passes over a round-trip YAML tree (ruamel.yaml: comments, key order an
 3. Python task code, by :mod:`.migrate_python` (Python's ``ast``) (rule M5).
 
 The result is then validated (D1): a validation error becomes a finding that needs a person. A
-playbook that is already canonical comes out byte for byte as it went in. Pure: no I/O.
+playbook that is already canonical comes out byte for byte as it went in. No I/O, but one read: the
+file a python task's ``script`` names, when the playbook's own path is given and the file lies in its
+folder (:func:`read_script`).
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -441,8 +445,10 @@ def _plain(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------ migrate
 
 
-def migrate_text(text: str | bytes) -> Migration:
-    """The canonical form of a playbook's text (see the module's doc)."""
+def migrate_text(text: str | bytes, source: str | os.PathLike | None = None) -> Migration:
+    """The canonical form of a playbook's text (see the module's doc). ``source``: the file the text was
+    read from; given, a python task's ``script`` naming a file in that file's folder is read and
+    inlined (M5), and nothing else is read."""
     if isinstance(text, (bytes, bytearray)):
         from .documents import _decode
 
@@ -459,11 +465,12 @@ def migrate_text(text: str | bytes) -> Migration:
         return Migration(original, original, invalid=["the document is not a mapping: not a playbook"])
     if not isinstance(value.get("workflow"), list) or not value.get("workflow"):
         return Migration(original, original, invalid=["the document has no 'workflow' list of steps: not a playbook"])
-    return _Migrator(original).run()
+    return _Migrator(original, source).run()
 
 
 class _Migrator:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, source: str | os.PathLike | None = None) -> None:
+        self.source = source
         from ruamel.yaml import YAML
 
         self.original = text
@@ -509,9 +516,9 @@ class _Migrator:
         if f not in self.problems:
             self.problems.append(f)
 
-    def reported(self, path: Path) -> bool:
-        """Is something needing a person reported at ``path`` or inside it already?"""
-        where = locate(self.doc, path)
+    def reported(self, path: Path | str) -> bool:
+        """Is something needing a person reported at ``path`` (or that location) or inside it already?"""
+        where = path if isinstance(path, str) else locate(self.doc, path)
         return any(p.location == where or p.location.startswith(where + ".") for p in self.problems)
 
     # -------------------------------------------------------------- driver
@@ -559,6 +566,8 @@ class _Migrator:
 
         result = validate_text(text)
         for d in result.errors:
+            if d.location.endswith(".code") and self.reported(d.location[:-len("code")] + "script"):
+                continue  # the code is in the file 'script' names, which was not read: said already
             if any(p.location == d.location or p.location.startswith(d.location + ".")
                    or d.location.startswith(p.location + ".") for p in self.problems):
                 continue  # said already, in the words of the rule that could not translate it
@@ -661,6 +670,9 @@ class _Migrator:
             tasks = [(tool, path + ("tool",))]
         elif _is_seq(tool):
             tasks = [(t, path + ("tool", j)) for j, t in enumerate(tool) if _is_map(t)]
+        for key in ("input", "args", "with"):
+            if key in st:
+                self.step_input(st, path, key, tasks)
         step_retry = st.pop("retry", None)
         for task, tpath in tasks:
             if step_retry is not None and "retry" not in task:
@@ -696,10 +708,50 @@ class _Migrator:
             st["tool"] = _flow(_cmap([("kind", "noop")]))
             self.change("M6", path, "the 'end' step gets a noop tool (a step needs a tool or a next, D4)")
         for key in list(st.keys()):
-            if key not in _STEP_KEYS:
+            if key not in _STEP_KEYS and not self.reported(path + (key,)):
                 self.problem("M6", path + (key,), f"step key '{key}' has no canonical equivalent: "
                              + ("save results with a task of the pipeline" if key in ("save", "sink") else
                                 "remove it or move it into a task"))
+
+    def step_input(self, st: Any, path: Path, key: str, tasks: list[tuple[Any, Path]]) -> None:
+        """A step's ``input:`` (or ``args:``, ``with:``) was what its tool received: canonically a task
+        receives its ``args`` (D25, D4: python binds each as a variable, a playbook task passes them to the
+        child's entry step, a workbook task to the workbook task); a step has none."""
+        values = st[key]
+        ipath = path + (key,)
+        if not _is_map(values):
+            self.problem("M6", ipath, f"the step's '{key}' is not a mapping: give the task its args by hand")
+            return
+        takers = [(t, p) for t, p in tasks if "args" in _FIELDS.get(str(t.get("kind")), ())]
+        if len(tasks) != 1 or len(takers) != 1:
+            kinds = ", ".join(str(t.get("kind")) for t, _ in tasks) or "none"
+            self.problem("M6", ipath, f"the step's '{key}' (what its tool received): a step has no args; only a "
+                         f"python, playbook or workbook task takes args, and this step's tool is {len(tasks)} task(s) "
+                         f"({kinds}): give each task that reads these values its own args, or write them into its "
+                         "fields")
+            return
+        task, tpath = takers[0]
+        own_key = next((k for k in ("args", "input", "with") if k in task), None)
+        own = task.get(own_key) if own_key else None
+        if own is not None and not _is_map(own):
+            self.problem("M6", ipath, f"the step's '{key}' and the task's own '{own_key}', which is not a mapping: "
+                         "merge them by hand")
+            return
+        clash = sorted(str(k) for k in values if own is not None and k in own)
+        if clash:
+            self.problem("M6", ipath, f"the step's '{key}' and the task's '{own_key}' both give {', '.join(clash)}: "
+                         "keep one value of each in the task's args")
+            return
+        st.pop(key)
+        if own is None:
+            keys = list(task.keys())
+            at = next((k for k in ("code", "script", "code_b64", "code_base64") if k in keys), None)
+            task.insert(keys.index(at) if at else len(keys), "args", values)
+        else:
+            for k, v in values.items():
+                own[k] = v
+                _keep_comments(values, k, own)
+        self.change("M6", ipath, f"the step's '{key}' -> the task's args (a task receives args; a step has none)")
 
     def tool_shorthand(self, st: Any, path: Path) -> None:
         kind = st.pop("tool")
@@ -834,8 +886,7 @@ class _Migrator:
                 t["code"] = LiteralScalarString(code)
                 self.change("M5", path + (key,), f"'{key}' decoded into 'code'")
         if "script" in t:
-            self.problem("M5", path + ("script",), "code from a file ('script') cannot be read by a pure rewrite: "
-                                                   "put the file's code into 'code'")
+            self.script(t, path)
         libs = t.get("libs")
         if libs is not None:
             imports = _imports_of(libs)
@@ -849,6 +900,23 @@ class _Migrator:
             if key in t and "args" not in t and "input" not in t:
                 _rename(t, key, "args")
                 self.change("M6", path + (key,), f"python '{key}' -> 'args'")
+
+    def script(self, t: Any, path: Path) -> None:
+        """``script:`` named a file holding the code: read and put into ``code`` when it lies in the
+        playbook's folder (see :func:`read_script`), else it needs a person."""
+        spath = path + ("script",)
+        if "code" in t:
+            self.problem("M5", spath, "'script' and 'code' both given: keep the one that is the code")
+            return
+        code, why = read_script(t["script"], self.source)
+        if code is None:
+            self.problem("M5", spath, f"code from a file ('script'): {why}: put the file's code into 'code'")
+            return
+        from ruamel.yaml.scalarstring import LiteralScalarString
+
+        _rename(t, "script", "code")
+        t["code"] = LiteralScalarString(code if code.endswith("\n") else code + "\n")
+        self.change("M5", spath, f"'script' -> 'code': {why}")
 
     def http_fields(self, t: Any, path: Path) -> None:
         method = str(t.get("method", "GET")).upper()
@@ -2204,6 +2272,11 @@ class _Migrator:
         site = _Site("task", s, t, path)
         text = str(code)
         notes: list[str] = []
+        if facts.context_attrs and facts.context_keys is not None and "context" in facts.free - arg_names:
+            # first, on the code as analysed (the edits keep every line where it was)
+            text = mpy.attributes_as_keys(text, facts.context_attrs)
+            notes.append("the context's fields read as attributes (" + ", ".join(sorted(
+                {f"context.{a.attr}" for a in facts.context_attrs})) + ") -> read by key from the 'context' arg")
         # a top-level return is the result
         if facts.returns and facts.main_params is None:
             if len(facts.returns) == 1 and _last_statement_is(text, facts.returns[0]):
@@ -2239,14 +2312,15 @@ class _Migrator:
             keys = facts.context_keys
             if keys is None:
                 self.problem("M5", path + ("code",), "the code uses 'context' (the legacy render context) other than "
-                             "by constant keys: pass what it needs in args")
+                             "by constant keys (context['k'], context.get('k'), context.k): pass what it needs in "
+                             "args; " + _CONTEXT_MAP)
             else:
                 ctx = _cmap()
                 for k in sorted(keys):
                     value = self._context_value(k, site)
                     if value is None:
-                        self.problem("M5", path + ("code",), f"context[{k!r}]: nothing of that name is known; pass it "
-                                                             "in args")
+                        self.problem("M5", path + ("code",), f"context[{k!r}]: nothing of that name is known here; "
+                                     "pass it in args; " + _CONTEXT_MAP)
                     else:
                         ctx[k] = value
                 new_args.append(("context", ctx))
@@ -2291,6 +2365,89 @@ class _Migrator:
 
 
 # ------------------------------------------------------------------------------------ small helpers
+
+
+MAX_SCRIPT_BYTES = 256 * 1024  # a python task's code read from a file (M5); a bigger file needs a person
+
+
+def _script_name(spec: Any) -> tuple[str | None, str]:
+    """The relative path a legacy ``script`` names: a string, or ``{path | file | uri, source: {type:
+    file}}``; (None, why) for anything else (a bucket, a URL, a template)."""
+    if _is_map(spec):
+        source = spec.get("source")
+        kind = source.get("type") if _is_map(source) else source
+        if kind not in (None, "file", "local"):
+            return None, f"the file is read from {kind!r}, which migrate does not fetch"
+        name = next((spec[k] for k in ("path", "file", "uri") if isinstance(spec.get(k), str)), None)
+        if name is None and _is_map(source):
+            name = next((source[k] for k in ("path", "file", "uri") if isinstance(source.get(k), str)), None)
+    else:
+        name = spec
+    if not isinstance(name, str) or not name.strip():
+        return None, "it names no file"
+    name = str(name)
+    if name.startswith("file://"):
+        name = name[len("file://"):]
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", name):
+        return None, f"{name!r} is not a local file"
+    if _template(name):
+        return None, f"{name!r} is a template: the file is known only at run time"
+    if "\0" in name:
+        return None, "the path holds a NUL character"
+    return name, ""
+
+
+def read_script(spec: Any, source: str | os.PathLike | None) -> tuple[str | None, str]:
+    """(the code, where it was read) of the file a ``script`` names, or (None, why not). Read only when
+    ``source`` (the playbook's file) is known, only a regular file inside the playbook's folder (after
+    every symbolic link is followed: ``..``, an absolute path or a link elsewhere is refused), at most
+    :data:`MAX_SCRIPT_BYTES`, UTF-8 text."""
+    name, why = _script_name(spec)
+    if name is None:
+        return None, why
+    if source is None:
+        return None, f"{name!r} is read only next to the playbook, whose file is not known here"
+    if os.path.isabs(name) or name.startswith("~"):
+        return None, f"{name!r} is not a path relative to the playbook's folder"
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(source))))
+    target = os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([folder, target]) != folder or target == folder:
+        return None, f"{name!r} lies outside the playbook's folder, which is all migrate reads"
+    try:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        return None, f"{name!r} cannot be read next to the playbook ({e.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"{name!r} is not a regular file"
+        if info.st_size > MAX_SCRIPT_BYTES:
+            return None, f"{name!r} is {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} migrate inlines"
+        data = b""
+        while len(data) <= MAX_SCRIPT_BYTES:
+            chunk = os.read(fd, MAX_SCRIPT_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SCRIPT_BYTES:
+        return None, f"{name!r} is more than the {MAX_SCRIPT_BYTES} bytes migrate inlines"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"{name!r} is not UTF-8 text (byte {e.start})"
+    if "\0" in text:
+        return None, f"{name!r} holds a NUL character: not Python source"
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n"), f"the code of {name!r}, read next to the playbook"
+
+
+_CONTEXT_MAP = ("the legacy context's fields are, canonically: execution_id (or job.execution_id) -> "
+                "{{ execution_id }}; workload -> {{ workload }}; a workload key k -> {{ workload.k }}; vars -> "
+                "{{ ctx }}; a key a set wrote -> {{ ctx.k }}; a step's name -> its result {{ <step>.result }}; "
+                "the loop's item -> {{ iter.<iterator> }}; catalog_id, path, version, parent_execution_id: none")
 
 
 _NO_FIELD = {
