@@ -69,6 +69,12 @@ def test_migrated_http_pipeline_reads_the_body_and_the_status(fixture_api):
     check("http_pipeline", summary(run.state))
 
 
+def test_migrated_result_spellings_read_the_body_the_status_and_the_rows(fixture_api):
+    run = asyncio.run(_run(migrated("result_spellings"), workload={"api_url": fixture_api.url},
+                           allow_net=fixture_api.endpoint))
+    check("result_spellings", summary(run.state))
+
+
 def test_migrated_postgres_playbook_runs_with_the_stored_credential(pg_dsn):
     run = asyncio.run(_run(migrated("postgres_crud"), credentials={"pg_local": {"dsn": pg_dsn}},
                            allow_net=pg_endpoint(pg_dsn)))

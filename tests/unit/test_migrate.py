@@ -84,7 +84,8 @@ def test_needs_person_fixture_names_each_construct_with_its_location():
     assert ("M6", "workflow[0].step=start.tool.verify_ssl") not in said  # it is the http tool's 'verify'
     assert ("M6", "workflow[0].step=start.tool.retry.on_success") in said
     assert ("M5", "workflow[1].step=inspect.tool.script") in said
-    assert ("M8", "workflow[2].step=wait_for_approval.case") in said
+    assert ("M8", "workflow[4].step=wait_for_approval.case") in said
+    assert ("M1", "workflow[3].step=tally_report.tool.result.rows") in said  # a SQL result read whole
     assert ("M1", "workflow[1].step=inspect.tool.args.status") in said  # an http status read across steps
     assert all(p.line for p in m.problems)
     assert m.changed  # what could be translated was
@@ -803,6 +804,88 @@ def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
     text = HEAD + ("workflow:\n  - step: start\n    tool:\n      kind: noop\n      spec: {policy: {rules: "
                    "[{when: '{{ outcome.error.retryable }}', then: {do: retry}}]}}\n")
     assert migrate_text(text).text == text
+
+
+def test_m7_legacy_spellings_of_a_tasks_result_in_its_policy():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              - name: call
+                kind: http
+                url: http://127.0.0.1:1/x
+                spec:
+                  policy:
+                    rules:
+                      - when: "{{ output.response.status_code >= 500 or outcome.data.status_code == 404 }}"
+                        then: {do: fail}
+                      - else:
+                          then: {do: continue, set_ctx: {a: "{{ output.data.data.items }}",
+                                                         b: "{{ outcome.response.data.page }}",
+                                                         h: "{{ output.response.headers }}"}}
+              - name: calc
+                kind: python
+                code: "result = {'data': {'n': 1}}"
+                spec:
+                  policy:
+                    rules:
+                      - else:
+                          then: {do: continue, set_ctx: {n: "{{ output.data.data.n }}", m: "{{ output.response.data.n }}"}}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    call, calc = doc["workflow"][0]["tool"]
+    rules_ = call["spec"]["policy"]["rules"]
+    assert rules_[0]["when"] == "{{ output.http.status >= 500 or outcome.http.status == 404 }}"
+    assert rules_[1]["else"]["then"]["set_ctx"] == {
+        "a": "{{ output.result.items }}", "b": "{{ outcome.result.page }}", "h": "{{ output.http.headers }}"}
+    # a python result is what it was: .data aliases .result (D8); 'response' is the result
+    assert calc["spec"]["policy"]["rules"][0]["else"]["then"]["set_ctx"] == {
+        "n": "{{ output.data.data.n }}", "m": "{{ output.result.data.n }}"}
+    assert m.complete and migrate_text(m.text).text == m.text
+
+
+def test_m7_a_sql_result_read_whole_needs_a_person_with_the_field_map():
+    m, doc = mig("""
+        workflow:
+          - step: load
+            tool:
+              - name: q
+                kind: duckdb
+                command: "SELECT 1 AS n"
+                spec:
+                  policy:
+                    rules:
+                      - else:
+                          then: {do: continue, set_ctx: {all: "{{ output.data }}", res: "{{ outcome.result }}"}}
+              - name: after
+                kind: noop
+                result: ["{{ _prev }}", "{{ q }}"]
+            next: [{step: count}]
+          - step: count
+            tool: {kind: postgres, auth: pg, command: "SELECT 1 AS n"}
+            next: [{step: out}]
+          - step: out
+            tool: {kind: noop, result: ["{{ count }}", "{{ count.result }}", "{{ count.result.rows }}",
+                                        "{{ count[0].n }}"]}
+            next: [{step: arc_reader, when: "{{ event.result }}"}]
+          - step: arc_reader
+            tool: {kind: noop}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    said = {}
+    for p in m.problems:
+        said.setdefault(p.location, []).append(p.message)
+    base = "workflow[0].step=load.tool"
+    assert set(said) == {f"{base}[0].spec.policy.rules[0].else.then.set_ctx.all",
+                         f"{base}[0].spec.policy.rules[0].else.then.set_ctx.res",
+                         f"{base}[1].result[0]", f"{base}[1].result[1]",
+                         "workflow[2].step=out.tool.result[0]", "workflow[2].step=out.tool.result[1]"}
+    message = said["workflow[2].step=out.tool.result[0]"][0]
+    assert "the whole result of postgres step 'count'" in message and "{rows, columns, row_count}" in message
+    assert ".result.rows[0].n for a field of the first" in message and ".result.row_count" in message
+    out = doc["workflow"][2]["tool"]["result"]
+    assert out[2:] == ["{{ count.result.rows }}", "{{ count.result.rows[0].n }}"]  # reads of a part: translated
+    assert "duckdb task 'q'" in said[f"{base}[1].result[1]"][0]
+    # the arc reads a noop step's result: not SQL, left as it is
+    assert doc["workflow"][2]["next"]["arcs"][0]["when"] == "{{ event.result }}"
 
 
 def test_m8_case_then_becomes_policy_rules_arcs_and_jumped_to_tasks():

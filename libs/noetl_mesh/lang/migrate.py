@@ -2144,6 +2144,7 @@ class _Migrator:
             if producer.kind == "http":
                 raise NeedsPerson(f"the whole result of http step '{s.name}' is now the response body (the legacy "
                                   "{status_code, headers, data} is gone): read 'outcome.result' knowing that")
+            self._reshape_kind(producer.kind, producer, [], f"step '{s.name}'")  # a whole SQL result needs a person
             return Ref("outcome", [("attr", "result")])
         rest = path[1:] if head == ("attr", "result") else path
         if producer.kind == "http" and rest and rest[0][0] in ("attr", "key") and rest[0][1] in HTTP_META:
@@ -2154,6 +2155,8 @@ class _Migrator:
     def _task_ref(self, t: _Task, path: list) -> Ref | None:
         head = path[0] if path else None
         if head is None:
+            if self.legacy:
+                self._reshape_task_path(t, [])  # a whole SQL result needs a person
             return Ref(t.name, [("attr", "result")]) if self.legacy else None
         if head == ("attr", "result"):
             if not self.legacy:
@@ -2198,8 +2201,11 @@ class _Migrator:
         return self._reshape_kind(t.kind, t, path, what)
 
     def _reshape_kind(self, kind: str, t: _Task, path: list, what: str) -> list:
-        """A path read from a legacy result of this kind, as it reads the canonical result (M7)."""
+        """A path read from a legacy result of this kind, as it reads the canonical result (M7). ``[]``:
+        the whole result is read."""
         if not path:
+            if kind in ("postgres", "duckdb") and self.legacy:
+                raise NeedsPerson(_SQL_WHOLE.format(kind=kind, what=what))
             return path
         head = path[0]
         key = head[1] if head[0] in ("attr", "key") else None
@@ -2233,6 +2239,20 @@ class _Migrator:
         if not self.legacy or t is None or not path:
             return None
         head = path[0]
+        if head in (("attr", "response"), ("key", "response")):
+            # the legacy outcome's 'response' was the tool's result (as a bare 'response' was, M1)
+            new = self._reshape_outcome(root, [("attr", "result")] + path[1:], t)
+            return new if new is not None else Ref(root, [("attr", "result")] + path[1:])
+        if head in (("attr", "data"), ("key", "data")):
+            # '.data' aliases '.result' (D8): read it as the result it is, in the shape of the task's kind
+            return self._reshape_outcome(root, [("attr", "result")] + path[1:], t)
+        if head == ("attr", "result") and len(path) == 1:
+            if t.kind == "http":
+                raise NeedsPerson(f"the whole result of http task '{t.name}' ('{root}.{_path_text(path)}') is now the "
+                                  "response body (the legacy {status_code, headers, data} is gone): read "
+                                  "outcome.result knowing that, and outcome.http.status/headers")
+            self._reshape_task_path(t, [])  # a whole SQL result needs a person
+            return None
         if head == ("attr", "result") and len(path) > 1:
             second = path[1]
             if t.kind == "http" and second[0] in ("attr", "key") and second[1] in HTTP_META:
@@ -2442,6 +2462,12 @@ def read_script(spec: Any, source: str | os.PathLike | None) -> tuple[str | None
     if text.startswith("\ufeff"):
         text = text[1:]
     return text.replace("\r\n", "\n"), f"the code of {name!r}, read next to the playbook"
+
+
+_SQL_WHOLE = ("the whole result of {kind} {what}: the legacy result read whole here was the statements' results "
+              "(command_0, command_1, ...) or the rows; canonically it is the last statement's {{rows, columns, "
+              "row_count}} (D27): read .result.rows for the rows (.result.rows[0].n for a field of the first), "
+              ".result.row_count for their number, .result.columns for the column names")
 
 
 _CONTEXT_MAP = ("the legacy context's fields are, canonically: execution_id (or job.execution_id) -> "
