@@ -75,6 +75,12 @@ def test_migrated_result_spellings_read_the_body_the_status_and_the_rows(fixture
     check("result_spellings", summary(run.state))
 
 
+def test_migrated_step_output_select_stores_the_selected_part(fixture_api):
+    run = asyncio.run(_run(migrated("step_output_select"), workload={"api_url": fixture_api.url},
+                           allow_net=fixture_api.endpoint))
+    check("step_output_select", summary(run.state))
+
+
 def test_migrated_postgres_playbook_runs_with_the_stored_credential(pg_dsn):
     run = asyncio.run(_run(migrated("postgres_crud"), credentials={"pg_local": {"dsn": pg_dsn}},
                            allow_net=pg_endpoint(pg_dsn)))

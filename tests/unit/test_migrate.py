@@ -692,6 +692,54 @@ def test_m6_an_end_step_nobody_routes_to_gets_the_arcs_in_an_otherwise_canonical
     assert migrate_text(entry).text == entry
 
 
+def test_m6_output_select_is_a_noop_that_renders_the_part_and_shaping_needs_a_person():
+    m, doc = mig("""
+        workflow:
+          - step: web
+            tool: {kind: http, url: "http://127.0.0.1:1/"}
+            output: {select: "$.data.items[0]"}
+            next: [{step: calc}]
+          - step: calc
+            tool:
+              - {name: a, kind: python, code: "result = {'rows': [1]}"}
+              - {name: b, kind: python, code: "result = {'rows': [2]}", output_select: rows}
+            next: [{step: shaped}]
+          - step: shaped
+            tool: {kind: noop}
+            output: {items: "{{ result.x }}"}
+            next: [{step: early}]
+          - step: early
+            tool:
+              - {name: a, kind: noop, output_select: x}
+              - {name: b, kind: noop}
+            next: [{step: many}]
+          - step: many
+            loop: {in: [1], iterator: i}
+            tool: {kind: noop}
+            output_select: x
+            next: [{step: bad}]
+          - step: bad
+            tool: {kind: noop}
+            output_select: "x | upper"
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    web, calc, shaped, early, many, bad = doc["workflow"]
+    assert web["tool"] == [{"name": "web_task", "kind": "http", "url": "http://127.0.0.1:1/"},
+                           {"name": "web_output", "kind": "noop", "result": "{{ _prev.items[0] }}"}]  # the body
+    assert "output" not in web
+    assert calc["tool"][1] == {"name": "b", "kind": "python", "code": "result = {'rows': [2]}"}
+    assert calc["tool"][2] == {"name": "calc_output", "kind": "noop", "result": "{{ _prev.rows }}"}
+    said = {p.location: p.message for p in m.problems}
+    assert set(said) == {"workflow[2].step=shaped.output", "workflow[3].step=early.tool[0].output_select",
+                         "workflow[4].step=many.output_select", "workflow[5].step=bad.output_select"}
+    assert "it shapes the result" in said["workflow[2].step=shaped.output"]
+    assert "append a noop task whose result: renders" in said["workflow[2].step=shaped.output"]
+    assert "not the step's last" in said["workflow[3].step=early.tool[0].output_select"]
+    assert "loop step" in said["workflow[4].step=many.output_select"]
+    assert "not a path of names" in said["workflow[5].step=bad.output_select"]
+    assert shaped["output"] == {"items": "{{ result.x }}"} and bad["output_select"] == "x | upper"  # as written
+    assert migrate_text(m.text).text == m.text
+
+
 def test_m6_a_tool_field_with_no_equivalent_needs_a_person():
     m, _ = mig("workflow:\n  - step: a\n    tool: {kind: postgres, auth: p, database: other, command: select 1}\n")
     assert [(p.rule, p.location) for p in m.problems] == [("M6", "workflow[0].step=a.tool.database")]

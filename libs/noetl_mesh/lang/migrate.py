@@ -673,6 +673,8 @@ class _Migrator:
         for key in ("input", "args", "with"):
             if key in st:
                 self.step_input(st, path, key, tasks)
+        selections = [(st, path, k) for k in ("output", "output_select") if k in st]
+        selections += [(t, p, "output_select") for t, p in tasks if "output_select" in t]
         step_retry = st.pop("retry", None)
         for task, tpath in tasks:
             if step_retry is not None and "retry" not in task:
@@ -698,6 +700,8 @@ class _Migrator:
                 self.step_set(st, path, key)
         for arc_set in [a for a in self._arc_sets if a[0] is st]:
             self.arc_set_ctx(*arc_set)
+        if selections:
+            self.step_output(st, path, tasks, selections)
         if "pool" in st:
             pool = st.pop("pool")
             spec = st.setdefault("spec", _cmap())
@@ -752,6 +756,67 @@ class _Migrator:
                 own[k] = v
                 _keep_comments(values, k, own)
         self.change("M6", ipath, f"the step's '{key}' -> the task's args (a task receives args; a step has none)")
+
+    def step_output(self, st: Any, path: Path, tasks: list[tuple[Any, Path]],
+                    selections: list[tuple[Any, Path, str]]) -> None:
+        """A step's ``output: {select: PATH}`` (or ``output_select: PATH`` on the step or its last task)
+        chose the part of the tool's result the step stored. Canonically a step's result is its last
+        task's result (D11), and a ``noop`` task's ``result:`` is what it renders (D10): a noop that
+        renders ``{{ _prev.PATH }}`` is appended (PATH then read as the task's kind gives its result,
+        M7). Anything else that shapes the result needs a person."""
+        why = None
+        (holder, hpath, key), = selections if len(selections) == 1 else ((None, path, "output"),)
+        kpath = hpath + (key,) if holder is not None else path
+        value = holder.get(key) if holder is not None else None
+        if len(selections) > 1:
+            why = "several of 'output' and 'output_select' are given"
+        elif "loop" in st:
+            why = "on a loop step the selection applied to the list of iteration results; a task of the loop runs " \
+                  "per iteration: select in the next step from the loop's result"
+        elif holder is not st and (not tasks or holder is not tasks[-1][0]):
+            why = "on a task that is not the step's last, the selection changed what later tasks read as its " \
+                  "result: read the part itself where it is used (<task>.result.PATH)"
+        elif not tasks:
+            why = "a step without a tool stores nothing to select from"
+        selector = None
+        if why is None:
+            selector = value.get("select", value.get("path")) if key == "output" and _is_map(value) and \
+                set(value) <= {"select", "path"} else value if key == "output_select" else None
+            if not isinstance(selector, str) or not selector.strip():
+                why = ("it shapes the result ('output' other than {select: PATH})" if key == "output"
+                       else "it is not a path into the result")
+        expr = None
+        if why is None:
+            text = selector.strip()
+            text = text[2:] if text.startswith("$.") else text
+            from .migrate_jinja import _chain, parse_expression
+
+            try:
+                base, chain = _chain(parse_expression("_prev." + text))
+                ok = type(base) is nodes.Name and base.name == "_prev" and all(k in ("attr", "key") for k, _ in chain)
+            except Exception:  # noqa: BLE001 - not a path
+                ok = False
+            if not ok or _template(text):
+                why = f"{selector!r} is not a path of names and indexes into the result"
+            else:
+                expr = "{{ _prev.%s }}" % text
+        name = f"{st.get('step')}_output"
+        if why is None and any(_is_map(t) and t.get("name") == name for t, _ in tasks):
+            why = f"a task named '{name}' is there already"
+        if why is not None:
+            self.problem("M6", kpath, f"'{key}' chose what the step stores, and {why}. A step's result is its last "
+                         "task's result (D11): append a noop task whose result: renders what the step should store "
+                         "from _prev (D10), e.g. {name: " + name + ", kind: noop, result: \"{{ _prev.items }}\"}")
+            return
+        holder.pop(key)
+        tool = st["tool"]
+        if _is_map(tool):
+            if "name" not in tool:
+                tool.insert(0, "name", f"{st.get('step')}_task")  # its name as a single task (D4), kept
+            st["tool"] = tool = _cseq([tool])
+        tool.append(_flow(_cmap([("name", name), ("kind", "noop"), ("result", expr)])))
+        self.change("M6", kpath, f"'{key}: {selector}' -> a noop task '{name}' whose result is {expr} (a step's result "
+                    "is its last task's, D10, D11)")
 
     def tool_shorthand(self, st: Any, path: Path) -> None:
         kind = st.pop("tool")
@@ -865,7 +930,8 @@ class _Migrator:
             self.change("M6", path + ("assert",), "'assert' (input/output contract) dropped: the engine does not check it")
         if isinstance(kind, str) and kind in _FIELDS:
             for key in list(t.keys()):
-                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)):
+                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)) \
+                        and not (key == "output_select" and self._step is not None):  # the step's (step_output)
                     self.problem("M6", path + (key,), f"the {kind} tool has no field '{key}': "
                                  + _NO_FIELD.get(key, "remove it or express it another way (docs/tools.md)"))
         elif kind is not None and not (isinstance(kind, str) and kind in _FIELDS):
