@@ -824,7 +824,8 @@ def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
                       then: {do: fail}
                     - when: "{{ outcome.result.x if outcome.result else outcome.error.kind }}"
                       then: {do: fail}
-            next: [{step: end, when: "{{ event.error.kind != 'timeout' and start.error.kind is none }}"}]
+            next: [{step: end, when: "{{ event.error.kind != 'timeout' and start.error.kind is none }}",
+                    args: {when: "{{ event.error.kind }}"}}]
           - step: end
             tool: {kind: noop}
         """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
@@ -837,6 +838,7 @@ def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
         "{{ outcome.result.x if outcome.result else outcome.error and outcome.error.kind }}"]
     assert doc["workflow"][0]["next"]["arcs"][0]["when"] == \
         "{{ (event.error and event.error.kind) != 'timeout' and (start.error and start.error.kind) is none }}"
+    assert doc["workflow"][0]["next"]["arcs"][0]["args"] == {"when": "{{ event.error.kind }}"}  # a value, not a condition
     assert m.complete and "M7" in rules(m)
     assert migrate_text(m.text).text == m.text
     # what the guard is for: on an ok outcome the error is null, and a strict condition fails reading into it

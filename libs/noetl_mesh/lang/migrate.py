@@ -2061,8 +2061,8 @@ class _Migrator:
         for value, site, (container, key, path) in list(self._template_sites()):
             if path[-1] != "when" or site.kind not in ("policy", "arc") or self.reported(path):
                 continue
-            if site.kind == "policy" and path[-3:-1] != ("rules", path[-2]):
-                continue  # a policy's when is rules[i].when
+            if path[-3] != ("rules" if site.kind == "policy" else "arcs"):
+                continue  # a rule's or an arc's own when, not a key 'when' in a value
 
             def resolve(ref: Ref, site: _Site = site) -> Any:
                 if ref.tolerant or len(ref.path) < 2 or ref.path[0] != ("attr", "error"):
