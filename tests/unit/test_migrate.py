@@ -601,6 +601,12 @@ def test_m5_the_legacy_contexts_fields_read_as_attributes_are_read_by_key():
               kind: python
               code: |
                 result = {"p": context.catalog_id}
+            next: [{step: three}]
+          - step: three
+            tool:
+              kind: python
+              code: |
+                result = {"j": context.job["execution_id"], "i": context["job"]["id"]}
         """)
     code = doc["workflow"][0]["tool"]["code"]
     assert code == ("run = context['execution_id']  # the run\n"
@@ -608,6 +614,9 @@ def test_m5_the_legacy_contexts_fields_read_as_attributes_are_read_by_key():
     assert doc["workflow"][0]["tool"]["args"] == {"context": {"city": "{{ workload.city }}",
                                                               "execution_id": "{{ execution_id }}"}}
     assert analyse("x = list(context.keys())").context_keys is None  # the whole context: not by key
+    three = doc["workflow"][2]["tool"]
+    assert three["code"] == 'result = {"j": context[\'job\']["execution_id"], "i": context["job"]["id"]}\n'
+    assert three["args"] == {"context": {"job": {"execution_id": "{{ execution_id }}", "id": "{{ execution_id }}"}}}
     [p] = m.problems
     assert p.location == "workflow[1].step=two.tool.code" and "context['catalog_id']" in p.message
     assert "execution_id (or job.execution_id) -> {{ execution_id }}" in p.message  # the field map

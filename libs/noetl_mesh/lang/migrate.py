@@ -2439,6 +2439,9 @@ class _Migrator:
         """The template that gives what the legacy context held under ``name``, or None."""
         if name in ("workload", "ctx", "execution_id"):
             return "{{ %s }}" % name
+        if name == "job" and name not in self.steps and name not in self.workload_keys:
+            # the legacy job object: its ids were the execution's (M1: job.execution_id -> execution_id)
+            return _flow(_cmap([(k, "{{ execution_id }}") for k in ("execution_id", "id")]))
         try:
             new, _ = self._resolve(Ref(name, []), site)
         except NeedsPerson:
