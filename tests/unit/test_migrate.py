@@ -747,6 +747,20 @@ def test_m6_output_select_is_a_noop_that_renders_the_part_and_shaping_needs_a_pe
     assert "not a path of names" in said["workflow[5].step=bad.output_select"]
     assert shaped["output"] == {"items": "{{ result.x }}"} and bad["output_select"] == "x | upper"  # as written
     assert migrate_text(m.text).text == m.text
+    # after the noop a step's set adds behind a task with its own policy, _prev is still the http body
+    m, doc = mig("""
+        workflow:
+          - step: web
+            tool:
+              - name: call
+                kind: http
+                url: "http://127.0.0.1:1/"
+                spec: {policy: {rules: [{when: "{{ outcome.status == 'error' }}", then: {do: fail}}]}}
+            set: {ctx.code: "{{ web.status_code }}"}
+            output: {select: data.items}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    assert [t["name"] for t in doc["workflow"][0]["tool"]] == ["call", "web_set", "web_output"]
+    assert doc["workflow"][0]["tool"][2]["result"] == "{{ _prev.items }}" and m.complete
 
 
 def test_m6_a_tool_field_with_no_equivalent_needs_a_person():

@@ -470,9 +470,9 @@ def migrate_text(text: str | bytes, source: str | os.PathLike | None = None) -> 
 
 class _Migrator:
     def __init__(self, text: str, source: str | os.PathLike | None = None) -> None:
-        self.source = source
         from ruamel.yaml import YAML
 
+        self.source = source  # the playbook's file: a 'script' is read next to it (M5)
         self.original = text
         self.yaml = YAML(typ="rt")
         self.yaml.preserve_quotes = True
@@ -2124,7 +2124,7 @@ class _Migrator:
                 return Ref("outcome", path), "M8"
             raise NeedsPerson(f"'event.{_path_text(path)}' in a task policy: only outcome is known there")
         if root == "_prev" and site.kind in ("task", "policy"):
-            prev = step.tasks[site.task.index - 1] if step and site.task and site.task.index > 0 else None
+            prev = _producer(step.tasks, site.task.index - 1) if step and site.task and site.task.index > 0 else None
             if prev is not None and self.legacy:
                 new = self._reshape_task(prev, path, "_prev")
                 return (new if new is not None else None), "M7"
