@@ -562,6 +562,26 @@ def test_m5_a_script_next_to_the_playbook_is_inlined(tmp_path):
     assert "whose file is not known here" in m.problems[0].message
 
 
+def test_m5_a_name_a_script_reads_is_known_before_the_script_is_inlined(tmp_path):
+    (tmp_path / "count.py").write_text("result = {'n': len(users)}\n")
+    pb = tmp_path / "legacy.yaml"
+    pb.write_text(HEAD + textwrap.dedent("""\
+        workflow:
+          - step: start
+            tool:
+              - {name: load, kind: python, code: "result = ['ada', 'grace']", set: {users: "{{ output }}"}}
+            next: [{step: count}]
+          - step: count
+            tool: {kind: python, script: count.py}
+        """))
+    m = migrate_text(pb.read_text(), source=pb)
+    assert m.complete, [str(p) for p in m.problems]
+    doc = yaml.safe_load(m.text)
+    rules_ = doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"]
+    assert rules_[-1]["else"]["then"]["set_ctx"] == {"users": "{{ outcome.result }}"}  # another step reads it: ctx
+    assert doc["workflow"][1]["tool"]["args"] == {"users": "{{ ctx.users }}"}
+
+
 def test_m5_a_script_outside_the_playbooks_folder_or_not_code_is_not_read(tmp_path):
     outside = tmp_path / "secret.py"
     outside.write_text("result = 'the secret'\n")

@@ -528,9 +528,12 @@ class _Migrator:
         wl = doc.get("workload")
         self.workload_keys = {str(k) for k in wl} if _is_map(wl) else set()
         workflow = doc["workflow"]
-        self._reads = {id(st): _names_read(st) for st in workflow if _is_map(st)}
+        def script(spec: Any) -> str | None:  # the code a 'script' names, when it will be inlined (M5)
+            return read_script(spec, self.source)[0]
+
+        self._reads = {id(st): _names_read(st, script) for st in workflow if _is_map(st)}
         wb = doc.get("workbook")
-        self._reads[id(wb)] = _names_read(wb) if wb is not None else set()
+        self._reads[id(wb)] = _names_read(wb, script) if wb is not None else set()
         for i, st in enumerate(workflow):
             if not _is_map(st):
                 self.problem("M6", ("workflow", i), "a step that is not a mapping")
@@ -2577,8 +2580,9 @@ def _guess_indent(text: str) -> tuple[int, int, int]:
     return mapping, offset + 2, offset
 
 
-def _names_read(node: Any) -> set[str]:
-    """The root names the templates in ``node`` read, and the names its Python code reads from outside."""
+def _names_read(node: Any, script: Callable[[Any], str | None] | None = None) -> set[str]:
+    """The root names the templates in ``node`` read, and the names its Python code reads from outside
+    (``script``: the code of a python task's ``script``, when there is one to read)."""
     found: set[str] = set()
 
     def probe(ref: Ref) -> Any:
@@ -2588,6 +2592,11 @@ def _names_read(node: Any) -> set[str]:
     def walk(n: Any, key: Any = None) -> None:
         if _is_map(n):
             for k, v in n.items():
+                if k == "script" and script is not None and "code" not in n:
+                    code = script(v)
+                    if code is not None:
+                        walk(code, "code")
+                        continue
                 walk(v, k)
         elif _is_seq(n):
             for v in n:
