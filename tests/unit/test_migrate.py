@@ -40,7 +40,7 @@ def rules(m) -> set[str]:
 
 @pytest.mark.parametrize("path", FULL, ids=lambda p: p.stem)
 def test_fixture_migrates_fully_to_its_reviewed_form_and_validates(path):
-    m = migrate_text(path.read_text())
+    m = migrate_text(path.read_text(), source=path)  # a script it names is read next to it
     assert m.complete, [str(p) for p in m.problems]
     assert m.text == (FIXTURES / f"{path.stem}.canonical.yaml").read_text()
     assert validate_text(m.text).ok
@@ -56,7 +56,7 @@ LINT_KEPT = {"L101"}  # a join fed by the branches of an exclusive router: the l
 def test_every_fixture_that_migrates_with_exit_0_validates_and_lint_finds_nothing_that_fails():
     complete = []
     for path in LEGACY:
-        m = migrate_text(path.read_text())
+        m = migrate_text(path.read_text(), source=path)
         if not m.complete:
             continue
         complete.append(path)
@@ -84,7 +84,8 @@ def test_needs_person_fixture_names_each_construct_with_its_location():
     assert ("M6", "workflow[0].step=start.tool.verify_ssl") not in said  # it is the http tool's 'verify'
     assert ("M6", "workflow[0].step=start.tool.retry.on_success") in said
     assert ("M5", "workflow[1].step=inspect.tool.script") in said
-    assert ("M8", "workflow[2].step=wait_for_approval.case") in said
+    assert ("M8", "workflow[4].step=wait_for_approval.case") in said
+    assert ("M1", "workflow[3].step=tally_report.tool.result.rows") in said  # a SQL result read whole
     assert ("M1", "workflow[1].step=inspect.tool.args.status") in said  # an http status read across steps
     assert all(p.line for p in m.problems)
     assert m.changed  # what could be translated was
@@ -499,6 +500,148 @@ def test_m5_python_conventions():
     assert "M5" in rules(m) and m.complete
 
 
+def test_m6_a_steps_input_is_its_tasks_args():
+    m, doc = mig("""
+        workload: {city: Oslo}
+        workflow:
+          - step: start
+            tool: {kind: python, code: "def main(city, n):\\n    return city * n\\n"}
+            input: {city: "{{ city }}", n: 2}
+            next: [{step: merge}]
+          - step: merge
+            tool: {kind: playbook, path: a/b, args: {x: 1}}
+            with: {y: 2}
+            next: [{step: clash}]
+          - step: clash
+            tool: {kind: workbook, task: w, args: {x: 1}}
+            args: {x: 2}
+            next: [{step: web}]
+          - step: web
+            tool: {kind: http, url: "http://127.0.0.1:1/"}
+            input: {q: 1}
+        """)
+    start, merge, clash, web = doc["workflow"]
+    assert start["tool"]["args"] == {"city": "{{ workload.city }}", "n": 2} and "input" not in start
+    assert list(start["tool"]) == ["kind", "args", "code"]
+    assert merge["tool"]["args"] == {"x": 1, "y": 2} and "with" not in merge
+    assert clash["args"] == {"x": 2} and clash["tool"]["args"] == {"x": 1}  # left as it was, for the person
+    assert web["input"] == {"q": 1}
+    said = {p.location: p.message for p in m.problems if p.rule == "M6"}
+    assert "both give x" in said["workflow[2].step=clash.args"]
+    assert "1 task(s) (http)" in said["workflow[3].step=web.input"]
+    assert len([p for p in m.problems if p.location == "workflow[3].step=web.input"]) == 1  # said once
+
+
+def _script_playbook(tmp_path, script, code_file=None, data=None):
+    if code_file is not None:
+        f = tmp_path / code_file
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(data if data is not None else b"def main(x):\n    return {'x': json.dumps(x)}\n")
+    pb = tmp_path / "pb" / "legacy.yaml"
+    pb.parent.mkdir(exist_ok=True)
+    pb.write_text(HEAD + "workload: {x: 1}\nworkflow:\n  - step: start\n    tool:\n      kind: python\n"
+                  f"      script: {script}\n      args: {{x: '{{{{ workload.x }}}}'}}\n")
+    return pb
+
+
+def test_m5_a_script_next_to_the_playbook_is_inlined(tmp_path):
+    pb = _script_playbook(tmp_path, "code/task.py", "pb/code/task.py")
+    m = migrate_text(pb.read_text(), source=pb)
+    assert m.complete, [str(p) for p in m.problems]
+    code = yaml.safe_load(m.text)["workflow"][0]["tool"]["code"]
+    assert code == "import json\ndef main(x):\n    return {'x': json.dumps(x)}\n"  # then migrated as code (M5)
+    assert "script" not in m.text
+    assert any("'script' -> 'code'" in c.message for c in m.changes)
+    for spelling in ("{path: code/task.py}", "{uri: 'file://code/task.py', source: {type: file}}",
+                     "{source: {type: file, path: code/task.py}}"):
+        pb2 = _script_playbook(tmp_path, spelling)
+        assert migrate_text(pb2.read_text(), source=pb2).text == m.text, spelling
+    # without the playbook's path nothing is read
+    m = migrate_text(pb.read_text())
+    assert [(p.rule, p.location) for p in m.problems] == [("M5", "workflow[0].step=start.tool.script")]
+    assert "whose file is not known here" in m.problems[0].message
+
+
+def test_m5_a_name_a_script_reads_is_known_before_the_script_is_inlined(tmp_path):
+    (tmp_path / "count.py").write_text("result = {'n': len(users)}\n")
+    pb = tmp_path / "legacy.yaml"
+    pb.write_text(HEAD + textwrap.dedent("""\
+        workflow:
+          - step: start
+            tool:
+              - {name: load, kind: python, code: "result = ['ada', 'grace']", set: {users: "{{ output }}"}}
+            next: [{step: count}]
+          - step: count
+            tool: {kind: python, script: count.py}
+        """))
+    m = migrate_text(pb.read_text(), source=pb)
+    assert m.complete, [str(p) for p in m.problems]
+    doc = yaml.safe_load(m.text)
+    rules_ = doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"]
+    assert rules_[-1]["else"]["then"]["set_ctx"] == {"users": "{{ outcome.result }}"}  # another step reads it: ctx
+    assert doc["workflow"][1]["tool"]["args"] == {"users": "{{ ctx.users }}"}
+
+
+def test_m5_a_script_outside_the_playbooks_folder_or_not_code_is_not_read(tmp_path):
+    outside = tmp_path / "secret.py"
+    outside.write_text("result = 'the secret'\n")
+    (tmp_path / "pb").mkdir()
+    (tmp_path / "pb" / "link.py").symlink_to(outside)
+    (tmp_path / "pb" / "dir.py").mkdir()
+    (tmp_path / "pb" / "big.py").write_text("x = 1\n" * 50_000)
+    (tmp_path / "pb" / "latin.py").write_bytes(b"x = '\xe9'\n")
+    (tmp_path / "pb" / "nul.py").write_bytes(b"x = 1\x00\n")
+    cases = {"../secret.py": "outside the playbook's folder", str(outside): "not a path relative",
+             "link.py": "outside the playbook's folder", "'~/x.py'": "not a path relative",
+             "dir.py": "not a regular file", "big.py": "more than the 262144", "latin.py": "not UTF-8",
+             "nul.py": "NUL", "missing.py": "cannot be read", "'{{ workload.f }}'": "a template",
+             "gs://bucket/x.py": "not a local file", "{uri: x.py, source: {type: gcs}}": "from 'gcs'",
+             "'.'": "outside the playbook's folder"}
+    for script, why in cases.items():
+        pb = _script_playbook(tmp_path, script)
+        m = migrate_text(pb.read_text(), source=pb)
+        assert [(p.rule, p.location) for p in m.problems] == [("M5", "workflow[0].step=start.tool.script")], script
+        assert why in m.problems[0].message, (script, m.problems[0].message)
+        assert "the secret" not in m.text
+
+
+def test_m5_the_legacy_contexts_fields_read_as_attributes_are_read_by_key():
+    m, doc = mig("""
+        workload: {city: Oslo}
+        workflow:
+          - step: start
+            tool:
+              kind: python
+              code: |
+                run = context.execution_id  # the run
+                return {"run": run, "city": context . city, "n": context.get("city")}
+            next: [{step: two}]
+          - step: two
+            tool:
+              kind: python
+              code: |
+                result = {"p": context.catalog_id}
+            next: [{step: three}]
+          - step: three
+            tool:
+              kind: python
+              code: |
+                result = {"j": context.job["execution_id"], "i": context["job"]["id"]}
+        """)
+    code = doc["workflow"][0]["tool"]["code"]
+    assert code == ("run = context['execution_id']  # the run\n"
+                    "result = {\"run\": run, \"city\": context['city'], \"n\": context.get(\"city\")}\n")
+    assert doc["workflow"][0]["tool"]["args"] == {"context": {"city": "{{ workload.city }}",
+                                                              "execution_id": "{{ execution_id }}"}}
+    assert analyse("x = list(context.keys())").context_keys is None  # the whole context: not by key
+    three = doc["workflow"][2]["tool"]
+    assert three["code"] == 'result = {"j": context[\'job\']["execution_id"], "i": context["job"]["id"]}\n'
+    assert three["args"] == {"context": {"job": {"execution_id": "{{ execution_id }}", "id": "{{ execution_id }}"}}}
+    [p] = m.problems
+    assert p.location == "workflow[1].step=two.tool.code" and "context['catalog_id']" in p.message
+    assert "execution_id (or job.execution_id) -> {{ execution_id }}" in p.message  # the field map
+
+
 def test_m5_code_keeps_its_comments_and_wraps_without_touching_strings():
     code = 'x = 1  # one\ns = """a\nb"""\nif x:\n    return s\nreturn None\n'
     facts = analyse(code)
@@ -578,6 +721,68 @@ def test_m6_an_end_step_nobody_routes_to_gets_the_arcs_in_an_otherwise_canonical
     assert migrate_text(entry).text == entry
 
 
+def test_m6_output_select_is_a_noop_that_renders_the_part_and_shaping_needs_a_person():
+    m, doc = mig("""
+        workflow:
+          - step: web
+            tool: {kind: http, url: "http://127.0.0.1:1/"}
+            output: {select: "$.data.items[0]"}
+            next: [{step: calc}]
+          - step: calc
+            tool:
+              - {name: a, kind: python, code: "result = {'rows': [1]}"}
+              - {name: b, kind: python, code: "result = {'rows': [2]}", output_select: rows}
+            next: [{step: shaped}]
+          - step: shaped
+            tool: {kind: noop}
+            output: {items: "{{ result.x }}"}
+            next: [{step: early}]
+          - step: early
+            tool:
+              - {name: a, kind: noop, output_select: x}
+              - {name: b, kind: noop}
+            next: [{step: many}]
+          - step: many
+            loop: {in: [1], iterator: i}
+            tool: {kind: noop}
+            output_select: x
+            next: [{step: bad}]
+          - step: bad
+            tool: {kind: noop}
+            output_select: "x | upper"
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    web, calc, shaped, early, many, bad = doc["workflow"]
+    assert web["tool"] == [{"name": "web_task", "kind": "http", "url": "http://127.0.0.1:1/"},
+                           {"name": "web_output", "kind": "noop", "result": "{{ _prev.items[0] }}"}]  # the body
+    assert "output" not in web
+    assert calc["tool"][1] == {"name": "b", "kind": "python", "code": "result = {'rows': [2]}"}
+    assert calc["tool"][2] == {"name": "calc_output", "kind": "noop", "result": "{{ _prev.rows }}"}
+    said = {p.location: p.message for p in m.problems}
+    assert set(said) == {"workflow[2].step=shaped.output", "workflow[3].step=early.tool[0].output_select",
+                         "workflow[4].step=many.output_select", "workflow[5].step=bad.output_select"}
+    assert "it shapes the result" in said["workflow[2].step=shaped.output"]
+    assert "append a noop task whose result: renders" in said["workflow[2].step=shaped.output"]
+    assert "not the step's last" in said["workflow[3].step=early.tool[0].output_select"]
+    assert "loop step" in said["workflow[4].step=many.output_select"]
+    assert "not a path of names" in said["workflow[5].step=bad.output_select"]
+    assert shaped["output"] == {"items": "{{ result.x }}"} and bad["output_select"] == "x | upper"  # as written
+    assert migrate_text(m.text).text == m.text
+    # after the noop a step's set adds behind a task with its own policy, _prev is still the http body
+    m, doc = mig("""
+        workflow:
+          - step: web
+            tool:
+              - name: call
+                kind: http
+                url: "http://127.0.0.1:1/"
+                spec: {policy: {rules: [{when: "{{ outcome.status == 'error' }}", then: {do: fail}}]}}
+            set: {ctx.code: "{{ web.status_code }}"}
+            output: {select: data.items}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    assert [t["name"] for t in doc["workflow"][0]["tool"]] == ["call", "web_set", "web_output"]
+    assert doc["workflow"][0]["tool"][2]["result"] == "{{ _prev.items }}" and m.complete
+
+
 def test_m6_a_tool_field_with_no_equivalent_needs_a_person():
     m, _ = mig("workflow:\n  - step: a\n    tool: {kind: postgres, auth: p, database: other, command: select 1}\n")
     assert [(p.rule, p.location) for p in m.problems] == [("M6", "workflow[0].step=a.tool.database")]
@@ -641,6 +846,139 @@ def test_m7_an_earlier_statement_or_an_http_status_across_steps_needs_a_person()
             tool: {kind: noop, result: "{{ sql.command_0 }}"}
         """)
     assert [p.rule for p in m.problems] == ["M1"] and "command_0" in m.problems[0].message
+
+
+def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              kind: noop
+              spec:
+                policy:
+                  rules:
+                    - when: "{{ outcome.error.retryable }}"
+                      then: {do: retry}
+                    - when: "{{ output.error.kind == 'x' and not outcome.error.retryable }}"
+                      then: {do: fail}
+                    - when: "{{ outcome.error.message | default('') or outcome.error.kind is defined }}"
+                      then: {do: fail}
+                    - when: "{{ outcome.error and outcome.error.kind == 'y' }}"
+                      then: {do: fail}
+                    - when: "{{ outcome.result.x if outcome.result else outcome.error.kind }}"
+                      then: {do: fail}
+            next: [{step: end, when: "{{ event.error.kind != 'timeout' and start.error.kind is none }}",
+                    args: {when: "{{ event.error.kind }}"}}]
+          - step: end
+            tool: {kind: noop}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    whens = [r["when"] for r in doc["workflow"][0]["tool"]["spec"]["policy"]["rules"]]
+    assert whens == [
+        "{{ outcome.error and outcome.error.retryable }}",
+        "{{ (output.error and output.error.kind) == 'x' and not (outcome.error and outcome.error.retryable) }}",
+        "{{ outcome.error.message | default('') or outcome.error.kind is defined }}",  # tolerant already
+        "{{ outcome.error and outcome.error.kind == 'y' }}",  # guarded already
+        "{{ outcome.result.x if outcome.result else outcome.error and outcome.error.kind }}"]
+    assert doc["workflow"][0]["next"]["arcs"][0]["when"] == \
+        "{{ (event.error and event.error.kind) != 'timeout' and (start.error and start.error.kind) is none }}"
+    assert doc["workflow"][0]["next"]["arcs"][0]["args"] == {"when": "{{ event.error.kind }}"}  # a value, not a condition
+    assert m.complete and "M7" in rules(m)
+    assert migrate_text(m.text).text == m.text
+    # what the guard is for: on an ok outcome the error is null, and a strict condition fails reading into it
+    from noetl_mesh.lang.templates import TemplateError, truthy
+
+    ok = {"outcome": {"status": "ok", "result": {"x": 1}, "error": None}}
+    with pytest.raises(TemplateError):
+        truthy("{{ outcome.error.retryable }}", ok)
+    assert truthy(whens[0], ok) is False and truthy(whens[1], dict(ok, output=ok["outcome"])) is False
+    failed = {"outcome": {"status": "error", "result": None, "error": {"kind": "x", "retryable": True}}}
+    assert truthy(whens[0], failed) is True
+    # a canonical playbook's conditions are its own: left as they are
+    text = HEAD + ("workflow:\n  - step: start\n    tool:\n      kind: noop\n      spec: {policy: {rules: "
+                   "[{when: '{{ outcome.error.retryable }}', then: {do: retry}}]}}\n")
+    assert migrate_text(text).text == text
+
+
+def test_m7_legacy_spellings_of_a_tasks_result_in_its_policy():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              - name: call
+                kind: http
+                url: http://127.0.0.1:1/x
+                spec:
+                  policy:
+                    rules:
+                      - when: "{{ output.response.status_code >= 500 or outcome.data.status_code == 404 }}"
+                        then: {do: fail}
+                      - else:
+                          then: {do: continue, set_ctx: {a: "{{ output.data.data.items }}",
+                                                         b: "{{ outcome.response.data.page }}",
+                                                         h: "{{ output.response.headers }}"}}
+              - name: calc
+                kind: python
+                code: "result = {'data': {'n': 1}}"
+                spec:
+                  policy:
+                    rules:
+                      - else:
+                          then: {do: continue, set_ctx: {n: "{{ output.data.data.n }}", m: "{{ output.response.data.n }}"}}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    call, calc = doc["workflow"][0]["tool"]
+    rules_ = call["spec"]["policy"]["rules"]
+    assert rules_[0]["when"] == "{{ output.http.status >= 500 or outcome.http.status == 404 }}"
+    assert rules_[1]["else"]["then"]["set_ctx"] == {
+        "a": "{{ output.result.items }}", "b": "{{ outcome.result.page }}", "h": "{{ output.http.headers }}"}
+    # a python result is what it was: .data aliases .result (D8); 'response' is the result
+    assert calc["spec"]["policy"]["rules"][0]["else"]["then"]["set_ctx"] == {
+        "n": "{{ output.data.data.n }}", "m": "{{ output.result.data.n }}"}
+    assert m.complete and migrate_text(m.text).text == m.text
+
+
+def test_m7_a_sql_result_read_whole_needs_a_person_with_the_field_map():
+    m, doc = mig("""
+        workflow:
+          - step: load
+            tool:
+              - name: q
+                kind: duckdb
+                command: "SELECT 1 AS n"
+                spec:
+                  policy:
+                    rules:
+                      - else:
+                          then: {do: continue, set_ctx: {all: "{{ output.data }}", res: "{{ outcome.result }}"}}
+              - name: after
+                kind: noop
+                result: ["{{ _prev }}", "{{ q }}"]
+            next: [{step: count}]
+          - step: count
+            tool: {kind: postgres, auth: pg, command: "SELECT 1 AS n"}
+            next: [{step: out}]
+          - step: out
+            tool: {kind: noop, result: ["{{ count }}", "{{ count.result }}", "{{ count.result.rows }}",
+                                        "{{ count[0].n }}"]}
+            next: [{step: arc_reader, when: "{{ event.result }}"}]
+          - step: arc_reader
+            tool: {kind: noop}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    said = {}
+    for p in m.problems:
+        said.setdefault(p.location, []).append(p.message)
+    base = "workflow[0].step=load.tool"
+    assert set(said) == {f"{base}[0].spec.policy.rules[0].else.then.set_ctx.all",
+                         f"{base}[0].spec.policy.rules[0].else.then.set_ctx.res",
+                         f"{base}[1].result[0]", f"{base}[1].result[1]",
+                         "workflow[2].step=out.tool.result[0]", "workflow[2].step=out.tool.result[1]"}
+    message = said["workflow[2].step=out.tool.result[0]"][0]
+    assert "the whole result of postgres step 'count'" in message and "{rows, columns, row_count}" in message
+    assert ".result.rows[0].n for a field of the first" in message and ".result.row_count" in message
+    out = doc["workflow"][2]["tool"]["result"]
+    assert out[2:] == ["{{ count.result.rows }}", "{{ count.result.rows[0].n }}"]  # reads of a part: translated
+    assert "duckdb task 'q'" in said[f"{base}[1].result[1]"][0]
+    # the arc reads a noop step's result: not SQL, left as it is
+    assert doc["workflow"][2]["next"]["arcs"][0]["when"] == "{{ event.result }}"
 
 
 def test_m8_case_then_becomes_policy_rules_arcs_and_jumped_to_tasks():

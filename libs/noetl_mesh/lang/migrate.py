@@ -14,14 +14,18 @@ in three passes over a round-trip YAML tree (ruamel.yaml: comments, key order an
 3. Python task code, by :mod:`.migrate_python` (Python's ``ast``) (rule M5).
 
 The result is then validated (D1): a validation error becomes a finding that needs a person. A
-playbook that is already canonical comes out byte for byte as it went in. Pure: no I/O.
+playbook that is already canonical comes out byte for byte as it went in. No I/O, but one read: the
+file a python task's ``script`` names, when the playbook's own path is given and the file lies in its
+folder (:func:`read_script`).
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -441,8 +445,10 @@ def _plain(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------ migrate
 
 
-def migrate_text(text: str | bytes) -> Migration:
-    """The canonical form of a playbook's text (see the module's doc)."""
+def migrate_text(text: str | bytes, source: str | os.PathLike | None = None) -> Migration:
+    """The canonical form of a playbook's text (see the module's doc). ``source``: the file the text was
+    read from; given, a python task's ``script`` naming a file in that file's folder is read and
+    inlined (M5), and nothing else is read."""
     if isinstance(text, (bytes, bytearray)):
         from .documents import _decode
 
@@ -459,13 +465,14 @@ def migrate_text(text: str | bytes) -> Migration:
         return Migration(original, original, invalid=["the document is not a mapping: not a playbook"])
     if not isinstance(value.get("workflow"), list) or not value.get("workflow"):
         return Migration(original, original, invalid=["the document has no 'workflow' list of steps: not a playbook"])
-    return _Migrator(original).run()
+    return _Migrator(original, source).run()
 
 
 class _Migrator:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, source: str | os.PathLike | None = None) -> None:
         from ruamel.yaml import YAML
 
+        self.source = source  # the playbook's file: a 'script' is read next to it (M5)
         self.original = text
         self.yaml = YAML(typ="rt")
         self.yaml.preserve_quotes = True
@@ -509,9 +516,9 @@ class _Migrator:
         if f not in self.problems:
             self.problems.append(f)
 
-    def reported(self, path: Path) -> bool:
-        """Is something needing a person reported at ``path`` or inside it already?"""
-        where = locate(self.doc, path)
+    def reported(self, path: Path | str) -> bool:
+        """Is something needing a person reported at ``path`` (or that location) or inside it already?"""
+        where = path if isinstance(path, str) else locate(self.doc, path)
         return any(p.location == where or p.location.startswith(where + ".") for p in self.problems)
 
     # -------------------------------------------------------------- driver
@@ -521,9 +528,12 @@ class _Migrator:
         wl = doc.get("workload")
         self.workload_keys = {str(k) for k in wl} if _is_map(wl) else set()
         workflow = doc["workflow"]
-        self._reads = {id(st): _names_read(st) for st in workflow if _is_map(st)}
+        def script(spec: Any) -> str | None:  # the code a 'script' names, when it will be inlined (M5)
+            return read_script(spec, self.source)[0]
+
+        self._reads = {id(st): _names_read(st, script) for st in workflow if _is_map(st)}
         wb = doc.get("workbook")
-        self._reads[id(wb)] = _names_read(wb) if wb is not None else set()
+        self._reads[id(wb)] = _names_read(wb, script) if wb is not None else set()
         for i, st in enumerate(workflow):
             if not _is_map(st):
                 self.problem("M6", ("workflow", i), "a step that is not a mapping")
@@ -540,6 +550,8 @@ class _Migrator:
             self.build_model()
         self.keychain()
         self.templates()
+        if self.legacy:
+            self.guard_conditions()
         self.python()
         self.drop_return_steps()
         text = self.original
@@ -557,6 +569,8 @@ class _Migrator:
 
         result = validate_text(text)
         for d in result.errors:
+            if d.location.endswith(".code") and self.reported(d.location[:-len("code")] + "script"):
+                continue  # the code is in the file 'script' names, which was not read: said already
             if any(p.location == d.location or p.location.startswith(d.location + ".")
                    or d.location.startswith(p.location + ".") for p in self.problems):
                 continue  # said already, in the words of the rule that could not translate it
@@ -659,6 +673,11 @@ class _Migrator:
             tasks = [(tool, path + ("tool",))]
         elif _is_seq(tool):
             tasks = [(t, path + ("tool", j)) for j, t in enumerate(tool) if _is_map(t)]
+        for key in ("input", "args", "with"):
+            if key in st:
+                self.step_input(st, path, key, tasks)
+        selections = [(st, path, k) for k in ("output", "output_select") if k in st]
+        selections += [(t, p, "output_select") for t, p in tasks if "output_select" in t]
         step_retry = st.pop("retry", None)
         for task, tpath in tasks:
             if step_retry is not None and "retry" not in task:
@@ -684,6 +703,8 @@ class _Migrator:
                 self.step_set(st, path, key)
         for arc_set in [a for a in self._arc_sets if a[0] is st]:
             self.arc_set_ctx(*arc_set)
+        if selections:
+            self.step_output(st, path, tasks, selections)
         if "pool" in st:
             pool = st.pop("pool")
             spec = st.setdefault("spec", _cmap())
@@ -694,10 +715,111 @@ class _Migrator:
             st["tool"] = _flow(_cmap([("kind", "noop")]))
             self.change("M6", path, "the 'end' step gets a noop tool (a step needs a tool or a next, D4)")
         for key in list(st.keys()):
-            if key not in _STEP_KEYS:
+            if key not in _STEP_KEYS and not self.reported(path + (key,)):
                 self.problem("M6", path + (key,), f"step key '{key}' has no canonical equivalent: "
                              + ("save results with a task of the pipeline" if key in ("save", "sink") else
                                 "remove it or move it into a task"))
+
+    def step_input(self, st: Any, path: Path, key: str, tasks: list[tuple[Any, Path]]) -> None:
+        """A step's ``input:`` (or ``args:``, ``with:``) was what its tool received: canonically a task
+        receives its ``args`` (D25, D4: python binds each as a variable, a playbook task passes them to the
+        child's entry step, a workbook task to the workbook task); a step has none."""
+        values = st[key]
+        ipath = path + (key,)
+        if not _is_map(values):
+            self.problem("M6", ipath, f"the step's '{key}' is not a mapping: give the task its args by hand")
+            return
+        takers = [(t, p) for t, p in tasks if "args" in _FIELDS.get(str(t.get("kind")), ())]
+        if len(tasks) != 1 or len(takers) != 1:
+            kinds = ", ".join(str(t.get("kind")) for t, _ in tasks) or "none"
+            self.problem("M6", ipath, f"the step's '{key}' (what its tool received): a step has no args; only a "
+                         f"python, playbook or workbook task takes args, and this step's tool is {len(tasks)} task(s) "
+                         f"({kinds}): give each task that reads these values its own args, or write them into its "
+                         "fields")
+            return
+        task, tpath = takers[0]
+        own_key = next((k for k in ("args", "input", "with") if k in task), None)
+        own = task.get(own_key) if own_key else None
+        if own is not None and not _is_map(own):
+            self.problem("M6", ipath, f"the step's '{key}' and the task's own '{own_key}', which is not a mapping: "
+                         "merge them by hand")
+            return
+        clash = sorted(str(k) for k in values if own is not None and k in own)
+        if clash:
+            self.problem("M6", ipath, f"the step's '{key}' and the task's '{own_key}' both give {', '.join(clash)}: "
+                         "keep one value of each in the task's args")
+            return
+        st.pop(key)
+        if own is None:
+            keys = list(task.keys())
+            at = next((k for k in ("code", "script", "code_b64", "code_base64") if k in keys), None)
+            task.insert(keys.index(at) if at else len(keys), "args", values)
+        else:
+            for k, v in values.items():
+                own[k] = v
+                _keep_comments(values, k, own)
+        self.change("M6", ipath, f"the step's '{key}' -> the task's args (a task receives args; a step has none)")
+
+    def step_output(self, st: Any, path: Path, tasks: list[tuple[Any, Path]],
+                    selections: list[tuple[Any, Path, str]]) -> None:
+        """A step's ``output: {select: PATH}`` (or ``output_select: PATH`` on the step or its last task)
+        chose the part of the tool's result the step stored. Canonically a step's result is its last
+        task's result (D11), and a ``noop`` task's ``result:`` is what it renders (D10): a noop that
+        renders ``{{ _prev.PATH }}`` is appended (PATH then read as the task's kind gives its result,
+        M7). Anything else that shapes the result needs a person."""
+        why = None
+        (holder, hpath, key), = selections if len(selections) == 1 else ((None, path, "output"),)
+        kpath = hpath + (key,) if holder is not None else path
+        value = holder.get(key) if holder is not None else None
+        if len(selections) > 1:
+            why = "several of 'output' and 'output_select' are given"
+        elif "loop" in st:
+            why = "on a loop step the selection applied to the list of iteration results; a task of the loop runs " \
+                  "per iteration: select in the next step from the loop's result"
+        elif holder is not st and (not tasks or holder is not tasks[-1][0]):
+            why = "on a task that is not the step's last, the selection changed what later tasks read as its " \
+                  "result: read the part itself where it is used (<task>.result.PATH)"
+        elif not tasks:
+            why = "a step without a tool stores nothing to select from"
+        selector = None
+        if why is None:
+            selector = value.get("select", value.get("path")) if key == "output" and _is_map(value) and \
+                set(value) <= {"select", "path"} else value if key == "output_select" else None
+            if not isinstance(selector, str) or not selector.strip():
+                why = ("it shapes the result ('output' other than {select: PATH})" if key == "output"
+                       else "it is not a path into the result")
+        expr = None
+        if why is None:
+            text = selector.strip()
+            text = text[2:] if text.startswith("$.") else text
+            from .migrate_jinja import _chain, parse_expression
+
+            try:
+                base, chain = _chain(parse_expression("_prev." + text))
+                ok = type(base) is nodes.Name and base.name == "_prev" and all(k in ("attr", "key") for k, _ in chain)
+            except Exception:  # noqa: BLE001 - not a path
+                ok = False
+            if not ok or _template(text):
+                why = f"{selector!r} is not a path of names and indexes into the result"
+            else:
+                expr = "{{ _prev.%s }}" % text
+        name = f"{st.get('step')}_output"
+        if why is None and any(_is_map(t) and t.get("name") == name for t, _ in tasks):
+            why = f"a task named '{name}' is there already"
+        if why is not None:
+            self.problem("M6", kpath, f"'{key}' chose what the step stores, and {why}. A step's result is its last "
+                         "task's result (D11): append a noop task whose result: renders what the step should store "
+                         "from _prev (D10), e.g. {name: " + name + ", kind: noop, result: \"{{ _prev.items }}\"}")
+            return
+        holder.pop(key)
+        tool = st["tool"]
+        if _is_map(tool):
+            if "name" not in tool:
+                tool.insert(0, "name", f"{st.get('step')}_task")  # its name as a single task (D4), kept
+            st["tool"] = tool = _cseq([tool])
+        tool.append(_flow(_cmap([("name", name), ("kind", "noop"), ("result", expr)])))
+        self.change("M6", kpath, f"'{key}: {selector}' -> a noop task '{name}' whose result is {expr} (a step's result "
+                    "is its last task's, D10, D11)")
 
     def tool_shorthand(self, st: Any, path: Path) -> None:
         kind = st.pop("tool")
@@ -811,7 +933,8 @@ class _Migrator:
             self.change("M6", path + ("assert",), "'assert' (input/output contract) dropped: the engine does not check it")
         if isinstance(kind, str) and kind in _FIELDS:
             for key in list(t.keys()):
-                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)):
+                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)) \
+                        and not (key == "output_select" and self._step is not None):  # the step's (step_output)
                     self.problem("M6", path + (key,), f"the {kind} tool has no field '{key}': "
                                  + _NO_FIELD.get(key, "remove it or express it another way (docs/tools.md)"))
         elif kind is not None and not (isinstance(kind, str) and kind in _FIELDS):
@@ -832,8 +955,7 @@ class _Migrator:
                 t["code"] = LiteralScalarString(code)
                 self.change("M5", path + (key,), f"'{key}' decoded into 'code'")
         if "script" in t:
-            self.problem("M5", path + ("script",), "code from a file ('script') cannot be read by a pure rewrite: "
-                                                   "put the file's code into 'code'")
+            self.script(t, path)
         libs = t.get("libs")
         if libs is not None:
             imports = _imports_of(libs)
@@ -847,6 +969,23 @@ class _Migrator:
             if key in t and "args" not in t and "input" not in t:
                 _rename(t, key, "args")
                 self.change("M6", path + (key,), f"python '{key}' -> 'args'")
+
+    def script(self, t: Any, path: Path) -> None:
+        """``script:`` named a file holding the code: read and put into ``code`` when it lies in the
+        playbook's folder (see :func:`read_script`), else it needs a person."""
+        spath = path + ("script",)
+        if "code" in t:
+            self.problem("M5", spath, "'script' and 'code' both given: keep the one that is the code")
+            return
+        code, why = read_script(t["script"], self.source)
+        if code is None:
+            self.problem("M5", spath, f"code from a file ('script'): {why}: put the file's code into 'code'")
+            return
+        from ruamel.yaml.scalarstring import LiteralScalarString
+
+        _rename(t, "script", "code")
+        t["code"] = LiteralScalarString(code if code.endswith("\n") else code + "\n")
+        self.change("M5", spath, f"'script' -> 'code': {why}")
 
     def http_fields(self, t: Any, path: Path) -> None:
         method = str(t.get("method", "GET")).upper()
@@ -1915,6 +2054,37 @@ class _Migrator:
                 for old, new in out.changed:
                     self.change(rule, path, f"{{{{ {old} }}}} -> {{{{ {new} }}}}")
 
+    def guard_conditions(self) -> None:
+        """M7: a condition that reads into an error that is null. The legacy runtime read an attribute of
+        a missing value as undefined, false in a condition; canonically a condition is strict (D9), so
+        ``outcome.error.retryable`` on an ok outcome (its ``error`` is null) fails the pipeline, and
+        ``event.error.kind`` on a done step ends its routing. Each such read is guarded by its error:
+        ``(outcome.error and outcome.error.retryable)`` is that same false on success, and the value
+        itself on an error. Reads under ``| default`` or ``is defined``, or guarded already, stay."""
+        for value, site, (container, key, path) in list(self._template_sites()):
+            if path[-1] != "when" or site.kind not in ("policy", "arc") or self.reported(path):
+                continue
+            if path[-3] != ("rules" if site.kind == "policy" else "arcs"):
+                continue  # a rule's or an arc's own when, not a key 'when' in a value
+
+            def resolve(ref: Ref, site: _Site = site) -> Any:
+                if ref.tolerant or len(ref.path) < 2 or ref.path[0] != ("attr", "error"):
+                    return None
+                roots = {"outcome", "output"} if site.kind == "policy" else {"event"}
+                tasks = {t.name for t in site.step.tasks} if site.step is not None and site.kind == "policy" else set()
+                if ref.root not in roots and ref.root not in self.steps and ref.root not in tasks:
+                    return None
+                from .migrate_jinja import build
+
+                return nodes.And(build(ref.root, ref.path[:1]), build(ref.root, ref.path))
+
+            out = rewrite(value, resolve)
+            if out.text != value and not out.problems:
+                container[key] = _styled(value, out.text)
+                for old, new in out.changed:
+                    self.change("M7", path, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (an error's field read where there "
+                                "may be no error: the legacy runtime read it as false, a condition here fails on it)")
+
     # -------------------------------------------------------------- the resolver
     def _resolver(self, site: _Site, path: Path) -> Any:
         m = self
@@ -1946,7 +2116,7 @@ class _Migrator:
             return self._reshape_outcome(root, path, site.task), "M7"
         if root == "event" and site.kind == "arc":
             if path[:1] == [("attr", "result")] and self.legacy and step is not None:
-                new = self._reshape(step, path[1:], where=f"step '{step.name}'")
+                new = self._reshape(step, path[1:], what=f"step '{step.name}'")
                 return (Ref("event", [("attr", "result")] + new) if new != path[1:] else None), "M7"
             return None, ""
         if root == "event" and site.kind == "policy":  # a case's condition, now a task policy's (M8)
@@ -1957,7 +2127,7 @@ class _Migrator:
                 return Ref("outcome", path), "M8"
             raise NeedsPerson(f"'event.{_path_text(path)}' in a task policy: only outcome is known there")
         if root == "_prev" and site.kind in ("task", "policy"):
-            prev = step.tasks[site.task.index - 1] if step and site.task and site.task.index > 0 else None
+            prev = _producer(step.tasks, site.task.index - 1) if step and site.task and site.task.index > 0 else None
             if prev is not None and self.legacy:
                 new = self._reshape_task(prev, path, "_prev")
                 return (new if new is not None else None), "M7"
@@ -2043,6 +2213,7 @@ class _Migrator:
             if producer.kind == "http":
                 raise NeedsPerson(f"the whole result of http step '{s.name}' is now the response body (the legacy "
                                   "{status_code, headers, data} is gone): read 'outcome.result' knowing that")
+            self._reshape_kind(producer.kind, producer, [], f"step '{s.name}'")  # a whole SQL result needs a person
             return Ref("outcome", [("attr", "result")])
         rest = path[1:] if head == ("attr", "result") else path
         if producer.kind == "http" and rest and rest[0][0] in ("attr", "key") and rest[0][1] in HTTP_META:
@@ -2053,6 +2224,8 @@ class _Migrator:
     def _task_ref(self, t: _Task, path: list) -> Ref | None:
         head = path[0] if path else None
         if head is None:
+            if self.legacy:
+                self._reshape_task_path(t, [])  # a whole SQL result needs a person
             return Ref(t.name, [("attr", "result")]) if self.legacy else None
         if head == ("attr", "result"):
             if not self.legacy:
@@ -2097,8 +2270,11 @@ class _Migrator:
         return self._reshape_kind(t.kind, t, path, what)
 
     def _reshape_kind(self, kind: str, t: _Task, path: list, what: str) -> list:
-        """A path read from a legacy result of this kind, as it reads the canonical result (M7)."""
+        """A path read from a legacy result of this kind, as it reads the canonical result (M7). ``[]``:
+        the whole result is read."""
         if not path:
+            if kind in ("postgres", "duckdb") and self.legacy:
+                raise NeedsPerson(_SQL_WHOLE.format(kind=kind, what=what))
             return path
         head = path[0]
         key = head[1] if head[0] in ("attr", "key") else None
@@ -2132,6 +2308,20 @@ class _Migrator:
         if not self.legacy or t is None or not path:
             return None
         head = path[0]
+        if head in (("attr", "response"), ("key", "response")):
+            # the legacy outcome's 'response' was the tool's result (as a bare 'response' was, M1)
+            new = self._reshape_outcome(root, [("attr", "result")] + path[1:], t)
+            return new if new is not None else Ref(root, [("attr", "result")] + path[1:])
+        if head in (("attr", "data"), ("key", "data")):
+            # '.data' aliases '.result' (D8): read it as the result it is, in the shape of the task's kind
+            return self._reshape_outcome(root, [("attr", "result")] + path[1:], t)
+        if head == ("attr", "result") and len(path) == 1:
+            if t.kind == "http":
+                raise NeedsPerson(f"the whole result of http task '{t.name}' ('{root}.{_path_text(path)}') is now the "
+                                  "response body (the legacy {status_code, headers, data} is gone): read "
+                                  "outcome.result knowing that, and outcome.http.status/headers")
+            self._reshape_task_path(t, [])  # a whole SQL result needs a person
+            return None
         if head == ("attr", "result") and len(path) > 1:
             second = path[1]
             if t.kind == "http" and second[0] in ("attr", "key") and second[1] in HTTP_META:
@@ -2171,6 +2361,11 @@ class _Migrator:
         site = _Site("task", s, t, path)
         text = str(code)
         notes: list[str] = []
+        if facts.context_attrs and facts.context_keys is not None and "context" in facts.free - arg_names:
+            # first, on the code as analysed (the edits keep every line where it was)
+            text = mpy.attributes_as_keys(text, facts.context_attrs)
+            notes.append("the context's fields read as attributes (" + ", ".join(sorted(
+                {f"context.{a.attr}" for a in facts.context_attrs})) + ") -> read by key from the 'context' arg")
         # a top-level return is the result
         if facts.returns and facts.main_params is None:
             if len(facts.returns) == 1 and _last_statement_is(text, facts.returns[0]):
@@ -2206,14 +2401,15 @@ class _Migrator:
             keys = facts.context_keys
             if keys is None:
                 self.problem("M5", path + ("code",), "the code uses 'context' (the legacy render context) other than "
-                             "by constant keys: pass what it needs in args")
+                             "by constant keys (context['k'], context.get('k'), context.k): pass what it needs in "
+                             "args; " + _CONTEXT_MAP)
             else:
                 ctx = _cmap()
                 for k in sorted(keys):
                     value = self._context_value(k, site)
                     if value is None:
-                        self.problem("M5", path + ("code",), f"context[{k!r}]: nothing of that name is known; pass it "
-                                                             "in args")
+                        self.problem("M5", path + ("code",), f"context[{k!r}]: nothing of that name is known here; "
+                                     "pass it in args; " + _CONTEXT_MAP)
                     else:
                         ctx[k] = value
                 new_args.append(("context", ctx))
@@ -2246,6 +2442,9 @@ class _Migrator:
         """The template that gives what the legacy context held under ``name``, or None."""
         if name in ("workload", "ctx", "execution_id"):
             return "{{ %s }}" % name
+        if name == "job" and name not in self.steps and name not in self.workload_keys:
+            # the legacy job object: its ids were the execution's (M1: job.execution_id -> execution_id)
+            return _flow(_cmap([(k, "{{ execution_id }}") for k in ("execution_id", "id")]))
         try:
             new, _ = self._resolve(Ref(name, []), site)
         except NeedsPerson:
@@ -2258,6 +2457,95 @@ class _Migrator:
 
 
 # ------------------------------------------------------------------------------------ small helpers
+
+
+MAX_SCRIPT_BYTES = 256 * 1024  # a python task's code read from a file (M5); a bigger file needs a person
+
+
+def _script_name(spec: Any) -> tuple[str | None, str]:
+    """The relative path a legacy ``script`` names: a string, or ``{path | file | uri, source: {type:
+    file}}``; (None, why) for anything else (a bucket, a URL, a template)."""
+    if _is_map(spec):
+        source = spec.get("source")
+        kind = source.get("type") if _is_map(source) else source
+        if kind not in (None, "file", "local"):
+            return None, f"the file is read from {kind!r}, which migrate does not fetch"
+        name = next((spec[k] for k in ("path", "file", "uri") if isinstance(spec.get(k), str)), None)
+        if name is None and _is_map(source):
+            name = next((source[k] for k in ("path", "file", "uri") if isinstance(source.get(k), str)), None)
+    else:
+        name = spec
+    if not isinstance(name, str) or not name.strip():
+        return None, "it names no file"
+    name = str(name)
+    if name.startswith("file://"):
+        name = name[len("file://"):]
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", name):
+        return None, f"{name!r} is not a local file"
+    if _template(name):
+        return None, f"{name!r} is a template: the file is known only at run time"
+    if "\0" in name:
+        return None, "the path holds a NUL character"
+    return name, ""
+
+
+def read_script(spec: Any, source: str | os.PathLike | None) -> tuple[str | None, str]:
+    """(the code, where it was read) of the file a ``script`` names, or (None, why not). Read only when
+    ``source`` (the playbook's file) is known, only a regular file inside the playbook's folder (after
+    every symbolic link is followed: ``..``, an absolute path or a link elsewhere is refused), at most
+    :data:`MAX_SCRIPT_BYTES`, UTF-8 text."""
+    name, why = _script_name(spec)
+    if name is None:
+        return None, why
+    if source is None:
+        return None, f"{name!r} is read only next to the playbook, whose file is not known here"
+    if os.path.isabs(name) or name.startswith("~"):
+        return None, f"{name!r} is not a path relative to the playbook's folder"
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(source))))
+    target = os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([folder, target]) != folder or target == folder:
+        return None, f"{name!r} lies outside the playbook's folder, which is all migrate reads"
+    try:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        return None, f"{name!r} cannot be read next to the playbook ({e.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"{name!r} is not a regular file"
+        if info.st_size > MAX_SCRIPT_BYTES:
+            return None, f"{name!r} is {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} migrate inlines"
+        data = b""
+        while len(data) <= MAX_SCRIPT_BYTES:
+            chunk = os.read(fd, MAX_SCRIPT_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SCRIPT_BYTES:
+        return None, f"{name!r} is more than the {MAX_SCRIPT_BYTES} bytes migrate inlines"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"{name!r} is not UTF-8 text (byte {e.start})"
+    if "\0" in text:
+        return None, f"{name!r} holds a NUL character: not Python source"
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n"), f"the code of {name!r}, read next to the playbook"
+
+
+_SQL_WHOLE = ("the whole result of {kind} {what}: the legacy result read whole here was the statements' results "
+              "(command_0, command_1, ...) or the rows; canonically it is the last statement's {{rows, columns, "
+              "row_count}} (D27): read .result.rows for the rows (.result.rows[0].n for a field of the first), "
+              ".result.row_count for their number, .result.columns for the column names")
+
+
+_CONTEXT_MAP = ("the legacy context's fields are, canonically: execution_id (or job.execution_id) -> "
+                "{{ execution_id }}; workload -> {{ workload }}; a workload key k -> {{ workload.k }}; vars -> "
+                "{{ ctx }}; a key a set wrote -> {{ ctx.k }}; a step's name -> its result {{ <step>.result }}; "
+                "the loop's item -> {{ iter.<iterator> }}; catalog_id, path, version, parent_execution_id: none")
 
 
 _NO_FIELD = {
@@ -2292,8 +2580,9 @@ def _guess_indent(text: str) -> tuple[int, int, int]:
     return mapping, offset + 2, offset
 
 
-def _names_read(node: Any) -> set[str]:
-    """The root names the templates in ``node`` read, and the names its Python code reads from outside."""
+def _names_read(node: Any, script: Callable[[Any], str | None] | None = None) -> set[str]:
+    """The root names the templates in ``node`` read, and the names its Python code reads from outside
+    (``script``: the code of a python task's ``script``, when there is one to read)."""
     found: set[str] = set()
 
     def probe(ref: Ref) -> Any:
@@ -2303,6 +2592,11 @@ def _names_read(node: Any) -> set[str]:
     def walk(n: Any, key: Any = None) -> None:
         if _is_map(n):
             for k, v in n.items():
+                if k == "script" and script is not None and "code" not in n:
+                    code = script(v)
+                    if code is not None:
+                        walk(code, "code")
+                        continue
                 walk(v, k)
         elif _is_seq(n):
             for v in n:
