@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 
 from ..core.decide import Decision
 from ..core.events import event_class
-from ..core.state import ExecutionState, apply
+from ..core.state import FINAL, ExecutionState, apply
 from . import logs, metrics, tracing
 from .bus import CTL, EVENTS, UNHANDLEABLE, Bus, admitted, loads, partition_from_subject
 from .membership import Membership
@@ -84,8 +84,12 @@ class PartitionedService:
 
     def idle(self, state: ExecutionState) -> bool:
         """Whether no later event of the execution can need a decision of this service: its events are
-        then acknowledged without being folded (the loop-coordinator, for a playbook without loops)."""
-        return False
+        then acknowledged without being folded, and its state is dropped from the cache (kept as
+        :data:`IDLE`). A finished execution needs nothing more of any service (its finishing event's
+        decision has been made by then); the loop-coordinator adds a playbook without loops. Without
+        this, each replica kept up to ``cache_size`` finished executions' whole states (the soak: the
+        router and admission grew ~9 MB a minute at 8 executions/s)."""
+        return state.status in FINAL
 
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
