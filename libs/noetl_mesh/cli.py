@@ -1035,7 +1035,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
     if args.days < 1:
         return _fail("--days: at least 1")
     try:
-        report = ensure(args.out, hosts=args.host, clients=args.client, reader=args.reader, days=args.days)
+        report = ensure(args.out, hosts=args.host, clients=args.client, reader=args.reader, days=args.days,
+                        nats_hosts=args.nats_host)
     except ValueError as exc:
         return _fail(str(exc))
     except OSError as exc:
@@ -1056,6 +1057,9 @@ def add_certs_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the CA, certificates and keys (0700)")
     p.add_argument("--host", action="append", default=[], metavar="NAME",
                    help="another name (or address) clients reach NATS and the proxy by (repeatable)")
+    p.add_argument("--nats-host", action="append", default=[], metavar="NAME",
+                   help="another name of the NATS nodes, for their clients and their routes alike (repeatable): "
+                        "nats-0.nats, nats-1.nats, nats-2.nats for deploy/k8s's StatefulSet")
     p.add_argument("--client", action="append", default=[], metavar="NAME",
                    help="also a client certificate client-NAME.crt (for a NATS server that verifies clients; repeatable)")
     p.add_argument("--days", type=int, default=397, help="validity of a new certificate (default 397; the CA: 10 years)")

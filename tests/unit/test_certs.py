@@ -72,6 +72,54 @@ def test_each_certificate_carries_the_names_of_the_compose_stack(made):
     assert load(out / "client-ops.crt").subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "ops"
 
 
+K8S_NODES = ("nats-0.nats", "nats-1.nats", "nats-2.nats")  # deploy/k8s's StatefulSet, by its headless Service
+
+
+def handshake(ca: Path, crt: Path, key: Path, name: str) -> None:
+    """A TLS handshake in memory: a server with crt/key, a client that trusts ca and asks for name."""
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(crt, key)
+    client_ctx = ssl.create_default_context(cafile=str(ca))
+    pipes = [ssl.MemoryBIO() for _ in range(4)]
+    client = client_ctx.wrap_bio(pipes[0], pipes[1], server_hostname=name)
+    server = server_ctx.wrap_bio(pipes[2], pipes[3], server_side=True)
+    for _ in range(10):
+        done = 0
+        for end, outgoing, incoming in ((client, pipes[1], pipes[2]), (server, pipes[3], pipes[0])):
+            try:
+                end.do_handshake()
+                done += 1
+            except ssl.SSLWantReadError:
+                pass
+            incoming.write(outgoing.read())
+        if done == 2:
+            return
+    raise AssertionError("the handshake did not finish")
+
+
+def test_nats_host_names_the_nodes_for_their_clients_and_their_routes(tmp_path):
+    """--nats-host: the Kubernetes StatefulSet's pod names go on both NATS certificates (a route dials
+    nats-1.nats and verifies that name as a client does), not on the others; a later run with a new
+    name makes both again."""
+    out = tmp_path / "tls"
+    assert main(["certs", "--out", str(out), *(a for n in K8S_NODES for a in ("--nats-host", n))]) == 0
+    for name in ("nats", "nats-route"):
+        assert set(K8S_NODES) | {"nats", "nats-2", "nats-3"} <= certs.sans_of(load(out / f"{name}.crt")), name
+        for node in K8S_NODES:
+            handshake(out / "ca.crt", out / f"{name}.crt", out / f"{name}.key", node)
+    for name in ("postgres", "gateway", "proxy"):
+        assert not set(K8S_NODES) & certs.sans_of(load(out / f"{name}.crt")), name
+    plain = tmp_path / "plain"
+    certs.ensure(plain)
+    with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch"):
+        handshake(plain / "ca.crt", plain / "nats-route.crt", plain / "nats-route.key", "nats-1.nats")
+    lines = dict(line.split(": ", 1) for line in certs.ensure(plain, nats_hosts=["nats-5.nats"]).lines)
+    assert lines[str(plain / "nats.crt")] == lines[str(plain / "nats-route.crt")] == \
+        "made again (it lacks the name nats-5.nats)"
+    assert lines[str(plain / "proxy.crt")] == "kept"
+    handshake(plain / "ca.crt", plain / "nats-route.crt", plain / "nats-route.key", "nats-5.nats")
+
+
 def test_key_usages_route_identity_and_key_pairs(made):
     out, _ = made
     eku = {name: set(ext(load(out / f"{name}.crt"), x509.ExtendedKeyUsage).value) for name in (*STACK, "client-ops")}

@@ -9,7 +9,10 @@ runs a real `noetl service` command line, every service docker-compose.yml runs 
 own NATS user's seed from its own Secret, the probes ask ports the service listens on, no secret value
 is written in a manifest, the environment is what the code reads and what compose gives, the pods meet
 the "restricted" Pod Security Standard the namespace enforces, NATS's configuration is the one of
-deploy/, and each Deployment has at most one autoscaler with or without KEDA.
+deploy/ (but for its monitoring address), and each Deployment has at most one autoscaler with or
+without KEDA. And TLS as compose has it: each TLS setting names a file of the Secret that holds what
+`noetl certs` made for it, each key goes to the pod that serves with it only, NATS requires TLS on its
+client port and verifies and authorizes its routes, and the names dialled are the certificates' names.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import yaml
 
 from noetl_mesh.cli import DEFAULT_METRICS_PORT, build_parser
 from noetl_mesh.contracts.subjects import COMMANDS
+from noetl_mesh.infra import certs
 from noetl_mesh.infra.nats_auth import user_for
 from noetl_mesh.stack import ALL_SERVICES, SCALABLE
 
@@ -79,6 +83,16 @@ def port_named(c: dict, port) -> int:
 
 def conf_value(text: str, key: str) -> str:
     return re.search(rf"^\s*{key}:\s*(\S+)", text, re.M).group(1)
+
+
+def monitoring(text: str) -> tuple[str, int]:
+    """NATS's monitoring listener (``http: HOST:PORT``): no other key opens it in these files."""
+    assert "http_port" not in text and "https" not in text
+    host, port = conf_value(text, "http").rsplit(":", 1)
+    return host, int(port)
+
+
+K8S_CONF = of_kind("ConfigMap")["nats-config"]["data"]
 
 
 # ------------------------------------------------------------------------------------- the schemas
@@ -167,7 +181,8 @@ def test_the_keda_scaled_object_has_keda_s_structure_and_reads_the_worker_pool_s
     host, port = js["natsServerMonitoringEndpoint"].split(":")
     nats_service = of_kind("Service")[NATS["spec"]["serviceName"]]
     assert host == f"{nats_service['metadata']['name']}.{NATS['metadata']['namespace']}.svc.cluster.local"
-    assert int(port) == int(conf_value(NATS_CONF, "http_port"))
+    assert int(port) == monitoring(K8S_CONF["nats.conf"])[1]
+    assert js["useHttps"] == "false"  # the monitoring port is plain HTTP (test_nats_runs_deploy_s_configuration)
     # in a cluster the scaler may ask the consumer leader at <server_name>.<endpoint host>: the server
     # names are the pods' names, which the headless Service resolves
     assert env(NATS)["NATS_SERVER_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -291,9 +306,10 @@ def test_the_environment_is_what_the_code_reads_and_what_compose_gives():
         assert env(workload)["NOETL_REPLICAS"]["value"] == str(NATS["spec"]["replicas"]) == cluster["NOETL_REPLICAS"]
         for variable in ("NOETL_METRICS_PORT", "NOETL_METRICS_HOST"):
             assert variable not in names  # the image's (Dockerfile), which the probes ask
-    # every node of the StatefulSet, at its client port, through the headless Service
+    # every node of the StatefulSet, at its client port, through the headless Service, over TLS as compose
     client = int(conf_value(NATS_CONF, "port"))
-    nodes = [f"nats://{NATS['metadata']['name']}-{i}.{NATS['spec']['serviceName']}:{client}"
+    assert {u.split("://")[0] for u in CLUSTER["x-cluster-env"]["NOETL_NATS_URL"].split(",")} == {"tls"}
+    nodes = [f"tls://{NATS['metadata']['name']}-{i}.{NATS['spec']['serviceName']}:{client}"
              for i in range(NATS["spec"]["replicas"])]
     for workload in PODS.values():
         if workload is not NATS:
@@ -319,15 +335,15 @@ def test_probes_and_ports_are_the_ones_the_services_listen_on():
         assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace
     gateway = container(DEPLOYMENTS["gateway"])
     args = args_of(DEPLOYMENTS["gateway"])
-    assert args.host == "0.0.0.0" and port_named(gateway, "http") == args.port
+    assert args.host == "0.0.0.0" and port_named(gateway, "https") == args.port
     service = of_kind("Service")["gateway"]
     [port] = service["spec"]["ports"]
-    assert port_named(gateway, port["targetPort"]) == args.port
+    assert port_named(gateway, port["targetPort"]) == args.port and port["appProtocol"] == "https"
     assert service["spec"]["selector"].items() <= DEPLOYMENTS["gateway"]["spec"]["template"]["metadata"]["labels"].items()
     # NATS: the ports its configuration opens, and compose's health check
     nats = container(NATS)
     assert port_named(nats, "client") == int(conf_value(NATS_CONF, "port"))
-    assert port_named(nats, "monitor") == int(conf_value(NATS_CONF, "http_port"))
+    assert port_named(nats, "monitor") == monitoring(K8S_CONF["nats.conf"])[1] == monitoring(NATS_CONF)[1]
     assert port_named(nats, "cluster") == int(conf_value(NATS_CLUSTER_CONF, "listen").split(":")[1])
     compose_check = " ".join(COMPOSE["services"]["nats"]["healthcheck"]["test"])
     ready = nats["readinessProbe"]["httpGet"]
@@ -337,12 +353,22 @@ def test_probes_and_ports_are_the_ones_the_services_listen_on():
     assert {p["targetPort"] for p in headless["ports"]} == {"client", "cluster", "monitor"}
 
 
+def settings(text: str, *skip: str) -> list[str]:
+    """A NATS configuration's lines but comments, blank lines and the keys ``skip``."""
+    lines = [re.sub(r"\s+#.*", "", line).strip() for line in text.splitlines()]
+    return [line for line in lines if line and not line.startswith(("#", *skip))]
+
+
 def test_nats_runs_deploy_s_configuration():
-    config = of_kind("ConfigMap")["nats-config"]["data"]
-    assert config["nats.conf"] == NATS_CONF
+    config = K8S_CONF
+    # deploy/nats.conf but for the monitoring port, which listens on the pod's address here (the kubelet's
+    # probes and KEDA's scaler ask it from outside the container; 127.0.0.1 in compose): the same port
+    assert settings(config["nats.conf"], "http:") == settings(NATS_CONF, "http:")
+    assert monitoring(NATS_CONF) == ("127.0.0.1", monitoring(config["nats.conf"])[1])
+    assert monitoring(config["nats.conf"])[0] == "0.0.0.0"
 
     def without_routes(text: str) -> list[str]:
-        return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("#", "routes:"))]
+        return settings(text, "routes:")
 
     assert without_routes(config["nats-cluster.conf"]) == without_routes(NATS_CLUSTER_CONF)
     routes = re.search(r"routes:\s*\[(.*)\]", config["nats-cluster.conf"]).group(1)
@@ -361,12 +387,21 @@ def test_nats_runs_deploy_s_configuration():
     assert data["mountPath"] == conf_value(NATS_CONF, "store_dir")
     assert [t["metadata"]["name"] for t in NATS["spec"]["volumeClaimTemplates"]] == ["data"]
     assert NATS["spec"]["replicas"] == 3 and NATS["spec"]["podManagementPolicy"] == "Parallel"
-    # only the NATS pods reach the (unauthenticated) route port
+    # only the NATS pods reach the route port; the (plain, unauthenticated) monitoring port only this
+    # namespace's pods and KEDA's
     policy = of_kind("NetworkPolicy")["nats"]["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    monitor = monitoring(config["nats.conf"])[1]
+    admitted = []
     for rule in policy["ingress"]:
+        assert rule.get("from") and rule.get("ports"), rule  # no rule admits every source or every port
         if any(p["port"] == int(port) for p in rule["ports"]):
             assert rule["from"] == [{"podSelector": {"matchLabels": NATS["spec"]["selector"]["matchLabels"]}}]
             assert [p["port"] for p in rule["ports"]] == [int(port)]
+        if any(p["port"] == monitor for p in rule["ports"]):
+            admitted += rule["from"]
+    assert sorted(admitted, key=str) == sorted([{"podSelector": {}}, {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "keda"}}}], key=str)
 
 
 # ------------------------------------------------------------------------------------- security
@@ -436,3 +471,191 @@ def test_every_scalable_service_has_a_disruption_budget_and_the_autoscalers_can_
     for name, deployment in DEPLOYMENTS.items():
         if name not in hpas:
             assert deployment["spec"]["replicas"] >= 1
+
+
+# ------------------------------------------------------------------------------------- TLS
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
+KUBERNETES_DOC = OPERATIONS.split("\n## Kubernetes\n", 1)[1]
+TLS_SETTINGS = ("NOETL_NATS_TLS_CA", "NOETL_NATS_TLS_CERT", "NOETL_NATS_TLS_KEY", "NOETL_GATEWAY_TLS_CERT",
+                "NOETL_GATEWAY_TLS_KEY", "NOETL_PG_PASSWORD_FILE")
+
+
+def secret_files(workload: dict) -> dict[str, tuple[str, str]]:
+    """The files a pod's container sees from Secrets: path -> (Secret, key), through secret and
+    projected volumes alike."""
+    spec = workload["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in container(workload).get("volumeMounts", ())}
+    out: dict[str, tuple[str, str]] = {}
+    for volume in spec.get("volumes", ()):
+        if volume["name"] not in mounts:
+            continue
+        if "secret" in volume:
+            sources = [{"name": volume["secret"]["secretName"], "items": volume["secret"]["items"]}]
+        elif "projected" in volume:
+            sources = [s["secret"] for s in volume["projected"]["sources"] if "secret" in s]
+        else:
+            continue
+        for source in sources:
+            for item in source["items"]:  # each file named: a Secret's other keys are not laid out
+                path = f"{mounts[volume['name']]}/{item['path']}"
+                assert path not in out, path
+                out[path] = (source["name"], item["key"])
+    return out
+
+
+def made_file(secret: str, key: str) -> str:
+    """The `noetl certs` file a Secret's key holds, as docs/operations.md's commands create them:
+    noetl-tls-ca from ca.crt, `kubectl create secret tls noetl-tls-NAME` from NAME.crt and NAME.key,
+    noetl-postgres's password from postgres.password."""
+    if secret == "noetl-tls-ca" and key == "ca.crt":
+        return "ca.crt"
+    if secret.startswith("noetl-tls-") and key in ("tls.crt", "tls.key"):
+        return f"{secret.removeprefix('noetl-tls-')}.{key.split('.')[1]}"
+    if (secret, key) == ("noetl-postgres", "password"):
+        return certs.PASSWORD_FILE
+    raise AssertionError(f"{secret}/{key}: not a file of noetl certs")
+
+
+def compose_files(name: str) -> dict[str, str]:
+    """A compose service's secrets: the path it sees -> the file's name under deploy/tls (or nats-creds)."""
+    service = {**COMPOSE["services"].get(name, {}), **CLUSTER["services"].get(name, {})}  # nats-2: the override's
+    out = {}
+    for s in service.get("secrets", ()):
+        source, target = (s, s) if isinstance(s, str) else (s["source"], s.get("target", s["source"]))
+        out[f"/run/secrets/{target}"] = Path(COMPOSE["secrets"][source]["file"]).name
+    return out
+
+
+def test_each_tls_setting_names_the_file_compose_gives_it_from_its_own_secret():
+    """As in compose: every TLS setting a service has there it has here, naming a file mounted from the
+    Secret made of the same `noetl certs` file; the CA for everyone, the gateway's certificate for the
+    gateway, the Postgres password for the recorder and the credentials service."""
+    made = {"ca.crt", certs.PASSWORD_FILE} | {f"{leaf.name}.{ext}" for leaf in certs.leaves() for ext in ("crt", "key")}
+    for key, workload in PODS.items():
+        if workload is NATS:
+            continue
+        name = "setup" if workload is SETUP else key.split("/")[1]
+        ours, theirs = env(workload), NOETL_COMPOSE[name]["environment"]
+        files, compose = secret_files(workload), compose_files(name)
+        assert {v for v in ours if v in TLS_SETTINGS} == {v for v in theirs if v in TLS_SETTINGS}, name
+        for variable in TLS_SETTINGS:
+            if variable in ours:
+                path = ours[variable]["value"]
+                assert made_file(*files[path]) == compose[theirs[variable]] and compose[theirs[variable]] in made, \
+                    (name, variable)
+        assert made_file(*files[ours["NOETL_NATS_TLS_CA"]["value"]]) == "ca.crt"
+        assert files[ours["NOETL_NATS_CREDS"]["value"]][0].startswith("nats-seed-")  # the seed stays its own
+        assert {n: e for n, e in ours.items() if n in TLS_SETTINGS and "value" not in e} == {}  # paths, not contents
+        for variable, e in ours.items():
+            assert "secretKeyRef" not in e.get("valueFrom", {}) or e["valueFrom"]["secretKeyRef"]["key"] not in (
+                "tls.key", "tls.crt", "ca.crt", "password"), (name, variable)  # certificates and keys as files only
+    gateway = env(DEPLOYMENTS["gateway"])
+    assert secret_files(DEPLOYMENTS["gateway"])[gateway["NOETL_GATEWAY_TLS_KEY"]["value"]] == ("noetl-tls-gateway", "tls.key")
+    recorder = env(DEPLOYMENTS["event-recorder"])
+    assert secret_files(DEPLOYMENTS["event-recorder"])[recorder["NOETL_PG_PASSWORD_FILE"]["value"]] == \
+        ("noetl-postgres", "password")
+
+
+def test_nats_mounts_every_file_its_configuration_names_and_requires_tls():
+    files = secret_files(NATS)
+    text = K8S_CONF["nats.conf"] + K8S_CONF["nats-cluster.conf"]
+    named = set(re.findall(r"/run/secrets/[\w.-]+", text))
+    assert named == {f"/run/secrets/{f}" for f in ("ca.crt", "nats.crt", "nats.key", "nats-route.crt", "nats-route.key")}
+    for path in named:
+        assert made_file(*files[path]) == Path(path).name, path  # the file compose mounts at that path
+        assert compose_files("nats-2")[path] == Path(path).name
+    # the client port: TLS required, the handshake first (what the services' NOETL_NATS_TLS_FIRST default expects)
+    client_tls = re.search(r"^tls \{([^}]*)\}", K8S_CONF["nats.conf"], re.M).group(1)
+    assert "handshake_first" in client_tls and "cert_file: /run/secrets/nats.crt" in client_tls
+    assert "allow_non_tls" not in text
+    # the routes: TLS, the peer's certificate verified and mapped to the one route identity
+    cluster = re.search(r"^cluster \{(.*)^\}", K8S_CONF["nats-cluster.conf"], re.M | re.S).group(1)
+    route_tls = re.search(r"tls \{([^}]*)\}", cluster).group(1)
+    assert "verify_and_map: true" in route_tls and "ca_file: /run/secrets/ca.crt" in route_tls
+    assert "cert_file: /run/secrets/nats-route.crt" in route_tls
+    assert re.search(r"authorization \{\s*user: \"([^\"]+)\"", cluster).group(1) == certs.ROUTE_SUBJECT
+    assert re.findall(r"nats-route://", cluster) and "nats://" not in cluster
+
+
+def test_each_key_goes_to_the_pod_that_serves_with_it_only():
+    holders: dict[tuple[str, str], set[str]] = {}
+    for key, workload in PODS.items():
+        for path, (secret, item) in secret_files(workload).items():
+            if secret.startswith("noetl-tls-") or secret == "noetl-postgres":
+                holders.setdefault((secret, item), set()).add(key)
+    services = {k for k in PODS if k != "StatefulSet/nats"}
+    assert holders == {
+        ("noetl-tls-ca", "ca.crt"): set(PODS),
+        ("noetl-tls-nats", "tls.crt"): {"StatefulSet/nats"}, ("noetl-tls-nats", "tls.key"): {"StatefulSet/nats"},
+        ("noetl-tls-nats-route", "tls.crt"): {"StatefulSet/nats"}, ("noetl-tls-nats-route", "tls.key"): {"StatefulSet/nats"},
+        ("noetl-tls-gateway", "tls.crt"): {"Deployment/gateway"}, ("noetl-tls-gateway", "tls.key"): {"Deployment/gateway"},
+        ("noetl-postgres", "password"): {"Deployment/event-recorder", "Deployment/credentials"}}
+    assert services <= holders[("noetl-tls-ca", "ca.crt")]
+    for key, workload in PODS.items():  # read-only files, the pod's group reads them (0440, fsGroup)
+        spec = workload["spec"]["template"]["spec"]
+        for volume in spec["volumes"]:
+            if any("secret" in source for source in volume.get("projected", {}).get("sources", ())):
+                assert volume["projected"]["defaultMode"] == 0o440, key
+                [mount] = [m for m in container(workload)["volumeMounts"] if m["name"] == volume["name"]]
+                assert mount["readOnly"] is True, key
+        assert "fsGroup" in spec["securityContext"], key
+
+
+def test_no_key_material_is_in_a_manifest_and_the_ca_key_is_never_mounted():
+    for path in FILES:
+        text = path.read_text()
+        assert "-----BEGIN" not in text and "PRIVATE KEY" not in text, path
+        assert "ca.key" not in text, path
+    for key, workload in PODS.items():
+        for name, e in env(workload).items():
+            assert "BEGIN" not in e.get("value", ""), (key, name)
+
+
+def nats_hosts_of_the_doc() -> list[str]:
+    [command] = re.findall(r"^noetl certs --out deploy/tls (.*)$", KUBERNETES_DOC, re.M)
+    return re.findall(r"--nats-host (\S+)", command)
+
+
+def test_the_names_dialled_are_names_of_the_certificates_the_doc_makes():
+    """The services dial nats-N.nats (NOETL_NATS_URL), the routes nats-N.nats:6222, the ingress the
+    Service `gateway`: each name is on the certificate `noetl certs` makes with the doc's options, and
+    the NATS names are not without --nats-host."""
+    leaves = {leaf.name: leaf for leaf in certs.leaves(nats_hosts=nats_hosts_of_the_doc())}
+    plain = {leaf.name: leaf for leaf in certs.leaves()}
+    clients = {h.split(":")[0] for h in re.findall(r"tls://([^,]+)", env(DEPLOYMENTS["router"])["NOETL_NATS_URL"]["value"])}
+    routes = set(re.findall(r"nats-route://([^:,\]]+):", K8S_CONF["nats-cluster.conf"]))
+    assert len(clients) == len(routes) == NATS["spec"]["replicas"]
+    assert clients <= set(leaves["nats"].sans) and routes <= set(leaves["nats-route"].sans)
+    assert not (clients | routes) & set(plain["nats"].sans + plain["nats-route"].sans)
+    assert of_kind("Service")["gateway"]["metadata"]["name"] in leaves["gateway"].sans
+    assert "localhost" in leaves["nats"].sans and "localhost" in leaves["gateway"].sans  # the doc's port-forwards
+
+
+def test_the_doc_creates_every_secret_the_manifests_name_and_asks_postgres_for_verify_full():
+    shell = "\n".join(re.findall(r"```sh\n(.*?)```", KUBERNETES_DOC, re.S)).replace("\\\n", " ")
+    for loop in re.finditer(r"^for (\w+) in ([^;]+); do\n(.*?)\ndone$", shell, re.M | re.S):
+        var, words, body = loop.groups()
+        shell += "\n" + "\n".join(body.replace(f"${var}", w) for w in words.split())
+    created = {}
+    for m in re.finditer(r"kubectl -n noetl create secret (generic|tls) ([\w-]+) (.*)", shell):
+        kind, name, rest = m.groups()
+        keys = {"tls.crt", "tls.key"} if kind == "tls" else set(re.findall(r"--from-(?:file|literal)=([\w.-]+)=", rest))
+        files = re.findall(r"deploy/tls/([\w.-]+)", rest)
+        created[name] = (keys, files)
+    named: dict[str, set[str]] = {}
+    for workload in PODS.values():
+        for secret, key in secret_files(workload).values():
+            named.setdefault(secret, set()).add(key)
+        for e in env(workload).values():
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref and not ref.get("optional"):
+                named.setdefault(ref["name"], set()).add(ref["key"])
+    for secret, keys in named.items():
+        assert secret in created and keys <= created[secret][0], (secret, keys)
+        if secret.startswith("noetl-tls-") and secret != "noetl-tls-ca":  # NAME.crt and NAME.key of noetl certs
+            assert sorted(created[secret][1]) == sorted(made_file(secret, k) for k in ("tls.crt", "tls.key"))
+    dsn = dict(p.split("=", 1) for p in re.search(r"--from-literal=dsn='([^']*)'", shell).group(1).split())
+    assert dsn["sslmode"] == "verify-full" and "password" not in dsn
+    recorder = secret_files(DEPLOYMENTS["event-recorder"])
+    assert made_file(*recorder[dsn["sslrootcert"]]) == "ca.crt"
+    assert dsn["host"] in certs.leaves()[2].sans  # postgres.crt's name, for a Postgres in the namespace

@@ -5,8 +5,8 @@ One directory (0700) holds, each key 0600 and each certificate 0644:
 | file | what | names (subject alternative names) | extended key usage |
 |---|---|---|---|
 | ``ca.crt``, ``ca.key`` | the authority that signs the rest; every client trusts ``ca.crt`` | — | — |
-| ``nats.crt``, ``.key`` | every NATS node's client port (one certificate for all nodes: a client that found a node by its address checks it against the name of the node it first reached) | ``nats``, ``nats-2``, ``nats-3``, ``localhost``, ``127.0.0.1``, ``::1`` and ``--host`` | server |
-| ``nats-route.crt``, ``.key`` | the routes between NATS nodes, both ways: subject ``CN=noetl-nats-route``, the one identity a node accepts as a route | ``nats``, ``nats-2``, ``nats-3``, ``localhost``, ``127.0.0.1``, ``::1`` | server, client |
+| ``nats.crt``, ``.key`` | every NATS node's client port (one certificate for all nodes: a client that found a node by its address checks it against the name of the node it first reached) | ``nats``, ``nats-2``, ``nats-3``, ``localhost``, ``127.0.0.1``, ``::1``, ``--nats-host`` and ``--host`` | server |
+| ``nats-route.crt``, ``.key`` | the routes between NATS nodes, both ways: subject ``CN=noetl-nats-route``, the one identity a node accepts as a route | ``nats``, ``nats-2``, ``nats-3``, ``localhost``, ``127.0.0.1``, ``::1`` and ``--nats-host`` | server, client |
 | ``postgres.crt``, ``.key`` | the Postgres server | ``postgres``, ``localhost``, ``127.0.0.1``, ``::1`` | server |
 | ``gateway.crt``, ``.key`` | every gateway replica (the proxy's upstream) | ``gateway``, ``localhost``, ``127.0.0.1``, ``::1`` | server |
 | ``proxy.crt``, ``.key`` | the proxy in front of the gateways: what clients see | ``proxy``, ``localhost``, ``127.0.0.1``, ``::1`` and ``--host`` | server |
@@ -19,6 +19,8 @@ signed by ``ca.crt``, lacks a name it should carry, does not match its key, or e
 directory holds no ``ca.key``, and anything missing or unfit is an error naming the file and why).
 ``reader``: a uid that may read the keys the project image's services read (``gateway.key``,
 ``postgres.password``, the client keys): a POSIX ACL entry, as for the NATS seeds (nats_auth.grant_read).
+``nats_hosts`` (``--nats-host``): other names of the NATS nodes themselves, which the nodes' routes dial
+and verify as well as the clients: the StatefulSet's ``nats-0.nats``, ... in Kubernetes (deploy/k8s).
 """
 from __future__ import annotations
 
@@ -56,12 +58,14 @@ class Leaf:
     readable: bool = False  # the services' uid reads its key (--reader)
 
 
-def leaves(hosts: Iterable[str] = (), clients: Iterable[str] = ()) -> list[Leaf]:
+def leaves(hosts: Iterable[str] = (), clients: Iterable[str] = (), nats_hosts: Iterable[str] = ()) -> list[Leaf]:
     """The certificates of a stack: ``hosts`` are extra names of the published services (NATS and the
-    proxy), ``clients`` the client certificates to make."""
+    proxy), ``clients`` the client certificates to make, ``nats_hosts`` extra names of the NATS nodes
+    (their client port and their routes: both certificates carry them)."""
     extra = tuple(dict.fromkeys(h for h in hosts if h))
-    out = [Leaf("nats", "nats", (*NATS_NODES, *LOCAL, *extra)),
-           Leaf("nats-route", ROUTE_SUBJECT.split("=", 1)[1], (*NATS_NODES, *LOCAL), (SERVER, CLIENT)),
+    nodes = tuple(dict.fromkeys((*NATS_NODES, *(h for h in nats_hosts if h))))
+    out = [Leaf("nats", "nats", tuple(dict.fromkeys((*nodes, *LOCAL, *extra)))),
+           Leaf("nats-route", ROUTE_SUBJECT.split("=", 1)[1], (*nodes, *LOCAL), (SERVER, CLIENT)),
            Leaf("postgres", "postgres", ("postgres", *LOCAL)),
            Leaf("gateway", "gateway", ("gateway", *LOCAL), readable=True),
            Leaf("proxy", "proxy", ("proxy", *LOCAL, *extra))]
@@ -209,7 +213,7 @@ def _load_cert(path: Path) -> x509.Certificate:
 
 
 def ensure(directory: str | os.PathLike, *, hosts: Iterable[str] = (), clients: Iterable[str] = (),
-           reader: int | None = None, days: int = LEAF_DAYS) -> Report:
+           reader: int | None = None, days: int = LEAF_DAYS, nats_hosts: Iterable[str] = ()) -> Report:
     """Make what is missing or unfit in ``directory`` (see the module's doc); answers what was done with
     each file. ValueError: something cannot be made (no ca.key to sign with, an unreadable file)."""
     out = Path(directory)
@@ -232,7 +236,7 @@ def ensure(directory: str | os.PathLike, *, hosts: Iterable[str] = (), clients: 
         _write_private(ca_key_path, _key_pem(ca_key))
         _write_public(ca_crt, _cert_pem(ca_cert))
         report.add(ca_crt, "made (a new authority: keep ca.key secret, give ca.crt to every client)")
-    for leaf in leaves(hosts, clients):
+    for leaf in leaves(hosts, clients, nats_hosts):
         crt, key_path = out / f"{leaf.name}.crt", out / f"{leaf.name}.key"
         why = "missing"
         if crt.exists() and key_path.exists():
