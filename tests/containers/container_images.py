@@ -62,7 +62,7 @@ def base_images() -> dict[str, str]:
     import yaml
 
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    refs += [services[name]["image"] for name in ("nats", "postgres", "proxy")]
+    refs += [services[name]["image"] for name in ("nats", "postgres", "proxy", "prometheus")]
     wanted = {}
     for ref in refs:
         kind = ref.split(":")[0].rsplit("/", 1)[-1]

@@ -5,9 +5,9 @@ under a project name of its own.
 
 The only change to the file: its published ports get a host port chosen by Docker (`127.0.0.1::4222`)
 instead of the fixed ones, so a run never collides with whatever else listens on this machine. The
-observability services (Jaeger, Prometheus, Grafana) are not started: their images have no stand-in
-here (tests/containers/standins/README.md), and the services' traces are turned off
-(`OTEL_SDK_DISABLED=true`) since no collector listens.
+observability services Jaeger and Grafana are not started: their images have no stand-in here (no
+Debian package; tests/containers/standins/README.md), and the services' traces are turned off
+(`OTEL_SDK_DISABLED=true`) since no collector listens. Prometheus runs (a stand-in of Debian's).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import yaml
 
 from container_images import ROOT, docker, engine_problem
 
-OBSERVABILITY = ("jaeger", "prometheus", "grafana")
+OBSERVABILITY = ("jaeger", "grafana")  # not started
 
 
 def compose_command() -> list[str] | None:

@@ -11,6 +11,9 @@ monitoring port is not reachable; Postgres refuses a connection without TLS and 
 against the CA; the gateway answers over HTTPS only, through the proxy and at each replica, and still
 knows the client's address behind the proxy.
 
+Prometheus runs too (deploy/prometheus.yml): after the faults every replica is a target that is up, and
+each query of the Grafana dashboard has data. Jaeger and Grafana are not started (no image here).
+
 Skipped, in one line, when no Docker engine answers (.ci/run starts one where it can)."""
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from container_images import PROJECT_IMAGE, ROOT, docker
 from container_report import note, timed
@@ -194,6 +198,77 @@ def test_nats_logged_no_permission_violation(up):
     log = up.logs("nats")
     assert "Permissions Violation" not in log and "Authorization Error" not in log, \
         [line for line in log.splitlines() if "Violation" in line or "Authorization" in line][:10]
+
+
+# ----------------------------------------------------------------------------------- Prometheus
+def prometheus(up, path: str, **params) -> dict:
+    """GET ``path`` of the stack's Prometheus (its published port, plain HTTP); answers the ``data``."""
+    answer = httpx.get(f"http://{up.port('prometheus', 9090)}{path}", params=params, timeout=30)
+    assert answer.status_code == 200 and answer.json()["status"] == "success", answer.text[:500]
+    return answer.json()["data"]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every query of the Grafana dashboard, its variables given values."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "noetl.json").read_text())
+    found = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            if target.get("expr"):
+                expr = target["expr"]
+                for variable in ("$__rate_interval", "${__rate_interval}", "$__interval", "${__interval}"):
+                    expr = expr.replace(variable, "1m")
+                assert "$" not in expr, expr  # a variable this test does not know
+                found.append((panel["title"], expr))
+    return found
+
+
+def test_prometheus_scrapes_every_replica_and_the_dashboards_queries_have_data(up, cli, token):
+    # every replica of every service prometheus.yml names, by its address on the compose network, is a
+    # target that is up (DNS service discovery: killed replicas, started again, may have new addresses)
+    config = yaml.safe_load((up.workdir / "deploy" / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "noetl"]
+    [sd] = job["dns_sd_configs"]
+    expected = set()
+    for service in sd["names"]:
+        names = up.containers(service)
+        assert names, service
+        addresses = docker("inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}",
+                           *names).stdout.split()
+        assert len(addresses) == len(names), (service, addresses)
+        expected |= {(service, f"{address}:{sd['port']}") for address in addresses}
+    assert len(expected) >= len(sd["names"]) + sum(n - 1 for n in SCALED.values())
+    with timed("prometheus: every replica a target, up"):
+        deadline = time.monotonic() + 120  # DNS refreshed every 15 s, scraped every 15 s
+        while True:
+            targets = prometheus(up, "/api/v1/targets", state="active")["activeTargets"]
+            seen = {(t["labels"].get("compose_service"), t["labels"]["instance"]): t for t in targets
+                    if t["labels"]["job"] == "noetl"}
+            if set(seen) == expected and all(t["health"] == "up" for t in seen.values()) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+    assert set(seen) == expected, (sorted(set(seen) - expected), sorted(expected - set(seen)))
+    down = {k: (t["health"], t.get("lastError")) for k, t in seen.items() if t["health"] != "up"}
+    assert not down, down
+    assert all(t["scrapeUrl"].startswith("http://") and t["scrapeUrl"].endswith(":9464/metrics")
+               for t in seen.values())  # plain HTTP, no token (compose sets no NOETL_METRICS_TOKEN)
+    # each query of the dashboard, over the run (as Grafana asks: a range), has data: a series with a
+    # number (histogram_quantile of no observation is NaN, which Grafana draws as nothing)
+    end = time.time()
+    results = {}
+    for title, expr in dashboard_queries():
+        series = prometheus(up, "/api/v1/query_range", query=expr, start=end - 3600, end=end, step=15)["result"]
+        values = [float(v) for s in series for _, v in s["values"]]
+        results[expr] = (title, [v for v in values if v == v])  # NaN != NaN
+    empty = {expr: title for expr, (title, values) in results.items() if not values}
+    assert not empty, empty
+    assert max(results["sum(rate(noetl_executions_started_total[1m]))"][1]) > 0
+    replicas = prometheus(up, "/api/v1/query", query='sum by (compose_service) (up{job="noetl"})')["result"]
+    assert {r["metric"]["compose_service"]: float(r["value"][1]) for r in replicas} == \
+        {service: float(sum(1 for s, _ in expected if s == service)) for service in sd["names"]}  # "Services up"
+    note(f"prometheus: {len(seen)} targets up ({', '.join(sorted({s for s, _ in seen}))}); "
+         f"{len(results)} dashboard queries, each with data")
 
 
 # ------------------------------------------------------------------------------------ TLS, proved
