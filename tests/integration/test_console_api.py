@@ -398,7 +398,7 @@ def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack)
         finally:
             await bus.close()
 
-    stack.run(go())
+    stack.run(go(), 300)  # two executions, a stream and a cancel: a guard against a hang, not a race with load
 
 
 def test_a_child_execution_is_listed_as_started_on_behalf_of_its_parents_starter(stack):
