@@ -231,7 +231,9 @@ def test_a_wait_answered_from_its_form_moves_the_net_live(console):
     page.click("#run")
     page.wait_for_url("**/ui/#/executions/*")
     form = page.wait_for_selector("form.signal[data-signal=approve]")
-    assert page.get_attribute("#net g.node[data-step=approve]", "data-status") == "running"
+    # waiting for its signal: drawn waiting (yellow), not running
+    assert page.get_attribute("#net g.node[data-step=approve]", "data-status") == "waiting"
+    assert "waiting" in page.get_attribute("#net g.node[data-step=approve]", "aria-label")
     form.query_selector("textarea").fill('{"ok": true}')
     console.shot("08-wait-form")
     form.query_selector("button[type=submit]").click()
@@ -338,6 +340,42 @@ def test_a_100000_iteration_loop_renders_fast_as_counts_and_is_cancelled_from_it
     done = int(page.get_attribute("#loop-progress", "data-done"))
     assert 0 < done < LOOP_ITEMS
     console.shot("10-loop-cancelled")
+
+
+BEST_EFFORT_LOOP = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: best_effort_loop, path: console/best_effort_loop}
+workflow:
+  - step: each
+    spec: {policy: {failure: {mode: best_effort}}}
+    loop: {in: "{{ workload.items }}", iterator: i}
+    tool:
+      kind: noop
+      result: "{{ iter.i }}"
+      spec: {policy: {rules: [{when: "{{ iter.i < 0 }}", then: {do: fail}}, {else: {then: {do: continue}}}]}}
+"""
+
+
+def test_a_loop_whose_iterations_failed_is_not_drawn_green(console):
+    """best_effort: every iteration failed is drawn failed (red); some failed, partial (orange); the
+    execution itself completed."""
+    page = console.page
+    assert console.http.post("/api/catalog", json={"content": BEST_EFFORT_LOOP}).status_code == 201
+    for items, status in (([-1, -2, -3], "failed"), ([-1, 2, 3], "partial")):
+        eid = console.http.post("/api/executions", json={"path": "console/best_effort_loop",
+                                                         "workload": {"items": items}}).json()["execution_id"]
+        console.go(f"/executions/{eid}")
+        page.wait_for_selector("#exec-status [data-status=completed]")
+        page.wait_for_selector(f"#net g.node[data-step=each][data-status={status}]")
+        fill = page.eval_on_selector("#net g.node[data-step=each] .node-box", "r => getComputedStyle(r).fill")
+        done = page.eval_on_selector(".legend .chip.st-done", "c => getComputedStyle(c).backgroundColor")
+        assert fill != done, (status, fill)
+        page.focus("#net g.node[data-step=each]")
+        page.keyboard.press("Enter")
+        page.wait_for_selector(f"#step-detail article.run .badge[data-status={status}]")
+        assert page.evaluate(CONTRAST) == []
+    console.shot("13-loop-partial")
 
 
 # The text colours of the main pages against what is behind them: WCAG contrast of at least 4.5:1.

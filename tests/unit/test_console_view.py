@@ -279,3 +279,80 @@ def test_instants_are_iso_or_epoch_seconds():
     with pytest.raises(HTTPException) as bad:
         _instant("yesterday", "query.since")
     assert bad.value.status_code == 422
+
+
+WAITING = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: waiting, path: t/waiting}
+workflow:
+  - step: start
+    tool: {kind: noop, result: 1}
+    next: {spec: {mode: inclusive}, arcs: [{step: approve}, {step: each}]}
+  - step: approve
+    tool: [{name: ask, kind: wait, signal: approve, timeout: 1h}]
+  - step: each
+    loop: {in: "{{ range(2) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 2}}
+    tool: [{name: ask, kind: wait, signal: "go-{{ iter.i }}", timeout: 1h}]
+"""
+
+
+def iterations(log):
+    """Each loop run's iteration counts, as the recorder counts them (view.loop_counts of grouped rows)."""
+    groups: dict[tuple[str, str], int] = {}
+    for e in log:
+        if e["name"].startswith("loop.iteration."):
+            groups[(e["step_run_id"], e["name"])] = groups.get((e["step_run_id"], e["name"]), 0) + 1
+    return view.loop_counts([(run, name, n, 0.0, 0.0) for (run, name), n in groups.items()])
+
+
+def test_a_step_waiting_for_a_signal_is_waiting_not_running():
+    """D30: a run suspended at a wait task is drawn waiting (a loop: every iteration in flight waits)."""
+    run = asyncio.run(run_local(validate_text(WAITING).document, signals=[(1, "approve", True), (2, "go-0", 1)]))
+    log = run.log_of(run.execution_id)
+    started = [i for i, e in enumerate(log) if e["name"] == "wait.started"]
+    ended = [i for i, e in enumerate(log) if e["name"] == "wait.ended"]
+    assert len(started) == 3 and len(ended) == 3  # the third at its timeout: the local clock jumps to it
+    # the recorder folds the ctl events and counts a loop's iterations from the whole log up to the point
+    both = max(started) + 1
+    counts = iterations(log[:both])
+    state = fold(ctl_only(log[:both]), run.execution_id)
+    seen = view.execution_view(state, loops=counts)
+    assert seen["steps"]["approve"]["status"] == "waiting" and seen["steps"]["each"]["status"] == "waiting"
+    assert seen["runs"]["approve"]["shown"][0]["status"] == "waiting"
+    # once approve is answered it runs on (and is done); the loop, one iteration answered and ended, waits
+    # for the other one
+    answered = next(i for i, e in enumerate(log) if e["name"] == "loop.iteration.done") + 1
+    assert ended[1] < answered < ended[2]
+    later = fold(ctl_only(log[:answered]), run.execution_id)
+    seen = view.execution_view(later, loops=iterations(log[:answered]))
+    assert seen["steps"]["approve"]["status"] == "done"
+    assert seen["steps"]["each"]["status"] == "waiting"
+
+
+FAILING_LOOP = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: failing_loop, path: t/failing_loop}
+workflow:
+  - step: start
+    spec: {policy: {failure: {mode: best_effort}}}
+    loop: {in: "{{ workload.items }}", iterator: i}
+    tool:
+      kind: noop
+      result: "{{ iter.i }}"
+      spec: {policy: {rules: [{when: "{{ iter.i < 0 }}", then: {do: fail}}, {else: {then: {do: continue}}}]}}
+"""
+
+
+@pytest.mark.parametrize("items, status", [([-1, -2, -3], "failed"), ([-1, 2, 3], "partial"), ([1, 2], "done")])
+def test_a_loop_whose_iterations_failed_is_not_done(items, status):
+    """best_effort: the loop ends loop.done with its counts; every iteration failed is failed, some partial."""
+    doc = validate_text(FAILING_LOOP).document
+    run = asyncio.run(run_local(doc, request={"workload": {"items": items}}))
+    log = run.log_of(run.execution_id)
+    done = next(e for e in log if e["name"] == "loop.done")
+    ended = {done["step_run_id"]: done["data"]}
+    seen = view.execution_view(fold(ctl_only(log), run.execution_id), ended_counts=ended)
+    assert seen["status"] == "COMPLETED"
+    assert seen["steps"]["start"]["status"] == status and seen["runs"]["start"]["shown"][0]["status"] == status

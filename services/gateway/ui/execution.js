@@ -40,7 +40,7 @@ export async function executionPage(main, id, query, ctx) {
       h("div", { class: "panel" },
         h("div", { class: "panel-head" }, h("h2", {}, "Net"),
           h("span", { class: "legend", "aria-hidden": "true" },
-            ["idle", "waiting", "running", "done", "failed", "cancelled", "skipped"].map((st) => h("span", { class: `chip st-${st}` }, st)),
+            ["idle", "waiting", "running", "done", "partial", "failed", "cancelled", "skipped"].map((st) => h("span", { class: `chip st-${st}` }, st)),
             h("span", { class: "chip back" }, "back-edge"), h("span", { class: "chip join" }, "⋈ join"),
             h("span", { class: "chip" }, "↺ carried over"))),
         netBox,
