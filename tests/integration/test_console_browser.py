@@ -145,6 +145,9 @@ def test_log_in_keyboard_and_contrast(console):
     console.go("/executions")
     page.wait_for_selector("form.login")
     console.shot("01-login")
+    page.click("button[type=submit]")  # nothing filled in: said, not sent
+    page.wait_for_selector("#login-status.error:text('a username and a password, or an API token')")
+    assert page.evaluate("document.activeElement.id") == "username"
     page.fill("#username", "ann")
     page.fill("#password", "wrong password")
     page.click("button[type=submit]")
@@ -154,7 +157,7 @@ def test_log_in_keyboard_and_contrast(console):
     page.wait_for_selector("#nav a[data-section=executions][aria-current]")
     assert "ann (developer)" in page.inner_text("#nav")
     # keyboard: a page puts the focus on its content; back from there, every section, then the skip link
-    assert page.evaluate("document.activeElement.id") == "main"
+    page.wait_for_function("() => document.activeElement.id === 'main'")  # once the page is drawn
     visited = []
     for _ in range(7):
         page.keyboard.press("Shift+Tab")
@@ -201,12 +204,52 @@ def test_fork_join_from_the_catalog_the_join_the_timeline_and_time_travel(consol
     assert rows[0][0] == "playbook.execution.requested" and rows[-1][0] == "playbook.processed"
     names = [n for n, _, _ in rows]
     assert names.index("workflow.started") < names.index("workflow.finished")
-    # keyboard: a step opens its detail
+    # the Gantt chart: a row for each step run, in admission order; a branch's task attempt under it
+    page.wait_for_function("() => document.querySelectorAll('#gantt .g-row.level-0').length === 4")
+    steps = page.eval_on_selector_all("#gantt .g-row.level-0", "rs => rs.map(r => r.dataset.step)")
+    assert steps[0] == "start" and steps[-1] == "report" and sorted(steps[1:3]) == ["eu", "us"], steps
+    tl = console.http.get(f"/api/executions/{eid}/timeline").json()
+    eu = next(r for r in tl["runs"] if r["step"] == "eu")
+    assert page.get_attribute(f"#gantt .g-row[data-run='{eu['run_id']}']", "data-status") == "done"
+    page.click(f"#gantt .g-row[data-run='{eu['run_id']}'] .g-toggle")
+    attempt = page.wait_for_selector("#gantt .g-row.level-1[data-task]")
+    assert "attempt 1" in attempt.inner_text()
+    # zoom: in halves the window, Fit shows the whole execution again
+    whole = page.inner_text("#gantt-range")
+    page.click("#gantt-in")
+    page.wait_for_function(f"() => document.getElementById('gantt-range').textContent !== {whole!r}")
+    assert page.evaluate("() => document.querySelector('#gantt .g-row[data-step=report] .g-bar[data-run]').style.width") != ""
+    page.click("#gantt-fit")
+    page.wait_for_function(f"() => document.getElementById('gantt-range').textContent === {whole!r}")
+    # a task row filters the events to that task
+    page.click("#gantt .g-row.level-1[data-task] .g-name")
+    page.wait_for_function("() => document.getElementById('tl-task').value !== ''")
+    page.wait_for_function("() => [...document.querySelectorAll('#timeline tr.event')].every(r => r.dataset.step === 'eu')")
+    page.click("#timeline-panel button:text('Clear')")
+    page.wait_for_function(f"() => document.querySelectorAll('#timeline tr.event').length === {total}")
+    # keyboard: a step opens its detail, with when each run was admitted, started and ended
     page.focus("#net g.node[data-step=report]")
     page.keyboard.press("Enter")
     page.wait_for_selector("#step-detail article.run")
     assert '"total_orders": 200' in page.inner_text("#step-detail")
+    report = next(r for r in tl["runs"] if r["step"] == "report")
+    times = page.inner_text("#step-detail .run-times")
+    for key in ("admitted", "started", "ended", "duration"):
+        assert key in times, times
+    shown = page.inner_text("#step-detail .run-duration")
+    assert shown.endswith(("ms", " s")) and "so far" not in shown, shown
+    page.click("#step-detail details.tasks-box summary")
+    row = page.wait_for_selector("#step-detail table.attempts tbody tr[data-task]")
+    assert row.query_selector(".attempt-duration").inner_text().endswith(("ms", " s"))
+    assert report["ended_at"] >= report["started_at"]
     assert page.evaluate(CONTRAST) == []
+    # no edge is drawn across an arc's label: what is seen across each label's text is the label
+    crossed = page.evaluate(LABELS_CROSSED)
+    assert crossed == {"labels": 6, "crossed": []}, crossed
+    # the net's panel ends where the step's detail does: no empty space opens under the net
+    gap = page.evaluate("() => document.getElementById('step-detail').getBoundingClientRect().bottom"
+                        " - document.getElementById('net-panel').getBoundingClientRect().bottom")
+    assert abs(gap) <= 2, gap
     console.shot("04-execution")
     # time travel: the state after the events before the join's admission
     before = next(i for i, (n, _, step) in enumerate(rows) if n == "step.admitted" and step == "report")
@@ -216,12 +259,20 @@ def test_fork_join_from_the_catalog_the_join_the_timeline_and_time_travel(consol
         page.keyboard.press("ArrowRight")
     page.wait_for_function(f"() => document.getElementById('tt-label').textContent.startsWith('after event {before} ')")
     page.wait_for_selector("#net g.node[data-step=report][data-status=waiting]")
+    # the head tells the status at that point, marked past, not the live one
+    page.wait_for_selector("#exec-status [data-status=running]")
+    assert page.is_visible("#exec-past") and page.get_attribute(".live-dot", "data-state") == "past"
+    assert "time travel" in page.inner_text(".live-dot")
+    marker = page.get_attribute("#gantt .g-marker", "style") or ""
+    assert "left" in marker and not page.eval_on_selector("#gantt .g-marker", "m => m.hidden")
     for branch in ("eu", "us"):
         assert page.get_attribute(f"#net g.node[data-step={branch}]", "data-status") == "done"
     assert page.locator("#net .edge .token[visibility=visible]").count() == 2  # a token on each of its places
     console.shot("07-time-travel-before-the-join")
     page.click("#tt-live")
     page.wait_for_selector("#net g.node[data-step=report][data-status=done]")
+    page.wait_for_selector("#exec-status [data-status=completed]")
+    assert page.locator("#exec-past").count() == 0 and page.get_attribute(".live-dot", "data-state") == "live"
 
 
 def test_a_wait_answered_from_its_form_moves_the_net_live(console):
@@ -234,7 +285,24 @@ def test_a_wait_answered_from_its_form_moves_the_net_live(console):
     # waiting for its signal: drawn waiting (yellow), not running
     assert page.get_attribute("#net g.node[data-step=approve]", "data-status") == "waiting"
     assert "waiting" in page.get_attribute("#net g.node[data-step=approve]", "aria-label")
-    form.query_selector("textarea").fill('{"ok": true}')
+    # the events, although the page was opened before the execution was recorded
+    page.wait_for_selector("#timeline tr.event[data-name='wait.started']")
+    # the chart: the run waiting, its wait under it (open: it reaches to now)
+    page.wait_for_selector("#gantt .g-row.level-0[data-step=approve][data-status=waiting]")
+    page.click("#gantt .g-row.level-0[data-step=approve] .g-toggle")
+    page.wait_for_selector("#gantt .g-row.level-1[data-task=ask] .g-bar.wait")
+    # the form comes from the wait's schema: `ok` a checkbox, required; no JSON to write
+    box = form.query_selector("input[type=checkbox][name=ok]")
+    assert box is not None and not box.is_checked()
+    assert form.query_selector("[data-field=ok] .req") is not None
+    assert not [t for t in form.query_selector_all("textarea") if t.is_visible()]
+    box.check()
+    # "As JSON" shows the same payload, and back
+    form.query_selector("button[data-mode=json]").click()
+    assert form.query_selector(".json-box textarea").input_value().replace(" ", "").replace("\n", "") == '{"ok":true}'
+    form.query_selector("button[data-mode=form]").click()
+    assert form.query_selector("input[type=checkbox][name=ok]").is_checked()
+    assert page.evaluate(CONTRAST) == []
     console.shot("08-wait-form")
     form.query_selector("button[type=submit]").click()
     page.wait_for_selector("#net g.node[data-step=book][data-status=done]")  # no reload: the live stream
@@ -303,6 +371,45 @@ def test_a_failed_step_is_restarted_from_its_detail(console):
     assert page.get_attribute("#net g.node[data-step=publish]", "data-status") == "failed"  # never changed
 
 
+def test_run_again_with_an_edited_workload_and_find_it_by_its_id(console):
+    page = console.page
+    eid = console.http.post("/api/executions", json={"path": "console/flaky"}).json()["execution_id"]
+
+    def failed():
+        resp = console.http.get(f"/api/executions/{eid}", params={"brief": "true"})
+        return resp.status_code == 200 and resp.json()["status"] == "FAILED"
+
+    console.wait_api(failed)
+    console.go(f"/executions/{eid}")
+    page.wait_for_selector("#exec-status [data-status=failed]")
+    page.click("#rerun")
+    box = page.wait_for_selector("#rerun-workload")
+    assert '"broken": true' in box.input_value()  # this execution's workload, to edit
+    assert page.input_value("#rerun-version") == "same"
+    page.fill("#rerun-workload", "[1, 2]")
+    page.click("#rerun-start")
+    page.wait_for_selector("#rerun-status:text('a JSON object')")
+    page.fill("#rerun-workload", '{"broken": false}')
+    assert page.evaluate(CONTRAST) == []
+    console.shot("15-run-again")
+    page.click("#rerun-start")
+    page.wait_for_function(f"() => /^#\\/executions\\/[0-9a-f]+$/.test(location.hash) && !location.hash.endsWith('{eid}')")
+    new = page.url.rsplit("/", 1)[-1]
+    page.wait_for_selector("#exec-status [data-status=completed]")
+    again = console.http.get(f"/api/executions/{new}").json()
+    assert again["path"] == "console/flaky" and again["workload"]["broken"] is False
+    # the executions page finds it by the start of its id, and only it
+    console.go("/executions")
+    page.wait_for_selector("#executions tbody tr[data-execution]")
+    page.fill("#f-id", new[:10])
+    page.press("#f-id", "Enter")
+    page.wait_for_function(f"() => [...document.querySelectorAll('#executions tbody tr[data-execution]')].map(r => r.dataset.execution).join() === '{new}'")
+    assert "id=" + new[:10] in page.url
+    page.fill("#f-id", "no such id!")
+    page.press("#f-id", "Enter")
+    page.wait_for_selector("#executions-message:text('letters, digits')")
+
+
 def test_a_100000_iteration_loop_renders_fast_as_counts_and_is_cancelled_from_its_page(console):
     page = console.page
     entry = next(e for e in console.http.get("/api/catalog", params={"path": "console/big_loop"}).json())
@@ -332,6 +439,10 @@ def test_a_100000_iteration_loop_renders_fast_as_counts_and_is_cancelled_from_it
     first = int(page.get_attribute("#loop-progress", "data-done"))
     page.wait_for_function(f"() => Number(document.getElementById('loop-progress').dataset.done) > {first}")  # live
     assert page.locator("#timeline tr.event").count() == 100  # a page of events, never the 400,000 rows
+    # the chart: the loop as iterations ended per slice of time, not a bar per iteration
+    page.wait_for_selector("#gantt .g-row.level-0[data-step=start] .g-hist rect.done")
+    assert page.locator("#gantt .g-hist rect").count() <= 2 * 120
+    assert page.locator("#gantt .g-row").count() == 1
     console.shot("09-loop-100k")
     page.click("#cancel")
     page.click("#cancel-confirm")
@@ -376,6 +487,59 @@ def test_a_loop_whose_iterations_failed_is_not_drawn_green(console):
         page.wait_for_selector(f"#step-detail article.run .badge[data-status={status}]")
         assert page.evaluate(CONTRAST) == []
     console.shot("13-loop-partial")
+
+
+# Each arc label of the net: the elements seen at points along its text's middle line (none may be an
+# edge's line); how many labels there are.
+LABELS_CROSSED = """() => {
+  const out = { labels: 0, crossed: [] };
+  for (const text of document.querySelectorAll('#net text.edge-label')) {
+    out.labels++;
+    const r = text.getBoundingClientRect();
+    for (let i = 1; i < 20; i++) {
+      const el = document.elementFromPoint(r.left + (r.width * i) / 20, r.top + r.height / 2);
+      if (el && el.closest('.edge')) out.crossed.push(text.textContent);
+    }
+  }
+  return out;
+}"""
+
+
+FAILING = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: failing, path: console/failing}
+workflow:
+  - step: start
+    tool:
+      kind: python
+      code: |
+        def deeper(n):
+            raise KeyError("missing <b>key</b> " + str(n))
+        deeper(7)
+"""
+
+
+def test_a_traceback_reads_as_lines_not_a_json_string(console):
+    page = console.page
+    assert console.http.post("/api/catalog", json={"content": FAILING}).status_code == 201
+    eid = console.http.post("/api/executions", json={"path": "console/failing"}).json()["execution_id"]
+    console.go(f"/executions/{eid}")
+    page.wait_for_selector("#exec-status [data-status=failed]")
+    page.wait_for_selector("#net g.node[data-step=start][data-status=failed]")
+    page.focus("#net g.node[data-step=start]")
+    page.keyboard.press("Enter")
+    block = page.wait_for_selector("#step-detail article.run pre .multiline")
+    text = block.text_content()
+    lines = text.split("\n")
+    assert len(lines) >= 3 and any("Traceback" in ln for ln in lines), text
+    assert any("deeper" in ln for ln in lines) and "\\n" not in text, text
+    assert "missing <b>key</b> 7" in page.inner_text("#step-detail")  # as text, never markup
+    assert page.locator("#step-detail b").count() == 0
+    row = page.wait_for_selector("#gantt .g-row.level-0[data-step=start][data-status=failed]")
+    assert "⟳" not in row.inner_text()  # not drawn as a loop
+    assert page.evaluate(CONTRAST) == []
+    console.shot("14-traceback")
 
 
 # The text colours of the main pages against what is behind them: WCAG contrast of at least 4.5:1.

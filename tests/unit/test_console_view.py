@@ -462,6 +462,10 @@ def test_timeline_runs_not_ended_are_running_waiting_or_cancelled():
     runs, by_id = timeline.run_spans(rows)
     assert [(r["run_id"], r["status"]) for r in runs] == [("r1", "done"), ("r2", "running"), ("r3", "failed")]
     assert by_id["r1"]["ended_at"] == 12.0 and by_id["r3"]["error_kind"] == "python_error"  # the first terminal
+    # a step that is no loop failed: the recorder's row names a loop's counts as null, and it is no loop
+    failed, _ = timeline.run_spans([(1, "step.admitted", "s", "r", 1.0, None), (2, "step.failed", "s", "r", 2.0, {
+        "kind": "python_error", "total": None, "done": None, "failed": None})])
+    assert "counts" not in failed[0] and failed[0]["error_kind"] == "python_error"
 
     def built(end, waits=()):
         return timeline.build(execution={"execution_id": "x", "status": "RUNNING", "start": 10.0, "end": end},

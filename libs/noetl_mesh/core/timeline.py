@@ -74,7 +74,7 @@ def run_spans(rows: Iterable[Sequence[Any]]) -> tuple[list[dict[str, Any]], dict
                 run["error_kind"] = data["kind"]
         else:
             run["status"] = loop_status("done", data if name == "loop.done" else None)
-        if name == "loop.done" or "total" in data:
+        if name == "loop.done" or data.get("total") is not None:  # a loop's step.failed has its counts
             run["counts"] = {k: _int(data.get(k)) for k in ("total", "done", "failed")}
     return runs, by_id
 

@@ -91,8 +91,16 @@ function showLogin(message) {
   const user = h("input", { id: "username", name: "username", autocomplete: "username", required: true });
   const pass = h("input", { id: "password", name: "password", type: "password", autocomplete: "current-password", required: true });
   const apiToken = h("input", { id: "api-token", name: "token", type: "password", autocomplete: "off" });
-  const form = h("form", { class: "login card", onsubmit: async (ev) => {
+  // novalidate: the browser would refuse an empty username and password even when a token is given
+  const form = h("form", { class: "login card", novalidate: true, onsubmit: async (ev) => {
     ev.preventDefault();
+    if (!apiToken.value.trim() && (!user.value || !pass.value)) {
+      status.textContent = "Give a username and a password, or an API token.";
+      status.className = "error";
+      (user.value ? pass : user).focus();
+      return;
+    }
+    status.className = "";
     status.textContent = "Logging in…";
     try {
       if (apiToken.value.trim()) setToken(apiToken.value.trim());
