@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -30,6 +31,20 @@ def compose_command() -> list[str] | None:
         if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
             return cmd
     return None
+
+
+def free_net_prefix() -> str:
+    """The first 172.30.N.0/24 that no Docker network of this host overlaps (docker-compose.yml's
+    NOETL_NET_PREFIX): a network left by a killed run, or anyone else's, never stops a run."""
+    ids = docker("network", "ls", "-q").stdout.split()
+    subnets = docker("network", "inspect", "--format",
+                     "{{range .IPAM.Config}}{{.Subnet}} {{end}}", *ids).stdout.split() if ids else []
+    taken = [ipaddress.ip_network(s, strict=False) for s in subnets if ":" not in s]
+    for n in range(80, 256):
+        candidate = ipaddress.ip_network(f"172.30.{n}.0/24")
+        if not any(candidate.overlaps(t) for t in taken):
+            return f"172.30.{n}"
+    raise RuntimeError(f"no free 172.30.N.0/24 among this host's Docker networks: {subnets}")
 
 
 @functools.cache
@@ -64,6 +79,7 @@ class Compose:
         for extra in self.files[1:]:
             doc["services"].update(yaml.safe_load(extra.read_text())["services"])
         self.services = [name for name in doc["services"] if name not in OBSERVABILITY]
+        self.env["NOETL_NET_PREFIX"] = free_net_prefix()
         # as the Containers section says: the seeds, readable by the image's user too
         out = subprocess.run([self.noetl, "nats-credentials", "--out", str(self.creds), "--reader", "10001"],
                              capture_output=True, text=True, timeout=60)
