@@ -71,9 +71,12 @@ workflow:
 
 
 class Console:
-    def __init__(self, url: str, token: str, page):
+    def __init__(self, url: str, token: str, page, admin_token: str):
         self.url, self.token, self.page = url, token, page
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, trust_env=False, timeout=30)
+        self.admin_token = admin_token
+        self.admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin_token}"}, trust_env=False,
+                                  timeout=30)
 
     def shot(self, name: str, full: bool = False) -> None:
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -122,7 +125,7 @@ def console(module_pg, throwaway_credential_key) -> Iterator[Console]:
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-        yield Console(stack.gateway_url, ann, page)
+        yield Console(stack.gateway_url, ann, page, stack.token)
         # uncaught errors and the page's own console errors; not the statuses it handles (a 404 while an
         # execution just started is not recorded yet, the 401 of a wrong password)
         assert not [e for e in errors if not e.startswith("Failed to load resource")], errors
@@ -159,11 +162,13 @@ def test_log_in_keyboard_and_contrast(console):
     # keyboard: a page puts the focus on its content; back from there, every section, then the skip link
     page.wait_for_function("() => document.activeElement.id === 'main'")  # once the page is drawn
     visited = []
-    for _ in range(7):
+    for _ in range(11):
         page.keyboard.press("Shift+Tab")
         visited.append(page.evaluate("document.activeElement.textContent"))
-    assert visited == ["Log out", "Sessions", "Credentials", "Catalog", "Executions", "noetlmesh", "Skip to content"], visited
-    for _ in range(5):
+    # a developer's menu: no Users, no Audit (user.admin, audit.read)
+    assert visited == ["Log out", "Sessions", "Tokens", "Credentials", "Catalog", "Schedules", "Waits", "Executions",
+                       "Overview", "noetlmesh", "Skip to content"], visited
+    for _ in range(9):
         page.keyboard.press("Tab")
     page.keyboard.press("Enter")  # Sessions
     page.wait_for_selector("#sessions tr.current")
@@ -214,7 +219,8 @@ def test_fork_join_from_the_catalog_the_join_the_timeline_and_time_travel(consol
     page.click(f"#gantt .g-row[data-run='{eu['run_id']}'] .g-toggle")
     attempt = page.wait_for_selector("#gantt .g-row.level-1[data-task]")
     assert "attempt 1" in attempt.inner_text()
-    # zoom: in halves the window, Fit shows the whole execution again
+    # zoom: in halves the window, Fit shows the whole execution again (once the chart has read its end)
+    page.wait_for_selector("#gantt[data-end]:not([data-end=''])")
     whole = page.inner_text("#gantt-range")
     page.click("#gantt-in")
     page.wait_for_function(f"() => document.getElementById('gantt-range').textContent !== {whole!r}")
@@ -487,6 +493,172 @@ def test_a_loop_whose_iterations_failed_is_not_drawn_green(console):
         page.wait_for_selector(f"#step-detail article.run .badge[data-status={status}]")
         assert page.evaluate(CONTRAST) == []
     console.shot("13-loop-partial")
+
+
+def test_the_overview_counts_what_the_api_counts(console):
+    page = console.page
+    page.click("#nav a[data-section=overview]")
+    page.wait_for_selector("#ov-totals .ov-total[data-status=ALL]")
+    stats = console.http.get("/api/stats/executions", params={"buckets": 48}).json()
+    for status, n in stats["totals"].items():
+        if n:
+            assert page.inner_text(f"#ov-totals .ov-total[data-status={status}] strong") == f"{n:,}", status
+    assert stats["totals"].get("COMPLETED") and stats["totals"].get("FAILED")  # the tests before made both
+    slices = page.locator("#ov-chart g.ov-slice").count()
+    assert slices == 48 and page.locator("#ov-chart g.ov-slice rect.ov-completed").count() >= 1
+    assert page.locator("#ov-chart g.ov-slice rect.ov-failed").count() >= 1
+    paths = page.eval_on_selector_all("#ov-slowest tbody tr[data-path]", "rs => rs.map(r => r.dataset.path)")
+    assert paths == [p["path"] for p in stats["slowest"]] and "examples/fork_join" in paths
+    kinds = page.eval_on_selector_all("#ov-failures tbody tr[data-kind]", "rs => rs.map(r => r.dataset.kind)")
+    assert kinds == [f["kind"] or "" for f in stats["failures"]] and kinds
+    latest = stats["failures"][0]["latest_execution"]
+    assert page.locator(f"#ov-failures a[href='#/executions/{latest}']").count() == 1
+    assert page.evaluate(CONTRAST) == []
+    console.shot("16-overview", full=True)
+    page.select_option("#ov-range", "1h")
+    page.wait_for_function("() => document.querySelectorAll('#ov-chart g.ov-slice').length === 12")
+    assert "range=1h" in page.url
+
+
+RESTRICTED = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: restricted, path: console/restricted}
+workflow:
+  - step: start
+    tool:
+      - name: ask
+        kind: wait
+        signal: sign_off
+        roles: [admin]
+        form: {note: text}
+"""
+
+
+def test_the_waits_inbox_lists_what_the_user_may_answer_with_its_form(console):
+    page = console.page
+    assert console.http.post("/api/catalog", json={"content": RESTRICTED}).status_code == 201
+    mine = console.http.post("/api/executions", json={"path": "console/approval"}).json()["execution_id"]
+    other = console.http.post("/api/executions", json={"path": "console/restricted"}).json()["execution_id"]
+
+    def waiting():
+        rows = console.admin.get("/api/waits").json()
+        return {w["execution_id"] for w in rows} >= {mine, other}
+
+    console.wait_api(waiting)
+    page.click("#nav a[data-section=waits]")
+    item = page.wait_for_selector(f"#waits article[data-execution='{mine}']")
+    assert page.locator(f"#waits article[data-execution='{other}']").count() == 0  # roles [admin]: not hers
+    assert item.query_selector(f"a[href='#/executions/{mine}']") is not None
+    box = item.query_selector("input[type=checkbox][name=ok]")
+    box.check()
+    assert page.evaluate(CONTRAST) == []
+    console.shot("17-waits")
+    item.query_selector("button[type=submit]").click()
+    page.wait_for_selector(f"#waits article[data-execution='{mine}'] .signal-status[data-state=sent]")
+
+    def completed():
+        return console.http.get(f"/api/executions/{mine}", params={"brief": "true"}).json()["status"] == "COMPLETED"
+
+    console.wait_api(completed)
+    page.click("#waits-refresh")
+    page.wait_for_function(f"() => !document.querySelector(\"#waits article[data-execution='{mine}']\")")
+    assert console.admin.post(f"/api/executions/{other}/cancel").status_code == 202
+
+
+def test_schedules_listed_paused_and_resumed_where_the_user_may(console):
+    page = console.page
+    mine = console.http.post("/api/schedules", json={"path": "console/approval", "every": "6h", "name": "ann-six-hourly"})
+    assert mine.status_code == 201, mine.text
+    theirs = console.admin.post("/api/schedules", json={"path": "examples/fork_join", "cron": "0 0 3 * * *",
+                                                        "timezone": "Europe/Paris", "name": "admin-nightly"})
+    assert theirs.status_code == 201, theirs.text
+    try:
+        page.click("#nav a[data-section=schedules]")
+        row = page.wait_for_selector("#schedules tr[data-schedule=ann-six-hourly][data-status=active]")
+        assert "every 6 h" in row.inner_text()
+        other = page.wait_for_selector("#schedules tr[data-schedule=admin-nightly]")
+        assert "Europe/Paris" in other.inner_text()
+        assert other.query_selector("button") is None  # another user's: ann may not pause it (execution.cancel.any)
+        other.query_selector("details.fires-box summary").click()
+        page.wait_for_function("() => document.querySelectorAll('#schedules tr[data-schedule=admin-nightly] ol.fires li').length === 10")
+        assert page.evaluate(CONTRAST) == []
+        console.shot("18-schedules")
+        row.query_selector("button[data-action=pause]").click()
+        page.wait_for_selector("#schedules tr[data-schedule=ann-six-hourly][data-status=paused] button[data-action=resume]")
+        assert console.http.get("/api/schedules/ann-six-hourly").json()["paused"] is True
+        page.click("#schedules tr[data-schedule=ann-six-hourly] button[data-action=resume]")
+        page.wait_for_selector("#schedules tr[data-schedule=ann-six-hourly][data-status=active] button[data-action=pause]")
+        assert console.http.get("/api/schedules/ann-six-hourly").json()["paused"] is False
+    finally:
+        console.admin.delete("/api/schedules/ann-six-hourly")
+        console.admin.delete("/api/schedules/admin-nightly")
+
+
+def test_admin_pages_users_tokens_and_audit_and_none_for_a_developer(console):
+    page = console.page
+    for section in ("users", "audit"):  # ann is a developer: not in her menu, and the page says why
+        assert page.locator(f"#nav a[data-section={section}]").count() == 0
+        console.go(f"/{section}")
+        page.wait_for_selector("#forbidden")
+        assert ("user.admin" if section == "users" else "audit.read") in page.inner_text("#forbidden")
+    admin = page.context.browser.new_page(viewport={"width": 1440, "height": 1000})
+    errors: list[str] = []
+    admin.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        admin.goto(f"{console.url}/ui/#/users")
+        admin.click("form.login details summary")
+        admin.fill("#api-token", console.admin_token)
+        admin.click("form.login button[type=submit]")
+        admin.wait_for_selector("#users tr[data-user=ann]")
+        for section in ("users", "audit", "tokens"):
+            assert admin.locator(f"#nav a[data-section={section}]").count() == 1
+        # a user added from the form; what it typed is shown as text
+        admin.fill("#nu-name", "bob")
+        admin.fill("#nu-display", "<img src=x id=pwned>")
+        admin.fill("#nu-password", PASSWORD)
+        admin.click("#new-user button[type=submit]")
+        bob = admin.wait_for_selector("#users tr[data-user=bob]")
+        assert "<img src=x id=pwned>" in bob.inner_text() and admin.locator("#pwned").count() == 0
+        bob_id = next(u for u in console.admin.get("/api/users").json() if u["username"] == "bob")["user_id"]
+        admin.check(f"#roles-{bob_id}-operator")
+        admin.uncheck(f"#roles-{bob_id}-viewer")
+        admin.click("#users tr[data-user=bob] button[data-action=roles]")
+        admin.wait_for_selector("#users-status:text('Roles of bob set')")
+        assert next(u for u in console.admin.get("/api/users").json() if u["username"] == "bob")["roles"] == ["operator"]
+        admin.click("#users tr[data-user=bob] button[data-action=disable]")
+        admin.wait_for_selector("#users tr[data-user=bob][data-disabled=true]")
+        assert admin.evaluate(CONTRAST) == []
+        admin.screenshot(path=str(SHOTS / "19-users.png"))
+        # an API token: shown once, listed by name, revoked
+        admin.click("#nav a[data-section=tokens]")
+        admin.fill("#tk-name", "ci-deploy")
+        admin.check("#tk-role-viewer")
+        admin.click("#token-form button[type=submit]")
+        token = admin.wait_for_selector("#token-value").input_value()
+        assert token.startswith("noetl_t_")
+        who = httpx.get(f"{console.url}/api/auth/whoami", headers={"Authorization": f"Bearer {token}"}, trust_env=False).json()
+        assert who["roles"] == ["viewer"]
+        row = admin.wait_for_selector("#tokens tr[data-name=ci-deploy]")
+        assert token not in admin.inner_text("#tokens")
+        row.query_selector("button[data-action=revoke]").click()
+        admin.wait_for_selector("#tokens-status:text('ci-deploy revoked')")
+        admin.wait_for_function("() => !document.querySelector('#tokens tr[data-name=ci-deploy]')")
+        assert httpx.get(f"{console.url}/api/auth/whoami", headers={"Authorization": f"Bearer {token}"},
+                         trust_env=False).status_code == 401
+        # the audit log: what was just done, filtered by area
+        admin.click("#nav a[data-section=audit]")
+        admin.wait_for_selector("#audit tbody tr[data-action]")
+        admin.fill("#au-action", "user")
+        admin.press("#au-action", "Enter")
+        admin.wait_for_function("() => { const a = [...document.querySelectorAll('#audit tbody tr[data-action]')].map(r => r.dataset.action);"
+                                " return a.length && a.every(x => x.startsWith('user.')) && a.includes('user.disabled') && a.includes('user.added'); }")
+        assert "bob" in admin.inner_text("#audit")
+        assert admin.evaluate(CONTRAST) == []
+        admin.screenshot(path=str(SHOTS / "21-audit.png"))
+    finally:
+        admin.close()
+    assert not errors, errors
 
 
 # Each arc label of the net: the elements seen at points along its text's middle line (none may be an

@@ -595,6 +595,7 @@ export async function executionPage(main, id, query, ctx) {
       });
     }
     gantt.update(tl);
+    ganttBox.dataset.end = tl.end ?? "";  // read after the execution finished: the chart changes no more
     if (!page.live && page.shown && page.shown.at) gantt.setMarker(page.shown.at.timestamp);
     renderAside();
   }, 1500);
