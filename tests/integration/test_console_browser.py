@@ -377,6 +377,16 @@ def test_a_failed_step_is_restarted_from_its_detail(console):
     assert page.get_attribute("#net g.node[data-step=publish]", "data-status") == "failed"  # never changed
 
 
+INLINE = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: inline_double, path: console/inline_double}
+workflow:
+  - step: double
+    tool: {kind: noop, result: "{{ workload.n * 2 }}"}
+"""
+
+
 def test_run_again_with_an_edited_workload_and_find_it_by_its_id(console):
     page = console.page
     eid = console.http.post("/api/executions", json={"path": "console/flaky"}).json()["execution_id"]
@@ -404,6 +414,20 @@ def test_run_again_with_an_edited_workload_and_find_it_by_its_id(console):
     page.wait_for_selector("#exec-status [data-status=completed]")
     again = console.http.get(f"/api/executions/{new}").json()
     assert again["path"] == "console/flaky" and again["workload"]["broken"] is False
+    # an inline playbook (none in the catalog) runs again from the document its first event holds
+    inline = console.http.post("/api/executions", json={"playbook": INLINE, "workload": {"n": 2}}).json()["execution_id"]
+    console.go(f"/executions/{inline}")
+    page.wait_for_selector("#exec-status [data-status=completed]")
+    page.click("#rerun")
+    page.wait_for_selector("#rerun-workload")
+    assert page.locator("#rerun-version").count() == 0
+    page.fill("#rerun-workload", '{"n": 5}')
+    page.click("#rerun-start")
+    page.wait_for_function(f"() => /^#\\/executions\\/[0-9a-f]+$/.test(location.hash) && !location.hash.endsWith('{inline}')")
+    page.wait_for_selector("#exec-status [data-status=completed]")
+    page.wait_for_selector("#net g.node[data-step=double][data-status=done]")
+    twice = console.http.get(f"/api/executions/{page.url.rsplit('/', 1)[-1]}").json()
+    assert twice["workload"] == {"n": 5} and console.http.get("/api/catalog", params={"path": "console/inline_double"}).json() == []
     # the executions page finds it by the start of its id, and only it
     console.go("/executions")
     page.wait_for_selector("#executions tbody tr[data-execution]")

@@ -223,17 +223,18 @@ export async function executionPage(main, id, query, ctx) {
     const note = h("p", { role: "status", class: "note", id: "rerun-status" }, "Reading the execution's workload…");
     add(rerunBox, h("div", { class: "card rerun-form" }, note));
     renderActions(page.latest);
-    let full, playbook = null;
+    let full, playbook = null, catalog = false;
     try {
       full = await api(`/api/executions/${id}`);
-      if (!full.path) {
+      catalog = !!(full.path && full.version);  // an inline playbook has its metadata's path, no version
+      if (!catalog) {
         const first = await api(`/api/executions/${id}/events`, { query: { name: ["playbook.execution.requested"], limit: 1 } });
         playbook = first.events.length ? first.events[0].data.playbook : null;
       }
     } catch (e) { note.textContent = e.message; return; }
     const workload = h("textarea", { id: "rerun-workload", rows: 8, class: "mono", oninput: () => { status.textContent = ""; } },
       JSON.stringify(full.workload || {}, null, 2));
-    const which = full.path ? h("select", { id: "rerun-version" },
+    const which = catalog ? h("select", { id: "rerun-version" },
       h("option", { value: "same" }, `this version (v${full.version})`), h("option", { value: "latest" }, "the latest version")) : null;
     const form = h("form", { class: "card rerun-form", onsubmit: async (ev) => {
       ev.preventDefault();
@@ -241,7 +242,7 @@ export async function executionPage(main, id, query, ctx) {
       try { body = workload.value.trim() ? JSON.parse(workload.value) : {}; } catch (e) { status.textContent = `the workload is not JSON: ${e.message}`; return; }
       if (body === null || typeof body !== "object" || Array.isArray(body)) { status.textContent = "the workload is a JSON object"; return; }
       const request = { workload: body };
-      if (full.path) { request.path = full.path; if (which.value === "same" && full.version) request.version = full.version; }
+      if (catalog) { request.path = full.path; if (which.value === "same") request.version = full.version; }
       else if (playbook) request.playbook = playbook;
       else { status.textContent = "this execution's playbook is not in its log"; return; }
       status.textContent = "Starting…";
@@ -251,7 +252,7 @@ export async function executionPage(main, id, query, ctx) {
       } catch (e) { status.textContent = e.message; }
     } },
     h("h2", {}, "Run again"),
-    h("p", { class: "note" }, full.path ? `A new execution of ${full.path}, with this execution's workload (merged over the playbook's own, as when it was started): change it below.`
+    h("p", { class: "note" }, catalog ? `A new execution of ${full.path}, with this execution's workload (merged over the playbook's own, as when it was started): change it below.`
       : "A new execution of the same inline playbook, with this execution's workload: change it below."),
     which ? [h("label", { for: "rerun-version" }, "Playbook"), which] : null,
     h("label", { for: "rerun-workload" }, "Workload (JSON)"), workload,
