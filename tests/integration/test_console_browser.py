@@ -293,7 +293,8 @@ def test_a_wait_answered_from_its_form_moves_the_net_live(console):
     assert "waiting" in page.get_attribute("#net g.node[data-step=approve]", "aria-label")
     # the events, although the page was opened before the execution was recorded
     page.wait_for_selector("#timeline tr.event[data-name='wait.started']")
-    # the chart: the run waiting, its wait under it (open: it reaches to now)
+    # the chart: the run waiting, its wait under it (open: it reaches to now); no duration below zero
+    page.wait_for_function("() => [...document.querySelectorAll('#gantt .g-dur')].every(d => !d.textContent.startsWith('-'))")
     page.wait_for_selector("#gantt .g-row.level-0[data-step=approve][data-status=waiting]")
     page.click("#gantt .g-row.level-0[data-step=approve] .g-toggle")
     page.wait_for_selector("#gantt .g-row.level-1[data-task=ask] .g-bar.wait")
@@ -557,6 +558,59 @@ workflow:
         roles: [admin]
         form: {note: text}
 """
+
+
+RICH_FORM = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: rich_form, path: console/rich_form}
+workflow:
+  - step: start
+    tool:
+      - name: ask
+        kind: wait
+        signal: details
+        form: {comment: textarea}
+        schema:
+          type: object
+          required: [priority, count]
+          properties:
+            priority: {type: string, enum: [low, high], title: "<b>Priority</b>"}
+            count: {type: integer, minimum: 1}
+            comment: {type: string}
+            deep: {type: object, properties: {a: {type: object, properties: {b: {type: object, properties: {
+              c: {type: object, properties: {d: {type: object, properties: {e: {type: boolean}}}}}}}}}}}
+"""
+
+
+def test_a_wait_form_from_a_richer_schema_checks_before_sending(console):
+    page = console.page
+    assert console.http.post("/api/catalog", json={"content": RICH_FORM}).status_code == 201
+    eid = console.http.post("/api/executions", json={"path": "console/rich_form"}).json()["execution_id"]
+    console.go(f"/executions/{eid}")
+    form = page.wait_for_selector("form.signal[data-signal=details]")
+    fields = form.eval_on_selector_all(".form-box > .fields > [data-field]", "fs => fs.map(f => f.dataset.field)")
+    assert fields[:2] == ["priority", "count"] and set(fields) == {"priority", "count", "comment", "deep"}, fields
+    assert form.query_selector("select[name=priority]") is not None  # an enum: a list to choose from
+    assert form.query_selector("input[type=number][name=count]").get_attribute("min") == "1"
+    assert form.query_selector("textarea[name=comment]") is not None  # the form hint: a long text
+    assert "<b>Priority</b>" in form.inner_text() and not form.query_selector("b")  # a title is text
+    assert form.query_selector("[data-field='deep.a.b.c'] textarea") is not None  # too deep: JSON for it
+    form.query_selector("button[type=submit]").click()
+    page.wait_for_selector("form.signal[data-signal=details] .signal-status[data-state=error]")
+    assert "priority is required" in form.query_selector(".signal-status").inner_text()
+    form.query_selector("select[name=priority]").select_option(label="high")
+    form.query_selector("input[name=count]").fill("3")
+    form.query_selector("textarea[name=comment]").fill("line one\nline two")
+    assert page.evaluate(CONTRAST) == []
+    console.shot("22-wait-rich-form")
+    form.query_selector("button[type=submit]").click()
+    page.wait_for_selector("#exec-status [data-status=completed]")
+    signal = next(e for e in console.http.get(f"/api/executions/{eid}/events", params={"limit": 1000}).json()["events"]
+                  if e["name"] == "signal.received")
+    payload = signal["data"]["payload"]
+    assert payload == {"priority": "high", "count": 3, "comment": "line one\nline two",
+                       "deep": {"a": {"b": {}}}}, payload
 
 
 def test_the_waits_inbox_lists_what_the_user_may_answer_with_its_form(console):

@@ -8,6 +8,7 @@ import { api } from "./api.js";
 import { h, add, clear } from "./dom.js";
 
 let serial = 0;
+const MAX_DEPTH = 4;  // objects nested deeper than this are a JSON box: a hostile schema draws no endless form
 const HINT_TYPES = { checkbox: "boolean", boolean: "boolean", number: "number", integer: "integer", text: "string",
   string: "string", textarea: "string", date: "string", datetime: "string", email: "string" };
 const FORMATS = { "date-time": "datetime-local", date: "date", time: "time", email: "email", uri: "url" };
@@ -106,7 +107,7 @@ function field(name, schema, { required, hint, prefix, path }) {
       get: () => ({ value: boxes.filter(([b]) => b.checked).map(([b]) => items.enum[Number(b.value)]) }),
       set: (v) => boxes.forEach(([b], i) => { b.checked = Array.isArray(v) && v.includes(items.enum[i]); }) };
   }
-  if (type === "object" && formable(schema)) {
+  if (type === "object" && formable(schema) && path.length < MAX_DEPTH) {
     const inner = fields(schema, { prefix, path });
     const set = h("fieldset", { class: "field group", "data-field": path.join(".") }, h("legend", {}, title, required ? " *" : ""), help, inner.element);
     return { element: set, get: () => inner.get(), set: (v) => inner.set(v) };
@@ -124,7 +125,11 @@ function field(name, schema, { required, hint, prefix, path }) {
 
 function fields(schema, { hints = {}, prefix, path = [] }) {
   const required = new Set(Array.isArray(schema.required) ? schema.required : []);
-  const list = Object.entries(schema.properties).map(([name, sub]) => [name,
+  // the required fields first, in the order `required` lists them (an array keeps its order; the keys of
+  // an object stored in Postgres' jsonb come back shortest first), then the others
+  const names = Object.keys(schema.properties);
+  const order = [...[...required].filter((n) => names.includes(n)), ...names.filter((n) => !required.has(n))];
+  const list = order.map((name) => [name, schema.properties[name]]).map(([name, sub]) => [name,
     field(name, sub && typeof sub === "object" ? sub : {}, { required: required.has(name), hint: hints[name], prefix, path: [...path, name] })]);
   return {
     element: h("div", { class: "fields" }, list.map(([, f]) => f.element)),
@@ -212,6 +217,6 @@ export function signalForm(w, { onSent } = {}) {
       }
     } },
   h("p", {}, h("strong", {}, w.signal), ` — step ${w.step}${w.iteration !== null && w.iteration !== undefined ? `[${w.iteration}]` : ""}, task ${w.task}`,
-    spec.assignee ? `, for ${spec.assignee}` : "", spec.roles ? `, roles ${spec.roles.join(", ")}` : ""),
+    spec.assignee ? `, for ${spec.assignee}` : "", Array.isArray(spec.roles) ? `, roles ${spec.roles.join(", ")}` : ""),
   editor.element, h("div", { class: "row" }, send, note));
 }

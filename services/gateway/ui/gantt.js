@@ -18,7 +18,7 @@ export function relative(seconds) {
 }
 
 function span(a, b) {
-  return a === null || a === undefined || b === null || b === undefined ? null : (b - a) * 1000;
+  return a === null || a === undefined || b === null || b === undefined ? null : Math.max(0, (b - a) * 1000);
 }
 
 // A run's detail for the step panel: admitted, started, ended, how long it waited and ran.
@@ -311,7 +311,15 @@ export function createGantt(container, { onSelect, onFilter, onWindow } = {}) {
     update(tl) {
       const wasZoomed = win && zoomed();
       data = tl;
-      const end = tl.end ?? tl.now;
+      // the recorder reads its clock before the events: one recorded meanwhile may be later than `now`
+      let latest = tl.now ?? tl.start;
+      for (const r of tl.runs) {
+        for (const t of [r.admitted_at, r.started_at, r.ended_at]) if (t > latest) latest = t;
+        for (const a of r.tasks || []) for (const t of [a.started_at, a.suspended_at, a.ended_at]) if (t > latest) latest = t;
+        for (const w of r.waits || []) for (const t of [w.started_at, w.ended_at]) if (t > latest) latest = t;
+      }
+      data = { ...tl, now: latest };
+      const end = tl.end ?? data.now;
       full = [tl.start, Math.max(tl.start + MIN_SPAN, end + (end - tl.start) * 0.02)];
       if (!win || !wasZoomed) win = [...full];
       render();
