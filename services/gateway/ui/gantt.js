@@ -215,6 +215,7 @@ export function createGantt(container, { onSelect, onFilter, onWindow } = {}) {
     ticks();
     add(clear(rows), list.length ? list : h("p", { class: "note" }, "No step has run yet."));
     range.textContent = `${relative(win[0] - data.start)} to ${relative(win[1] - data.start)} (${fmtDuration((win[1] - win[0]) * 1000)})`;
+    chart.dataset.zoomed = String(zoomed());
     const notes = [];
     if (data.runs_total > data.runs.length) notes.push(`the last ${num(data.runs.length)} of ${num(data.runs_total)} runs are drawn`);
     if (data.tasks_more || data.tasks_total > (data.limits || {}).tasks) notes.push(`the first ${num((data.limits || {}).tasks)} task attempts are drawn`);
@@ -251,7 +252,12 @@ export function createGantt(container, { onSelect, onFilter, onWindow } = {}) {
     setWindow(mid - half, mid + half);
   }
   function zoomTo(a, b) { setWindow(a, b); }
-  function fit() { if (full) setWindow(full[0], full[1]); }
+  function fit() {  // exactly the whole execution (setWindow's arithmetic could miss its ends by a rounding)
+    if (!full) return;
+    win = [...full];
+    render();
+    if (onWindow && data && data.runs.some((r) => r.loop && r.loop.slices)) onWindow(null);
+  }
   function pan(by) {
     if (!win) return;
     const d = (win[1] - win[0]) * by;
