@@ -44,7 +44,7 @@ from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
-from noetl_mesh.core import restart, view
+from noetl_mesh.core import restart, timeline, view
 from noetl_mesh.core.events import event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra import logs, metrics
@@ -76,6 +76,7 @@ from noetl_mesh.infra.bus import (
     live_subject,
     log_seq,
 )
+from noetl_mesh.contracts.subjects import Q_EXECUTION_STATS, Q_EXECUTION_TIMELINE
 from noetl_mesh.lang.validate import validate_text
 from noetl_mesh.limits import LimitExceeded
 
@@ -95,6 +96,8 @@ MAX_PAGE = 1000
 _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execution_id", "created_at",
                       "started_at", "finished_at", "error", "requested_by", "restarted_from")
 MAX_RESTARTS = 100  # an execution's restarts listed with it (D32), oldest first
+MAX_STATS_DAYS = 366  # the longest time range of the overview (noetl.q.execution.stats)
+MAX_STATS_ROWS = 20  # playbooks and error kinds listed by the overview
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 # the username of who started an execution: its request event's, else (a child: started by its parent on
 # that user's behalf) its nearest ancestor's, up the parent chain (at most 64 levels, as the depth limit)
@@ -175,7 +178,8 @@ class RecorderService:
             (Q_EXECUTION_EVENTS, self.execution_events), (Q_EXECUTION_LIST, self.execution_list),
             (Q_EXECUTION_WAITS, self.execution_waits), (Q_EXECUTION_STATE, self.execution_state),
             (Q_EXECUTION_RESULT, self.execution_result), (Q_EXECUTION_STATUS, self.execution_status),
-            (Q_EXECUTION_SEED, self.execution_seed), (Q_RECORDER_PING, self.ping),
+            (Q_EXECUTION_SEED, self.execution_seed), (Q_EXECUTION_TIMELINE, self.execution_timeline),
+            (Q_EXECUTION_STATS, self.execution_stats), (Q_RECORDER_PING, self.ping),
         ):
             await self._serve(subject, handler)
         if await self._open_database():  # the usual case: up, so everything is bound when start returns
@@ -768,6 +772,191 @@ class RecorderService:
             out["net"] = view.net(state.playbook)
         return out
 
+    async def execution_timeline(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The execution's timeline (core/timeline.py): its step runs, their tasks' attempts, waits and
+        loop iterations with their times, bounded whatever the execution's size. A loop of more than
+        ``timeline.MAX_ITERATIONS`` iterations is counts per slice of the window (``from``, ``to``: epoch
+        seconds, default the execution's span; ``buckets`` slices), read from the loop events' partial
+        index; task events are read only in the stretches of the log where the other runs ran."""
+        xid = _execution_id(req)
+        buckets = _int(req.get("buckets")) or timeline.DEFAULT_BUCKETS
+        if not 1 <= buckets <= timeline.MAX_BUCKETS:
+            raise BusError("bad_request", f"buckets must be from 1 to {timeline.MAX_BUCKETS}")
+        bounds = []
+        for key in ("from", "to"):
+            value = req.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not -1e11 < value < 1e11):
+                raise BusError("bad_request", f"{key} must be a time in epoch seconds")
+            bounds.append(value)
+        now = time.time()
+        cap = limits.current().max_state_events
+        async with self._connection() as conn:
+            proj = await (await conn.execute(
+                "SELECT status, extract(epoch FROM created_at)::float8, extract(epoch FROM finished_at)::float8"
+                " FROM execution WHERE execution_id = %s", (xid,))).fetchone()
+            first = await (await conn.execute(
+                "SELECT extract(epoch FROM \"timestamp\")::float8 FROM event WHERE execution_id = %s ORDER BY seq"
+                " LIMIT 1", (xid,))).fetchone()
+            if first is None:
+                raise BusError("not_found", f"execution {xid} is not known")
+            # the runs: their admissions and terminal events, through the state events' partial index
+            cur = await conn.execute(
+                "SELECT seq, name, step, step_run_id, extract(epoch FROM \"timestamp\")::float8,"
+                " CASE WHEN name = 'step.failed' THEN jsonb_build_object('kind', data->'error'->'kind',"
+                " 'total', data->'total', 'done', data->'done', 'failed', data->'failed')"
+                " WHEN name = 'loop.done' THEN jsonb_build_object('total', data->'total', 'done', data->'done',"
+                " 'failed', data->'failed') END"
+                f" FROM event WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL} AND name = ANY(%s)"
+                " ORDER BY seq LIMIT %s", (xid, list(timeline.RUN_EVENTS), cap + 1))
+            rows = await cur.fetchall()
+            if len(rows) > cap:
+                raise BusError("too_large", str(LimitExceeded(
+                    "max_state_events", None, f"execution {xid}", what="the step events of a timeline")))
+            runs, by_id = timeline.run_spans(rows)
+            shown = runs[-timeline.MAX_RUNS:]
+            ids = [r["run_id"] for r in shown]
+            seqs: dict[str, list[Any]] = {}
+            for seq, name, _step, run_id, _ts, _data in rows:
+                if run_id in by_id:
+                    span = seqs.setdefault(run_id, [seq, None])
+                    if name in timeline.TERMINAL:
+                        span[1] = seq
+            start = first[0]
+            end = proj[2] if proj and proj[2] is not None else None
+            lo = max(bounds[0], start) if bounds[0] is not None else start
+            hi = min(bounds[1], end or now) if bounds[1] is not None else (end or now)
+            if hi <= lo:
+                hi = lo + 0.001
+            # loops: counters kept with the events, and each run's loop.started (the loop events' index)
+            loops: dict[str, dict[str, Any]] = {}
+            if ids:
+                cur = await conn.execute(
+                    "SELECT step_run_id, extract(epoch FROM \"timestamp\")::float8,"
+                    " CASE WHEN jsonb_typeof(data->'total') = 'number' THEN (data->>'total')::numeric"
+                    " WHEN jsonb_typeof(data->'items') = 'array' THEN jsonb_array_length(data->'items') END"
+                    f" FROM event WHERE execution_id = %s AND {schema.LOOP_EVENTS_SQL} AND name = 'loop.started'"
+                    " AND step_run_id = ANY(%s)", (xid, ids))
+                for rid, ts, total in await cur.fetchall():
+                    loops[rid] = {"started_at": ts, "total": int(total) if total is not None and 0 <= total < 2**31
+                                  else None, "started": 0, "done": 0, "failed": 0}
+                for rid in ids:  # a loop that failed before its loop.started (a bad `in`): none to draw
+                    if rid not in loops and (by_id[rid].get("counts") or {}).get("total") is not None:
+                        loops[rid] = {"started_at": None, "total": by_id[rid]["counts"]["total"], "started": 0,
+                                      "done": 0, "failed": 0}
+            if loops:
+                cur = await conn.execute(
+                    "SELECT step_run_id, started, done, failed, extract(epoch FROM first_at)::float8,"
+                    " extract(epoch FROM last_at)::float8 FROM loop_progress WHERE execution_id = %s"
+                    " AND step_run_id = ANY(%s)", (xid, list(loops)))
+                for rid, a, d, f, t0, t1 in await cur.fetchall():
+                    loops[rid].update({"started": a, "done": d, "failed": f, "first_at": t0, "last_at": t1})
+            listed, big, budget = [], [], timeline.MAX_LISTED_ITERATIONS
+            for rid, loop in loops.items():
+                n = max(loop["started"] or 0, (loop["done"] or 0) + (loop["failed"] or 0))
+                if n <= timeline.MAX_ITERATIONS and n <= budget:
+                    listed.append(rid)
+                    budget -= n
+                elif n:
+                    big.append(rid)
+            iterations: dict[str, list[dict[str, Any]]] = {}
+            if listed:
+                cur = await conn.execute(
+                    "SELECT step_run_id, iteration, name, extract(epoch FROM \"timestamp\")::float8 FROM event"
+                    f" WHERE execution_id = %s AND {schema.LOOP_EVENTS_SQL} AND name <> 'loop.started'"
+                    " AND step_run_id = ANY(%s)", (xid, listed))
+                iterations = timeline.iteration_spans(await cur.fetchall())
+            counts: dict[str, dict[str, list[int]]] = {}
+            if big:  # the iterations that ended, counted per slice, never read one by one (the loop events' index)
+                cur = await conn.execute(
+                    "SELECT step_run_id, name, width_bucket(extract(epoch FROM \"timestamp\")::float8, %s, %s, %s),"
+                    f" count(*) FROM event WHERE execution_id = %s AND {schema.LOOP_EVENTS_SQL}"
+                    " AND name IN ('loop.iteration.done', 'loop.iteration.failed') AND step_run_id = ANY(%s)"
+                    " GROUP BY 1, 2, 3",
+                    (lo, hi, buckets, xid, big))
+                counts = timeline.histogram(await cur.fetchall(), buckets)
+            # tasks: of the runs that are not big loops, in the stretches of the log where they ran
+            small = [rid for rid in ids if rid not in big]
+            tasks: dict[str, list[dict[str, Any]]] = {}
+            total, cut = 0, False
+            if small:
+                stretches = timeline.ranges([tuple(seqs[rid]) for rid in small])
+                where = " OR ".join("seq >= %s" if b is None else "seq BETWEEN %s AND %s" for _, b in stretches)
+                params = [v for a, b in stretches for v in ((a,) if b is None else (a, b))]
+                limit = 3 * timeline.MAX_TASKS + len(small)
+                cur = await conn.execute(
+                    "SELECT step_run_id, name, task, iteration, attempt, task_run_id,"
+                    " extract(epoch FROM \"timestamp\")::float8, status FROM event"
+                    f" WHERE execution_id = %s AND ({where}) AND name = ANY(%s) AND step_run_id = ANY(%s)"
+                    " ORDER BY seq LIMIT %s", (xid, *params, list(timeline.TASK_EVENTS), small, limit))
+                found = await cur.fetchall()
+                cut = len(found) >= limit
+                tasks, total = timeline.task_spans(found, by_id)
+            waits: list[dict[str, Any]] = []
+            if ids:
+                cur = await conn.execute(
+                    "SELECT step_run_id, iteration, task, kind, signal, extract(epoch FROM started_at)::float8,"
+                    " extract(epoch FROM ended_at)::float8 FROM wait WHERE execution_id = %s AND step_run_id = ANY(%s)"
+                    " ORDER BY started_at LIMIT %s", (xid, ids, 4 * timeline.MAX_ITERATIONS))
+                keys = ("step_run_id", "iteration", "task", "kind", "signal", "started_at", "ended_at")
+                waits = [dict(zip(keys, r)) for r in await cur.fetchall()]
+        return timeline.build(
+            execution={"execution_id": xid, "status": proj[0] if proj else None, "start": start, "end": end},
+            runs=runs, loops=loops, iterations=iterations, counts=counts, tasks=tasks, tasks_total=total,
+            waits=waits, window=(lo, hi), buckets=buckets, now=now, tasks_cut=cut)
+
+    async def execution_stats(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The console's overview of the executions created in ``[since, until)`` (epoch seconds; default
+        the last 24 hours, at most :data:`MAX_STATS_DAYS` days), from the ``execution`` projection: how
+        many per status in each of ``buckets`` slices, the totals, the playbooks whose finished executions
+        took longest (percentiles of their durations, the slowest one), and the failed ones by error kind
+        (with the latest one's message). A few aggregate queries, whatever the number of executions."""
+        now = time.time()
+        until = req.get("until") if req.get("until") is not None else now
+        since = req.get("since") if req.get("since") is not None else until - 86_400
+        for key, value in (("since", since), ("until", until)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e11 < value < 1e11:
+                raise BusError("bad_request", f"{key} must be a time in epoch seconds")
+        if until <= since or until - since > MAX_STATS_DAYS * 86_400:
+            raise BusError("bad_request", f"since must come before until, at most {MAX_STATS_DAYS} days before")
+        buckets = _int(req.get("buckets")) or 48
+        if not 1 <= buckets <= 400:
+            raise BusError("bad_request", "buckets must be from 1 to 400")
+        window = "created_at >= to_timestamp(%s) AND created_at < to_timestamp(%s)"
+        async with self._connection() as conn:
+            cur = await conn.execute(
+                "SELECT width_bucket(extract(epoch FROM created_at)::float8, %s, %s, %s), status, count(*)"
+                f" FROM execution WHERE {window} GROUP BY 1, 2", (since, until, buckets, since, until))
+            slices: list[dict[str, int]] = [{} for _ in range(buckets)]
+            totals: dict[str, int] = {}
+            for bucket, status, n in await cur.fetchall():
+                if 1 <= bucket <= buckets:
+                    slices[bucket - 1][status] = n
+                totals[status] = totals.get(status, 0) + n
+            cur = await conn.execute(
+                "SELECT path, count(*), avg(d), percentile_cont(0.5) WITHIN GROUP (ORDER BY d),"
+                " percentile_cont(0.95) WITHIN GROUP (ORDER BY d), max(d), (array_agg(execution_id ORDER BY d DESC))[1],"
+                " count(*) FILTER (WHERE status = 'FAILED')"
+                " FROM (SELECT path, execution_id, status, extract(epoch FROM finished_at - started_at)::float8 AS d"
+                f" FROM execution WHERE {window} AND finished_at IS NOT NULL AND started_at IS NOT NULL) f"
+                " GROUP BY path ORDER BY 5 DESC, 6 DESC LIMIT %s", (since, until, MAX_STATS_ROWS))
+            slowest = [{"path": path, "count": n, "avg_seconds": avg, "p50_seconds": p50, "p95_seconds": p95,
+                        "max_seconds": top, "slowest_execution": xid, "failed": failed}
+                       for path, n, avg, p50, p95, top, xid, failed in await cur.fetchall()]
+            cur = await conn.execute(
+                "SELECT coalesce(error->>'kind', 'unknown'), count(*), extract(epoch FROM max(finished_at))::float8,"
+                " (array_agg(execution_id ORDER BY finished_at DESC NULLS LAST))[1],"
+                " left((array_agg(error->>'message' ORDER BY finished_at DESC NULLS LAST))[1], 500),"
+                " count(DISTINCT path)"
+                f" FROM execution WHERE {window} AND status = 'FAILED' GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT %s",
+                (since, until, MAX_STATS_ROWS))
+            failures = [{"kind": kind, "count": n, "last_at": last, "latest_execution": xid, "latest_message": message,
+                         "playbooks": paths} for kind, n, last, xid, message, paths in await cur.fetchall()]
+        width = (until - since) / buckets
+        return {"since": since, "until": until, "buckets": buckets, "bucket_seconds": width,
+                "by_status": [{"from": since + i * width, **counts} for i, counts in enumerate(slices)],
+                "totals": totals, "slowest": slowest, "failures": failures}
+
     async def execution_seed(self, req: dict[str, Any]) -> dict[str, Any]:
         """D32: what a restart of the execution from ``from_step`` starts with (core/restart.py): the
         state folded up to the step's first ``step.started`` (its ``ctl`` events before it, through the
@@ -859,7 +1048,8 @@ class RecorderService:
 
     async def execution_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         """Projection rows, newest first: optional ``status``, ``user`` (a user id), ``path`` (a
-        playbook), ``since`` and ``until`` (created at, epoch seconds). Each row also has
+        playbook), ``id_prefix`` (the start of an execution id), ``since`` and ``until`` (created at, epoch
+        seconds). Each row also has
         ``requested_by_name``: the username its request event recorded; a child's is its nearest
         ancestor's (it was started on that user's behalf)."""
         limit = min(max(_int(req.get("limit")) or 50, 1), MAX_PAGE)
@@ -867,7 +1057,7 @@ class RecorderService:
         status = req.get("status")
         if status is not None and str(status).upper() not in STATUSES:
             raise BusError("bad_request", f"status must be one of {', '.join(STATUSES)}")
-        for key in ("user", "path"):
+        for key in ("user", "path", "id_prefix"):
             if req.get(key) is not None and not isinstance(req.get(key), str):
                 raise BusError("bad_request", f"{key} must be a string")
         for key in ("since", "until"):
@@ -878,6 +1068,7 @@ class RecorderService:
         conditions = [(c, v) for c, v in (
             ("status = %s", str(status).upper() if status else None), ("requested_by = %s", req.get("user")),
             ("path = %s", schema.text(req["path"]) if req.get("path") else None),
+            ("starts_with(execution_id, %s)", schema.text(req["id_prefix"]) if req.get("id_prefix") else None),
             ("created_at >= to_timestamp(%s)", req.get("since")), ("created_at < to_timestamp(%s)", req.get("until")),
         ) if v is not None]
         where = f"WHERE {' AND '.join(c for c, _ in conditions)}" if conditions else ""

@@ -740,6 +740,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                               user: str | None = Query(None, pattern=r"^(me|[0-9a-f]{32})$", description=(
                                   "only the executions this user started (a user id, or `me`)")),
                               path: str | None = Query(None, max_length=1024, description="only this playbook's"),
+                              id: str | None = Query(None, pattern=r"^[A-Za-z0-9_-]{1,128}$", description=(
+                                  "an execution id, or the start of one (the console's search)")),
                               since: str | None = Query(None, max_length=64, description=(
                                   "created at or after: ISO 8601, or epoch seconds")),
                               until: str | None = Query(None, max_length=64, description=(
@@ -751,7 +753,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         query: dict[str, Any] = {"limit": limit, "offset": offset, "status": status}
         if user is not None:
             query["user"] = who["user_id"] if user == "me" else user
-        for key, value in (("path", path or None), ("since", _instant(since, "query.since")),
+        for key, value in (("path", path or None), ("id_prefix", id), ("since", _instant(since, "query.since")),
                            ("until", _instant(until, "query.until"))):
             if value is not None:
                 query[key] = value

@@ -10,6 +10,11 @@ same API as the CLI, with the same tokens and roles (docs/console.md).
   log sequence ``seq``): the engine's fold of the log up to there, as core/view.py shows it (time
   travel, D22); with ``net=true`` the playbook's net too.
 - ``GET /api/executions/{id}/runs/{run_id}/result``: one step run's whole result, as a download.
+- ``GET /api/executions/{id}/timeline``: the execution's step runs, task attempts, waits and loop
+  iterations with their times, bounded (a big loop as counts per slice of time): the Gantt chart
+  (core/timeline.py).
+- ``GET /api/stats/executions``: executions per status over time, the slowest playbooks and the failures
+  by error kind, in a time range (the overview page).
 - ``GET /api/catalog/{id}/lint``: a catalog entry's validation diagnostics and lint findings at their
   lines, and its net.
 - ``GET /api/live/executions`` and ``GET /api/live/executions/{id}``: server-sent events fed from NATS
@@ -18,6 +23,7 @@ same API as the CLI, with the same tokens and roles (docs/console.md).
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -29,6 +35,8 @@ from starlette.types import Receive, Scope, Send
 from noetl_mesh import limits
 from noetl_mesh.core import access, view
 from noetl_mesh.infra import tracing
+from noetl_mesh.contracts.subjects import Q_EXECUTION_STATS, Q_EXECUTION_TIMELINE
+from noetl_mesh.core import timeline
 from noetl_mesh.infra.bus import Q_CATALOG_GET, Q_EXECUTION_RESULT, Q_EXECUTION_STATE, dumps
 from noetl_mesh.infra.payloads import MARKER, PayloadMissing
 from noetl_mesh.services.gateway import auth, headers, live
@@ -125,6 +133,57 @@ def install(app: FastAPI) -> None:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{reply.get('step') or 'step'}-{run_id}")[:120]
         return Response(dumps(reply), media_type="application/json",
                         headers={"Content-Disposition": f'attachment; filename="{name}.json"'})
+
+    # ------------------------------------------------------------------ the timeline and the overview
+    @app.get("/api/executions/{execution_id}/timeline", tags=["console"])
+    async def execution_timeline(execution_id: str, who: dict = need("execution.read"),
+                                 since: str | None = Query(None, alias="from", max_length=64, description=(
+                                     "the window's start: ISO 8601 or epoch seconds (default: the execution's)")),
+                                 until: str | None = Query(None, alias="to", max_length=64, description=(
+                                     "the window's end (default: when it finished, or now)")),
+                                 buckets: int = Query(timeline.DEFAULT_BUCKETS, ge=1, le=timeline.MAX_BUCKETS,
+                                                      description="slices of the window a big loop is counted in"),
+                                 ) -> dict[str, Any]:
+        """The execution's timeline, for a Gantt chart: each step run (the last 500) with when it was
+        admitted, started and ended and its status; its tasks' attempts (``task.started`` to
+        ``task.processed``) and waits; a loop's iterations one by one up to 100, a bigger loop as how many
+        iterations started, ended done and failed in each slice of the window (never its rows). Times
+        are epoch seconds; ``end`` is null while it runs (``now``: the recorder's clock)."""
+        request: dict[str, Any] = {"execution_id": execution_id, "buckets": buckets}
+        for key, value, where in (("from", since, "query.from"), ("to", until, "query.to")):
+            moment = _instant(value, where)
+            if moment is not None:
+                request[key] = moment
+        if "from" in request and "to" in request and request["to"] <= request["from"]:
+            raise problem(422, "query.to: the window ends before it starts", "query.to")
+        with tracing.span("gateway GET /api/executions/{id}/timeline", service="gateway", execution_id=execution_id):
+            return await shell.ask(Q_EXECUTION_TIMELINE, request)
+
+    @app.get("/api/stats/executions", tags=["console"])
+    async def execution_stats(who: dict = need("execution.read"),
+                              since: str | None = Query(None, max_length=64, description=(
+                                  "created at or after: ISO 8601 or epoch seconds (default: a day before until)")),
+                              until: str | None = Query(None, max_length=64, description=(
+                                  "created before (default: now)")),
+                              buckets: int = Query(48, ge=1, le=400, description="slices of the time range"),
+                              ) -> dict[str, Any]:
+        """The executions created in a time range (at most 366 days): how many per status in each slice
+        of it (``by_status``) and in all (``totals``), the playbooks whose finished executions took
+        longest (``slowest``: count, average, median, 95th percentile and maximum in seconds, the slowest
+        execution, how many failed) and the failed executions by error kind (``failures``: count, the
+        latest one and its message). Read-only, from the executions' projection."""
+        request: dict[str, Any] = {"buckets": buckets}
+        for key, value, where in (("since", since, "query.since"), ("until", until, "query.until")):
+            moment = _instant(value, where)
+            if moment is not None:
+                request[key] = moment
+        first, last = request.get("since"), request.get("until")
+        if first is not None and last is not None and last <= first:
+            raise problem(422, "query.until: the time range ends before it starts", "query.until")
+        if first is not None and (last if last is not None else time.time()) - first > 366 * 86_400:
+            raise problem(422, "query.since: the time range is at most 366 days", "query.since")
+        with tracing.span("gateway GET /api/stats/executions", service="gateway"):
+            return await shell.ask(Q_EXECUTION_STATS, request, "query")
 
     # ------------------------------------------------------------------ a catalog entry's findings
     @app.get("/api/catalog/{catalog_id}/lint", tags=["catalog"])

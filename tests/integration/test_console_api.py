@@ -186,6 +186,127 @@ def test_event_filters_loop_counts_and_a_runs_whole_result(stack):
     stack.run(go())
 
 
+BIG_LOOP = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: console_big_loop, path: console/big_loop}
+workflow:
+  - step: start
+    loop: {in: "{{ range(250) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 32}}
+    tool: {kind: noop, result: "{{ iter.i }}"}
+    next: {arcs: [{step: end}]}
+  - step: end
+    tool: {kind: noop, result: 1}
+"""
+
+FAILING = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: console_failing, path: console/failing}
+workflow:
+  - step: start
+    tool: {kind: python, code: "raise KeyError('missing')"}
+"""
+
+
+def test_the_timeline_has_runs_tasks_waits_and_loops_bounded(stack):
+    """GET /api/executions/{id}/timeline: each step run with its times and tasks; a small loop's iterations
+    one by one, a big one as counts per slice of the window (zoomed with from/to); a run waiting for a
+    signal is waiting."""
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, FORK_JOIN)
+            await finished(client, eid)
+            tl = (await client.get(f"/api/executions/{eid}/timeline")).json()
+            assert tl["status"] == "COMPLETED" and tl["start"] <= tl["end"] and tl["runs_total"] == 4
+            runs = {r["step"]: r for r in tl["runs"]}
+            assert set(runs) == {"start", "eu", "us", "report"}
+            for r in runs.values():
+                assert r["status"] == "done" and r["admitted_at"] <= r["started_at"] <= r["ended_at"] <= tl["end"]
+            (task,) = runs["eu"]["tasks"]
+            assert task["status"] == "done" and task["attempt"] == 1
+            assert runs["eu"]["started_at"] <= task["started_at"] <= task["ended_at"] <= runs["eu"]["ended_at"]
+
+            eid = await start(client, LOOPED)
+            await finished(client, eid)
+            (loop_run,) = (await client.get(f"/api/executions/{eid}/timeline")).json()["runs"]
+            assert [i["iteration"] for i in loop_run["loop"]["iterations"]] == list(range(40))
+            assert {i["status"] for i in loop_run["loop"]["iterations"]} == {"done"} and len(loop_run["tasks"]) == 40
+
+            eid = await start(client, BIG_LOOP)
+            await finished(client, eid)
+            tl = (await client.get(f"/api/executions/{eid}/timeline", params={"buckets": 10})).json()
+            big, end = tl["runs"]
+            loop = big["loop"]
+            assert loop["total"] == 250 and loop["done"] == 250 and "iterations" not in loop and "tasks" not in big
+            assert len(loop["slices"]["done"]) == 12 and sum(loop["slices"]["done"]) == 250
+            assert loop["slices"]["done"][0] == loop["slices"]["done"][-1] == 0  # nothing outside the execution
+            assert end["tasks"][0]["status"] == "done"
+            # zoomed to the loop's second half: what ended before and after the window is counted apart
+            middle = (loop["first_at"] + loop["last_at"]) / 2
+            zoomed = (await client.get(f"/api/executions/{eid}/timeline", params={
+                "from": str(middle), "to": str(loop["last_at"] + 0.001), "buckets": 5})).json()
+            slices = zoomed["runs"][0]["loop"]["slices"]["done"]
+            assert zoomed["window"]["from"] == pytest.approx(middle) and len(slices) == 7
+            assert sum(slices) == 250 and slices[0] > 0 and sum(slices[1:6]) > 0
+
+            eid = await start(client, APPROVAL)
+            deadline = time.monotonic() + 30
+            while True:
+                tl = (await client.get(f"/api/executions/{eid}/timeline")).json() \
+                    if (await client.get(f"/api/waits", params={"execution_id": eid})).json() else None
+                if tl and tl["runs"] and tl["runs"][0]["status"] == "waiting":
+                    break
+                assert time.monotonic() < deadline, tl
+                await asyncio.sleep(0.1)
+            waiting = tl["runs"][0]
+            assert tl["end"] is None and waiting["ended_at"] is None
+            assert waiting["waits"][0]["signal"] == "go" and waiting["waits"][0]["ended_at"] is None
+            assert waiting["tasks"][0]["status"] == "waiting" and waiting["tasks"][0]["suspended_at"]
+            assert (await client.post(f"/api/executions/{eid}/signals/go", json={"ok": True})).status_code == 202
+            await finished(client, eid)
+            done = (await client.get(f"/api/executions/{eid}/timeline")).json()["runs"][0]
+            assert done["status"] == "done" and done["waits"][0]["ended_at"] >= done["waits"][0]["started_at"]
+
+            assert (await client.get("/api/executions/nope/timeline")).status_code == 404
+            assert (await client.get(f"/api/executions/{eid}/timeline", params={"from": "10", "to": "5"})).status_code == 422
+            assert (await client.get(f"/api/executions/{eid}/timeline", params={"buckets": 0})).status_code == 422
+            assert (await client.get(f"/api/executions/{eid}/timeline", params={"from": "soon"})).status_code == 422
+
+    stack.run(go())
+
+
+def test_the_overview_and_the_search_by_id_prefix(stack):
+    """GET /api/stats/executions: per status over time, the slowest playbooks, failures by error kind;
+    GET /api/executions?id=: an id or the start of one."""
+    async def go():
+        async with http(stack) as client:
+            since = time.time() - 1
+            ok, failed = await start(client, FORK_JOIN), await start(client, FAILING)
+            for eid in (ok, failed):
+                await finished(client, eid)
+            stats = (await client.get("/api/stats/executions", params={"since": str(since), "buckets": 6})).json()
+            assert stats["since"] == pytest.approx(since) and len(stats["by_status"]) == 6
+            assert stats["totals"]["COMPLETED"] >= 1 and stats["totals"]["FAILED"] >= 1
+            assert sum(s.get("FAILED", 0) for s in stats["by_status"]) == stats["totals"]["FAILED"]
+            kinds = {f["kind"]: f for f in stats["failures"]}
+            assert kinds["python_error"]["count"] >= 1 and kinds["python_error"]["latest_execution"] == failed
+            assert "missing" in kinds["python_error"]["latest_message"]
+            paths = {p["path"]: p for p in stats["slowest"]}
+            fork = paths["examples/fork_join"]
+            assert fork["count"] >= 1 and 0 <= fork["p50_seconds"] <= fork["p95_seconds"] <= fork["max_seconds"]
+            assert paths["console/failing"]["failed"] >= 1
+            for params in ({"since": "2030-01-01T00:00:00Z", "until": "2029-01-01T00:00:00Z"},
+                           {"since": "2000-01-01T00:00:00Z"}, {"buckets": 0}, {"until": "later"}):
+                assert (await client.get("/api/stats/executions", params=params)).status_code == 422, params
+            found = (await client.get("/api/executions", params={"id": ok[:6]})).json()
+            assert ok in [x["execution_id"] for x in found] and all(x["execution_id"].startswith(ok[:6]) for x in found)
+            assert [x["execution_id"] for x in (await client.get("/api/executions", params={"id": ok})).json()] == [ok]
+            assert (await client.get("/api/executions", params={"id": "x y"})).status_code == 422
+
+    stack.run(go())
+
+
 def test_the_counters_equal_the_log_and_a_redelivered_event_counts_once(stack):
     """event_count and loop_progress are added in the transaction that inserts the events: a message
     published again (a redelivery past JetStream's duplicate window) inserts nothing and adds nothing."""

@@ -279,3 +279,222 @@ def test_instants_are_iso_or_epoch_seconds():
     with pytest.raises(HTTPException) as bad:
         _instant("yesterday", "query.since")
     assert bad.value.status_code == 422
+
+
+WAITING = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: waiting, path: t/waiting}
+workflow:
+  - step: start
+    tool: {kind: noop, result: 1}
+    next: {spec: {mode: inclusive}, arcs: [{step: approve}, {step: each}]}
+  - step: approve
+    tool: [{name: ask, kind: wait, signal: approve, timeout: 1h}]
+  - step: each
+    loop: {in: "{{ range(2) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 2}}
+    tool: [{name: ask, kind: wait, signal: "go-{{ iter.i }}", timeout: 1h}]
+"""
+
+
+def iterations(log):
+    """Each loop run's iteration counts, as the recorder counts them (view.loop_counts of grouped rows)."""
+    groups: dict[tuple[str, str], int] = {}
+    for e in log:
+        if e["name"].startswith("loop.iteration."):
+            groups[(e["step_run_id"], e["name"])] = groups.get((e["step_run_id"], e["name"]), 0) + 1
+    return view.loop_counts([(run, name, n, 0.0, 0.0) for (run, name), n in groups.items()])
+
+
+def test_a_step_waiting_for_a_signal_is_waiting_not_running():
+    """D30: a run suspended at a wait task is drawn waiting (a loop: every iteration in flight waits)."""
+    run = asyncio.run(run_local(validate_text(WAITING).document, signals=[(1, "approve", True), (2, "go-0", 1)]))
+    log = run.log_of(run.execution_id)
+    started = [i for i, e in enumerate(log) if e["name"] == "wait.started"]
+    ended = [i for i, e in enumerate(log) if e["name"] == "wait.ended"]
+    assert len(started) == 3 and len(ended) == 3  # the third at its timeout: the local clock jumps to it
+    # the recorder folds the ctl events and counts a loop's iterations from the whole log up to the point
+    both = max(started) + 1
+    counts = iterations(log[:both])
+    state = fold(ctl_only(log[:both]), run.execution_id)
+    seen = view.execution_view(state, loops=counts)
+    assert seen["steps"]["approve"]["status"] == "waiting" and seen["steps"]["each"]["status"] == "waiting"
+    assert seen["runs"]["approve"]["shown"][0]["status"] == "waiting"
+    # once approve is answered it runs on (and is done); the loop, one iteration answered and ended, waits
+    # for the other one
+    answered = next(i for i, e in enumerate(log) if e["name"] == "loop.iteration.done") + 1
+    assert ended[1] < answered < ended[2]
+    later = fold(ctl_only(log[:answered]), run.execution_id)
+    seen = view.execution_view(later, loops=iterations(log[:answered]))
+    assert seen["steps"]["approve"]["status"] == "done"
+    assert seen["steps"]["each"]["status"] == "waiting"
+
+
+FAILING_LOOP = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: failing_loop, path: t/failing_loop}
+workflow:
+  - step: start
+    spec: {policy: {failure: {mode: best_effort}}}
+    loop: {in: "{{ workload.items }}", iterator: i}
+    tool:
+      kind: noop
+      result: "{{ iter.i }}"
+      spec: {policy: {rules: [{when: "{{ iter.i < 0 }}", then: {do: fail}}, {else: {then: {do: continue}}}]}}
+"""
+
+
+@pytest.mark.parametrize("items, status", [([-1, -2, -3], "failed"), ([-1, 2, 3], "partial"), ([1, 2], "done")])
+def test_a_loop_whose_iterations_failed_is_not_done(items, status):
+    """best_effort: the loop ends loop.done with its counts; every iteration failed is failed, some partial."""
+    doc = validate_text(FAILING_LOOP).document
+    run = asyncio.run(run_local(doc, request={"workload": {"items": items}}))
+    log = run.log_of(run.execution_id)
+    done = next(e for e in log if e["name"] == "loop.done")
+    ended = {done["step_run_id"]: done["data"]}
+    seen = view.execution_view(fold(ctl_only(log), run.execution_id), ended_counts=ended)
+    assert seen["status"] == "COMPLETED"
+    assert seen["steps"]["start"]["status"] == status and seen["runs"]["start"]["shown"][0]["status"] == status
+
+
+# ------------------------------------------------------------------------------------- the timeline
+def timeline_of(log, xid, *, finished=True, now=None, buckets=10):
+    """core/timeline.build over rows made from a whole log as the recorder's queries select them."""
+    from noetl_mesh.core import timeline
+
+    rows = [(i, e["name"], e["step"], e["step_run_id"], e["timestamp"],
+             {k: (e["data"] or {}).get(k) for k in ("total", "done", "failed")} if e["name"] == "loop.done" else None)
+            for i, e in enumerate(log) if e["name"] in timeline.RUN_EVENTS]
+    runs, by_id = timeline.run_spans(rows)
+    loops = {}
+    for e in log:
+        if e["name"] == "loop.started":
+            loops[e["step_run_id"]] = {"started_at": e["timestamp"], "total": len(e["data"]["items"]),
+                                       "started": 0, "done": 0, "failed": 0}
+    for e in log:
+        if e["name"].startswith("loop.iteration.") and e["step_run_id"] in loops:
+            loops[e["step_run_id"]][e["name"].rsplit(".", 1)[-1]] += 1
+    small = [rid for rid, loop in loops.items() if loop["started"] <= timeline.MAX_ITERATIONS]
+    big = [rid for rid in loops if rid not in small]
+    iterations = timeline.iteration_spans([(e["step_run_id"], e["iteration"], e["name"], e["timestamp"]) for e in log
+                                           if e["name"].startswith("loop.iteration.") and e["step_run_id"] in small])
+    start = log[0]["timestamp"]
+    end = log[-1]["timestamp"] if finished else None
+    hi = end or now
+    width = (hi - start) / buckets
+
+    def bucket(t):
+        return 0 if t < start else buckets + 1 if t >= hi else int((t - start) / width) + 1
+
+    counts = {}
+    for e in log:
+        if e["name"] in ("loop.iteration.done", "loop.iteration.failed") and e["step_run_id"] in big:
+            counts[(e["step_run_id"], e["name"], bucket(e["timestamp"]))] = \
+                counts.get((e["step_run_id"], e["name"], bucket(e["timestamp"])), 0) + 1
+    tasks, total = timeline.task_spans(
+        [(e["step_run_id"], e["name"], e["task"], e["iteration"], e.get("attempt"), e.get("task_run_id"),
+          e["timestamp"], e["status"]) for e in log if e["name"] in timeline.TASK_EVENTS and e["step_run_id"] not in big],
+        by_id)
+    return timeline.build(execution={"execution_id": xid, "status": "COMPLETED", "start": start, "end": end},
+                          runs=runs, loops=loops, iterations=iterations,
+                          counts=timeline.histogram([(*k, n) for k, n in counts.items()], buckets),
+                          tasks=tasks, tasks_total=total, waits=[], window=(start, hi), buckets=buckets,
+                          now=now or hi)
+
+
+def test_the_timeline_has_each_run_its_tasks_and_a_small_loops_iterations():
+    run = asyncio.run(run_local(FORK_JOIN))
+    log = run.log_of(run.execution_id)
+    tl = timeline_of(log, run.execution_id)
+    runs = {r["step"]: r for r in tl["runs"]}
+    assert set(runs) == {"start", "eu", "us", "report"} and tl["runs_total"] == 4  # apac never ran
+    for r in runs.values():
+        assert r["status"] == "done" and r["admitted_at"] <= r["ended_at"]
+        assert r["started_at"] is not None and r["admitted_at"] <= r["started_at"] <= r["ended_at"]
+    report = runs["report"]["tasks"]
+    assert [t["task"] for t in report] == ["report_task"] and report[0]["status"] == "done"
+    assert runs["report"]["started_at"] <= report[0]["started_at"] <= report[0]["ended_at"] <= runs["report"]["ended_at"]
+    loop = asyncio.run(run_local(validate_file(ROOT / "examples" / "loop.yaml").document))
+    tl = timeline_of(loop.log_of(loop.execution_id), loop.execution_id)
+    start = next(r for r in tl["runs"] if r["step"] == "start")
+    assert start["loop"]["total"] == 3 and [i["iteration"] for i in start["loop"]["iterations"]] == [0, 1, 2]
+    assert all(i["status"] == "done" and i["started_at"] <= i["ended_at"] for i in start["loop"]["iterations"])
+    assert sorted((t["iteration"], t["task"]) for t in start["tasks"]) == [
+        (i, name) for i in range(3) for name in ("label", "mean")]
+
+
+BIG = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: big, path: t/big}
+workflow:
+  - step: start
+    spec: {policy: {failure: {mode: best_effort}}}
+    loop: {in: "{{ range(300) | list }}", iterator: i, spec: {mode: parallel, max_in_flight: 32}}
+    tool:
+      kind: noop
+      result: "{{ iter.i }}"
+      spec: {policy: {rules: [{when: "{{ iter.i % 10 == 0 }}", then: {do: fail}}, {else: {then: {do: continue}}}]}}
+"""
+
+
+def test_a_big_loop_is_counts_per_slice_never_its_iterations():
+    run = asyncio.run(run_local(validate_text(BIG).document))
+    tl = timeline_of(run.log_of(run.execution_id), run.execution_id, buckets=7)
+    (loop_run,) = tl["runs"]
+    loop = loop_run["loop"]
+    assert "iterations" not in loop and "tasks" not in loop_run  # counted, not listed
+    assert loop["total"] == 300 and loop["done"] == 270 and loop["failed"] == 30 and loop_run["status"] == "partial"
+    slices = loop["slices"]
+    assert set(slices) == {"done", "failed"} and len(slices["done"]) == 7 + 2
+    assert sum(slices["done"]) == 270 and sum(slices["failed"]) == 30
+    assert tl["window"]["buckets"] == 7 and tl["window"]["width"] == pytest.approx((tl["end"] - tl["start"]) / 7, abs=1e-5)
+
+
+def test_timeline_runs_not_ended_are_running_waiting_or_cancelled():
+    from noetl_mesh.core import timeline
+
+    rows = [(1, "step.admitted", "a", "r1", 10.0, None), (2, "step.admitted", "b", "r2", 11.0, None),
+            (3, "step.done", "a", "r1", 12.0, None), (4, "step.failed", "c", "rX", 13.0, {"kind": "x"}),
+            (5, "step.admitted", "c", "r3", 14.0, None), (6, "step.failed", "c", "r3", 15.0, {"kind": "python_error"}),
+            (7, "step.done", "a", "r1", 16.0, None)]
+    runs, by_id = timeline.run_spans(rows)
+    assert [(r["run_id"], r["status"]) for r in runs] == [("r1", "done"), ("r2", "running"), ("r3", "failed")]
+    assert by_id["r1"]["ended_at"] == 12.0 and by_id["r3"]["error_kind"] == "python_error"  # the first terminal
+    # a step that is no loop failed: the recorder's row names a loop's counts as null, and it is no loop
+    failed, _ = timeline.run_spans([(1, "step.admitted", "s", "r", 1.0, None), (2, "step.failed", "s", "r", 2.0, {
+        "kind": "python_error", "total": None, "done": None, "failed": None})])
+    assert "counts" not in failed[0] and failed[0]["error_kind"] == "python_error"
+
+    def built(end, waits=()):
+        return timeline.build(execution={"execution_id": "x", "status": "RUNNING", "start": 10.0, "end": end},
+                              runs=[dict(r) for r in runs], loops={}, iterations={}, counts={}, tasks={},
+                              tasks_total=0, waits=waits, window=(10.0, 20.0), buckets=4, now=20.0)
+
+    assert built(None)["runs"][1]["status"] == "running"
+    waiting = built(None, [{"step_run_id": "r2", "kind": "signal", "signal": "go", "started_at": 11.5,
+                            "ended_at": None}])["runs"][1]
+    assert waiting["status"] == "waiting" and waiting["waits"][0]["signal"] == "go"
+    cancelled = built(18.0)["runs"][1]
+    assert cancelled["status"] == "cancelled" and cancelled["ended_at"] == 18.0
+    spans, total = timeline.task_spans([("r2", "task.started", "t", None, 1, "a1", 11.1, "in_progress"),
+                                        ("r2", "task.processed", "t", None, 1, "a1", 11.2, "error"),
+                                        ("r2", "task.started", "t", None, 2, "a1", 11.3, "in_progress"),
+                                        ("r2", "task.suspended", "t", None, 2, "a1", 11.4, "paused"),
+                                        ("r9", "task.started", "t", None, 1, "a9", 11.3, "in_progress")], by_id, limit=1)
+    assert total == 2 and [(s["attempt"], s["status"]) for s in spans["r2"]] == [(1, "failed")]  # the limit: 1
+    spans, _ = timeline.task_spans([("r2", "task.started", "t", None, 2, "a1", 11.3, "in_progress"),
+                                    ("r2", "task.suspended", "t", None, 2, "a1", 11.4, "paused")], by_id)
+    assert spans["r2"][0]["status"] == "waiting" and spans["r2"][0]["suspended_at"] == 11.4
+
+
+def test_log_stretches_are_merged_and_bounded():
+    from noetl_mesh.core.timeline import ranges
+
+    assert ranges([(10, 20), (15, 30), (40, 50), (31, 35)]) == [(10, 35), (40, 50)]
+    assert ranges([(10, 20), (60, None), (70, 80)]) == [(10, 20), (60, None)]
+    assert ranges([(10, None), (5, 6)]) == [(5, 6), (10, None)]
+    # too many: the smallest gaps are merged first
+    assert ranges([(0, 1), (10, 11), (100, 101), (103, 104)], most=2) == [(0, 11), (100, 104)]
+    assert len(ranges([(i * 10, i * 10 + 1) for i in range(100)], most=4)) == 4

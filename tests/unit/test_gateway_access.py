@@ -41,6 +41,7 @@ def test_every_route_declares_exactly_one_permission_or_a_public_marker(app):
     assert found[("GET", "/api/audit")] == "audit.read"
     # the console's own routes read what execution.read and catalog.read allow
     for path in ("/api/executions/{execution_id}/state", "/api/executions/{execution_id}/runs/{run_id}/result",
+                 "/api/executions/{execution_id}/timeline", "/api/stats/executions",
                  "/api/live/executions", "/api/live/executions/{execution_id}"):
         assert found[("GET", path)] == "execution.read", path
     assert found[("GET", "/api/catalog/{catalog_id}/lint")] == "catalog.read"

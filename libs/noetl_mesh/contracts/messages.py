@@ -195,6 +195,7 @@ class ExecutionListRequest(_Exact):
     status: Optional[str] = None
     user: Optional[str] = None
     path: Optional[str] = None
+    id_prefix: Optional[str] = Field(None, description="executions whose id starts with this")
     since: Optional[float] = Field(None, description="created at or after (epoch seconds)")
     until: Optional[float] = Field(None, description="created before (epoch seconds)")
     offset: Optional[int] = None
@@ -220,6 +221,42 @@ class ExecutionView(_Open):
     position: int = Field(description="events of the log folded into it")
     total: int = Field(description="events in the log")
     at: Optional[dict[str, Any]] = Field(None, description="the event it stands after (compact), when not the last")
+
+
+class ExecutionTimelineRequest(_Exact):
+    execution_id: str
+    from_: Optional[float] = Field(None, alias="from", description="the window's start (epoch seconds)")
+    to: Optional[float] = Field(None, description="the window's end (epoch seconds)")
+    buckets: Optional[int] = Field(None, ge=1, le=400, description="slices of the window a big loop is counted in")
+
+
+class ExecutionTimeline(_Open):
+    """core/timeline.py: the step runs (the last 500) with their admission, start and end, status, task
+    attempts, waits, and loops (iterations one by one up to 100, else counts per slice of the window)."""
+    execution_id: str
+    status: Optional[str] = None
+    start: Optional[float] = Field(None, description="the first event's time (epoch seconds)")
+    end: Optional[float] = Field(None, description="when it finished; null while it runs")
+    runs: list[dict[str, Any]]
+    runs_total: int
+    window: dict[str, Any] = Field(description="{from, to, buckets, width}: what loops are counted over")
+
+
+class ExecutionStatsRequest(_Exact):
+    since: Optional[float] = Field(None, description="created at or after (epoch seconds)")
+    until: Optional[float] = Field(None, description="created before (epoch seconds)")
+    buckets: Optional[int] = Field(None, ge=1, le=400)
+
+
+class ExecutionStats(_Open):
+    """Executions created in ``[since, until)``: per status and slice of time, the slowest playbooks
+    (duration percentiles of the finished ones), the failures by error kind."""
+    since: float
+    until: float
+    by_status: list[dict[str, Any]]
+    totals: dict[str, int]
+    slowest: list[dict[str, Any]]
+    failures: list[dict[str, Any]]
 
 
 class ExecutionSeedRequest(_Exact):

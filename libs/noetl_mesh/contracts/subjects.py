@@ -59,6 +59,8 @@ Q_EXECUTION_STATE = "noetl.q.execution.state"  # the console's view of the state
 Q_EXECUTION_RESULT = "noetl.q.execution.result"  # one step run's whole result (the console's download)
 Q_EXECUTION_STATUS = "noetl.q.execution.status"  # one execution's status and requester (the credentials service)
 Q_EXECUTION_SEED = "noetl.q.execution.seed"  # D32: what a restart from a step starts with (core/restart.py)
+Q_EXECUTION_TIMELINE = "noetl.q.execution.timeline"  # the console's Gantt chart of an execution (core/timeline.py)
+Q_EXECUTION_STATS = "noetl.q.execution.stats"  # the console's overview: executions per status, slowest, failures
 Q_RECORDER_PING = "noetl.q.recorder.ping"
 # ... by the credentials service (queue group ``credentials``)
 Q_CREDENTIAL_PUT = "noetl.q.credential.put"
@@ -206,6 +208,12 @@ _RECORDER_Q = (
      "one execution's status and who started it, from the projection (no fold)", ("credentials",)),
     (Q_EXECUTION_SEED, "ExecutionSeedRequest", "RestartSeed",
      "what a restart from a step starts with: the state folded up to the step's first start (D32)", ("gateway",)),
+    (Q_EXECUTION_TIMELINE, "ExecutionTimelineRequest", "ExecutionTimeline",
+     "an execution's step runs, task attempts, waits and loop iterations with their times, bounded (a big loop as "
+     "counts per time slice): the console's Gantt chart (core/timeline.py)", ("gateway",)),
+    (Q_EXECUTION_STATS, "ExecutionStatsRequest", "ExecutionStats",
+     "executions created per status over time, the slowest playbooks and the failures by error kind, in a "
+     "time range (the console's overview)", ("gateway",)),
     (Q_RECORDER_PING, "Empty", "RecorderPing", "the recorder's state (the gateway's /ready)", ("gateway",)),
 )
 _CREDENTIALS_Q = (

@@ -149,12 +149,27 @@ def loop_progress(counts: Mapping[str, Any] | None, total: int | None, ended: Ma
             "mode": mode, "max_in_flight": max_in_flight}
 
 
-def _step_status(state: ExecutionState, step: str, waiting: set[str]) -> str:
-    run = state.last_run(step)
-    if run is not None:
-        if run.ended:
-            return run.status
-        return "cancelled" if state.finished else "running"
+def _run_status(state: ExecutionState, run: Any, loop: Mapping[str, Any] | None, waits: Mapping[str, int]) -> str:
+    """A run's status as the console draws it. Besides the engine's (running, done, failed, cancelled):
+    ``waiting``, a run that is not ended and waits for a signal or a time (D29, D30) — every iteration in
+    flight, for a loop — and a loop run that ended ``loop.done`` after failed iterations (``best_effort``)
+    is ``failed`` when every iteration failed, ``partial`` when some did."""
+    if run.ended:
+        if run.status == "done" and loop and (loop.get("failed") or 0) > 0:
+            return "failed" if not loop.get("done") else "partial"
+        return run.status
+    if state.finished:
+        return "cancelled"
+    open_waits = waits.get(run.id, 0)
+    if open_waits and (loop is None or open_waits >= (loop.get("in_flight") or 0)):
+        return "waiting"
+    return "running"
+
+
+def _step_status(state: ExecutionState, step: str, waiting: set[str], last: str | None) -> str:
+    """``last``: the status of its last run (:func:`_run_status`), None when it has not run."""
+    if last is not None:
+        return last
     if step in waiting:
         return "waiting"  # a token is on one of its places, not consumed yet (a join waiting for the others)
     if state.skipped.get(step):
@@ -176,36 +191,47 @@ def execution_view(state: ExecutionState, *, loops: Mapping[str, Mapping[str, An
         slot = tokens_by_place.setdefault(token.place, {"place": token.place, "step": token.step, "count": 0})
         slot["count"] += 1
     waiting = {t["step"] for t in tokens_by_place.values()}
+    open_waits: dict[str, int] = {}  # step run -> its waits not ended (D29, D30)
+    for w in state.task_waits.values():
+        if not w.ended:
+            open_waits[w.step_run_id] = open_waits.get(w.step_run_id, 0) + 1
     steps: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {}
     for step in order:
         ids = state.runs_of.get(step, [])
         active = sum(1 for rid in ids if not state.runs[rid].routed)
         ran = sum(1 for rid in ids if not state.runs[rid].restored)  # D32: not the runs a restart carried over
-        steps[step] = {"status": _step_status(state, step, waiting), "runs": ran,
+        sdef = defs.get(step) or {}
+        loop = sdef.get("loop") if isinstance(sdef.get("loop"), Mapping) else None
+        lspec = (loop or {}).get("spec") or {}
+        mode = lspec.get("mode", "sequential")
+
+        def progress(rid: str) -> dict[str, Any] | None:
+            if loop is None:
+                return None
+            return loop_progress(loops.get(rid), loop_totals.get(rid), ended_counts.get(rid), mode,
+                                 lspec.get("max_in_flight", 16) if mode == "parallel" else 1,
+                                 over=state.runs[rid].ended or state.finished)
+
+        last = _run_status(state, state.runs[ids[-1]], progress(ids[-1]), open_waits) if ids else None
+        steps[step] = {"status": _step_status(state, step, waiting, last), "runs": ran,
                        "skipped": state.skipped.get(step, 0), "active": active,
                        "tokens": sum(t["count"] for t in tokens_by_place.values() if t["step"] == step)}
         if not ids:
             continue
         if state.runs[ids[-1]].restored:  # D32: its last run was carried over from the restarted execution
             steps[step]["restored"] = True
-        sdef = defs.get(step) or {}
-        loop = sdef.get("loop") if isinstance(sdef.get("loop"), Mapping) else None
-        lspec = (loop or {}).get("spec") or {}
         shown = []
         for rid in ids[-max_runs:]:
             run = state.runs[rid]
-            status = run.status if run.ended else ("cancelled" if state.finished else "running")
-            item: dict[str, Any] = {"run_id": rid, "status": status, "ended": run.ended,
-                                    "routed": run.routed, "args": preview(run.args, limit),
+            counts = progress(rid)
+            item: dict[str, Any] = {"run_id": rid, "status": _run_status(state, run, counts, open_waits),
+                                    "ended": run.ended, "routed": run.routed, "args": preview(run.args, limit),
                                     "result": preview(run.result, limit), "error": preview(run.error, limit)}
             if run.restored:
                 item["restored"] = True
-            if loop is not None:
-                mode = lspec.get("mode", "sequential")
-                item["loop"] = loop_progress(loops.get(rid), loop_totals.get(rid), ended_counts.get(rid), mode,
-                                             lspec.get("max_in_flight", 16) if mode == "parallel" else 1,
-                                             over=run.ended or state.finished)
+            if counts is not None:
+                item["loop"] = counts
             shown.append(item)
         runs[step] = {"total": len(ids), "shown": shown}
     out: dict[str, Any] = {

@@ -5,6 +5,10 @@ import { executionsPage } from "./executions.js";
 import { executionPage } from "./execution.js";
 import { catalogPage, catalogEntryPage } from "./catalog.js";
 import { credentialsPage, sessionsPage } from "./account.js";
+import { overviewPage } from "./overview.js";
+import { waitsPage } from "./waits.js";
+import { schedulesPage } from "./schedules.js";
+import { usersPage, tokensPage, auditPage } from "./admin.js";
 
 const main = document.getElementById("main");
 const nav = document.getElementById("nav");
@@ -18,6 +22,12 @@ const ROUTES = [
   [/^\/catalog\/?$/, (m, q) => catalogPage(main, q, ctx)],
   [/^\/credentials\/?$/, (m, q) => credentialsPage(main, q, ctx)],
   [/^\/sessions\/?$/, (m, q) => sessionsPage(main, q, ctx)],
+  [/^\/overview\/?$/, (m, q) => overviewPage(main, q, ctx)],
+  [/^\/waits\/?$/, (m, q) => waitsPage(main, q, ctx)],
+  [/^\/schedules\/?$/, (m, q) => schedulesPage(main, q, ctx)],
+  [/^\/users\/?$/, (m, q) => usersPage(main, q, ctx)],
+  [/^\/tokens\/?$/, (m, q) => tokensPage(main, q, ctx)],
+  [/^\/audit\/?$/, (m, q) => auditPage(main, q, ctx)],
 ];
 
 const ctx = {
@@ -66,10 +76,14 @@ function renderNav() {
   clear(nav);
   if (!me) return;
   const link = (section, text) => h("a", { href: `#/${section}`, "data-section": section }, text);
-  add(nav, 
-    link("executions", "Executions"), link("catalog", "Catalog"),
-    ctx.can("credential.list") ? link("credentials", "Credentials") : null,
-    link("sessions", "Sessions"),
+  // a page is in the menu only when the user's roles grant what it needs
+  const may = (permission, section, text) => (ctx.can(permission) ? link(section, text) : null);
+  add(nav,
+    may("execution.read", "overview", "Overview"), may("execution.read", "executions", "Executions"),
+    may("execution.read", "waits", "Waits"), may("execution.read", "schedules", "Schedules"),
+    may("catalog.read", "catalog", "Catalog"), may("credential.list", "credentials", "Credentials"),
+    may("user.admin", "users", "Users"), may("audit.read", "audit", "Audit"),
+    may("token.own", "tokens", "Tokens"), link("sessions", "Sessions"),
     h("span", { class: "who", title: (me.roles || []).join(", ") }, `${me.username} (${(me.roles || []).join(", ")})`),
     h("button", { type: "button", class: "link", onclick: logout }, "Log out"));
 }
@@ -91,8 +105,16 @@ function showLogin(message) {
   const user = h("input", { id: "username", name: "username", autocomplete: "username", required: true });
   const pass = h("input", { id: "password", name: "password", type: "password", autocomplete: "current-password", required: true });
   const apiToken = h("input", { id: "api-token", name: "token", type: "password", autocomplete: "off" });
-  const form = h("form", { class: "login card", onsubmit: async (ev) => {
+  // novalidate: the browser would refuse an empty username and password even when a token is given
+  const form = h("form", { class: "login card", novalidate: true, onsubmit: async (ev) => {
     ev.preventDefault();
+    if (!apiToken.value.trim() && (!user.value || !pass.value)) {
+      status.textContent = "Give a username and a password, or an API token.";
+      status.className = "error";
+      (user.value ? pass : user).focus();
+      return;
+    }
+    status.className = "";
     status.textContent = "Logging in…";
     try {
       if (apiToken.value.trim()) setToken(apiToken.value.trim());

@@ -89,12 +89,43 @@ export function value(v, { download } = {}) {
       h("pre", { class: "json", tabindex: "0" }, v["$preview"] + " …"),
       h("div", { class: "note" }, note, download ? [" · ", download] : []));
   }
-  let text = v === undefined ? "" : JSON.stringify(v, null, 2);
-  if (text === undefined) text = String(v);
-  const cut = text.length > SHOW;
+  const whole = v === undefined ? "" : JSON.stringify(v);
+  if (whole === undefined) return h("div", { class: "value" }, h("pre", { class: "json", tabindex: "0" }, String(v)));
+  const parts = [];
+  const cut = v === undefined ? false : pretty(v, "", parts, { left: SHOW });
   return h("div", { class: "value" },
-    h("pre", { class: "json", tabindex: "0" }, cut ? text.slice(0, SHOW) + " …" : text),
-    cut ? h("div", { class: "note" }, `${bytes(text.length)}: first ${num(SHOW)} characters shown`, download ? [" · ", download] : []) : null);
+    h("pre", { class: typeof v === "string" && v.includes("\n") ? "json text" : "json", tabindex: "0" }, parts, cut ? " …" : ""),
+    cut ? h("div", { class: "note" }, `${bytes(whole.length)}: first ${num(SHOW)} characters shown`, download ? [" · ", download] : []) : null);
+}
+
+// JSON laid out like JSON.stringify(v, null, 2), except that a string with line breaks (a traceback, a
+// task's output) is shown as its lines, indented under its key, not as one line of "\n" escapes.
+// Appends text nodes and spans to `out`, at most `budget.left` characters; true when it was cut.
+function pretty(v, indent, out, budget) {
+  const put = (text, cls) => {
+    if (budget.left <= 0) return false;
+    const piece = text.length > budget.left ? text.slice(0, budget.left) : text;
+    budget.left -= piece.length;
+    out.push(cls ? h("span", { class: cls }, piece) : piece);
+    return piece.length === text.length;
+  };
+  if (typeof v === "string" && v.includes("\n")) {
+    const lines = v.replace(/\n$/, "").split("\n");
+    return !put(indent ? lines.map((l) => `${indent}  ${l}`).join("\n") : lines.join("\n"), "multiline");
+  }
+  if (v === null || typeof v !== "object") return !put(JSON.stringify(v) ?? "null");
+  const entries = Array.isArray(v) ? v.map((x) => [null, x]) : Object.entries(v);
+  if (!entries.length) return !put(Array.isArray(v) ? "[]" : "{}");
+  if (!put(Array.isArray(v) ? "[\n" : "{\n")) return true;
+  const inner = indent + "  ";
+  for (let i = 0; i < entries.length; i++) {
+    const [k, x] = entries[i];
+    const multiline = typeof x === "string" && x.includes("\n");
+    if (!put(k === null ? inner : `${inner}${JSON.stringify(k)}:${multiline ? "\n" : " "}`)) return true;
+    if (pretty(x, inner, out, budget)) return true;
+    if (!put(i < entries.length - 1 ? ",\n" : "\n")) return true;
+  }
+  return !put(`${indent}${Array.isArray(v) ? "]" : "}"}`);
 }
 
 export function statusBadge(status) {

@@ -1,7 +1,10 @@
-// One execution: the net (live, or at any past event), a step's runs, the timeline, waits, cancel.
+// One execution: the net (live, or at any past event), a step's runs, the timeline (a Gantt chart and the
+// events), waits, cancel, run again.
 import { api, ApiError } from "./api.js";
 import { openStream } from "./live.js";
 import { drawNet } from "./graph.js";
+import { createGantt, runTimes } from "./gantt.js";
+import { signalForm } from "./forms.js";
 import { h, add, clear, fmtTime, fmtDuration, duration, short, num, statusBadge, value, isPreview, saveFile, singleFlight } from "./dom.js";
 
 const PAGE = 100;
@@ -17,6 +20,10 @@ export async function executionPage(main, id, query, ctx) {
   const page = { latest: null, shown: null, net: null, graph: null, live: true, step: query.step || null,
     timeline: { offset: 0, filters: { name: query.name || "", step: query.fstep || "", task: query.task || "", iteration: query.iteration || "" }, total: 0, last: null } };
 
+  // the chart's timeline (gantt.js) and its runs by id; the event filters' fields
+  let timeline = null, gantt = null, zoomWindow = null, filterFields = null;
+  const timelineRuns = new Map();
+
   // ---------------------------------------------------------------- the frame
   const liveNote = h("span", { class: "live-dot", role: "status", "aria-live": "polite" }, "connecting…");
   const headInfo = h("dl", { class: "facts" });
@@ -31,16 +38,20 @@ export async function executionPage(main, id, query, ctx) {
   const tbody = h("tbody");
   const pager = h("div", { class: "pager", id: "timeline-pager" });
   const tlMessage = h("p", { class: "error", role: "alert", hidden: true });
+  const rerunBox = h("div", { id: "rerun-box" });
+  const ganttBox = h("div", { id: "gantt", class: "gantt" }, h("p", { class: "note" }, "Loading the timeline…"));
+  const ganttMessage = h("p", { class: "error", role: "alert", hidden: true });
+  let streamState = "connecting…";
 
   add(main, 
     h("div", { class: "page-head" },
       h("h1", {}, "Execution ", h("span", { class: "mono", title: id }, short(id))), statusHolder, liveNote, actions),
-    headInfo, banner,
-    h("section", { class: "two-col" },
-      h("div", { class: "panel" },
+    headInfo, banner, rerunBox,
+    h("section", { class: "two-col exec" },
+      h("div", { class: "panel", id: "net-panel" },
         h("div", { class: "panel-head" }, h("h2", {}, "Net"),
           h("span", { class: "legend", "aria-hidden": "true" },
-            ["idle", "waiting", "running", "done", "failed", "cancelled", "skipped"].map((st) => h("span", { class: `chip st-${st}` }, st)),
+            ["idle", "waiting", "running", "done", "partial", "failed", "cancelled", "skipped"].map((st) => h("span", { class: `chip st-${st}` }, st)),
             h("span", { class: "chip back" }, "back-edge"), h("span", { class: "chip join" }, "⋈ join"),
             h("span", { class: "chip" }, "↺ carried over"))),
         netBox,
@@ -50,8 +61,12 @@ export async function executionPage(main, id, query, ctx) {
           h("button", { type: "button", class: "small", "aria-label": "one event on", onclick: () => nudge(1) }, "▶"),
           liveBtn)),
       aside),
+    h("section", { class: "panel", id: "gantt-panel" },
+      h("div", { class: "panel-head" }, h("h2", {}, "Timeline"),
+        h("span", { class: "note" }, "each step run from its admission to its end; ▸ for its tasks, attempts, waits and iterations; drag over the chart to zoom")),
+      ganttMessage, ganttBox),
     h("section", { class: "panel", id: "timeline-panel" },
-      h("div", { class: "panel-head" }, h("h2", {}, "Timeline")),
+      h("div", { class: "panel-head" }, h("h2", {}, "Events")),
       timelineFilters(), tlMessage,
       h("table", { class: "grid compact", id: "timeline" },
         h("caption", { class: "sr-only" }, "The execution's events in log order"),
@@ -108,8 +123,20 @@ export async function executionPage(main, id, query, ctx) {
     else {
       slider.max = view.total;
       liveBtn.textContent = view.total > page.shown.position ? `Live (+${num(view.total - page.shown.position)})` : "Live";
+      renderHead(page.shown);
     }
-    renderHead(view);
+  }
+
+  // The live dot says what the page shows: the stream's state, or a point of the past (time travel).
+  function showLiveNote() {
+    if (unknown) return;
+    if (!page.live && page.shown) {
+      liveNote.textContent = `time travel: after event ${num(page.shown.position)} of ${num(slider.max)}`;
+      liveNote.dataset.state = "past";
+    } else {
+      liveNote.textContent = streamState;
+      liveNote.dataset.state = streamState;
+    }
   }
 
   function show(view) {
@@ -125,11 +152,18 @@ export async function executionPage(main, id, query, ctx) {
     liveBtn.disabled = page.live;
     liveBtn.textContent = "Live";
     netBox.classList.toggle("past", !page.live);
+    if (gantt) gantt.setMarker(!page.live && at ? at.timestamp : null);
+    renderHead(view);
     renderAside();
   }
 
+  // The head shows the execution as the page shows it: at a past event while travelling in time (its
+  // status then, marked as past), else as it is now.
   function renderHead(view) {
-    add(clear(statusHolder), statusBadge(view.status));
+    const past = !page.live;
+    add(clear(statusHolder), statusBadge(view.status),
+      past ? h("span", { class: "badge past", id: "exec-past", title: "the status at the event the page shows" }, "past") : null);
+    showLiveNote();
     clear(headInfo);
     const fact = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
     const who = view.requested_by ? (view.requested_by.username || short(view.requested_by.user_id)) : null;
@@ -147,13 +181,17 @@ export async function executionPage(main, id, query, ctx) {
         h("span", { id: "restarts" }, view.restarts.map((r) => [h("a", { href: `#/executions/${r}`, class: "mono" }, short(r)), " "]))) : null,
       view.children && view.children.length ? fact(`children (${num(view.children_total)})`,
         h("span", { id: "children" }, view.children.map((c) => [h("a", { href: `#/executions/${c}`, class: "mono" }, short(c)), " "]))) : null);
-    renderActions(view);
+    renderActions(page.latest || view);
   }
 
   // ---------------------------------------------------------------- cancel
   let confirming = false;
   function renderActions(view) {
     clear(actions);
+    if (ctx.can("execution.start") && (view.path || view.finished !== undefined)) {
+      add(actions, h("button", { type: "button", id: "rerun", "aria-expanded": String(!!rerunBox.firstChild),
+        onclick: () => toggleRerun() }, "Run again…"));
+    }
     if (view.finished) return;
     if (!(ctx.can("execution.cancel.any") || ctx.can("execution.cancel.own"))) return;
     if (!confirming) {
@@ -177,6 +215,56 @@ export async function executionPage(main, id, query, ctx) {
     renderActions(page.latest);
   }
 
+  // ---------------------------------------------------------------- run again
+  // The same playbook (the same catalog version, or the same inline document) with this execution's
+  // workload, editable; POST /api/executions as "Run" does (execution.start).
+  async function toggleRerun() {
+    if (rerunBox.firstChild) { clear(rerunBox); renderActions(page.latest); return; }
+    const note = h("p", { role: "status", class: "note", id: "rerun-status" }, "Reading the execution's workload…");
+    add(rerunBox, h("div", { class: "card rerun-form" }, note));
+    renderActions(page.latest);
+    let full, playbook = null, catalog = false;
+    try {
+      full = await api(`/api/executions/${id}`);
+      catalog = !!(full.path && full.version);  // an inline playbook has its metadata's path, no version
+      if (!catalog) {
+        const first = await api(`/api/executions/${id}/events`, { query: { name: ["playbook.execution.requested"], limit: 1 } });
+        playbook = first.events.length ? first.events[0].data.playbook : null;
+      }
+    } catch (e) { note.textContent = e.message; return; }
+    const workload = h("textarea", { id: "rerun-workload", rows: 8, class: "mono", oninput: () => { status.textContent = ""; } },
+      JSON.stringify(full.workload || {}, null, 2));
+    const which = catalog ? h("select", { id: "rerun-version" },
+      h("option", { value: "same" }, `this version (v${full.version})`), h("option", { value: "latest" }, "the latest version")) : null;
+    const form = h("form", { class: "card rerun-form", onsubmit: async (ev) => {
+      ev.preventDefault();
+      let body;
+      try { body = workload.value.trim() ? JSON.parse(workload.value) : {}; } catch (e) { status.textContent = `the workload is not JSON: ${e.message}`; return; }
+      if (body === null || typeof body !== "object" || Array.isArray(body)) { status.textContent = "the workload is a JSON object"; return; }
+      const request = { workload: body };
+      if (catalog) { request.path = full.path; if (which.value === "same") request.version = full.version; }
+      else if (playbook) request.playbook = playbook;
+      else { status.textContent = "this execution's playbook is not in its log"; return; }
+      status.textContent = "Starting…";
+      try {
+        const r = await api("/api/executions", { method: "POST", body: request });
+        ctx.go(`/executions/${r.execution_id}`);
+      } catch (e) { status.textContent = e.message; }
+    } },
+    h("h2", {}, "Run again"),
+    h("p", { class: "note" }, catalog ? `A new execution of ${full.path}, with this execution's workload (merged over the playbook's own, as when it was started): change it below.`
+      : "A new execution of the same inline playbook, with this execution's workload: change it below."),
+    which ? [h("label", { for: "rerun-version" }, "Playbook"), which] : null,
+    h("label", { for: "rerun-workload" }, "Workload (JSON)"), workload,
+    h("div", { class: "row" },
+      h("button", { type: "submit", class: "primary", id: "rerun-start" }, "Start"),
+      h("button", { type: "button", onclick: () => toggleRerun() }, "Close")));
+    const status = h("p", { role: "status", class: "note", id: "rerun-status" });
+    add(form, status);
+    add(clear(rerunBox), form);
+    workload.focus();
+  }
+
   // ---------------------------------------------------------------- time travel
   const travel = singleFlight(async () => {
     const upto = Number(slider.value);
@@ -198,15 +286,20 @@ export async function executionPage(main, id, query, ctx) {
   function goLive() {
     page.live = true;
     if (page.latest) show(page.latest);
+    showLiveNote();
     loadLatest();
   }
 
   // ---------------------------------------------------------------- the detail panel
-  function selectStep(step) {
-    page.step = step === page.step ? null : step;
+  function selectStep(step, { open = false, run = null } = {}) {
+    page.step = step === page.step && !open ? null : step;
     if (page.graph) page.graph.select(page.step);
     renderAside(true);
     if (page.step) aside.focus?.();
+    if (run) {
+      const article = aside.querySelector(`article.run[data-run="${run}"]`);
+      if (article) { article.scrollIntoView({ block: "nearest" }); article.classList.add("flash"); setTimeout(() => article.classList.remove("flash"), 1500); }
+    }
   }
 
   // The panel is drawn again only when what it shows changed, and keeps what the user is doing in it
@@ -217,7 +310,8 @@ export async function executionPage(main, id, query, ctx) {
     const view = page.shown;
     if (!view) return;
     const key = JSON.stringify(page.step
-      ? [page.step, (view.steps || {})[page.step], (view.runs || {})[page.step], view.position]
+      ? [page.step, (view.steps || {})[page.step], (view.runs || {})[page.step], view.position,
+        (((view.runs || {})[page.step] || {}).shown || []).map((r) => timelineRuns.get(r.run_id) || null)]
       : [view.failure, view.errors, view.runs, view.ctx, view.workload, view.waits, waits.map((w) => w.wait_id)]);
     if (!force && key === asideKey) return;
     asideKey = key;
@@ -277,6 +371,7 @@ export async function executionPage(main, id, query, ctx) {
         h("h3", {}, "run ", h("span", { class: "mono", title: run.run_id }, short(run.run_id)), " ", statusBadge(run.status)),
         run.restored ? h("p", { class: "note restored" }, "carried over from execution ",
           h("a", { href: `#/executions/${from}`, class: "mono" }, short(from)), ": it did not run again") : null,
+        run.restored ? null : timesBlock(run),
         run.loop ? loopBlock(run.loop) : null,
         h("h4", {}, "args"), value(run.args),
         run.ended ? [h("h4", {}, "result"), value(run.result, { download: dl() }), !isPreview(run.result) ? h("p", {}, dl()) : null] : null,
@@ -285,9 +380,23 @@ export async function executionPage(main, id, query, ctx) {
     }
   }
 
+  // When a run was admitted, started by a worker and ended, and how long it took (the timeline's; at a
+  // past point of the log, what had happened by then).
+  function timesBlock(run) {
+    const t = runTimes(timelineRuns.get(run.run_id), timeline ? timeline.now : null);
+    if (!t) return null;
+    const ended = run.ended && t.ended !== null;
+    return h("dl", { class: "facts small run-times" },
+      h("dt", {}, "admitted"), h("dd", { class: "mono" }, fmtTime(t.admitted).slice(11)),
+      h("dt", {}, "started"), h("dd", { class: "mono" }, t.started ? fmtTime(t.started).slice(11) : "—"),
+      h("dt", {}, "ended"), h("dd", { class: "mono" }, ended ? fmtTime(t.ended).slice(11) : "—"),
+      t.queued !== null ? [h("dt", {}, "waited for a worker"), h("dd", {}, fmtDuration(t.queued))] : null,
+      h("dt", {}, "duration"), h("dd", { class: "run-duration" }, ended ? fmtDuration(t.duration) : run.ended ? "—" : `${fmtDuration(t.duration)} so far`));
+  }
+
   // ---------------------------------------------------------------- restart from a step (D32)
   function restartForm(view, step, st) {
-    if (!view.finished || !["failed", "cancelled"].includes(st.status) || st.restored) return null;
+    if (!view.finished || !["failed", "cancelled", "partial"].includes(st.status) || st.restored) return null;
     if (!ctx.can("execution.start")) return null;
     const workload = h("textarea", { id: "restart-workload", rows: 3, class: "mono", "aria-label": "workload changes (JSON, merged over this execution's)" }, "{}");
     const note = h("p", { role: "status", class: "note", id: "restart-status" });
@@ -327,13 +436,27 @@ export async function executionPage(main, id, query, ctx) {
       try { page = await api(`/api/executions/${id}/events`, { query: q }); } catch (e) { add(clear(holder), h("p", { class: "error" }, e.message)); return; }
       clear(holder);
       if (!page.events.length) { add(holder, h("p", { class: "note" }, "No task events.")); return; }
-      add(holder, h("table", { class: "grid compact" },
-        h("thead", {}, h("tr", {}, ["task", "attempt", "iteration", "event", "outcome"].map((t) => h("th", { scope: "col" }, t)))),
-        h("tbody", {}, page.events.map((e) => {
-          const out = e.data && e.data.outcome;
-          return h("tr", {}, h("td", {}, e.task || "—"), h("td", {}, e.attempt ?? "—"), h("td", {}, e.iteration ?? "—"),
-            h("td", {}, e.name), h("td", {}, out ? [statusBadge(out.status), value(out.error || out.result)] : "—"));
-        }))), page.total > page.events.length ? h("p", { class: "note" }, `${num(page.events.length)} of ${num(page.total)} shown`) : null);
+      // one row per attempt: its task.started, then its task.suspended (a wait) and task.processed
+      const attempts = [], byKey = new Map();
+      for (const e of page.events) {
+        const key = `${e.task_run_id || e.task}/${e.iteration}/${e.attempt}`;
+        let a = byKey.get(key);
+        if (!a) { a = { task: e.task, attempt: e.attempt, iteration: e.iteration }; byKey.set(key, a); attempts.push(a); }
+        if (e.name === "task.started") a.started = e.timestamp;
+        else if (e.name === "task.suspended") { a.suspended = e.timestamp; a.outcome = a.outcome || { status: "waiting" }; }
+        else { a.ended = e.timestamp; a.outcome = (e.data && e.data.outcome) || { status: e.status }; }
+      }
+      add(holder, h("table", { class: "grid compact attempts" },
+        h("thead", {}, h("tr", {}, ["task", "attempt", "iteration", "started", "ended", "duration", "outcome"].map((t) => h("th", { scope: "col" }, t)))),
+        h("tbody", {}, attempts.map((a) => {
+          const out = a.outcome;
+          return h("tr", { "data-task": a.task || "", "data-attempt": a.attempt ?? "" },
+            h("td", {}, a.task || "—"), h("td", {}, a.attempt ?? "—"), h("td", {}, a.iteration ?? "—"),
+            h("td", { class: "mono" }, a.started ? fmtTime(a.started).slice(11) : "—"),
+            h("td", { class: "mono" }, a.ended ? fmtTime(a.ended).slice(11) : a.suspended ? `waiting since ${fmtTime(a.suspended).slice(11)}` : "—"),
+            h("td", { class: "attempt-duration" }, a.started && a.ended ? fmtDuration((a.ended - a.started) * 1000) : "—"),
+            h("td", {}, out ? [statusBadge(out.status), out.error || out.result !== undefined ? value(out.error || out.result) : null] : "—"));
+        }))), page.total > page.events.length ? h("p", { class: "note" }, `the first ${num(page.events.length)} of ${num(page.total)} task events`) : null);
     };
     return h("details", { class: "tasks-box", ontoggle: (ev) => { if (ev.target.open) load(); } },
       h("summary", {}, "Tasks and attempts"),
@@ -358,38 +481,29 @@ export async function executionPage(main, id, query, ctx) {
       add(box, h("p", { class: "note" }, `${w.step}.${w.task}: ${w.kind} ${w.signal || ""} ${w.status}`));
     }
     for (const w of open) {
-      if (signalForms.has(w.wait_id)) { add(box, signalForms.get(w.wait_id)); continue; }
-      const spec = w.spec || {};
-      const fields = spec.form && typeof spec.form === "object" ? spec.form : null;
-      const initial = fields ? Object.fromEntries(Object.entries(fields).map(([k, t]) => [k, t === "number" ? 0 : t === "checkbox" || t === "boolean" ? false : ""])) : {};
-      const payload = h("textarea", { rows: 4, class: "mono", "aria-label": `payload of signal ${w.signal}` }, JSON.stringify(initial, null, 1));
-      const note = h("span", { role: "status", class: "note" });
-      const form = h("form", { class: "signal card", "data-signal": w.signal, onsubmit: async (ev) => {
-        ev.preventDefault();
-        let body;
-        try { body = payload.value.trim() ? JSON.parse(payload.value) : null; } catch (e) { note.textContent = `not JSON: ${e.message}`; return; }
-        try {
-          const r = await api(`/api/executions/${id}/signals/${encodeURIComponent(w.signal)}`, { method: "POST", body });
-          note.textContent = `sent: ${r.status}`;
-        } catch (e) { note.textContent = e.message; }
-      } },
-      h("p", {}, h("strong", {}, w.signal), ` — step ${w.step}${w.iteration !== null && w.iteration !== undefined ? `[${w.iteration}]` : ""}, task ${w.task}`,
-        spec.assignee ? `, for ${spec.assignee}` : "", spec.roles ? `, roles ${spec.roles.join(", ")}` : ""),
-      h("label", {}, "payload (JSON)"), payload,
-      h("button", { type: "submit", class: "primary small" }, "Send signal"), note);
-      signalForms.set(w.wait_id, form);
-      add(box, form);
+      if (!signalForms.has(w.wait_id)) signalForms.set(w.wait_id, signalForm({ ...w, execution_id: id }));
+      add(box, signalForms.get(w.wait_id));
     }
     return box;
   }
 
   // ---------------------------------------------------------------- the timeline
+  function filterEvents({ step = "", task = "", iteration = "" }) {
+    const f = filterFields;
+    if (step && !Array.from(f.step.options).some((o) => o.value === step)) f.step.append(h("option", { value: step }, step));
+    f.name.value = ""; f.step.value = step; f.task.value = task || ""; f.iteration.value = iteration ?? "";
+    Object.assign(page.timeline.filters, { name: "", step, task: task || "", iteration: iteration === null || iteration === undefined ? "" : String(iteration) });
+    loadTimeline(0);
+    document.getElementById("timeline-panel").scrollIntoView({ block: "start" });
+  }
+
   function timelineFilters() {
     const f = page.timeline.filters;
     const name = h("input", { id: "tl-name", list: "tl-names", value: f.name, placeholder: "any event", size: 22 });
     const step = h("select", { id: "tl-step" }, h("option", { value: "" }, "any step"));
     const task = h("input", { id: "tl-task", value: f.task, placeholder: "any task", size: 10 });
     const iteration = h("input", { id: "tl-iteration", type: "number", min: 0, value: f.iteration, class: "narrow" });
+    filterFields = { name, step, task, iteration };
     return h("form", { class: "filters", onsubmit: (ev) => {
       ev.preventDefault();
       Object.assign(page.timeline.filters, { name: name.value.trim(), step: step.value, task: task.value.trim(), iteration: iteration.value });
@@ -442,7 +556,7 @@ export async function executionPage(main, id, query, ctx) {
           h("p", { class: "note" }, `event ${e.event_id} · source ${e.source} · seq ${e.seq}`));
       }
     };
-    const row = h("tr", { class: "event", tabindex: "0", "data-name": e.name, "data-seq": e.seq, "aria-expanded": "false",
+    const row = h("tr", { class: "event", tabindex: "0", "data-name": e.name, "data-seq": e.seq, "data-step": e.step || "", "aria-expanded": "false",
       onclick: (ev) => { if (!ev.target.closest("button")) toggle(); },
       onkeydown: (ev) => { if (ev.key === "Enter" && ev.target === row) toggle(); } },
     h("td", { class: "num" }, where), h("td", { class: "mono" }, fmtTime(e.timestamp).slice(11)),
@@ -455,30 +569,60 @@ export async function executionPage(main, id, query, ctx) {
 
   const tail = singleFlight(async () => {
     const tl = page.timeline;
+    if (!tl.last && !filtered()) return loadTimeline(0);  // its first read came before the execution was recorded
     if (filtered() || !tl.last || tl.last.next_offset !== null) return; // only the last page follows the log
     const end = tl.offset + tl.last.events.length;
     if (tl.last.events.length >= PAGE) return loadTimeline(end);
     return loadTimeline(tl.offset);
   }, 1000);
 
+  // ---------------------------------------------------------------- the chart
+  const loadChart = singleFlight(async () => {
+    const q = {};
+    if (zoomWindow) { q.from = String(zoomWindow[0]); q.to = String(zoomWindow[1]); }
+    let tl;
+    try { tl = await api(`/api/executions/${id}/timeline`, { query: q }); ganttMessage.hidden = true; } catch (e) {
+      if (e instanceof ApiError && e.status === 404) return;
+      ganttMessage.textContent = e.message; ganttMessage.hidden = false; return;
+    }
+    timeline = tl;
+    timelineRuns.clear();
+    for (const r of tl.runs) timelineRuns.set(r.run_id, r);
+    if (!gantt) {
+      gantt = createGantt(ganttBox, {
+        onSelect: (step, run) => selectStep(step, { open: true, run }),
+        onFilter: (f) => filterEvents(f),
+        onWindow: (w) => { zoomWindow = w; loadChart(); },
+      });
+    }
+    gantt.update(tl);
+    ganttBox.dataset.end = tl.end ?? "";  // read after the execution finished: the chart changes no more
+    if (!page.live && page.shown && page.shown.at) gantt.setMarker(page.shown.at.timestamp);
+    renderAside();
+  }, 1500);
+  // a finished execution's timeline changes no more: read once it is over (and when zoomed)
+  let chartFinal = false;
+  const chartAgain = () => { if (!chartFinal) { if (page.latest && page.latest.finished) chartFinal = true; loadChart(); } };
+
   // ---------------------------------------------------------------- wiring
   // A notice can arrive before the first page is shown (tail() then has nothing to follow), and what is
   // recorded before the stream is live has no notice: once both are there, read the tail again.
   let loaded = false, close = null;
-  const catchUp = () => { loadLatest(); tail(); loadWaits(); };
+  const catchUp = () => { loadLatest(); tail(); loadWaits(); chartAgain(); };
   close = openStream(`/api/live/executions/${id}`, {
-    events: () => { if (!page.latest) loadLatest(); tail(); },
-    state: (view) => { if (!page.net) loadLatest(); else receive(view); loadWaits(); },
-    resync: () => { loadLatest(); loadTimeline(page.timeline.offset); loadWaits(); },
+    events: () => { if (!page.latest) loadLatest(); tail(); chartAgain(); },
+    state: (view) => { if (!page.net) loadLatest(); else receive(view); loadWaits(); chartAgain(); },
+    resync: () => { loadLatest(); loadTimeline(page.timeline.offset); loadWaits(); chartFinal = false; chartAgain(); },
     status: (st) => {
       if (unknown) return;
-      liveNote.textContent = st === "live" ? "live" : st; liveNote.dataset.state = st;
+      streamState = st;
+      showLiveNote();
       if (st === "live" && loaded) catchUp();
     },
   });
-  await Promise.all([loadLatest(), loadTimeline(0), loadWaits()]);
+  await Promise.all([loadLatest(), loadTimeline(0), loadWaits(), loadChart()]);
   loaded = true;
   catchUp();
   if (page.step && page.graph) { page.graph.select(page.step); renderAside(); }
-  return () => { close(); travel.cancel(); tail.cancel(); loadWaits.cancel(); };
+  return () => { close(); travel.cancel(); tail.cancel(); loadWaits.cancel(); loadChart.cancel(); };
 }

@@ -4,6 +4,7 @@ import { openStream } from "./live.js";
 import { h, add, clear, fmtTime, fmtDuration, duration, short, statusBadge, singleFlight } from "./dom.js";
 
 const PAGE = 50;
+const ID = /^[A-Za-z0-9_-]{1,128}$/;
 const STATUSES = ["", "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"];
 
 function localInput(iso) {
@@ -16,27 +17,30 @@ function localInput(iso) {
 
 export async function executionsPage(main, query, ctx) {
   ctx.title("Executions");
-  const q = { status: query.status || "", path: query.path || "", user: query.user || "", since: query.since || "",
+  const q = { id: query.id || "", status: query.status || "", path: query.path || "", user: query.user || "", since: query.since || "",
     until: query.until || "", offset: Number(query.offset) || 0 };
   const liveNote = h("span", { class: "live-dot", role: "status", "aria-live": "polite" }, "connecting…");
+  const ident = h("input", { id: "f-id", name: "id", value: q.id, placeholder: "an id, or its start", size: 14, class: "mono",
+    autocomplete: "off", spellcheck: "false" });
   const status = h("select", { id: "f-status", name: "status" }, STATUSES.map((st) => h("option", { value: st, selected: st === q.status }, st || "any")));
   const path = h("input", { id: "f-path", name: "path", value: q.path, placeholder: "e.g. examples/fork_join", size: 24 });
   const user = h("select", { id: "f-user", name: "user" }, h("option", { value: "" }, "anyone"),
     h("option", { value: "me", selected: q.user === "me" }, "me"));
   const since = h("input", { id: "f-since", name: "since", type: "datetime-local", value: localInput(q.since) });
   const until = h("input", { id: "f-until", name: "until", type: "datetime-local", value: localInput(q.until) });
-  const message = h("p", { role: "alert", class: "error", hidden: true });
+  const message = h("p", { role: "alert", class: "error", id: "executions-message", hidden: true });
   const tbody = h("tbody");
   const pager = h("div", { class: "pager" });
 
   const form = h("form", { class: "filters", onsubmit: (ev) => { ev.preventDefault(); apply(0); } },
+    h("label", { for: "f-id" }, "Execution"), ident,
     h("label", { for: "f-status" }, "Status"), status,
     h("label", { for: "f-path" }, "Playbook"), path,
     h("label", { for: "f-user" }, "Started by"), user,
     h("label", { for: "f-since" }, "From"), since,
     h("label", { for: "f-until" }, "To"), until,
     h("button", { type: "submit" }, "Filter"),
-    h("button", { type: "button", onclick: () => { status.value = ""; path.value = ""; user.value = ""; since.value = ""; until.value = ""; apply(0); } }, "Clear"));
+    h("button", { type: "button", onclick: () => { ident.value = ""; status.value = ""; path.value = ""; user.value = ""; since.value = ""; until.value = ""; apply(0); } }, "Clear"));
 
   add(main, 
     h("div", { class: "page-head" }, h("h1", {}, "Executions"), liveNote),
@@ -48,6 +52,7 @@ export async function executionsPage(main, query, ctx) {
     pager);
 
   function apply(offset) {
+    q.id = ident.value.trim();
     q.status = status.value; q.path = path.value.trim(); q.user = user.value;
     q.since = since.value ? new Date(since.value).toISOString() : "";
     q.until = until.value ? new Date(until.value).toISOString() : "";
@@ -58,8 +63,14 @@ export async function executionsPage(main, query, ctx) {
 
   const load = singleFlight(async () => {
     let rows;
+    if (q.id && !ID.test(q.id)) {  // the API's own rule, said before asking
+      message.textContent = "An execution id has letters, digits, - and _ only (at most 128).";
+      message.hidden = false;
+      clear(tbody);
+      return;
+    }
     try {
-      rows = await api("/api/executions", { query: { status: q.status, path: q.path, user: q.user, since: q.since, until: q.until, limit: PAGE, offset: q.offset } });
+      rows = await api("/api/executions", { query: { id: q.id, status: q.status, path: q.path, user: q.user, since: q.since, until: q.until, limit: PAGE, offset: q.offset } });
       message.hidden = true;
     } catch (e) {
       message.textContent = e.message;

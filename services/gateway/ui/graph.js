@@ -43,7 +43,9 @@ export function drawNet(container, net, { onSelect } = {}) {
   for (const e of net.edges) {
     texts[e.id] = edgeText(e);
     const w = texts[e.id] ? Math.min(190, 6.3 * texts[e.id].length + 8) : 0;
-    g.setEdge(e.source, e.target, { minlen: 1, weight: e.back ? 0 : 1, width: w, height: w ? 16 : 0, labelpos: "c" }, e.id);
+    // the label beside its edge (dagre keeps room for it there), never on it: no line strikes it through
+    g.setEdge(e.source, e.target, { minlen: 1, weight: e.back ? 0 : 1, width: w, height: w ? 16 : 0,
+      labelpos: w ? "r" : "c", labeloffset: 4 }, e.id);
   }
   dagre.layout(g);
   const graph = g.graph();
@@ -59,8 +61,9 @@ export function drawNet(container, net, { onSelect } = {}) {
       s("path", { d: "M 0 0 L 10 5 L 0 10 z", class: "arrowhead back" }))));
 
   const edgeLayer = s("g", { class: "edges" });
+  const labelLayer = s("g", { class: "edge-labels" });  // above every edge: no other edge crosses a label
   const nodeLayer = s("g", { class: "nodes" });
-  svg.append(edgeLayer, nodeLayer);
+  svg.append(edgeLayer, labelLayer, nodeLayer);
   const tokens = {};
   for (const e of net.edges) {
     const laid = g.edge({ v: e.source, w: e.target, name: e.id });
@@ -73,7 +76,11 @@ export function drawNet(container, net, { onSelect } = {}) {
       s("path", { d, class: "edge-line", "marker-end": `url(#${e.back ? "arrow-back" : "arrow"})` }));
     if (texts[e.id]) {
       const at = laid.x !== undefined ? laid : pts[Math.floor(pts.length / 2)];
-      grp.append(s("text", { x: at.x, y: at.y + 4, class: "edge-label", "text-anchor": "middle" }, texts[e.id]));
+      const w = Math.min(190, 6.3 * texts[e.id].length + 8);
+      labelLayer.append(s("g", { class: `edge-label-box${e.back ? " back" : ""}`, "data-place": e.id },
+        s("title", {}, title),
+        s("rect", { x: (at.x - w / 2).toFixed(1), y: (at.y - 8).toFixed(1), width: w.toFixed(1), height: 16, rx: 3 }),
+        s("text", { x: at.x, y: at.y + 4, class: "edge-label", "text-anchor": "middle" }, texts[e.id])));
     }
     const end = pts[pts.length - 1], before = pts[pts.length - 2] || end;
     const tx = end.x - (end.x - before.x) * 0.25, ty = end.y - (end.y - before.y) * 0.25;
