@@ -791,7 +791,7 @@ class RecorderService:
             bounds.append(value)
         now = time.time()
         cap = limits.current().max_state_events
-        async with self._connection() as conn:
+        async with self._snapshot() as conn:
             proj = await (await conn.execute(
                 "SELECT status, extract(epoch FROM created_at)::float8, extract(epoch FROM finished_at)::float8"
                 " FROM execution WHERE execution_id = %s", (xid,))).fetchone()
@@ -923,7 +923,7 @@ class RecorderService:
         if not 1 <= buckets <= 400:
             raise BusError("bad_request", "buckets must be from 1 to 400")
         window = "created_at >= to_timestamp(%s) AND created_at < to_timestamp(%s)"
-        async with self._connection() as conn:
+        async with self._snapshot() as conn:
             cur = await conn.execute(
                 "SELECT width_bucket(extract(epoch FROM created_at)::float8, %s, %s, %s), status, count(*)"
                 f" FROM execution WHERE {window} GROUP BY 1, 2", (since, until, buckets, since, until))
