@@ -114,10 +114,14 @@ def retry_after(value: str | None) -> float | None:
 
 class GatewayClient:
     """``token``: the bearer token to send; without one, ``NOETL_TOKEN`` or the token stored for
-    ``base_url`` (:func:`resolve_token`)."""
+    ``base_url`` (:func:`resolve_token`). ``ca``: the CA file an ``https://`` gateway's certificate must
+    verify against; without one ``NOETL_GATEWAY_CA``, else the system's authorities (infra/tls.py)."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None):
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, trust_env=False)
+    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None, ca: str | None = None):
+        from .infra.tls import gateway_verify
+
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, trust_env=False,
+                                      verify=gateway_verify(ca))
         self.use(resolve_token(base_url, token))
 
     def use(self, token: str | None) -> None:

@@ -31,6 +31,7 @@ own fold (D22); the ``execution`` table is only a projection for lists and filte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -632,7 +633,7 @@ class RecorderService:
     # ------------------------------------------------------------------ executions
     async def execution_get(self, req: dict[str, Any]) -> dict[str, Any]:
         xid = _execution_id(req)
-        async with self._connection() as conn:
+        async with self._snapshot() as conn:
             proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
             count = await _event_count(conn, xid)
             if req.get("brief"):
@@ -673,7 +674,7 @@ class RecorderService:
         offset = max(_int(req.get("offset")) or 0, 0)
         limit = min(max(_int(req.get("limit")) if req.get("limit") is not None else 100, 0), MAX_PAGE)
         where, params = _event_filters(req)
-        async with self._connection() as conn:
+        async with self._snapshot() as conn:
             log_total = await _event_count(conn, xid)
             total = log_total if not where else (await (await conn.execute(
                 f"SELECT count(*) FROM event WHERE execution_id = %s{where}", (xid, *params))).fetchone())[0]
@@ -706,7 +707,7 @@ class RecorderService:
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or abs(seq) >= 2**63):
             raise BusError("bad_request", "seq must be an event's log sequence (an integer)")
         bound_limit = limits.current().max_state_events
-        async with self._connection() as conn:
+        async with self._snapshot() as conn:
             proj = await (await conn.execute(
                 f"SELECT {', '.join(_EXECUTION_COLUMNS)}, ({_STARTER_NAME}) FROM execution WHERE execution_id = %s",
                 (xid,))).fetchone()
@@ -779,7 +780,7 @@ class RecorderService:
             raise BusError("bad_request", "from_step (a step's name) is required")
         bound = limits.current().max_state_events
         try:
-            async with self._connection() as conn:
+            async with self._snapshot() as conn:
                 row = await (await conn.execute("SELECT status FROM execution WHERE execution_id = %s",
                                                 (xid,))).fetchone()
                 if row is None:
@@ -970,6 +971,15 @@ class RecorderService:
             raise BusError("unavailable", f"the event database is not reachable yet ({self._db_error}); "
                                           "the event-recorder keeps trying")
         return self._pool.connection(timeout=5)
+
+    @contextlib.asynccontextmanager
+    async def _snapshot(self):
+        """A connection whose reads all see the log at one moment (a read-only REPEATABLE READ
+        transaction): a reply that counts the events and then reads them never mixes two moments (a
+        count from before a batch committed beside the events of that batch)."""
+        async with self._connection() as conn:
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            yield conn
 
 
 def _by_feed(batch: list[tuple[Feed, Any]]) -> dict[Feed, list[Any]]:

@@ -1179,19 +1179,23 @@ class GatewayService:
         self.app: FastAPI | None = None
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
+        self.tls: dict[str, str] = {}
 
     @property
     def url(self) -> str:
         if self._server is None:
             raise RuntimeError("the gateway is not started")
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     async def start(self) -> None:
+        from noetl_mesh.infra.tls import gateway_server
+
+        self.tls = gateway_server()  # HTTPS with NOETL_GATEWAY_TLS_CERT/_KEY; a file it cannot load: one line
         self.app = create_app(self.bus)
         # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1 by default; the client's
         # address is the gateway's decision (NOETL_TRUSTED_PROXIES, auth.client_address)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off",
-                                proxy_headers=False)
+                                proxy_headers=False, **self.tls)
         server = _EmbeddedServer(config)
         self._task = asyncio.create_task(server.serve(), name="gateway http")
         while not server.started:

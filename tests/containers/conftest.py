@@ -72,6 +72,8 @@ class Cli:
         self.stack = stack
         self.env = {k: v for k, v in os.environ.items() if k not in ("NOETL_TOKEN", "NOETL_GATEWAY_URL")}
         self.env["XDG_CONFIG_HOME"] = str(stack.workdir / "config")
+        # the stack's CA, for its NATS (tls://) and its proxy (https://)
+        self.env["NOETL_NATS_TLS_CA"] = self.env["NOETL_GATEWAY_CA"] = str(stack.ca)
 
     def __call__(self, *args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run([self.stack.noetl, *args], capture_output=True, text=True, input=input,
@@ -91,13 +93,14 @@ def cli(stack) -> Cli:
 
 @pytest.fixture(scope="module")
 def up(stack) -> Compose:
-    """The stack up, every health check passed; its proxy's and NATS's published addresses known."""
+    """The stack up, every health check passed; its proxy's and NATS's published addresses known (both
+    TLS only: https://, tls://)."""
     with timed(f"compose up, every health check passed ({stack.project})"):
         stack.up()
         states = stack.wait_healthy()
     assert states and all(s in ("healthy", "exited:0") for s in states.values()), states
-    stack.gateway = "http://" + stack.port("proxy", 8082)
-    stack.nats = "nats://" + stack.port("nats", 4222)
+    stack.gateway = "https://" + stack.port("proxy", 8082)
+    stack.nats = "tls://" + stack.port("nats", 4222)
     return stack
 
 

@@ -35,11 +35,12 @@ def mix(n: int) -> list[str]:
     return ["slow_loop" if i % 3 == 0 else names[i % len(names)] for i in range(n)]
 
 
-async def load(token: str, url: str, names: list[str], gap: float, faults=None) -> dict[str, str]:
+async def load(token: str, url: str, names: list[str], gap: float, faults=None, *, ca: str) -> dict[str, str]:
     """Start ``names`` one every ``gap`` seconds, calling ``faults(i)`` before the i-th; gateway errors
-    and dropped connections (a fault's doing) are retried. Answers execution id -> playbook name."""
+    and dropped connections (a fault's doing) are retried. Answers execution id -> playbook name. ``ca``:
+    the stack's CA, which the proxy's certificate is verified against."""
     started: dict[str, str] = {}
-    async with GatewayClient(url, timeout=10, token=token) as client:
+    async with GatewayClient(url, timeout=10, token=token, ca=ca) as client:
         for i, name in enumerate(names):
             if faults:
                 await faults(i)
@@ -55,13 +56,13 @@ async def load(token: str, url: str, names: list[str], gap: float, faults=None) 
     return started
 
 
-async def finish(token: str, url: str, ids: dict[str, str], timeout: float = 300) -> ChaosResult:
+async def finish(token: str, url: str, ids: dict[str, str], timeout: float = 300, *, ca: str) -> ChaosResult:
     """Wait until every execution has ended (or ``timeout``); their final states, each compared with
     the reference engine's outcome (ChaosResult: unfinished, mismatches, describe())."""
     result = ChaosResult(submitted=dict(ids))
     pending = set(ids)
     deadline = time.monotonic() + timeout
-    async with GatewayClient(url, timeout=10, token=token) as client:
+    async with GatewayClient(url, timeout=10, token=token, ca=ca) as client:
         while pending and time.monotonic() < deadline:
             for xid in list(pending):
                 with contextlib.suppress(GatewayError, httpx.TransportError, OSError):
@@ -92,6 +93,6 @@ async def reference(name: str) -> dict:
     return _reference[name]
 
 
-async def executions(token: str, url: str) -> list[dict]:
-    async with GatewayClient(url, timeout=30, token=token) as client:
+async def executions(token: str, url: str, *, ca: str) -> list[dict]:
+    async with GatewayClient(url, timeout=30, token=token, ca=ca) as client:
         return await client.list_executions(all_pages=True)

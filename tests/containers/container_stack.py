@@ -1,5 +1,7 @@
 """docker-compose.yml, run as a user runs it: from a directory of its own holding a copy of the file and
-of deploy/, with the seeds made there by `noetl nats-credentials`, under a project name of its own.
+of deploy/, with the seeds made there by `noetl nats-credentials` and the CA, certificates and Postgres
+password by `noetl certs` (and a client certificate, `intruder`, that the tests try as a NATS route),
+under a project name of its own.
 
 The only change to the file: its published ports get a host port chosen by Docker (`127.0.0.1::4222`)
 instead of the fixed ones, so a run never collides with whatever else listens on this machine. The
@@ -62,6 +64,8 @@ class Compose:
         self.file = workdir / "docker-compose.yml"
         self.files = [workdir / f for f in files]  # the first is docker-compose.yml, the others override it
         self.creds = workdir / "deploy" / "nats-creds"
+        self.tls = workdir / "deploy" / "tls"
+        self.ca = self.tls / "ca.crt"  # what every client of the stack trusts
         self.env = {**os.environ, "NOETL_CREDENTIAL_KEY": base64.b64encode(os.urandom(32)).decode(),
                     "GRAFANA_ADMIN_PASSWORD": base64.b64encode(os.urandom(12)).decode(),  # interpolated only
                     "OTEL_SDK_DISABLED": "true"}
@@ -70,7 +74,7 @@ class Compose:
     def prepare(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(ROOT / "deploy", self.workdir / "deploy",
-                        ignore=shutil.ignore_patterns("nats-creds", "Dockerfile"), dirs_exist_ok=True)
+                        ignore=shutil.ignore_patterns("nats-creds", "tls", "Dockerfile"), dirs_exist_ok=True)
         doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
         for service in doc["services"].values():
             if "ports" in service:
@@ -82,6 +86,9 @@ class Compose:
         self.env["NOETL_NET_PREFIX"] = free_net_prefix()
         # as the Containers section says: the seeds, readable by the image's user too
         out = subprocess.run([self.noetl, "nats-credentials", "--out", str(self.creds), "--reader", "10001"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        out = subprocess.run([self.noetl, "certs", "--out", str(self.tls), "--reader", "10001", "--client", "intruder"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
 

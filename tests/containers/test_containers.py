@@ -5,11 +5,20 @@ keychain credential); replicas are added while executions run and share the part
 router and the event-recorder are killed mid-run, and afterwards every execution has ended, once, with the
 reference engine's outcome (`noetl verify --all` finds nothing). The tests run in order, on one stack.
 
+Everything runs over TLS (`noetl certs`), and the last tests prove it where a user would look: NATS
+refuses a client that does not speak TLS and one without the CA (in one line naming the setting), its
+monitoring port is not reachable; Postgres refuses a connection without TLS and takes one verified
+against the CA; the gateway answers over HTTPS only, through the proxy and at each replica, and still
+knows the client's address behind the proxy.
+
 Skipped, in one line, when no Docker engine answers (.ci/run starts one where it can)."""
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import ssl
+import subprocess
 import time
 
 import httpx
@@ -71,7 +80,8 @@ def test_the_first_admin_logs_in_through_the_proxy_and_runs_the_examples(up, cli
     assert again.returncode == 1 and "has users already" in again.stderr  # a second admin is never made
     whoami = cli("whoami", "--gateway", up.gateway)
     assert whoami.returncode == 0 and json.loads(whoami.stdout)["roles"] == ["admin"]
-    assert httpx.get(f"{up.gateway}/api/executions", timeout=10).status_code == 401  # no token, no entry
+    assert httpx.get(f"{up.gateway}/api/executions", timeout=10, verify=ssl.create_default_context(cafile=up.ca)) \
+        .status_code == 401  # no token, no entry
     with timed("examples through the proxy"):
         hello = run_json(cli, up, str(ROOT / "examples" / "hello.yaml"))
         assert hello["status"] == "COMPLETED", hello["error"]
@@ -86,20 +96,23 @@ def test_the_first_admin_logs_in_through_the_proxy_and_runs_the_examples(up, cli
 
 
 def test_a_keychain_credential_reaches_the_task_that_declares_it(up, cli, token):
-    data = json.dumps({"host": "postgres", "port": 5432, "user": "noetl", "password": "noetl", "dbname": "noetl"})
+    # the stack's Postgres takes TLS only. A task may not name a file of the worker (sslrootcert: only
+    # 'system', whose authorities do not know the stack's CA), so the credential asks for TLS without
+    # verifying the server: sslmode=require
+    password = (up.tls / "postgres.password").read_text().strip()
+    data = json.dumps({"host": "postgres", "port": 5432, "user": "noetl", "password": password, "dbname": "noetl",
+                       "sslmode": "require"})
     out = cli("credential", "add", "compose_pg", "--kind", "postgres", "--data", data, "--gateway", up.gateway)
     assert out.returncode == 0, out.stderr
     result = run_json(cli, up, str(ROOT / "tests" / "containers" / "playbooks" / "keychain_pg.yaml"))
     assert result["status"] == "COMPLETED", result["error"]
     [row] = result["steps"]["start"]["result"]["rows"]
-    # connected as the credential's user; shown masked, because the compose file's password is the
-    # same word as the user name and every occurrence of a secret value is masked in what is kept
-    assert row == {"who": "***", "answer": 42}
+    assert row == {"who": "noetl", "answer": 42, "tls": True}  # the credential's user, over TLS (pg_stat_ssl)
 
 
 def test_replicas_added_while_executions_run_share_the_partitions(up, cli, token):
     async def scenario() -> tuple[dict, float]:
-        loading = asyncio.create_task(load(token, up.gateway, mix(24), gap=0.5))
+        loading = asyncio.create_task(load(token, up.gateway, mix(24), gap=0.5, ca=str(up.ca)))
         await asyncio.sleep(2)  # executions in flight
         took = await asyncio.to_thread(up.up, SCALED)
         return await loading, took
@@ -108,7 +121,7 @@ def test_replicas_added_while_executions_run_share_the_partitions(up, cli, token
         ids, took = asyncio.run(scenario())
         submitted.update(ids)
         note(f"compose up --scale {' '.join(f'{k}={v}' for k, v in SCALED.items())}: {took:.0f} s")
-        result = asyncio.run(finish(token, up.gateway, ids))
+        result = asyncio.run(finish(token, up.gateway, ids, ca=str(up.ca)))
     assert not result.unfinished and not result.mismatches, result.describe()
     with timed("partitions dealt out after scaling"):
         deadline = time.monotonic() + 60
@@ -151,9 +164,9 @@ def test_killing_a_worker_a_router_and_the_recorder_mid_run_loses_nothing(up, cl
         killed.append(victim)
 
     with timed("kills mid-run, until every execution ended"):
-        ids = asyncio.run(load(token, up.gateway, mix(28), gap=0.7, faults=faults))
+        ids = asyncio.run(load(token, up.gateway, mix(28), gap=0.7, faults=faults, ca=str(up.ca)))
         submitted.update(ids)
-        result = asyncio.run(finish(token, up.gateway, ids))
+        result = asyncio.run(finish(token, up.gateway, ids, ca=str(up.ca)))
     note(f"killed {', '.join(killed)} (the worker held {held[killed[0]]} commands; the recorder started again "
          f"8 executions later)")
     assert held[killed[0]] > 0  # killed with commands in hand: they had to be redelivered to another worker
@@ -165,7 +178,7 @@ def test_killing_a_worker_a_router_and_the_recorder_mid_run_loses_nothing(up, cl
     assert all(r["status"] in FINAL for r in reports)
     # nothing lost, nothing duplicated: the gateway lists exactly the executions started (and the child
     # of the nested example), each once, and verify read each of them
-    rows = asyncio.run(executions(token, up.gateway))
+    rows = asyncio.run(executions(token, up.gateway, ca=str(up.ca)))
     ids = [r["execution_id"] for r in rows]
     assert len(ids) == len(set(ids)) and sorted(ids) == sorted(r["execution_id"] for r in reports)
     top = {r["execution_id"] for r in rows if not r["parent_execution_id"]}
@@ -181,6 +194,105 @@ def test_nats_logged_no_permission_violation(up):
     log = up.logs("nats")
     assert "Permissions Violation" not in log and "Authorization Error" not in log, \
         [line for line in log.splitlines() if "Violation" in line or "Authorization" in line][:10]
+
+
+# ------------------------------------------------------------------------------------ TLS, proved
+def in_container(up, service: str, code: str) -> dict:
+    """Run ``code`` (Python, printing one JSON object) in a container of ``service``: another host's view."""
+    [name] = up.containers(service)[:1]
+    out = docker("exec", name, "python", "-c", code, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_nats_refuses_a_client_without_tls_and_one_without_the_ca(up, cli):
+    host, port = up.nats.removeprefix("tls://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:  # a client that never starts TLS
+        s.settimeout(10)
+        info = json.loads(s.recv(65536).decode().split(" ", 1)[1])
+        assert info["tls_required"] is True
+        s.sendall(b'CONNECT {"verbose":true}\r\nPING\r\n')
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    assert b"PONG" not in answer and b"+OK" not in answer, answer  # closed: nothing is served in the clear
+    env = {k: v for k, v in cli.env.items() if k != "NOETL_NATS_TLS_CA"}  # the admin's seed, not the CA
+    out = subprocess.run([up.noetl, "ps", "--nats-url", up.nats, "--nats-creds", str(up.creds / "admin.nk")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    [line] = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "its certificate does not verify" in line and "NOETL_NATS_TLS_CA" in line, line
+    # the monitoring port (no authentication) answers inside its container only
+    assert docker("port", up.containers("nats")[0], "8222", check=False).returncode != 0
+    seen = in_container(up, "worker", "import json, urllib.request as u\n"
+                        "try:\n u.urlopen('http://nats:8222/varz', timeout=5); print(json.dumps({'reached': True}))\n"
+                        "except OSError as e:\n print(json.dumps({'reached': False, 'why': str(e)}))")
+    assert seen["reached"] is False, seen
+    note(f"NATS: a plaintext client closed ({len(answer)} bytes after CONNECT), without the CA: {line[7:90]}...; "
+         f"monitoring from another container: {seen['why']}")
+
+
+def test_postgres_refuses_a_connection_without_tls(up):
+    seen = in_container(up, "event-recorder", """
+import json, os, psycopg
+base = os.environ["NOETL_PG_DSN"]
+password = open(os.environ["NOETL_PG_PASSWORD_FILE"]).read().strip()
+out = {}
+for name, extra in (("verified", ""), ("plaintext", " sslmode=disable"), ("no CA", " sslrootcert=/nonexistent")):
+    try:
+        with psycopg.connect(base + extra, password=password, connect_timeout=10) as conn:
+            out[name] = "ok: " + conn.execute("SELECT version FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone()[0]
+    except psycopg.OperationalError as exc:
+        out[name] = "refused: " + " ".join(str(exc).split())
+print(json.dumps(out))""")
+    assert seen["verified"].startswith("ok: TLSv1."), seen  # sslmode=verify-full, the services' DSN
+    assert seen["plaintext"].startswith("refused:") and "no encryption" in seen["plaintext"], seen
+    assert seen["no CA"].startswith("refused:") and "/nonexistent" in seen["no CA"], seen
+    note(f"Postgres: {seen['verified']}; without TLS: {seen['plaintext'][:120]}")
+
+
+def test_the_gateway_answers_only_over_https(up, cli, token):
+    host_port = up.gateway.removeprefix("https://")
+    plain = httpx.get(f"http://{host_port}/health", timeout=10)
+    assert plain.status_code == 400 and "plain HTTP request was sent to HTTPS port" in plain.text, plain.text
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # the system's authorities
+        httpx.get(f"{up.gateway}/health", timeout=10)
+    verified = ssl.create_default_context(cafile=up.ca)
+    assert httpx.get(f"{up.gateway}/health", timeout=10, verify=verified).status_code == 200
+    env = {k: v for k, v in cli.env.items() if k != "NOETL_GATEWAY_CA"}
+    out = subprocess.run([up.noetl, "whoami", "--gateway", up.gateway], capture_output=True, text=True, env=env,
+                         timeout=60)
+    [line] = out.stderr.strip().splitlines()
+    assert out.returncode == 4 and line.startswith(f"noetl: the gateway at {up.gateway}: its certificate does not "
+                                                   "verify") and "NOETL_GATEWAY_CA" in line, line
+    # each replica speaks HTTPS only, to the proxy too (another container of the network asks)
+    seen = in_container(up, "worker", """
+import json, ssl, urllib.request as u
+out = {}
+for name, url, ctx in (("http", "http://gateway:8082/health", None),
+                       ("https", "https://gateway:8082/health", ssl.create_default_context(cafile="/run/secrets/ca.crt"))):
+    try:
+        out[name] = u.urlopen(url, timeout=5, context=ctx).status
+    except Exception as exc:
+        out[name] = type(exc).__name__ + ": " + str(exc)[:80]
+print(json.dumps(out))""")
+    assert seen["https"] == 200 and seen["http"] != 200, seen
+    # the client's address behind the proxy is still the client's (NOETL_TRUSTED_PROXIES): a failed login's
+    # audit record names the address the proxy saw this request come from (its access log), not the proxy's
+    wrong = httpx.post(f"{up.gateway}/api/auth/login", json={"username": "nobody", "password": "x" * 12}, timeout=10,
+                       verify=verified)
+    assert wrong.status_code == 401
+    records = httpx.get(f"{up.gateway}/api/audit", params={"action": "session.login_failed"}, timeout=10,
+                        verify=verified, headers={"authorization": f"Bearer {token}"}).json()  # newest first
+    [proxy] = up.containers("proxy")
+    access = docker("logs", proxy).stdout.splitlines()
+    client_ip = [line.split(" ", 1)[0] for line in access if '"POST /api/auth/login HTTP/1.1" 401' in line][-1]
+    proxy_ip = up.env["NOETL_NET_PREFIX"] + ".2"  # docker-compose.yml's fixed address of the proxy
+    assert records and records[0].get("client_ip") == client_ip != proxy_ip, (client_ip, records[:1])
+    note(f"gateway: plain HTTP answered {plain.status_code} by the proxy; a replica over HTTP: {seen['http']}; "
+         f"the client's address behind the proxy: {client_ip}")
 
 
 def in_flight(container: str) -> int:

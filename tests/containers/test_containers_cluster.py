@@ -1,7 +1,9 @@
 """docker-compose.yml over deploy/docker-compose.cluster.yml: three NATS containers, every stream, bucket
 and object store kept on all three. The node leading the events stream is cut off the network (`docker
 network disconnect`) for 30 s while executions run; afterwards every execution has ended with the reference
-engine's outcome and `noetl verify --all` finds nothing, and the node is back in the cluster.
+engine's outcome and `noetl verify --all` finds nothing, and the node is back in the cluster. The routes
+are TLS and authorized: a NATS server started on the stack's network with a client certificate of the
+stack's own CA, and one without TLS, try to join as routes and are refused.
 
 Skipped, in one line, when no Docker engine answers (.ci/run starts one where it can)."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from datetime import datetime
 
 import pytest
+import yaml
 
 from container_images import docker
 from container_report import note, timed
@@ -91,14 +94,14 @@ def test_the_events_streams_leader_cut_off_for_30_s_loses_nothing(up, cli, token
             cut["task"] = asyncio.create_task(back_later())
 
     async def scenario() -> dict[str, str]:
-        ids = await load(token, up.gateway, mix(30), gap=1.2, faults=faults)
+        ids = await load(token, up.gateway, mix(30), gap=1.2, faults=faults, ca=str(up.ca))
         await cut["task"]
         return ids
 
     with timed(f"a node cut off for {CUT_OFF_S} s mid-run, until every execution ended"):
         ids = asyncio.run(scenario())
-        result = asyncio.run(finish(token, up.gateway, ids))
-    rows = sorted(asyncio.run(executions(token, up.gateway)), key=lambda r: r["created_at"])
+        result = asyncio.run(finish(token, up.gateway, ids, ca=str(up.ca)))
+    rows = sorted(asyncio.run(executions(token, up.gateway, ca=str(up.ca))), key=lambda r: r["created_at"])
     created = [datetime.fromisoformat(r["created_at"]) for r in rows if r["execution_id"] in ids]
     stall = max((b - a).total_seconds() for a, b in zip(created, created[1:]))
     note(f"cut off {service} ({leader}, the events stream's leader) for {cut['back'] - cut['off']:.0f} s; "
@@ -124,3 +127,51 @@ def test_no_node_logged_a_permission_violation(up):
         log = up.logs(service)
         assert "Permissions Violation" not in log and "Authorization Error" not in log, \
             (service, [line for line in log.splitlines() if "Violation" in line or "Authorization" in line][:10])
+
+
+def test_a_route_without_the_route_certificate_cannot_join(up, tmp_path):
+    """Two NATS servers on the stack's network dial `nats:6222` as routes: one over TLS with a certificate
+    the stack's CA signed but for another subject (a client's: CN=intruder), one without TLS. Neither
+    becomes a route of any node, and the cluster still has its three JetStream peers."""
+    [network] = docker("network", "ls", "--filter", f"label=com.docker.compose.project={up.project}",
+                       "--format", "{{.Name}}").stdout.split()
+    image = yaml.safe_load((up.workdir / "docker-compose.yml").read_text())["services"]["nats"]["image"]
+    tls = (f'tls {{ cert_file: /tls/intruder.crt, key_file: /tls/intruder.key, ca_file: /tls/ca.crt, '
+           f'timeout: 2 }}')
+    before = len(up.logs("nats"))
+    names = []
+    try:
+        for kind, block in (("tls", tls), ("plain", "")):
+            conf = tmp_path / f"{kind}.conf"
+            conf.write_text(f"server_name: intruder-{kind}\nhttp: 127.0.0.1:8222\n"
+                            f"cluster {{ name: noetl, listen: 0.0.0.0:6222, routes: [nats-route://nats:6222]\n{block}\n}}\n")
+            name = f"{up.project}-intruder-{kind}"
+            docker("rm", "-f", name, check=False)
+            docker("run", "-d", "--name", name, "--network", network,
+                   "-v", f"{conf}:/etc/nats/intruder.conf:ro", "-v", f"{up.tls / 'ca.crt'}:/tls/ca.crt:ro",
+                   "-v", f"{up.tls / 'client-intruder.crt'}:/tls/intruder.crt:ro",
+                   "-v", f"{up.tls / 'client-intruder.key'}:/tls/intruder.key:ro", image, "-c", "/etc/nats/intruder.conf")
+            names.append(name)
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while True:
+            log = up.logs("nats")[before:]
+            refused, plain = "authentication error" in log, "TLS route handshake error" in log or "TLS handshake error" in log
+            if refused and plain or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert refused and plain, log[-3000:]
+        routes = {service: {r.get("remote_name") for r in monitor(up, service, "/routez").get("routes") or []}
+                  for service in NODES.values()}
+        for service, seen in routes.items():
+            assert seen == set(NODES) - {SERVER[service]}, routes  # the other two nodes, no one else
+        for name in names:
+            theirs = json.loads(docker("exec", name, "wget", "-q", "-O", "-", "http://127.0.0.1:8222/routez").stdout)
+            assert not theirs.get("routes"), (name, theirs)
+        assert jsz(up)["meta_cluster"]["cluster_size"] == 3
+        said = {kind: next(line.split("] ", 1)[-1] for line in log.splitlines() if kind in line)
+                for kind in ("authentication error", "handshake error")}
+        note(f"routes: a client certificate of the stack's CA and a route without TLS refused "
+             f"({said['authentication error'][:90]}; {said['handshake error'][:90]})")
+    finally:
+        for name in names:
+            docker("rm", "-f", name, check=False)

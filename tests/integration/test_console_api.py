@@ -340,8 +340,12 @@ def test_a_stream_ends_at_once_when_its_session_or_token_is_revoked(stack):
                 user_id = (await viv.get("/api/auth/whoami")).json()["user_id"]
                 bye = await ends(viv, lambda: admin.post(f"/api/users/{user_id}/disable"))
                 assert (bye["reason"], bye["cause"]) == ("revoked", "user_disabled"), bye
-        await asyncio.sleep(0.2)
-        assert gateway.app.state.live.streams == 0 and gateway.app.state.live.holders == {}
+        # each stream's end is counted once its response has closed: wait for it (a guard, not a race)
+        state = gateway.app.state.live
+        deadline = time.monotonic() + 30
+        while (state.streams, state.holders) != (0, {}) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert state.streams == 0 and state.holders == {}
 
     stack.run(go())
 

@@ -49,12 +49,16 @@ def check(name: str, out: dict) -> None:
 
 
 def migrated(name: str) -> dict:
-    m = migrate_text((FIXTURES / f"{name}.yaml").read_text())
+    path = FIXTURES / f"{name}.yaml"
+    m = migrate_text(path.read_text(), source=path)
     assert m.complete, [str(p) for p in m.problems]
     return load_playbook(m.text).document
 
 
-@pytest.mark.parametrize("name", ["heavy_loop", "hello_world", "case_routing", "control_flow_workbook"])
+@pytest.mark.parametrize("name", ["heavy_loop", "hello_world", "case_routing", "control_flow_workbook",
+                                  "step_set_reads_itself", "unrouted_end", "arc_set_ctx",
+                                  "pipeline_task_set", "policy_error_reads",
+                                  "step_input_script"])
 def test_migrated_fixture_runs_and_gives_its_results(name):
     check(name, summary(asyncio.run(_run(migrated(name))).state))
 
@@ -63,6 +67,18 @@ def test_migrated_http_pipeline_reads_the_body_and_the_status(fixture_api):
     run = asyncio.run(_run(migrated("http_pipeline"), workload={"api_url": fixture_api.url},
                            allow_net=fixture_api.endpoint))
     check("http_pipeline", summary(run.state))
+
+
+def test_migrated_result_spellings_read_the_body_the_status_and_the_rows(fixture_api):
+    run = asyncio.run(_run(migrated("result_spellings"), workload={"api_url": fixture_api.url},
+                           allow_net=fixture_api.endpoint))
+    check("result_spellings", summary(run.state))
+
+
+def test_migrated_step_output_select_stores_the_selected_part(fixture_api):
+    run = asyncio.run(_run(migrated("step_output_select"), workload={"api_url": fixture_api.url},
+                           allow_net=fixture_api.endpoint))
+    check("step_output_select", summary(run.state))
 
 
 def test_migrated_postgres_playbook_runs_with_the_stored_credential(pg_dsn):

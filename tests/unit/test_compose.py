@@ -65,8 +65,7 @@ def test_every_service_is_a_real_noetl_command_line():
 def test_each_service_gets_its_own_nats_users_seed():
     for name, service in NOETL.items():
         assert service["environment"]["NOETL_NATS_CREDS"] == "/run/secrets/nats"
-        [secret] = service["secrets"]
-        assert secret["target"] == "nats"
+        [secret] = [s for s in service["secrets"] if isinstance(s, dict) and s["target"] == "nats"]
         args = build_parser().parse_args(service["command"])
         user = "admin" if name == "setup" else user_for(args.name, getattr(args, "pool", "default"))
         assert COMPOSE["secrets"][secret["source"]]["file"] == f"./deploy/nats-creds/{user}.nk", name
@@ -81,12 +80,12 @@ def test_every_noetl_variable_is_one_the_code_reads():
     assert {"NOETL_NATS_URL", "NOETL_NATS_CREDS", "NOETL_PG_DSN", "NOETL_CREDENTIAL_KEY"} <= used
     assert NOETL["event-recorder"]["environment"]["NOETL_PG_DSN"].startswith("host=postgres ")
     for service in NOETL.values():
-        assert service["environment"]["NOETL_NATS_URL"] == "nats://nats:4222"
+        assert service["environment"]["NOETL_NATS_URL"] == "tls://nats:4222"
 
 
 def test_health_checks_run_programs_their_images_have_against_ports_that_serve_them():
     nats_conf = (ROOT / "deploy" / "nats.conf").read_text()
-    monitoring = int(re.search(r"^http_port:\s*(\d+)", nats_conf, re.M).group(1))
+    monitoring = int(re.search(r"^http:\s*127\.0\.0\.1:(\d+)", nats_conf, re.M).group(1))  # inside its container only
     checked = set()
     for name, service in SERVICES.items():
         check = service.get("healthcheck")
@@ -99,7 +98,11 @@ def test_health_checks_run_programs_their_images_have_against_ports_that_serve_t
             assert [(u.hostname, u.port, u.path) for u in urls] == [("127.0.0.1", METRICS_PORT, "/readyz")], name
             assert "/readyz" in PROBE_PATHS and "/livez" in PROBE_PATHS
         elif name == "nats":
-            assert [(u.port, u.path) for u in urls] == [(monitoring, "/healthz")]
+            assert [(u.hostname, u.port, u.path) for u in urls] == [("127.0.0.1", monitoring, "/healthz")]
+        elif name == "proxy":  # nginx.conf's listener for it, on the container's loopback, passes /health on
+            [(host, port, path)] = [(u.hostname, u.port, u.path) for u in urls]
+            nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+            assert f"listen {host}:{port};" in nginx and f"location = {path} {{" in nginx
         checked.add(name)
     assert set(NOETL) - {"setup"} <= checked and {"nats", "postgres", "proxy"} <= checked
     assert f"EXPOSE {METRICS_PORT}" in DOCKERFILE and f"NOETL_METRICS_PORT={METRICS_PORT}" in DOCKERFILE
@@ -148,16 +151,20 @@ def test_scaling_cannot_collide():
     assert published.endswith(":8082:8082") and published.startswith("${NOETL_GATEWAY_BIND:-127.0.0.1}")
     assert "--port" in SERVICES["gateway"]["command"] and "8082" in SERVICES["gateway"]["command"]
     nginx = (ROOT / "deploy" / "nginx.conf").read_text()
-    assert "resolver 127.0.0.11" in nginx and "set $gateway http://gateway:8082;" in nginx
+    assert "resolver 127.0.0.11" in nginx and "set $gateway https://gateway:8082;" in nginx
     assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx  # never the client's own claim
-    proxy_ip = SERVICES["proxy"]["networks"]["noetl"]["ipv4_address"]
-    assert SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"] == proxy_ip
-    [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
-    assert ipaddress.ip_address(proxy_ip) in ipaddress.ip_network(subnet["subnet"])
-    # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
-    # container started takes it and the proxy cannot start ("Address already in use")
-    assert ipaddress.ip_network(subnet["ip_range"]).subnet_of(ipaddress.ip_network(subnet["subnet"]))
-    assert ipaddress.ip_address(proxy_ip) not in ipaddress.ip_network(subnet["ip_range"])
+    for prefix in (None, "10.9.8"):  # the default network, and one NOETL_NET_PREFIX names
+        def value(text: str) -> str:  # compose's interpolation of ${NOETL_NET_PREFIX:-default}
+            return re.sub(r"\$\{NOETL_NET_PREFIX:-([0-9.]+)\}", lambda m: prefix or m.group(1), text)
+
+        proxy_ip = value(SERVICES["proxy"]["networks"]["noetl"]["ipv4_address"])
+        assert value(SERVICES["gateway"]["environment"]["NOETL_TRUSTED_PROXIES"]) == proxy_ip
+        [subnet] = COMPOSE["networks"]["noetl"]["ipam"]["config"]
+        network, ip_range = ipaddress.ip_network(value(subnet["subnet"])), ipaddress.ip_network(value(subnet["ip_range"]))
+        assert ipaddress.ip_address(proxy_ip) in network and (prefix is None or str(network) == f"{prefix}.0/24")
+        # Docker hands out the range's addresses in order: the proxy's must be outside it, or the first
+        # container started takes it and the proxy cannot start ("Address already in use")
+        assert ip_range.subnet_of(network) and ipaddress.ip_address(proxy_ip) not in ip_range
     for name, service in SERVICES.items():
         for port in service.get("ports", ()):
             assert port.startswith(("127.0.0.1:", "${NOETL_GATEWAY_BIND:-127.0.0.1}:")), (name, port)
@@ -197,3 +204,105 @@ def test_prometheus_scrapes_every_service_and_grafana_has_its_dashboard():
 def test_the_image_is_slim_and_runs_unprivileged(rule):
     assert rule in DOCKERFILE
     assert DOCKERFILE.index("USER noetl") > DOCKERFILE.index("useradd")
+
+
+# ------------------------------------------------------------------------------------------- TLS
+CLUSTER = yaml.safe_load((ROOT / "deploy" / "docker-compose.cluster.yml").read_text())["services"]
+
+
+def mounted(service: dict) -> dict[str, str]:
+    """A service's secrets: the path it sees -> the file on the host."""
+    out = {}
+    for s in service.get("secrets", ()):
+        source, target = (s, s) if isinstance(s, str) else (s["source"], s.get("target", s["source"]))
+        out[f"/run/secrets/{target}"] = COMPOSE["secrets"][source]["file"]
+    return out
+
+
+def merged(name: str) -> dict[str, str]:
+    """A service's secrets with the three-node override (compose merges them by target)."""
+    return {**mounted(SERVICES.get(name, {})), **mounted(CLUSTER.get(name, {}))}
+
+
+def test_every_file_a_tls_setting_names_is_mounted_from_what_noetl_certs_makes():
+    from noetl_mesh.infra.certs import PASSWORD_FILE, leaves
+
+    made = {"./deploy/tls/ca.crt", f"./deploy/tls/{PASSWORD_FILE}"}
+    made |= {f"./deploy/tls/{leaf.name}.{ext}" for leaf in leaves() for ext in ("crt", "key")}
+    assert {s["file"] for k, s in COMPOSE["secrets"].items() if k.startswith("tls_") or "password" in k} <= made
+    for name, service in NOETL.items():
+        env, files = service["environment"], mounted(service)
+        assert files[env["NOETL_NATS_TLS_CA"]] == "./deploy/tls/ca.crt", name
+        for var in ("NOETL_GATEWAY_TLS_CERT", "NOETL_GATEWAY_TLS_KEY", "NOETL_PG_PASSWORD_FILE"):
+            if var in env:
+                assert files[env[var]] in made, (name, var)
+        if "NOETL_PG_DSN" in env:
+            dsn = dict(part.split("=", 1) for part in env["NOETL_PG_DSN"].split())
+            assert "password" not in dsn and dsn["sslmode"] == "verify-full" and dsn["host"] == "postgres"
+            assert files[dsn["sslrootcert"]] == "./deploy/tls/ca.crt"
+            assert files[env["NOETL_PG_PASSWORD_FILE"]] == "./deploy/tls/postgres.password"
+    assert files_of_conf("nats.conf", merged("nats"))
+    for node in ("nats", "nats-2", "nats-3"):
+        assert files_of_conf("nats-cluster.conf", merged(node)) and files_of_conf("nats.conf", merged(node)), node
+    assert files_of_conf("nginx.conf", mounted(SERVICES["proxy"]))
+    gateway = NOETL["gateway"]["environment"]
+    assert mounted(NOETL["gateway"])[gateway["NOETL_GATEWAY_TLS_CERT"]] == "./deploy/tls/gateway.crt"
+
+
+def files_of_conf(conf: str, files: dict[str, str]) -> set[str]:
+    """Every /run/secrets path a configuration file names: each one mounted (answers them)."""
+    named = set(re.findall(r"/run/secrets/[\w.-]+", (ROOT / "deploy" / conf).read_text()))
+    assert named and named <= set(files), (conf, named - set(files))
+    return named
+
+
+def test_each_key_goes_to_the_service_that_serves_with_it_only():
+    keys: dict[str, set[str]] = {}
+    for name in set(SERVICES) | set(CLUSTER):
+        for path, file in merged(name).items():
+            if file.endswith((".key", ".password")) and "nats-creds" not in file:
+                keys.setdefault(file, set()).add(name)
+    assert keys == {
+        "./deploy/tls/nats.key": {"nats", "nats-2", "nats-3"}, "./deploy/tls/nats-route.key": {"nats", "nats-2", "nats-3"},
+        "./deploy/tls/postgres.key": {"postgres"}, "./deploy/tls/gateway.key": {"gateway"},
+        "./deploy/tls/proxy.key": {"proxy"},
+        "./deploy/tls/postgres.password": {"postgres", "event-recorder", "credentials"}}
+    assert "./deploy/tls/ca.key" not in {s["file"] for s in COMPOSE["secrets"].values()}  # never leaves the host
+
+
+def test_postgres_takes_tls_and_a_password_from_a_file_only():
+    pg = SERVICES["postgres"]
+    assert "POSTGRES_PASSWORD" not in pg["environment"]
+    assert mounted(pg)[pg["environment"]["POSTGRES_PASSWORD_FILE"]] == "./deploy/tls/postgres.password"
+    args = pg["command"]
+    settings = dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "-c")
+    assert settings["ssl"] == "on" and mounted(pg)[settings["ssl_cert_file"]] == "./deploy/tls/postgres.crt"
+    assert f"/run/secrets/postgres.key {settings['ssl_key_file']}" in pg["entrypoint"][2]  # copied there, 0600
+    assert mounted(pg)["/run/secrets/postgres.key"] == "./deploy/tls/postgres.key"
+    hba = [line.split("#")[0].split() for line in (ROOT / "deploy" / "pg_hba.conf").read_text().splitlines()]
+    hba = [line for line in hba if line]
+    assert [line[0] for line in hba] == ["local", "hostssl", "hostnossl"]  # the socket, then TLS or nothing
+    assert hba[1][-1] == "scram-sha-256" and hba[2][-1] == "reject"
+    assert f"./deploy/pg_hba.conf:{settings['hba_file']}:ro" in pg["volumes"]
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert not re.search(r"password=|POSTGRES_PASSWORD:", text)  # no password in the file, in a DSN or the server's
+
+def test_nats_requires_tls_its_routes_are_authorized_and_monitoring_stays_inside():
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    assert re.search(r"^tls \{[^}]*handshake_first", conf, re.M | re.S)
+    cluster = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    assert "verify_and_map: true" in cluster and 'user: "CN=noetl-nats-route"' in cluster
+    for name in ("nats", "nats-2", "nats-3"):
+        service = {**SERVICES.get(name, {}), **CLUSTER.get(name, {})}
+        assert not any(p.endswith(":8222") for p in service.get("ports", ())), name
+    for service in CLUSTER.values():
+        if "environment" in service and "NOETL_NATS_URL" in service["environment"]:
+            assert all(u.startswith("tls://") for u in service["environment"]["NOETL_NATS_URL"].split(","))
+
+
+def test_the_proxy_speaks_https_only_and_verifies_the_gateways():
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    listens = re.findall(r"^\s*listen ([^;]+);", nginx, re.M)
+    assert listens == ["8082 ssl", "127.0.0.1:8081"]  # the only other listener: the health check's, inside
+    assert "proxy_ssl_verify on;" in nginx and "proxy_ssl_name gateway;" in nginx
+    assert "http://" not in nginx.split("server {", 1)[1]  # nothing passed on in the clear

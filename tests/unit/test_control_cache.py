@@ -100,3 +100,39 @@ def test_an_event_that_cannot_be_folded_is_dropped_alone_live_and_on_rebuild():
     outcomes = asyncio.run(main())
     assert [bool(error) for error, _ in outcomes] == [False, True, False, False]
     assert [(m.acked, m.dropped) for _, m in outcomes] == [(1, 0), (0, 1), (1, 0), (1, 0)]
+
+
+def test_a_finished_execution_leaves_the_cache_and_its_later_events_are_acknowledged_unfolded():
+    """Once an execution has finished, no service has anything more to decide for it: its state is
+    dropped (kept as IDLE), and a late event (a redelivery, a cancel) is acknowledged without a fold or
+    a decision. A running execution's state stays."""
+    from noetl_mesh.infra.control import IDLE
+
+    bus = FlakyBus(failures=0)
+    service = Scheduler(bus)
+    decided: list[str] = []
+    inner = service.decide
+
+    async def counting(state, event):
+        decided.append(event["name"])
+        return await inner(state, event) if event["name"] == "playbook.execution.requested" else Decision()
+
+    service.decide = counting
+    request = make_event("playbook.execution.requested", "e1", event_id="r1", source="gateway", data={})
+    started = make_event("workflow.started", "e1", event_id="w1", source="router", data={})
+    finished = make_event("workflow.finished", "e1", event_id="f1", source="router", data={"status": "COMPLETED"})
+    late = make_event("execution.cancelled", "e1", event_id="c1", source="gateway")
+
+    async def main():
+        msgs = []
+        for i, event in enumerate((request, started, finished, late), 1):
+            msgs.append(Delivery())
+            await service._handle(msgs[-1], 0, SimpleNamespace(stream=i), "e1", [event])
+            if event is started:
+                assert service.cache["e1"] is not IDLE and service.cache["e1"].status == "RUNNING"
+        return msgs
+
+    msgs = asyncio.run(main())
+    assert service.cache["e1"] is IDLE
+    assert decided == ["playbook.execution.requested", "workflow.started", "workflow.finished"]  # not the late one
+    assert [m.acked for m in msgs] == [1, 1, 1, 1]

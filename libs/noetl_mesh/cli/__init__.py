@@ -5,8 +5,8 @@
 - ``output``: the output layer (``-o table|yaml|json``) and ``noetl run``'s progress;
 - ``playbooks`` (validate, lint, schema, asyncapi, migrate, register), ``run`` (run, and restart),
   ``executions`` (ls, status, events, cancel, restart, signal, waits, verify), ``stack`` (up, service, setup,
-  bootstrap, nats-credentials), ``operate`` (ps, inspect), ``credentials``, ``users`` (login, logout,
-  whoami, session, user, token), ``schedules``, ``completion``.
+  bootstrap, nats-credentials), ``certs``, ``operate`` (ps, inspect), ``credentials``, ``users`` (login,
+  logout, whoami, session, user, token), ``schedules``, ``completion``.
 """
 from .app import build_parser, main
 from .stack import DEFAULT_METRICS_PORT

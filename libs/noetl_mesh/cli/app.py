@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Sequence
 
-from . import completion, credentials, executions, operate, playbooks, run, schedules, stack, users
+from . import certs, completion, credentials, executions, operate, playbooks, run, schedules, stack, users
 from .common import (DEBUG_HELP, EXIT_CODES, EXIT_INTERNAL, EXIT_INVALID, FALLBACK, GATEWAY_HELP, HOME_HELP,
                      Interrupted, bad_url, fail, version)
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_commands(sub)
     playbooks.add_catalog_commands(sub)  # migrate, register
     stack.add_commands(sub)  # up, service, setup, bootstrap, nats-credentials
+    certs.add_commands(sub)
     completion.add_commands(sub, parser)
     executions.add_commands(sub)  # ls, status, events, cancel, restart, signal, waits, verify
     credentials.add_commands(sub)
@@ -124,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 128 + signal.SIGPIPE
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback unasked
+        from ..infra.tls import TlsSettingError
+
+        if isinstance(exc, TlsSettingError):  # NOETL_GATEWAY_CA and kin: a file that cannot be used
+            return fail(str(exc), EXIT_INVALID)
         if getattr(args, "debug", False):
             import traceback
 

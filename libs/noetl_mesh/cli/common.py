@@ -183,6 +183,11 @@ def unreachable(gateway: str, exc: BaseException, more: str = "") -> int:
     if isinstance(exc, BrokenPipeError):
         raise exc
     reason = str(exc) or type(exc).__name__
+    from ..infra import tls
+
+    if tls.is_verify_failure(exc):  # one line: where, why, and which setting
+        return fail(f"the gateway at {gateway}: {tls.verify_failure(exc, os.environ.get(tls.GATEWAY_CA), tls.GATEWAY_CA)}"
+                    f"{more}", EXIT_UNREACHABLE)
     if gateway == FALLBACK["gateway"] and FALLBACK["home"] and not more:  # nothing told it where to look
         more = (f"; no noetl up runs from {FALLBACK['home']}: start one there (noetl up), or point at one with "
                 "--home DIR, NOETL_HOME=DIR or --gateway URL")

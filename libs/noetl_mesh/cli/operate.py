@@ -277,12 +277,16 @@ class Nats:
 
         import nats
 
+        from ..infra import tls
         from ..infra.nats_auth import connect_options
 
+        failed: list[Exception] = []
+
         async def on_error(exc: Exception) -> None:
+            failed.append(exc)
             self.errors.append(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
-        options = connect_options(self.creds)
+        options = connect_options(self.creds, self.url)  # a TLS setting that cannot be used: ValueError
         try:
             # max_reconnect_attempts=1: each server tried twice (0 would mean "for ever" to nats-py)
             self.nc = await asyncio.wait_for(nats.connect(
@@ -294,7 +298,12 @@ class Nats:
             if "authorization" in text or "authentication" in text:
                 raise Refused(f"NATS at {self.url} refused the credentials ({self.creds or 'none given'}): "
                               "use the admin's (--nats-creds, NOETL_NATS_CREDS)") from None
+            why = next((e for e in reversed([*failed, exc]) if tls.is_verify_failure(e)), None)
+            if why is not None:  # a certificate that does not verify, or names another host
+                raise Refused(f"NATS at {self.url}: {tls.verify_failure(why, os.environ.get(tls.NATS_CA), tls.NATS_CA)}") \
+                    from None
             reason = self.errors[-1] if self.errors else f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            reason = next((tls.handshake_failure(e) for e in [*failed, exc] if tls.handshake_failure(e)), reason)
             raise Unreachable(f"cannot reach NATS at {self.url} ({reason})") from None
         return self
 

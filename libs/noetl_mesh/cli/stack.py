@@ -354,7 +354,13 @@ def cmd_service(args: argparse.Namespace) -> int:
     # the default port, when taken (another service on this host), leaves the service without one:
     # found by binding it, not by looking first (two services starting at once both saw it free)
     port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
-    settings = replace(settings, pg_dsn=args.pg_dsn or os.environ.get("NOETL_PG_DSN"), concurrency=args.concurrency,
+    from ..infra.tls import pg_dsn
+
+    try:  # NOETL_PG_PASSWORD_FILE: the password from a file (a compose secret), not from the DSN
+        dsn = pg_dsn(args.pg_dsn or os.environ.get("NOETL_PG_DSN"))
+    except ValueError as exc:
+        return fail(f"{args.name}: {exc}")
+    settings = replace(settings, pg_dsn=dsn, concurrency=args.concurrency,
                        host=args.host, port=args.port, ack_wait=args.ack_wait,
                        metrics_port=None if port < 0 else port, metrics_optional=args.metrics_port is None,
                        metrics_host=args.metrics_host, home=os.path.abspath(args.home))
@@ -362,6 +368,8 @@ def cmd_service(args: argparse.Namespace) -> int:
         run_loop(serve_forever(args.name, settings))
     except PortTaken as exc:
         return fail(f"{args.name}: {exc}; choose another --metrics-port (0: any free one, -1: none)")
+    except ValueError as exc:  # a mistake in the settings (credentials, TLS): one line, exit 2
+        return fail(str(exc))
     return EXIT_OK
 
 
@@ -376,7 +384,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
         settings = _nats_settings(args)
     except ValueError as exc:
         return fail(str(exc))
-    asyncio.run(setup(settings))
+    try:
+        asyncio.run(setup(settings))
+    except ValueError as exc:  # NATS refused the credentials, its certificate does not verify, a bad TLS setting
+        return fail(str(exc))
     print(f"streams, bucket and object store ready at {settings.nats_url}")
     return EXIT_OK
 

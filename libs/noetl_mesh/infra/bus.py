@@ -30,12 +30,10 @@ import asyncio
 import logging
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 import nats
-import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
@@ -51,11 +49,12 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
-from . import logs, metrics, tracing
+from . import logs, metrics, tls, tracing
 from ..lang.durations import rfc3339
 from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
 from .micro import Endpoint
+from .wire import NO_PLACEMENT, UNHANDLEABLE, dumps, handle_one, loads  # noqa: F401 - also read from here
 from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
@@ -71,14 +70,6 @@ SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedu
 DEFAULT_PARTITIONS = 16
 PING_INTERVAL = 5.0  # seconds between a connection's pings (NOETL_NATS_PING_INTERVAL); 2 unanswered: another node
 # Subject classes (which events each control-plane service folds) live in the core: core/events.py.
-
-
-def dumps(value: Any) -> bytes:
-    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
-
-
-def loads(data: bytes) -> Any:
-    return orjson.loads(data)
 
 
 BATCH_MAX = 1024  # events per message; also the factor of log_seq
@@ -215,6 +206,7 @@ class Bus:
         # closing its sockets) is given up after 2 unanswered pings, and the client moves to another node:
         # nats-py's default (a ping every 2 minutes) left a service on a cut-off node for up to 6 minutes
         ping = float(os.environ.get("NOETL_NATS_PING_INTERVAL") or PING_INTERVAL)
+        options = connect_options(creds, url)  # a credentials or TLS setting that cannot be used raises here
         delay, attempt = 0.5, 1
         while True:
             try:  # each server tried twice (0.5 s apart): the retries, with their backoff, are ours
@@ -222,15 +214,18 @@ class Bus:
                     servers, name=name, max_reconnect_attempts=1, reconnect_time_wait=0.5,
                     ping_interval=ping, max_outstanding_pings=2,
                     error_cb=quiet.error,
-                    disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **connect_options(creds))
+                    disconnected_cb=quiet.disconnected, reconnected_cb=quiet.reconnected, **options)
                 break
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if quiet.refused is not None:
                     raise NatsRefused(f"{name}: NATS at {url} refused the connection ({quiet.refused}): check its "
                                       f"credentials ({creds or 'none given'}; docs/nats-security.md)") from None
                 why = quiet.last_error or exc
+                if tls.is_verify_failure(why):  # a certificate does not change by waiting
+                    raise NatsRefused(f"{name}: NATS at {url}: "
+                                      f"{tls.verify_failure(why, os.environ.get(tls.NATS_CA), tls.NATS_CA)}") from None
                 log.warning("%s: cannot reach NATS at %s (attempt %d: %s: %s); retrying in %.1fs", name, url,
-                            attempt, type(why).__name__, why, delay)
+                            attempt, type(why).__name__, tls.handshake_failure(why) or why, delay)
                 quiet.last_error = None
                 await asyncio.sleep(delay)
                 delay, attempt = min(delay * 2, 5.0), attempt + 1
@@ -611,7 +606,6 @@ class Bus:
         return out
 
 
-NO_PLACEMENT = 10005  # JetStream: no suitable peers for placement (a cluster still forming: ask again)
 MAX_MESSAGE = 768 * 1024  # below the server's default max_payload (1 MiB)
 # a command's fields that identify and shape it: never moved to the object store
 COMMAND_IDENTITY = frozenset({"command_id", "pool", "execution_id", "step", "step_run_id", "iteration",
@@ -730,42 +724,6 @@ async def release(sub, linger: float) -> None:
             await sub.unsubscribe()
         except Exception:  # noqa: BLE001
             pass
-
-
-# errors no retry can cure: the message cannot be decoded or folded (handle_one drops it)
-UNHANDLEABLE = (ValueError, KeyError, TypeError, AttributeError)
-
-
-async def handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> str | None:
-    """``handle(msg)``, and what its failure means: None when it was handled; ``"dropped ..."`` when it
-    raised an error that no retry can cure (ValueError, KeyError, TypeError, AttributeError: it cannot
-    be decoded or folded), the message terminated, loudly, so that it does not hold up what follows;
-    ``"retrying ..."`` for any other error (NATS, a service not answering), the message nak'ed with a
-    delay that grows with its deliveries (never in a tight loop). Cancelled mid-message, it is handed
-    back at once, not after ``ack_wait``."""
-    try:
-        await handle(msg)
-        return None
-    except asyncio.CancelledError:
-        try:
-            await asyncio.wait_for(msg.nak(), 1.0)
-        except BaseException:  # noqa: BLE001
-            pass
-        raise
-    except UNHANDLEABLE as exc:
-        log.exception("dropping %s (delivery %s): it cannot be handled", msg.subject, msg.metadata.num_delivered)
-        try:
-            await msg.term()
-        except Exception:  # noqa: BLE001
-            pass
-        return f"dropped {msg.subject}: {type(exc).__name__}: {exc}"
-    except Exception as exc:  # noqa: BLE001 - transient: retry later
-        log.exception("handler failed on %s (delivery %s)", msg.subject, msg.metadata.num_delivered)
-        try:
-            await msg.nak(delay=min(30.0, 0.5 * msg.metadata.num_delivered))
-        except Exception:  # noqa: BLE001
-            pass
-        return f"retrying {msg.subject}: {type(exc).__name__}: {exc}"
 
 
 async def pull_loop(sub, handle: Callable[[Msg], Awaitable[None]], stop: asyncio.Event, *, batch: int = 1,

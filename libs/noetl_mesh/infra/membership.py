@@ -23,7 +23,7 @@ from typing import Callable
 
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
-from .bus import NO_PLACEMENT
+from .wire import NO_PLACEMENT
 
 log = logging.getLogger("noetl.membership")
 

@@ -128,13 +128,18 @@ def read_seed(path: str | os.PathLike) -> str:
     return seed
 
 
-def connect_options(creds: str | os.PathLike | None) -> dict[str, Any]:
+def connect_options(creds: str | os.PathLike | None, url: str | None = None) -> dict[str, Any]:
     """nats-py connect options for a credentials file (an nkey seed): the seed and this user's own
-    inbox prefix (its permissions allow replies under it only). ``{}`` without credentials."""
+    inbox prefix (its permissions allow replies under it only); and TLS when the environment or a
+    ``tls://`` ``url`` asks for it (infra/tls.py: ``NOETL_NATS_TLS_CA``, ``_CERT``, ``_KEY``). ``{}``
+    without either."""
+    from .tls import nats_options
+
+    options = nats_options(url)
     if not creds:
-        return {}
+        return options
     seed = read_seed(creds)
-    return {"nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public_key(seed))}
+    return {**options, "nkeys_seed_str": seed, "inbox_prefix": inbox_prefix(public_key(seed))}
 
 
 # ------------------------------------------------------------------------------------- permissions

@@ -25,6 +25,7 @@ from nats.js.api import ObjectStoreConfig
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from . import metrics
+from .wire import dumps, loads
 
 from ..contracts.subjects import PAYLOADS_BUCKET as BUCKET  # noqa: E402
 STORE = f"nats-object:{BUCKET}"
@@ -67,8 +68,6 @@ class PayloadStore:
         return self._bucket
 
     async def put(self, value: Any) -> dict[str, Any]:
-        from .bus import dumps, loads  # noqa: F401
-
         data = dumps(value)
         digest = hashlib.sha256(data).hexdigest()
         bucket = await self.bucket()
@@ -84,7 +83,6 @@ class PayloadStore:
         return {"store": STORE, "key": digest, "size": len(data), "checksum": f"sha256:{digest}"}
 
     async def get(self, ref: dict[str, Any]) -> Any:
-        from .bus import loads
 
         key = ref["key"]
         if key in self._cache:
@@ -122,7 +120,6 @@ class PayloadStore:
     async def shrink(self, value: Any, limit: int = DEFAULT_LIMIT) -> Any:
         """``value`` with every part whose JSON is over ``limit`` bytes replaced by a reference:
         the biggest containers are split first; one still too big is stored whole."""
-        from .bus import dumps
 
         if is_ref(value):
             return value

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from nats.aio.msg import Msg
 
-from .bus import dumps, handle_one, loads
+from .wire import dumps, handle_one, loads
 
 log = logging.getLogger("noetl.pinned")
 
@@ -46,7 +46,7 @@ def consumer_config(config: dict[str, Any], max_ack_pending: int = BATCH) -> dic
 
 class PinnedReader:
     """Reads ``durable`` of ``stream`` until ``stop`` is set, calling ``handle`` for each message in
-    stream order. A handler's error is what :func:`bus.handle_one` says it is (a message that cannot
+    stream order. A handler's error is what :func:`wire.handle_one` says it is (a message that cannot
     be decoded or folded is terminated; any other is handed back with a delay), and nothing after a
     message handed back is handled before it. ``counts`` (a :class:`micro.Consumer`) counts."""
 

@@ -14,14 +14,18 @@ in three passes over a round-trip YAML tree (ruamel.yaml: comments, key order an
 3. Python task code, by :mod:`.migrate_python` (Python's ``ast``) (rule M5).
 
 The result is then validated (D1): a validation error becomes a finding that needs a person. A
-playbook that is already canonical comes out byte for byte as it went in. Pure: no I/O.
+playbook that is already canonical comes out byte for byte as it went in. No I/O, but one read: the
+file a python task's ``script`` names, when the playbook's own path is given and the file lies in its
+folder (:func:`read_script`).
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -71,14 +75,16 @@ class Finding:
     location: str  # e.g. workflow[2].step=fetch.tool[0].url
     message: str
     line: int | None = None
+    column: int | None = None  # with line: where the location starts in the text the finding is about
 
     def __str__(self) -> str:
         where = self.location or "<document>"
-        at = f" (line {self.line})" if self.line else ""
+        at = f" (line {self.line}" + (f", column {self.column}" if self.column else "") + ")" if self.line else ""
         return f"{self.rule}: {where}{at}: {self.message}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "location": self.location, "line": self.line, "message": self.message}
+        return {"rule": self.rule, "location": self.location, "line": self.line, "column": self.column,
+                "message": self.message}
 
 
 @dataclass
@@ -123,7 +129,15 @@ class _Step:
 
     @property
     def result_task(self) -> _Task | None:
-        return self.tasks[-1] if self.tasks else None
+        return _producer(self.tasks, len(self.tasks) - 1)
+
+
+def _producer(tasks: list[_Task], index: int) -> _Task | None:
+    """The task whose result the task at ``index`` gives: itself, or for a noop without ``result``
+    (which passes ``_prev`` through, D10) the task before it."""
+    while index > 0 and tasks[index].kind == "noop" and "result" not in tasks[index].node:
+        index -= 1
+    return tasks[index] if tasks else None
 
 
 @dataclass
@@ -170,11 +184,14 @@ def _flow(m: Any) -> Any:
 
 
 def _rename(m: Any, old: str, new: str) -> None:
-    """Key ``old`` renamed ``new`` in place (same position)."""
+    """Key ``old`` renamed ``new`` in place (same position, its comments kept)."""
     keys = list(m.keys())
     pos = keys.index(old)
+    comments = m.ca.items.pop(old, None) if hasattr(m, "ca") else None
     value = m.pop(old)
     m.insert(pos, new, value)
+    if comments is not None:
+        m.ca.items[new] = comments
 
 
 def _insert_after(m: Any, after: str | None, key: str, value: Any) -> None:
@@ -191,6 +208,213 @@ def _styled(old: Any, text: str) -> Any:
         return type(old)(text)
     except Exception:  # noqa: BLE001 - a style class we do not know: plain text
         return text
+
+
+# ------------------------------------------------------------------- comments of moved keys
+# ruamel.yaml keeps a comment (and blank lines) after a value on the deepest last item of that value:
+# ``ca.items[key][2]`` of a mapping, ``ca.items[index][0]`` of a sequence. When a key is popped, or its
+# value replaced, the comment goes with it; these helpers find it again and put it back where the text
+# that followed it now starts.
+
+
+def _last_slot(m: Any, key: Any) -> tuple[Any, Any, int]:
+    """(container, key, position in its comment entry) of the deepest last item of ``m[key]``: where a
+    comment that follows that value is kept."""
+    container, k = m, key
+    value = m[key]
+    while (_is_map(value) or _is_seq(value)) and len(value) and hasattr(value, "fa") and not value.fa.flow_style():
+        container, k = value, (list(value.keys())[-1] if _is_map(value) else len(value) - 1)
+        value = container[k]
+    return container, k, (2 if _is_map(container) else 0)
+
+
+def _block_scalar(value: Any) -> bool:
+    from ruamel.yaml.scalarstring import FoldedScalarString, LiteralScalarString
+
+    return isinstance(value, (LiteralScalarString, FoldedScalarString))
+
+
+def _slot_token(slot: tuple[Any, Any, int]) -> Any:
+    container, k, pos = slot
+    entry = container.ca.items.get(k) if hasattr(container, "ca") else None
+    return entry[pos] if entry and len(entry) > pos and not isinstance(entry[pos], list) else None
+
+
+def _tokens_in(node: Any, out: set[int]) -> set[int]:
+    if hasattr(node, "ca"):  # an entry of a key no longer there stays in ca.items, and is not written
+        live = set(node.keys()) if _is_map(node) else set(range(len(node))) if _is_seq(node) else set()
+        for key, entry in node.ca.items.items():
+            if key not in live:
+                continue
+            for tok in entry or ():
+                for t in (tok if isinstance(tok, list) else [tok]):
+                    if t is not None:
+                        out.add(id(t))
+    if _is_map(node):
+        for v in node.values():
+            _tokens_in(v, out)
+    elif _is_seq(node):
+        for v in node:
+            _tokens_in(v, out)
+    return out
+
+
+def _place_token(m: Any, key: Any, token: Any, src_block: bool) -> None:
+    """Put ``token`` (taken after a value that was a block scalar or not) after the value of ``m[key]``."""
+    container, k, pos = _last_slot(m, key)
+    if not hasattr(container, "ca"):
+        return
+    dst_block = _block_scalar(container[k])
+    text = token.value
+    if src_block and not dst_block:
+        text = "\n" + text  # after a block scalar the line is ended already; after a plain one it is not
+    elif dst_block and not src_block and text.startswith("\n"):
+        text = text[1:]
+    entry = container.ca.items.setdefault(k, [None] * (4 if pos == 2 else 2))
+    while len(entry) <= pos:
+        entry.append(None)
+    if entry[pos] is not None and not isinstance(entry[pos], list):
+        existing = entry[pos]
+        existing.value = existing.value + (text[1:] if not dst_block and text.startswith("\n") else text)
+    else:
+        token.value = text
+        entry[pos] = token
+
+
+class _LeftOnTheArc(Exception):
+    """An arc's ctx write that no policy can hold: it stays on the arc, for the person to translate."""
+
+
+class _KeepTrailers:
+    """Around the rewriting of a mapping (a step, a task): a comment that followed one of its values
+    and is no longer in it afterwards (its key popped, its value replaced) is put back after the same
+    key's new value, or, the key gone, after the value that now precedes the key that followed it."""
+
+    def __init__(self, m: Any, handled: set[int]) -> None:
+        self.m = m
+        self.handled = handled  # ids of the comments put back already (by this or a nested rewrite)
+        keys = list(m.keys()) if _is_map(m) and hasattr(m, "ca") else []
+        self.kept = []
+        self.before: list[tuple[Any, Any, list]] = []  # comments kept before a key (after a flow value)
+        for i, k in enumerate(keys):
+            slot = _last_slot(m, k)
+            tok = _slot_token(slot)
+            if tok is not None:
+                self.kept.append((k, keys[i + 1] if i + 1 < len(keys) else None, tok,
+                                  _block_scalar(slot[0][slot[1]])))
+            entry = m.ca.items.get(k)
+            if entry and len(entry) > 1 and isinstance(entry[1], list) and entry[1] and i > 0:
+                self.before.append((k, keys[i - 1], list(entry[1])))
+
+    def __enter__(self) -> "_KeepTrailers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        m = self.m
+        if exc[0] is not None or not (self.kept or self.before) or not _is_map(m) or not len(m):
+            return
+        present = _tokens_in(m, set())
+        for key, previous, toks in self.before:
+            if all(id(t) in present for t in toks):
+                continue
+            if key in m:
+                entry = m.ca.items.setdefault(key, [None, None, None, None])
+                entry[1] = toks
+            elif previous in m:
+                from ruamel.yaml.error import CommentMark
+                from ruamel.yaml.tokens import CommentToken
+
+                text = "".join(" " * (t.column or 0) + t.value for t in toks)
+                _place_token(m, previous, CommentToken(text, CommentMark(0)), True)
+            present.update(id(t) for t in toks)
+        for key, following, tok, src_block in self.kept:
+            if id(tok) in present or id(tok) in self.handled:
+                continue
+            keys = list(m.keys())
+            if key in m:
+                at = key
+            elif following in m and keys.index(following) > 0:
+                at = keys[keys.index(following) - 1]
+            else:
+                at = keys[-1]
+            _place_token(m, at, tok, src_block)
+            present.add(id(tok))
+            self.handled.add(id(tok))
+
+
+def _writes_of(then: Any) -> set[tuple[str, str]]:
+    """(scope, key) of what a rule's ``then`` writes (set_ctx, set_iter)."""
+    return {(scope, str(k)) for scope in ("set_ctx", "set_iter") if _is_map(then.get(scope))
+            for k in then[scope]}
+
+
+def _keep_comments(src: Any, key: Any, dst: Any) -> None:
+    """``dst[key]``, the same value as ``src[key]`` in a new mapping, keeps its comments."""
+    entry = src.ca.items.get(key) if hasattr(src, "ca") else None
+    if entry is not None and hasattr(dst, "ca"):
+        dst.ca.items[key] = entry
+
+
+def _carry_comment(src: Any, key: Any, dst: Any, new_key: Any, last_too: bool = False) -> None:
+    """The comment on the line of ``src[key]`` (``# why``), kept on ``dst[new_key]`` where the value
+    moved. What follows the line of the last key (``last_too`` aside) is what follows the whole
+    mapping: it stays, for :class:`_KeepTrailers` to put back where that text starts."""
+    if not (hasattr(src, "ca") and hasattr(dst, "ca") and _is_map(src)):
+        return
+    entry = src.ca.items.get(key)
+    if not entry or len(entry) < 3 or entry[2] is None or _block_scalar(src.get(key)):
+        return
+    text = entry[2].value
+    if not text.lstrip(" ").startswith("#"):
+        return  # no comment on the key's own line
+    keys = list(src.keys())
+    cut = text.find("\n")
+    if keys and key == keys[-1] and not last_too:
+        if not 0 <= cut < len(text) - 1:
+            return  # nothing follows the mapping but the comment: it stays with it
+        from ruamel.yaml.error import CommentMark
+        from ruamel.yaml.tokens import CommentToken
+
+        dst.ca.items[new_key] = [None, None, CommentToken(text[:cut + 1], CommentMark(0)), None]
+        entry[2].value = text[cut:]  # the end of the key's line, then the lines after the mapping
+        return
+    dst.ca.items[new_key] = [None, None, entry[2], None]
+    entry[2] = None
+
+
+def _append_key(m: Any, key: str, value: Any) -> None:
+    """``m[key] = value`` at the end of ``m``, the comment that followed ``m``'s last value kept after
+    the new one (it is what follows the mapping, such as the blank line before the next step); its
+    lines indented under the last value are about that value, and stay there."""
+    keys = list(m.keys())
+    tok = src_block = None
+    if keys:
+        slot = _last_slot(m, keys[-1])
+        tok = _slot_token(slot)
+        if tok is not None:
+            src_block = _block_scalar(slot[0][slot[1]])
+            try:
+                indent = m.lc.key(keys[0])[1]
+            except (AttributeError, KeyError, TypeError):  # a mapping the migration made: no columns
+                indent = None
+            lines = tok.value.split("\n")
+            inner = [n for n, line in enumerate(lines) if (n > 0 or src_block) and line.strip()
+                     and indent is not None and len(line) - len(line.lstrip(" ")) > indent]
+            if inner:
+                head, tail = "\n".join(lines[:inner[-1] + 1]) + "\n", "\n".join(lines[inner[-1] + 1:])
+                tok.value = head
+                if not tail:
+                    tok = None
+                else:
+                    from ruamel.yaml.error import CommentMark
+                    from ruamel.yaml.tokens import CommentToken
+
+                    tok, src_block = CommentToken(tail, CommentMark(0)), True
+            else:
+                slot[0].ca.items[slot[1]][slot[2]] = None
+    m[key] = value
+    if tok is not None:
+        _place_token(m, key, tok, bool(src_block))
 
 
 def _template(value: Any) -> bool:
@@ -221,8 +445,10 @@ def _plain(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------ migrate
 
 
-def migrate_text(text: str | bytes) -> Migration:
-    """The canonical form of a playbook's text (see the module's doc)."""
+def migrate_text(text: str | bytes, source: str | os.PathLike | None = None) -> Migration:
+    """The canonical form of a playbook's text (see the module's doc). ``source``: the file the text was
+    read from; given, a python task's ``script`` naming a file in that file's folder is read and
+    inlined (M5), and nothing else is read."""
     if isinstance(text, (bytes, bytearray)):
         from .documents import _decode
 
@@ -239,13 +465,14 @@ def migrate_text(text: str | bytes) -> Migration:
         return Migration(original, original, invalid=["the document is not a mapping: not a playbook"])
     if not isinstance(value.get("workflow"), list) or not value.get("workflow"):
         return Migration(original, original, invalid=["the document has no 'workflow' list of steps: not a playbook"])
-    return _Migrator(original).run()
+    return _Migrator(original, source).run()
 
 
 class _Migrator:
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, source: str | os.PathLike | None = None) -> None:
         from ruamel.yaml import YAML
 
+        self.source = source  # the playbook's file: a 'script' is read next to it (M5)
         self.original = text
         self.yaml = YAML(typ="rt")
         self.yaml.preserve_quotes = True
@@ -262,25 +489,36 @@ class _Migrator:
         self.legacy = False
         self.structural = 0
         self._set_names: dict[int, dict[str, str]] = {}
+        # task nodes whose policy received what the legacy runtime ran after the step's tool (a step's
+        # 'set', a case's rules): there the step's own name read the result that task's outcome holds
+        self._after_step: set[int] = set()
+        self._arc_sets: list[tuple[Any, Path, int, Any]] = []  # (step, its path, arc index, {ctx key: value})
+        self._step: Any = None  # the step whose structure is being rewritten
+        self._handled: set[int] = set()  # comments put back after their key moved (_KeepTrailers)
+        self._reads: dict[int, set[str]] = {}  # id(step node) -> the names its templates and code read
 
     # -------------------------------------------------------------- findings
-    def _line(self, path: Path) -> int | None:
+    def _where(self, path: Path) -> tuple[int | None, int | None]:
+        """(line, column) in the text read where ``path`` starts (or the nearest place it had there)."""
         where = position(self.positions, path) if self.positions.ok else None
-        return where[0] if where else None
+        return (where[0], where[1]) if where else (None, None)
+
+    def _line(self, path: Path) -> int | None:
+        return self._where(path)[0]
 
     def change(self, rule: str, path: Path, message: str) -> None:
-        f = Finding(rule, locate(self.doc, path), message, self._line(path))
+        f = Finding(rule, locate(self.doc, path), message, *self._where(path))
         if f not in self.changes:
             self.changes.append(f)
 
     def problem(self, rule: str, path: Path, message: str) -> None:
-        f = Finding(rule, locate(self.doc, path), message, self._line(path))
+        f = Finding(rule, locate(self.doc, path), message, *self._where(path))
         if f not in self.problems:
             self.problems.append(f)
 
-    def reported(self, path: Path) -> bool:
-        """Is something needing a person reported at ``path`` or inside it already?"""
-        where = locate(self.doc, path)
+    def reported(self, path: Path | str) -> bool:
+        """Is something needing a person reported at ``path`` (or that location) or inside it already?"""
+        where = path if isinstance(path, str) else locate(self.doc, path)
         return any(p.location == where or p.location.startswith(where + ".") for p in self.problems)
 
     # -------------------------------------------------------------- driver
@@ -290,20 +528,30 @@ class _Migrator:
         wl = doc.get("workload")
         self.workload_keys = {str(k) for k in wl} if _is_map(wl) else set()
         workflow = doc["workflow"]
+        def script(spec: Any) -> str | None:  # the code a 'script' names, when it will be inlined (M5)
+            return read_script(spec, self.source)[0]
+
+        self._reads = {id(st): _names_read(st, script) for st in workflow if _is_map(st)}
+        wb = doc.get("workbook")
+        self._reads[id(wb)] = _names_read(wb, script) if wb is not None else set()
         for i, st in enumerate(workflow):
             if not _is_map(st):
                 self.problem("M6", ("workflow", i), "a step that is not a mapping")
                 continue
+            self._step = st
             self.step_structure(st, ("workflow", i))
+        self._step = None
         self.workbook()
         self.structural = len(self.changes)
         self.legacy = self.structural > 0 or self.bare_names_used()
         self.build_model()
-        if self.legacy:
+        if self.legacy or self.end_unrouted():
             self.implicit_end()
             self.build_model()
         self.keychain()
         self.templates()
+        if self.legacy:
+            self.guard_conditions()
         self.python()
         self.drop_return_steps()
         text = self.original
@@ -312,6 +560,8 @@ class _Migrator:
             self.yaml.dump(self.doc, out)
             text = out.getvalue()
         self.validate(text)
+        if self.changes and not self.problems:
+            self.lint(text)
         return Migration(self.original, text, self.changes, self.problems)
 
     def validate(self, text: str) -> None:
@@ -319,12 +569,30 @@ class _Migrator:
 
         result = validate_text(text)
         for d in result.errors:
+            if d.location.endswith(".code") and self.reported(d.location[:-len("code")] + "script"):
+                continue  # the code is in the file 'script' names, which was not read: said already
             if any(p.location == d.location or p.location.startswith(d.location + ".")
                    or d.location.startswith(p.location + ".") for p in self.problems):
                 continue  # said already, in the words of the rule that could not translate it
-            f = Finding("V", d.location, f"still invalid after the migration: {d.message}", d.line)
+            f = Finding("V", d.location, f"still invalid after the migration: {d.message}", d.line, d.column)
             if f not in self.problems:
                 self.problems.append(f)
+
+    def lint(self, text: str) -> None:
+        """What the migration wrote must not fail when it runs: an error of ``noetl lint`` (a name that is
+        not there, a ctx key nothing writes, ...; docs/lint.md) in the migrated text needs a person. A
+        playbook the migration leaves as it is gets none (that is ``noetl lint``'s to say)."""
+        from .lint import lint_text
+
+        for f in lint_text(text).findings:
+            if f.severity != "error" or f.code == "L000":
+                continue
+            at = f", line {f.line}, column {f.column} of the migrated text" if f.line is not None else ""
+            finding = Finding("V", f.location, f"the migrated playbook fails when this runs: {f.message} "
+                              f"(noetl lint {f.code}{at})", *(self._where(f.path) if self._line(f.path)
+                                                               else (f.line, f.column)))
+            if finding not in self.problems:
+                self.problems.append(finding)
 
     # ======================================================================= M0: header
     def header(self) -> None:
@@ -364,6 +632,10 @@ class _Migrator:
 
     # ======================================================================= structure
     def step_structure(self, st: Any, path: Path) -> None:
+        with _KeepTrailers(st, self._handled):
+            self._step_structure(st, path)
+
+    def _step_structure(self, st: Any, path: Path) -> None:
         name = st.get("step")
         if "type" in st:
             kind = st.get("type")
@@ -401,6 +673,11 @@ class _Migrator:
             tasks = [(tool, path + ("tool",))]
         elif _is_seq(tool):
             tasks = [(t, path + ("tool", j)) for j, t in enumerate(tool) if _is_map(t)]
+        for key in ("input", "args", "with"):
+            if key in st:
+                self.step_input(st, path, key, tasks)
+        selections = [(st, path, k) for k in ("output", "output_select") if k in st]
+        selections += [(t, p, "output_select") for t, p in tasks if "output_select" in t]
         step_retry = st.pop("retry", None)
         for task, tpath in tasks:
             if step_retry is not None and "retry" not in task:
@@ -424,6 +701,10 @@ class _Migrator:
         for key in ("set", "set_ctx", "set_iter", "vars"):
             if key in st:
                 self.step_set(st, path, key)
+        for arc_set in [a for a in self._arc_sets if a[0] is st]:
+            self.arc_set_ctx(*arc_set)
+        if selections:
+            self.step_output(st, path, tasks, selections)
         if "pool" in st:
             pool = st.pop("pool")
             spec = st.setdefault("spec", _cmap())
@@ -434,10 +715,111 @@ class _Migrator:
             st["tool"] = _flow(_cmap([("kind", "noop")]))
             self.change("M6", path, "the 'end' step gets a noop tool (a step needs a tool or a next, D4)")
         for key in list(st.keys()):
-            if key not in _STEP_KEYS:
+            if key not in _STEP_KEYS and not self.reported(path + (key,)):
                 self.problem("M6", path + (key,), f"step key '{key}' has no canonical equivalent: "
                              + ("save results with a task of the pipeline" if key in ("save", "sink") else
                                 "remove it or move it into a task"))
+
+    def step_input(self, st: Any, path: Path, key: str, tasks: list[tuple[Any, Path]]) -> None:
+        """A step's ``input:`` (or ``args:``, ``with:``) was what its tool received: canonically a task
+        receives its ``args`` (D25, D4: python binds each as a variable, a playbook task passes them to the
+        child's entry step, a workbook task to the workbook task); a step has none."""
+        values = st[key]
+        ipath = path + (key,)
+        if not _is_map(values):
+            self.problem("M6", ipath, f"the step's '{key}' is not a mapping: give the task its args by hand")
+            return
+        takers = [(t, p) for t, p in tasks if "args" in _FIELDS.get(str(t.get("kind")), ())]
+        if len(tasks) != 1 or len(takers) != 1:
+            kinds = ", ".join(str(t.get("kind")) for t, _ in tasks) or "none"
+            self.problem("M6", ipath, f"the step's '{key}' (what its tool received): a step has no args; only a "
+                         f"python, playbook or workbook task takes args, and this step's tool is {len(tasks)} task(s) "
+                         f"({kinds}): give each task that reads these values its own args, or write them into its "
+                         "fields")
+            return
+        task, tpath = takers[0]
+        own_key = next((k for k in ("args", "input", "with") if k in task), None)
+        own = task.get(own_key) if own_key else None
+        if own is not None and not _is_map(own):
+            self.problem("M6", ipath, f"the step's '{key}' and the task's own '{own_key}', which is not a mapping: "
+                         "merge them by hand")
+            return
+        clash = sorted(str(k) for k in values if own is not None and k in own)
+        if clash:
+            self.problem("M6", ipath, f"the step's '{key}' and the task's '{own_key}' both give {', '.join(clash)}: "
+                         "keep one value of each in the task's args")
+            return
+        st.pop(key)
+        if own is None:
+            keys = list(task.keys())
+            at = next((k for k in ("code", "script", "code_b64", "code_base64") if k in keys), None)
+            task.insert(keys.index(at) if at else len(keys), "args", values)
+        else:
+            for k, v in values.items():
+                own[k] = v
+                _keep_comments(values, k, own)
+        self.change("M6", ipath, f"the step's '{key}' -> the task's args (a task receives args; a step has none)")
+
+    def step_output(self, st: Any, path: Path, tasks: list[tuple[Any, Path]],
+                    selections: list[tuple[Any, Path, str]]) -> None:
+        """A step's ``output: {select: PATH}`` (or ``output_select: PATH`` on the step or its last task)
+        chose the part of the tool's result the step stored. Canonically a step's result is its last
+        task's result (D11), and a ``noop`` task's ``result:`` is what it renders (D10): a noop that
+        renders ``{{ _prev.PATH }}`` is appended (PATH then read as the task's kind gives its result,
+        M7). Anything else that shapes the result needs a person."""
+        why = None
+        (holder, hpath, key), = selections if len(selections) == 1 else ((None, path, "output"),)
+        kpath = hpath + (key,) if holder is not None else path
+        value = holder.get(key) if holder is not None else None
+        if len(selections) > 1:
+            why = "several of 'output' and 'output_select' are given"
+        elif "loop" in st:
+            why = "on a loop step the selection applied to the list of iteration results; a task of the loop runs " \
+                  "per iteration: select in the next step from the loop's result"
+        elif holder is not st and (not tasks or holder is not tasks[-1][0]):
+            why = "on a task that is not the step's last, the selection changed what later tasks read as its " \
+                  "result: read the part itself where it is used (<task>.result.PATH)"
+        elif not tasks:
+            why = "a step without a tool stores nothing to select from"
+        selector = None
+        if why is None:
+            selector = value.get("select", value.get("path")) if key == "output" and _is_map(value) and \
+                set(value) <= {"select", "path"} else value if key == "output_select" else None
+            if not isinstance(selector, str) or not selector.strip():
+                why = ("it shapes the result ('output' other than {select: PATH})" if key == "output"
+                       else "it is not a path into the result")
+        expr = None
+        if why is None:
+            text = selector.strip()
+            text = text[2:] if text.startswith("$.") else text
+            from .migrate_jinja import _chain, parse_expression
+
+            try:
+                base, chain = _chain(parse_expression("_prev." + text))
+                ok = type(base) is nodes.Name and base.name == "_prev" and all(k in ("attr", "key") for k, _ in chain)
+            except Exception:  # noqa: BLE001 - not a path
+                ok = False
+            if not ok or _template(text):
+                why = f"{selector!r} is not a path of names and indexes into the result"
+            else:
+                expr = "{{ _prev.%s }}" % text
+        name = f"{st.get('step')}_output"
+        if why is None and any(_is_map(t) and t.get("name") == name for t, _ in tasks):
+            why = f"a task named '{name}' is there already"
+        if why is not None:
+            self.problem("M6", kpath, f"'{key}' chose what the step stores, and {why}. A step's result is its last "
+                         "task's result (D11): append a noop task whose result: renders what the step should store "
+                         "from _prev (D10), e.g. {name: " + name + ", kind: noop, result: \"{{ _prev.items }}\"}")
+            return
+        holder.pop(key)
+        tool = st["tool"]
+        if _is_map(tool):
+            if "name" not in tool:
+                tool.insert(0, "name", f"{st.get('step')}_task")  # its name as a single task (D4), kept
+            st["tool"] = tool = _cseq([tool])
+        tool.append(_flow(_cmap([("name", name), ("kind", "noop"), ("result", expr)])))
+        self.change("M6", kpath, f"'{key}: {selector}' -> a noop task '{name}' whose result is {expr} (a step's result "
+                    "is its last task's, D10, D11)")
 
     def tool_shorthand(self, st: Any, path: Path) -> None:
         kind = st.pop("tool")
@@ -466,6 +848,7 @@ class _Migrator:
         for k, v in inner.items():
             if k != "name":
                 task[k] = v
+                _keep_comments(inner, k, task)
         return task
 
     def flatten_tool(self, item: Any) -> Any:
@@ -475,14 +858,20 @@ class _Migrator:
             if k == "tool" and _is_map(v):
                 for k2, v2 in v.items():
                     out[k2] = v2
+                    _keep_comments(v, k2, out)
             elif k == "tool" and isinstance(v, str):
                 out["kind"] = v
             else:
                 out[k] = v
+                _keep_comments(item, k, out)
         return out
 
     # -------------------------------------------------------------- tasks
     def task_structure(self, t: Any, path: Path, in_loop: bool) -> None:
+        with _KeepTrailers(t, self._handled):
+            self._task_structure(t, path, in_loop)
+
+    def _task_structure(self, t: Any, path: Path, in_loop: bool) -> None:
         kind = t.get("kind")
         if kind is None and "type" in t:
             _rename(t, "type", "kind")
@@ -544,7 +933,8 @@ class _Migrator:
             self.change("M6", path + ("assert",), "'assert' (input/output contract) dropped: the engine does not check it")
         if isinstance(kind, str) and kind in _FIELDS:
             for key in list(t.keys()):
-                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)):
+                if key not in _FIELDS[kind] and key not in ("return_step",) and not self.reported(path + (key,)) \
+                        and not (key == "output_select" and self._step is not None):  # the step's (step_output)
                     self.problem("M6", path + (key,), f"the {kind} tool has no field '{key}': "
                                  + _NO_FIELD.get(key, "remove it or express it another way (docs/tools.md)"))
         elif kind is not None and not (isinstance(kind, str) and kind in _FIELDS):
@@ -565,8 +955,7 @@ class _Migrator:
                 t["code"] = LiteralScalarString(code)
                 self.change("M5", path + (key,), f"'{key}' decoded into 'code'")
         if "script" in t:
-            self.problem("M5", path + ("script",), "code from a file ('script') cannot be read by a pure rewrite: "
-                                                   "put the file's code into 'code'")
+            self.script(t, path)
         libs = t.get("libs")
         if libs is not None:
             imports = _imports_of(libs)
@@ -580,6 +969,23 @@ class _Migrator:
             if key in t and "args" not in t and "input" not in t:
                 _rename(t, key, "args")
                 self.change("M6", path + (key,), f"python '{key}' -> 'args'")
+
+    def script(self, t: Any, path: Path) -> None:
+        """``script:`` named a file holding the code: read and put into ``code`` when it lies in the
+        playbook's folder (see :func:`read_script`), else it needs a person."""
+        spath = path + ("script",)
+        if "code" in t:
+            self.problem("M5", spath, "'script' and 'code' both given: keep the one that is the code")
+            return
+        code, why = read_script(t["script"], self.source)
+        if code is None:
+            self.problem("M5", spath, f"code from a file ('script'): {why}: put the file's code into 'code'")
+            return
+        from ruamel.yaml.scalarstring import LiteralScalarString
+
+        _rename(t, "script", "code")
+        t["code"] = LiteralScalarString(code if code.endswith("\n") else code + "\n")
+        self.change("M5", spath, f"'script' -> 'code': {why}")
 
     def http_fields(self, t: Any, path: Path) -> None:
         method = str(t.get("method", "GET")).upper()
@@ -853,7 +1259,8 @@ class _Migrator:
                     (f" (attempts {attempts}, the first included)" if attempts is not None else ""))
 
     # -------------------------------------------------------------- M4: set
-    def split_set(self, then: Any, values: Any, spath: Path, in_loop: bool, names: dict | None = None) -> None:
+    def split_set(self, then: Any, values: Any, spath: Path, in_loop: bool, names: dict | None = None,
+                  report: bool = True, carry_last: bool = False) -> None:
         """``set: {ctx.x: v, iter.y: v, z: v}`` (or a list of {name, value}) -> set_ctx / set_iter."""
         pairs: list[tuple[str, Any]] = []
         if _is_map(values):
@@ -885,13 +1292,17 @@ class _Migrator:
                 continue
             target = then.setdefault(f"set_{scope}", _cmap())
             target[name] = value
-        self.change("M4", spath, "'set' -> " + " and ".join(sorted({f"set_{k.split('_')[1]}" for k in then
+            _carry_comment(values, key, target, name, carry_last)
+        if report:
+            self.change("M4", spath, "'set' -> " + " and ".join(sorted({f"set_{k.split('_')[1]}" for k in then
                                                                       if k in ("set_ctx", "set_iter")})))
 
     def _ok_policy(self, t: Any) -> tuple[Any, Any]:
         """The task's policy rules, made to exist: (rules, the else rule's 'then') where the else is the
         rule that applies to a successful outcome. A task without a policy gets {error: fail, else:
         continue}, which is what no policy does (D9)."""
+        if hasattr(t, "fa") and t.fa.flow_style() and "spec" not in t:
+            t.fa.set_block_style()  # a one-line task that gets a policy of several rules: written as a block
         spec = t.setdefault("spec", _cmap())
         pol = spec.setdefault("policy", _cmap())
         rules = pol.setdefault("rules", _cseq())
@@ -906,14 +1317,90 @@ class _Migrator:
 
     def task_set(self, t: Any, path: Path, key: str, in_loop: bool) -> None:
         values = t.pop(key)
-        _, then = self._ok_policy(t)
+        self.task_set_output(values, path + (key,), t.get("kind"))
+        rules, then = self._ok_policy(t)
+        before = _writes_of(then)
+        try:
+            self._task_set(t, path, key, in_loop, values, then)
+        finally:
+            self._spread(rules, then, before)
+
+    def _spread(self, rules: Any, then: Any, before: set[tuple[str, str]]) -> None:
+        """The legacy runtime ran a ``set`` after the task (or step) whatever its policy decided: what
+        the else rule now writes (new since ``before``) is written by every other rule that lets the
+        pipeline go on (continue, jump) too, unless that rule writes the key itself."""
+        new = [(scope, k) for scope, k in _writes_of(then) - before]
+        if not new:
+            return
+        for r in rules:
+            other = r.get("then") if _is_map(r) and "else" not in r else None
+            if not _is_map(other) or other is then or other.get("do") not in ("continue", "jump"):
+                continue
+            for scope, k in sorted(new):
+                target = other.setdefault(scope, _cmap())
+                if k not in target:
+                    target[k] = _copy(then[scope][k])
+
+    def _task_set(self, t: Any, path: Path, key: str, in_loop: bool, values: Any, then: Any) -> None:
         if key == "set":
+            st = self._step
+            if st is not None and in_loop:
+                self.split_set(then, values, path + (key,), in_loop, self.step_names_of(st))
+                return
+            if st is not None and _is_map(values):
+                # a bare name that only this step's pipeline reads is the run's own: iter (D6, the
+                # run's scratch scope outside loops); one another step reads is the execution's: ctx
+                elsewhere = set().union(*(r for k, r in self._reads.items() if k != id(st)))
+                names = self.step_names_of(st)
+                local = _cmap()
+                for k in list(values.keys()):
+                    if "." not in str(k) and str(k) not in elsewhere:
+                        _carry_comment(values, k, local, k)
+                        local[k] = values.pop(k)
+                        names[str(k)] = "iter"
+                if local:
+                    self.split_set(then, local, path + (key,), True, report=False, carry_last=True)
+                    self.change("M4", path + (key,), f"the task's 'set' of {', '.join(map(str, local))} -> set_iter: "
+                                "only later tasks of the same pipeline read it (iter is the run's own scope, D6)")
+                if not values:
+                    return
+                self.split_set(then, values, path + (key,), in_loop, names)
+                return
             self.split_set(then, values, path + (key,), in_loop)
         elif _is_map(values):
             target = then.setdefault(key, _cmap())
             for k, v in values.items():
                 target[k] = v
             self.change("M4", path + (key,), f"the task's '{key}' -> its policy's else rule")
+
+    def task_set_output(self, values: Any, spath: Path, kind: Any) -> None:
+        """In a task's own ``set:`` the legacy ``output`` was the task's result; in the policy rule the set
+        moves to, ``output`` is the outcome (D8): ``{{ output.data }}`` -> ``{{ outcome.result.data }}``
+        (then read as the task's kind gives its result, M7)."""
+        def resolve(ref: Ref) -> Any:
+            if ref.root != "output":
+                return None
+            if kind == "http" and not ref.path:
+                raise NeedsPerson("the whole result of an http task ('output') is now the response body (the legacy "
+                                  "{status_code, headers, data} is gone): read 'outcome.result' knowing that")
+            return Ref("outcome", [("attr", "result")] + ref.path)
+
+        def walk(node: Any, p: Path) -> None:
+            items = list(node.items()) if _is_map(node) else list(enumerate(node)) if _is_seq(node) else []
+            for k, v in items:
+                if isinstance(v, str) and _template(v):
+                    out = rewrite(v, resolve)
+                    for problem in out.problems:
+                        self.problem("M4", p + (k,), problem)
+                    if out.text != v and not out.problems:
+                        node[k] = _styled(v, out.text)
+                        for old, new in out.changed:
+                            self.change("M4", p + (k,), f"{{{{ {old} }}}} -> {{{{ {new} }}}} (in a task's 'set', "
+                                        "'output' was the task's result)")
+                else:
+                    walk(v, p + (k,))
+
+        walk(values, spath)
 
     def step_set(self, st: Any, path: Path, key: str) -> None:
         values = st.pop(key)
@@ -928,15 +1415,10 @@ class _Migrator:
             self.problem("M4", path + (key,), f"'{key}' on a step without a tool: set it on the arc's args instead")
             st[key] = values
             return
-        if _is_map(tool) or (_is_seq(tool) and len(tool) and _is_map(tool[-1])
-                              and not ((tool[-1].get("spec") or {}).get("policy") if _is_map(tool[-1].get("spec"))
-                                       else None)):
-            last = tool if _is_map(tool) else tool[-1]
-        else:
-            last = _cmap([("name", f"{st.get('step')}_set"), ("kind", "noop")])
-            tool.append(last)
+        last = self._after_tool(st)
         names = self.step_names_of(st)
-        _, then = self._ok_policy(last)
+        rules, then = self._ok_policy(last)
+        before = _writes_of(then)
         if key in ("set", "vars"):
             self.split_set(then, values, path + (key,), in_loop, names)
         else:
@@ -944,6 +1426,102 @@ class _Migrator:
             for k, v in (values.items() if _is_map(values) else []):
                 target[k] = v
             self.change("M4", path + (key,), f"the step's '{key}' -> the policy of its last task")
+        self._spread(rules, then, before)
+
+    def _after_tool(self, st: Any) -> Any:
+        """The task whose policy runs what the legacy runtime ran after the step's tool: the last task,
+        or a noop appended to pass its result through when that task has a policy of its own (or the
+        last task of a list is not a task)."""
+        tool = st["tool"]
+        if _is_map(tool) or (_is_seq(tool) and len(tool) and _is_map(tool[-1])
+                              and not ((tool[-1].get("spec") or {}).get("policy") if _is_map(tool[-1].get("spec"))
+                                       else None)
+                              or _is_seq(tool) and len(tool) and id(tool[-1]) in self._after_step):
+            last = tool if _is_map(tool) else tool[-1]
+        else:
+            last = _cmap([("name", f"{st.get('step')}_set"), ("kind", "noop")])
+            tool.append(last)
+        self._after_step.add(id(last))
+        return last
+
+    def arc_set_ctx(self, st: Any, path: Path, index: int, writes: Any) -> None:
+        """An arc's ``set: {ctx.x: v}``: an arc cannot write ctx (D12: only a task policy's ``set_ctx``
+        does), so the write moves to the policy that runs after the step's tool (as a step's ``set``),
+        in a rule that holds when that arc is the one taken."""
+        spath = path + ("next", "arcs", index, "set")
+        arcs = st["next"]["arcs"]
+        try:
+            self._arc_set_ctx(st, spath, arcs, index, writes)
+        except _LeftOnTheArc:
+            arc = arcs[index]  # what needs a person stays where it was written
+            kept = arc.setdefault("set", _cmap())
+            for k, v in writes.items():
+                kept[f"ctx.{k}"] = v
+
+    def _arc_set_ctx(self, st: Any, spath: Path, arcs: Any, index: int, writes: Any) -> None:
+        exclusive = not (_is_map(st["next"].get("spec")) and st["next"]["spec"].get("mode") == "inclusive")
+        if "loop" in st:
+            self.problem("M4", spath, "a loop step's arc 'set' of ctx ran once after the loop; a task policy runs per "
+                         "iteration: compute it in the next step from the loop's result (event.result)")
+            raise _LeftOnTheArc
+        if not st.get("tool"):
+            self.problem("M4", spath, "an arc 'set' of ctx on a step without a tool: an arc cannot write ctx; pass "
+                         "the values as arc args")
+            raise _LeftOnTheArc
+        conds = []
+        for j, arc in enumerate(arcs):
+            if j > index or (j < index and not exclusive):
+                continue
+            when = arc.get("when") if _is_map(arc) else None
+            if when is None:
+                if j < index:  # an earlier arc without a condition is taken on every success
+                    self.problem("M4", spath, f"an arc 'set' of ctx on an arc that follows arc {j}, which has no "
+                                 "'when': it is taken only when the step fails; write the ctx in a rule by hand")
+                    raise _LeftOnTheArc
+                continue
+            expr = _bare_expr(when)
+            if expr is None:
+                self.problem("M4", spath, f"an arc 'set' of ctx under a 'when' that is not one expression ({when!r}): "
+                             "write the rule that sets it in the step's last task policy by hand")
+                raise _LeftOnTheArc
+            conds.append(f"({expr})" if j == index else f"not ({expr})")
+        if conds and len(conds) > 1:  # 'not (W0)' says nothing more when this arc's W1 is exactly that
+            from .migrate_jinja import parse_expression
+
+            def ast(text: str) -> Any:
+                try:
+                    return parse_expression(text)
+                except Exception:  # noqa: BLE001 - not comparable: kept
+                    return None
+
+            own = ast(conds[-1])
+            conds = [c for c in conds[:-1] if own is None or ast(c) != own] + conds[-1:]
+        last = self._after_tool(st)
+        rules, ok_then = self._ok_policy(last)
+        if not conds:
+            target = ok_then.setdefault("set_ctx", _cmap())
+            for k, v in writes.items():
+                target[k] = v
+                _carry_comment(writes, k, target, k, last_too=True)
+            self.change("M4", spath, "arc 'set' of ctx -> set_ctx in the policy after the step's tool (its else rule: "
+                        "the arc is taken on every success)")
+            return
+        then = _cmap([("do", "continue")])
+        both = _cmap()
+        for k, v in (ok_then.get("set_ctx") or {}).items():
+            both[k] = _copy(v)  # the else rule's own writes, which this rule would otherwise skip
+        for k, v in writes.items():
+            both[k] = v
+            _carry_comment(writes, k, both, k, last_too=True)
+        then["set_ctx"] = both
+        for k in ("set_iter",):
+            if k in ok_then:
+                then[k] = _copy(ok_then[k])
+        when = "{{ outcome.status == 'ok' and %s }}" % " and ".join(conds)
+        at = next(n for n, r in enumerate(rules) if _is_map(r) and "else" in r)
+        rules.insert(at, _cmap([("when", when), ("then", then)]))
+        self.change("M4", spath, "arc 'set' of ctx -> a rule of the policy after the step's tool that sets it when "
+                    "the arc is the one taken (an arc cannot write ctx, D12)")
 
     def step_names_of(self, st: Any) -> dict:
         return self._set_names.setdefault(id(st), {})
@@ -1078,18 +1656,39 @@ class _Migrator:
                     arc["when"] = "{{ false }}"
                     self.change("M6", apath + ("when",), "arc 'when: false' -> a template")
             if "set" in arc:
+                comment = arc.ca.items.pop("set", None) if hasattr(arc, "ca") else None
                 values = arc.pop("set")
-                args = arc.setdefault("args", _cmap())
+                writes, kept, moved = _cmap(), _cmap(), 0
                 for k, v in (values.items() if _is_map(values) else []):
                     scope, _, name = str(k).partition(".")
                     if not name:
                         scope, name = "args", str(k)
-                    if scope != "args":
-                        self.problem("M4", apath + ("set",), f"arc 'set: {{{k}: ...}}': an arc cannot write {scope}; "
-                                     "set it in the step's last task policy (set_ctx), or pass it as an arc arg")
+                    if scope == "vars":
+                        scope = "ctx"
+                    if scope == "ctx" and "." not in name:
+                        writes[name] = v
+                        _carry_comment(values, k, writes, name)
                         continue
-                    args[name] = v
-                self.change("M4", apath + ("set",), "arc 'set' -> arc 'args'")
+                    if scope != "args":
+                        self.problem("M4", apath + ("set",), f"arc 'set: {{{k}: ...}}': an arc cannot write {scope}"
+                                     + ("" if scope != "ctx" else " key by key; set the whole value of "
+                                        f"'{name.split('.')[0]}'") + ", or pass it as an arc arg")
+                        kept[k] = v  # left on the arc, for the person
+                        continue
+                    arc.setdefault("args", _cmap())[name] = v
+                    _carry_comment(values, k, arc["args"], name)
+                    moved += 1
+                if moved:
+                    self.change("M4", apath + ("set",), "arc 'set' -> arc 'args'")
+                if kept:
+                    arc["set"] = kept
+                    if comment is not None:
+                        arc.ca.items["set"] = comment
+                if writes:
+                    self._arc_sets.append((st, path, i, writes))
+                if comment and len(comment) > 2 and comment[2] is not None and "set" not in arc and len(arc):
+                    # the comment after a flow 'set: {...}  # why' follows what the arc now ends with
+                    _place_token(arc, list(arc.keys())[-1], comment[2], False)
             if "priority" in arc:
                 arc.pop("priority")
                 self.change("M8", apath + ("priority",), "arc 'priority' dropped: arcs are taken in order")
@@ -1221,7 +1820,10 @@ class _Migrator:
                                        ("then", _flow(_cmap([("do", "fail")])))]))
             if branch_tasks and not any(_is_map(r) and "else" in r for r in rules):
                 rules.append(_cmap([("else", _cmap([("then", _flow(_cmap([("do", "break")])))]))]))
+            if hasattr(last, "fa") and last.fa.flow_style() and "spec" not in last:
+                last.fa.set_block_style()  # a one-line task that gets a policy: written as a block
             last.setdefault("spec", _cmap())["policy"] = _cmap([("rules", rules)])
+            self._after_step.add(id(last))
             for _, tasks in branch_tasks:
                 for k, task in enumerate(tasks):
                     if k == len(tasks) - 1 and _is_map(task) and len(branch_tasks) > 1:
@@ -1299,6 +1901,21 @@ class _Migrator:
                                 f"result is the child's {{execution_id, status, ctx, steps}}; reads of it now read "
                                 f"{s.name}.result.steps.{t.return_step}.result")
 
+    def end_unrouted(self) -> bool:
+        """A step named ``end`` that no arc goes to and that is not the entry step: canonically it never
+        runs, so the playbook can only be legacy there (the legacy runtime went to ``end`` from every
+        step without ``next``), whatever else of it reads as canonical."""
+        from .validate import entry_step
+
+        if "end" not in self.steps or entry_step(self.doc) == "end":
+            return False
+        for s in self.steps.values():
+            nxt = s.node.get("next")
+            arcs = nxt.get("arcs") if _is_map(nxt) else None
+            if _is_seq(arcs) and any(_is_map(a) and a.get("step") == "end" for a in arcs):
+                return False
+        return True
+
     def implicit_end(self) -> None:
         """M6: the legacy runtime went on to the step named ``end`` from a step with no ``next``."""
         if "end" not in self.steps:
@@ -1306,20 +1923,28 @@ class _Migrator:
         for s in self.steps.values():
             if s.name == "end" or "next" in s.node:
                 continue
-            s.node["next"] = _cmap([("arcs", _cseq([_cmap([("step", "end")])]))])
+            _append_key(s.node, "next", _cmap([("arcs", _cseq([_cmap([("step", "end")])]))]))
             self.change("M6", ("workflow", s.index), "a step without 'next' -> an arc to 'end' (the legacy "
                                                     "runtime went there)")
 
     # ======================================================================= templates
     def bare_names_used(self) -> bool:
-        """Does any template read a name the canonical language does not define where it stands?"""
+        """Does any template read a name the canonical language does not define where it stands, and
+        that the legacy reading translates? A name nothing translates (it needs a person) is no sign of
+        the dialect: it is left as it is, and a second migration must read the file as the first wrote
+        it."""
         self.build_model()
         found = []
 
         def probe(site: _Site) -> Callable[[Ref], Any]:
             def resolve(ref: Ref) -> Any:
                 if not self._canonical_root(ref.root, site):
-                    found.append(ref.root)
+                    try:
+                        new, _ = self._resolve(ref, site)
+                    except NeedsPerson:
+                        new = None
+                    if new is not None:
+                        found.append(ref.root)
                 return None
             return resolve
 
@@ -1429,6 +2054,37 @@ class _Migrator:
                 for old, new in out.changed:
                     self.change(rule, path, f"{{{{ {old} }}}} -> {{{{ {new} }}}}")
 
+    def guard_conditions(self) -> None:
+        """M7: a condition that reads into an error that is null. The legacy runtime read an attribute of
+        a missing value as undefined, false in a condition; canonically a condition is strict (D9), so
+        ``outcome.error.retryable`` on an ok outcome (its ``error`` is null) fails the pipeline, and
+        ``event.error.kind`` on a done step ends its routing. Each such read is guarded by its error:
+        ``(outcome.error and outcome.error.retryable)`` is that same false on success, and the value
+        itself on an error. Reads under ``| default`` or ``is defined``, or guarded already, stay."""
+        for value, site, (container, key, path) in list(self._template_sites()):
+            if path[-1] != "when" or site.kind not in ("policy", "arc") or self.reported(path):
+                continue
+            if path[-3] != ("rules" if site.kind == "policy" else "arcs"):
+                continue  # a rule's or an arc's own when, not a key 'when' in a value
+
+            def resolve(ref: Ref, site: _Site = site) -> Any:
+                if ref.tolerant or len(ref.path) < 2 or ref.path[0] != ("attr", "error"):
+                    return None
+                roots = {"outcome", "output"} if site.kind == "policy" else {"event"}
+                tasks = {t.name for t in site.step.tasks} if site.step is not None and site.kind == "policy" else set()
+                if ref.root not in roots and ref.root not in self.steps and ref.root not in tasks:
+                    return None
+                from .migrate_jinja import build
+
+                return nodes.And(build(ref.root, ref.path[:1]), build(ref.root, ref.path))
+
+            out = rewrite(value, resolve)
+            if out.text != value and not out.problems:
+                container[key] = _styled(value, out.text)
+                for old, new in out.changed:
+                    self.change("M7", path, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (an error's field read where there "
+                                "may be no error: the legacy runtime read it as false, a condition here fails on it)")
+
     # -------------------------------------------------------------- the resolver
     def _resolver(self, site: _Site, path: Path) -> Any:
         m = self
@@ -1460,7 +2116,7 @@ class _Migrator:
             return self._reshape_outcome(root, path, site.task), "M7"
         if root == "event" and site.kind == "arc":
             if path[:1] == [("attr", "result")] and self.legacy and step is not None:
-                new = self._reshape(step, path[1:], where=f"step '{step.name}'")
+                new = self._reshape(step, path[1:], what=f"step '{step.name}'")
                 return (Ref("event", [("attr", "result")] + new) if new != path[1:] else None), "M7"
             return None, ""
         if root == "event" and site.kind == "policy":  # a case's condition, now a task policy's (M8)
@@ -1471,13 +2127,15 @@ class _Migrator:
                 return Ref("outcome", path), "M8"
             raise NeedsPerson(f"'event.{_path_text(path)}' in a task policy: only outcome is known there")
         if root == "_prev" and site.kind in ("task", "policy"):
-            prev = step.tasks[site.task.index - 1] if step and site.task and site.task.index > 0 else None
+            prev = _producer(step.tasks, site.task.index - 1) if step and site.task and site.task.index > 0 else None
             if prev is not None and self.legacy:
                 new = self._reshape_task(prev, path, "_prev")
                 return (new if new is not None else None), "M7"
             return None, ""
         if site.step is not None and root in tasks and site.kind in ("task", "policy"):
             return self._task_ref(tasks[root], path), "M2"
+        if step is not None and root == step.name and site.kind == "policy" and site.task is not None and self.legacy:
+            return self._own_step_ref(step, site.task, path), "M2"
         if root in self.steps:
             return self._step_ref(self.steps[root], path), "M2"
         if step is not None and root == step.iterator and site.kind in ("task", "policy"):
@@ -1536,9 +2194,38 @@ class _Migrator:
             return None
         return Ref(s.name, [("attr", "result")] + self._reshape(s, path, f"step '{s.name}'"))
 
+    def _own_step_ref(self, s: _Step, task: _Task, path: list) -> Ref:
+        """The step read by its own name in a policy of one of its tasks. The legacy runtime ran a
+        step's ``set`` (and a case) after its tool, with the step's result in place; the canonical
+        policy runs before the step has one, and there the result is the task's ``outcome.result``."""
+        if s.loop:
+            raise NeedsPerson(f"loop step '{s.name}' read by its own name in a task policy: the policy runs per "
+                              "iteration, before the loop has a result; read the loop's result in its arcs "
+                              "(event.result) or in the next step")
+        if id(task.node) not in self._after_step and task is not s.tasks[-1]:
+            raise NeedsPerson(f"step '{s.name}' read by its own name in the policy of its task '{task.name}', "
+                              "which does not give the step's result: the step has no result there yet")
+        producer = _producer(s.tasks, task.index) or task
+        head = path[0] if path else None
+        if head == ("attr", "error"):
+            return Ref("outcome", path)
+        if head is None:
+            if producer.kind == "http":
+                raise NeedsPerson(f"the whole result of http step '{s.name}' is now the response body (the legacy "
+                                  "{status_code, headers, data} is gone): read 'outcome.result' knowing that")
+            self._reshape_kind(producer.kind, producer, [], f"step '{s.name}'")  # a whole SQL result needs a person
+            return Ref("outcome", [("attr", "result")])
+        rest = path[1:] if head == ("attr", "result") else path
+        if producer.kind == "http" and rest and rest[0][0] in ("attr", "key") and rest[0][1] in HTTP_META:
+            return Ref("outcome", [("attr", a) for a in HTTP_META[rest[0][1]]] + rest[1:])
+        return Ref("outcome", [("attr", "result")] + self._reshape_kind(producer.kind, producer, rest,
+                                                                        f"step '{s.name}'"))
+
     def _task_ref(self, t: _Task, path: list) -> Ref | None:
         head = path[0] if path else None
         if head is None:
+            if self.legacy:
+                self._reshape_task_path(t, [])  # a whole SQL result needs a person
             return Ref(t.name, [("attr", "result")]) if self.legacy else None
         if head == ("attr", "result"):
             if not self.legacy:
@@ -1583,8 +2270,11 @@ class _Migrator:
         return self._reshape_kind(t.kind, t, path, what)
 
     def _reshape_kind(self, kind: str, t: _Task, path: list, what: str) -> list:
-        """A path read from a legacy result of this kind, as it reads the canonical result (M7)."""
+        """A path read from a legacy result of this kind, as it reads the canonical result (M7). ``[]``:
+        the whole result is read."""
         if not path:
+            if kind in ("postgres", "duckdb") and self.legacy:
+                raise NeedsPerson(_SQL_WHOLE.format(kind=kind, what=what))
             return path
         head = path[0]
         key = head[1] if head[0] in ("attr", "key") else None
@@ -1618,6 +2308,20 @@ class _Migrator:
         if not self.legacy or t is None or not path:
             return None
         head = path[0]
+        if head in (("attr", "response"), ("key", "response")):
+            # the legacy outcome's 'response' was the tool's result (as a bare 'response' was, M1)
+            new = self._reshape_outcome(root, [("attr", "result")] + path[1:], t)
+            return new if new is not None else Ref(root, [("attr", "result")] + path[1:])
+        if head in (("attr", "data"), ("key", "data")):
+            # '.data' aliases '.result' (D8): read it as the result it is, in the shape of the task's kind
+            return self._reshape_outcome(root, [("attr", "result")] + path[1:], t)
+        if head == ("attr", "result") and len(path) == 1:
+            if t.kind == "http":
+                raise NeedsPerson(f"the whole result of http task '{t.name}' ('{root}.{_path_text(path)}') is now the "
+                                  "response body (the legacy {status_code, headers, data} is gone): read "
+                                  "outcome.result knowing that, and outcome.http.status/headers")
+            self._reshape_task_path(t, [])  # a whole SQL result needs a person
+            return None
         if head == ("attr", "result") and len(path) > 1:
             second = path[1]
             if t.kind == "http" and second[0] in ("attr", "key") and second[1] in HTTP_META:
@@ -1657,6 +2361,11 @@ class _Migrator:
         site = _Site("task", s, t, path)
         text = str(code)
         notes: list[str] = []
+        if facts.context_attrs and facts.context_keys is not None and "context" in facts.free - arg_names:
+            # first, on the code as analysed (the edits keep every line where it was)
+            text = mpy.attributes_as_keys(text, facts.context_attrs)
+            notes.append("the context's fields read as attributes (" + ", ".join(sorted(
+                {f"context.{a.attr}" for a in facts.context_attrs})) + ") -> read by key from the 'context' arg")
         # a top-level return is the result
         if facts.returns and facts.main_params is None:
             if len(facts.returns) == 1 and _last_statement_is(text, facts.returns[0]):
@@ -1692,14 +2401,15 @@ class _Migrator:
             keys = facts.context_keys
             if keys is None:
                 self.problem("M5", path + ("code",), "the code uses 'context' (the legacy render context) other than "
-                             "by constant keys: pass what it needs in args")
+                             "by constant keys (context['k'], context.get('k'), context.k): pass what it needs in "
+                             "args; " + _CONTEXT_MAP)
             else:
                 ctx = _cmap()
                 for k in sorted(keys):
                     value = self._context_value(k, site)
                     if value is None:
-                        self.problem("M5", path + ("code",), f"context[{k!r}]: nothing of that name is known; pass it "
-                                                             "in args")
+                        self.problem("M5", path + ("code",), f"context[{k!r}]: nothing of that name is known here; "
+                                     "pass it in args; " + _CONTEXT_MAP)
                     else:
                         ctx[k] = value
                 new_args.append(("context", ctx))
@@ -1708,6 +2418,11 @@ class _Migrator:
             self.problem("M5", path + ("code",), f"'{name}' was a helper of the legacy runtime: define it in the code")
         leftover = free - set(mpy.PRELOADED) - mpy.LEGACY_HELPERS - {"input_data", "context"}
         for name in sorted(leftover):
+            if s is not None and (name in s.set_names or any(o.set_names.get(name) == "ctx" for o in self.steps.values())):
+                value = self._context_value(name, site)  # a name a 'set' wrote: the legacy runtime gave it
+                if value is not None:
+                    new_args.append((name, value))
+                    continue
             self.problem("M5", path + ("code",), f"the code reads '{name}', which nothing defines: pass it in args")
         if imports or prelude:
             text = mpy.insert_lines(text, facts.future_end, imports + prelude)
@@ -1727,6 +2442,9 @@ class _Migrator:
         """The template that gives what the legacy context held under ``name``, or None."""
         if name in ("workload", "ctx", "execution_id"):
             return "{{ %s }}" % name
+        if name == "job" and name not in self.steps and name not in self.workload_keys:
+            # the legacy job object: its ids were the execution's (M1: job.execution_id -> execution_id)
+            return _flow(_cmap([(k, "{{ execution_id }}") for k in ("execution_id", "id")]))
         try:
             new, _ = self._resolve(Ref(name, []), site)
         except NeedsPerson:
@@ -1739,6 +2457,95 @@ class _Migrator:
 
 
 # ------------------------------------------------------------------------------------ small helpers
+
+
+MAX_SCRIPT_BYTES = 256 * 1024  # a python task's code read from a file (M5); a bigger file needs a person
+
+
+def _script_name(spec: Any) -> tuple[str | None, str]:
+    """The relative path a legacy ``script`` names: a string, or ``{path | file | uri, source: {type:
+    file}}``; (None, why) for anything else (a bucket, a URL, a template)."""
+    if _is_map(spec):
+        source = spec.get("source")
+        kind = source.get("type") if _is_map(source) else source
+        if kind not in (None, "file", "local"):
+            return None, f"the file is read from {kind!r}, which migrate does not fetch"
+        name = next((spec[k] for k in ("path", "file", "uri") if isinstance(spec.get(k), str)), None)
+        if name is None and _is_map(source):
+            name = next((source[k] for k in ("path", "file", "uri") if isinstance(source.get(k), str)), None)
+    else:
+        name = spec
+    if not isinstance(name, str) or not name.strip():
+        return None, "it names no file"
+    name = str(name)
+    if name.startswith("file://"):
+        name = name[len("file://"):]
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", name):
+        return None, f"{name!r} is not a local file"
+    if _template(name):
+        return None, f"{name!r} is a template: the file is known only at run time"
+    if "\0" in name:
+        return None, "the path holds a NUL character"
+    return name, ""
+
+
+def read_script(spec: Any, source: str | os.PathLike | None) -> tuple[str | None, str]:
+    """(the code, where it was read) of the file a ``script`` names, or (None, why not). Read only when
+    ``source`` (the playbook's file) is known, only a regular file inside the playbook's folder (after
+    every symbolic link is followed: ``..``, an absolute path or a link elsewhere is refused), at most
+    :data:`MAX_SCRIPT_BYTES`, UTF-8 text."""
+    name, why = _script_name(spec)
+    if name is None:
+        return None, why
+    if source is None:
+        return None, f"{name!r} is read only next to the playbook, whose file is not known here"
+    if os.path.isabs(name) or name.startswith("~"):
+        return None, f"{name!r} is not a path relative to the playbook's folder"
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(source))))
+    target = os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([folder, target]) != folder or target == folder:
+        return None, f"{name!r} lies outside the playbook's folder, which is all migrate reads"
+    try:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        return None, f"{name!r} cannot be read next to the playbook ({e.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"{name!r} is not a regular file"
+        if info.st_size > MAX_SCRIPT_BYTES:
+            return None, f"{name!r} is {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} migrate inlines"
+        data = b""
+        while len(data) <= MAX_SCRIPT_BYTES:
+            chunk = os.read(fd, MAX_SCRIPT_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SCRIPT_BYTES:
+        return None, f"{name!r} is more than the {MAX_SCRIPT_BYTES} bytes migrate inlines"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"{name!r} is not UTF-8 text (byte {e.start})"
+    if "\0" in text:
+        return None, f"{name!r} holds a NUL character: not Python source"
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n"), f"the code of {name!r}, read next to the playbook"
+
+
+_SQL_WHOLE = ("the whole result of {kind} {what}: the legacy result read whole here was the statements' results "
+              "(command_0, command_1, ...) or the rows; canonically it is the last statement's {{rows, columns, "
+              "row_count}} (D27): read .result.rows for the rows (.result.rows[0].n for a field of the first), "
+              ".result.row_count for their number, .result.columns for the column names")
+
+
+_CONTEXT_MAP = ("the legacy context's fields are, canonically: execution_id (or job.execution_id) -> "
+                "{{ execution_id }}; workload -> {{ workload }}; a workload key k -> {{ workload.k }}; vars -> "
+                "{{ ctx }}; a key a set wrote -> {{ ctx.k }}; a step's name -> its result {{ <step>.result }}; "
+                "the loop's item -> {{ iter.<iterator> }}; catalog_id, path, version, parent_execution_id: none")
 
 
 _NO_FIELD = {
@@ -1771,6 +2578,44 @@ def _guess_indent(text: str) -> tuple[int, int, int]:
     mapping = maps.most_common(1)[0][0] if maps else 2
     offset = seqs.most_common(1)[0][0] if seqs else 0
     return mapping, offset + 2, offset
+
+
+def _names_read(node: Any, script: Callable[[Any], str | None] | None = None) -> set[str]:
+    """The root names the templates in ``node`` read, and the names its Python code reads from outside
+    (``script``: the code of a python task's ``script``, when there is one to read)."""
+    found: set[str] = set()
+
+    def probe(ref: Ref) -> Any:
+        found.add(ref.root)
+        return None
+
+    def walk(n: Any, key: Any = None) -> None:
+        if _is_map(n):
+            for k, v in n.items():
+                if k == "script" and script is not None and "code" not in n:
+                    code = script(v)
+                    if code is not None:
+                        walk(code, "code")
+                        continue
+                walk(v, k)
+        elif _is_seq(n):
+            for v in n:
+                walk(v, key)
+        elif isinstance(n, str):
+            if key == "code":  # Python (whatever spelling of the tool holds it)
+                try:
+                    facts = mpy.analyse(n)
+                except SyntaxError:
+                    facts = None
+                if facts is not None:
+                    found.update(facts.free)
+                    found.update(p for p, _ in facts.main_params or [])
+                    return
+            if _template(n):
+                rewrite(n, probe)
+
+    walk(node)
+    return found
 
 
 def _copy(value: Any) -> Any:

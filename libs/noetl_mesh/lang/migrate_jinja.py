@@ -35,6 +35,9 @@ class Ref:
 
     root: str
     path: list[Accessor]
+    # read where a missing value is no error: under ``| default``, ``is defined``, or guarded by the
+    # expression itself (``a.b and a.b.c``, ``a.b.c if a.b``: the guard's chain is a prefix of it)
+    tolerant: bool = False
 
 
 class NeedsPerson(Exception):
@@ -224,16 +227,45 @@ class _Rewriter:
         self.resolve, self.local = resolve, local
         self.problems: list[str] = []
         self.changed = False
+        self.tolerant: set[int] = set()  # ids of chains read under | default or is defined
+        self.guards: list[tuple[str, list]] = []  # chains known to hold a value where the visit is
+
+    def _guarded(self, root: str, path: list) -> bool:
+        return any(g[0] == root and len(g[1]) < len(path) and path[:len(g[1])] == g[1] for g in self.guards)
+
+    def _guard_of(self, node: Any) -> tuple[str, list] | None:
+        if type(node) in (nodes.Getattr, nodes.Getitem, nodes.Name):
+            base, path = _chain(node)
+            if type(base) is nodes.Name:
+                return base.name, path
+        return None
 
     def visit(self, node: Any) -> Any:
+        if type(node) is nodes.Filter and node.name in ("default", "d") or \
+                type(node) is nodes.Test and node.name in ("defined", "undefined"):
+            if node.node is not None:
+                self.tolerant.add(id(node.node))
+        elif type(node) is nodes.And or type(node) is nodes.CondExpr:
+            first, second = ("left", "right") if type(node) is nodes.And else ("test", "expr1")
+            setattr(node, first, self.visit(getattr(node, first)))
+            guard = self._guard_of(getattr(node, first))
+            self.guards.append(guard) if guard else None
+            try:
+                setattr(node, second, self.visit(getattr(node, second)))
+            finally:
+                self.guards.pop() if guard else None
+            if type(node) is nodes.CondExpr and node.expr2 is not None:
+                node.expr2 = self.visit(node.expr2)
+            return node
         if type(node) in (nodes.Getattr, nodes.Getitem, nodes.Name):
+            tolerant = id(node) in self.tolerant
             base, path = _chain(node)
             path = [(k, self.visit(v)) if k in ("expr", "slice") else (k, v) for k, v in path]
             if type(base) is nodes.Name:
                 if base.name in self.local:
                     return build(base.name, path)
                 try:
-                    new = self.resolve(Ref(base.name, list(path)))
+                    new = self.resolve(Ref(base.name, list(path), tolerant or self._guarded(base.name, path)))
                 except NeedsPerson as e:
                     self.problems.append(str(e))
                     new = None

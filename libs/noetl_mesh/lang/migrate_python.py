@@ -30,6 +30,7 @@ class Facts:
     main_params: list[tuple[str, bool]] | None = None  # (name, has a default) of a top-level main()
     returns: list[ast.Return] = field(default_factory=list)  # top-level returns (outside any def)
     context_keys: set[str] | None = field(default_factory=set)  # None: context is used in other ways
+    context_attrs: list[ast.Attribute] = field(default_factory=list)  # context.execution_id: read as a key
     star_import: bool = False
     future_end: int = 0  # line after the last `from __future__` import / module docstring
 
@@ -67,7 +68,7 @@ def analyse(code: str) -> Facts:
             facts.main_params = list(zip([p.arg for p in positional], defaults))
             facts.main_params += [(p.arg, d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
     facts.returns = _top_level_returns(tree)
-    facts.context_keys = _context_keys(tree)
+    facts.context_keys = _context_keys(tree, facts.context_attrs)
     end = 0
     for i, node in enumerate(tree.body):
         if isinstance(node, ast.ImportFrom) and node.module == "__future__":
@@ -96,9 +97,14 @@ def _top_level_returns(tree: ast.Module) -> list[ast.Return]:
     return out
 
 
-def _context_keys(tree: ast.Module) -> set[str] | None:
-    """The constant keys read from ``context`` (``context['k']``, ``context.get('k')``); None when it
-    is used any other way (passed whole, iterated, a computed key)."""
+# Methods of the legacy context (a mapping); any other attribute read from it is one of its fields.
+_MAPPING_METHODS = {"get", "keys", "items", "values", "copy", "setdefault", "pop", "update", "to_dict", "dict"}
+
+
+def _context_keys(tree: ast.Module, attrs: list[ast.Attribute] | None = None) -> set[str] | None:
+    """The constant keys read from ``context`` (``context['k']``, ``context.get('k')``, and a field read
+    as an attribute, ``context.execution_id``, each put in ``attrs``); None when it is used any other
+    way (passed whole, iterated, a computed key, written)."""
     keys: set[str] = set()
     parents: dict[ast.AST, ast.AST] = {}
     for node in ast.walk(tree):
@@ -118,6 +124,13 @@ def _context_keys(tree: ast.Module) -> set[str] | None:
                     and isinstance(call.args[0].value, str):
                 keys.add(call.args[0].value)
                 continue
+        if isinstance(parent, ast.Attribute) and parent.value is node and isinstance(parent.ctx, ast.Load) \
+                and parent.attr not in _MAPPING_METHODS and not parent.attr.startswith("_") \
+                and parent.lineno == parent.end_lineno:
+            keys.add(parent.attr)
+            if attrs is not None:
+                attrs.append(parent)
+            continue
         return None
     return keys
 
@@ -157,6 +170,23 @@ def replace_last_return(code: str, node: ast.Return) -> str:
     assert rest.startswith("return")
     rest = rest[len("return"):]
     lines[i] = head + ("result =" + rest if node.value is not None else "result = None" + rest)
+    return "".join(lines)
+
+
+def attributes_as_keys(code: str, attrs: list[ast.Attribute]) -> str:
+    """Each ``x.name`` of ``attrs`` (one line each) made ``x["name"]``: the legacy context was an object
+    whose fields read as attributes; the mapping passed in its place is read by key."""
+    lines = _lines(code)
+    for node in sorted(attrs, key=lambda n: (n.lineno, n.end_col_offset or 0), reverse=True):
+        i = node.lineno - 1
+        raw = lines[i].encode("utf-8")
+        start, end = node.value.end_col_offset, node.end_col_offset
+        if start is None or end is None:
+            continue
+        piece = raw[start:end].decode("utf-8")
+        if piece.replace(" ", "") != "." + node.attr:
+            continue  # a line continuation or a comment between: left alone
+        lines[i] = (raw[:start] + f"[{node.attr!r}]".encode("utf-8") + raw[end:]).decode("utf-8")
     return "".join(lines)
 
 

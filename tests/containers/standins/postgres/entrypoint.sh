@@ -1,8 +1,14 @@
 #!/bin/sh
-# What the stand-in keeps of the real image's entrypoint: a new data directory gets a superuser
-# POSTGRES_USER (password POSTGRES_PASSWORD, scram over TCP) and a database POSTGRES_DB; the server
-# listens on every address of the container and runs as postgres.
+# What the stand-in keeps of the real image's entrypoint (docker-entrypoint.sh, the name it also answers
+# to): a new data directory gets a superuser POSTGRES_USER (password POSTGRES_PASSWORD, or the file
+# POSTGRES_PASSWORD_FILE names, read as root; scram over TCP) and a database POSTGRES_DB; the server
+# listens on every address of the container and runs as postgres, with the command's arguments.
 set -eu
+if [ -n "${POSTGRES_PASSWORD_FILE:-}" ]; then
+    POSTGRES_PASSWORD=$(cat "$POSTGRES_PASSWORD_FILE")
+    export POSTGRES_PASSWORD
+    unset POSTGRES_PASSWORD_FILE
+fi
 if [ "$(id -u)" = 0 ]; then
     mkdir -p "$PGDATA" /run/postgresql
     chown -R postgres:postgres "$PGDATA" /run/postgresql
@@ -13,7 +19,7 @@ user=${POSTGRES_USER:-postgres}
 db=${POSTGRES_DB:-$user}
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
     pwfile=$(mktemp)
-    printf '%s\n' "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD must be set}" > "$pwfile"
+    printf '%s\n' "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD or POSTGRES_PASSWORD_FILE must be set}" > "$pwfile"
     initdb -D "$PGDATA" -U "$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 >/dev/null
     rm -f "$pwfile"
     echo "listen_addresses = '*'" >> "$PGDATA/postgresql.conf"
