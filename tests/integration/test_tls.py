@@ -24,7 +24,7 @@ from noetl_mesh.infra.bus import Bus, NatsRefused
 from noetl_mesh.infra.embedded import EmbeddedNats, _free_port
 from noetl_mesh.infra.nats_auth import NatsAuth, connect_options
 from noetl_mesh.infra.tls import NATS_CA, NATS_CERT, NATS_KEY, TlsSettingError
-from noetl_mesh.operate import Nats, Unreachable
+from noetl_mesh.cli.operate import Nats, Unreachable
 
 pytestmark = pytest.mark.integration
 

@@ -104,12 +104,12 @@ def test_a_gateway_url_that_cannot_be_one_exits_2(url, capsys):
 
 
 def test_an_unexpected_error_is_one_line_unless_debug(monkeypatch, capsys):
-    import noetl_mesh.cli as cli
+    from noetl_mesh.cli import playbooks
 
     def broken(args):
         raise RuntimeError("no such thing\nsecond line")
 
-    monkeypatch.setattr(cli, "cmd_schema", broken)
+    monkeypatch.setattr(playbooks, "cmd_schema", broken)
     assert main(["schema"]) == 70
     err = capsys.readouterr().err
     assert err == "noetl: unexpected error: RuntimeError: no such thing; run with --debug for the traceback\n"
@@ -121,12 +121,12 @@ def test_an_unexpected_error_is_one_line_unless_debug(monkeypatch, capsys):
 
 
 def test_ctrl_c_in_a_command_is_one_line_and_exit_130(monkeypatch, capsys):
-    import noetl_mesh.cli as cli
+    from noetl_mesh.cli import playbooks
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_schema", interrupted)
+    monkeypatch.setattr(playbooks, "cmd_schema", interrupted)
     assert main(["schema"]) == 130
     assert capsys.readouterr().err == "noetl: interrupted (SIGINT)\n"
 
@@ -224,18 +224,44 @@ def test_every_option_of_every_command_has_help_and_shows_its_default():
 def test_a_gateway_option_given_without_help_gets_the_common_one(monkeypatch):
     import argparse
 
-    import noetl_mesh.cli as cli
+    from noetl_mesh.cli import build_parser, common, users
 
-    real = cli._auth_commands
+    real = users.add_commands
 
-    def more(sub, gateway_default):  # a command added without a word on --gateway
-        real(sub, gateway_default)
-        sub.add_parser("later", help="a later command").add_argument("--gateway", default=gateway_default)
+    def more(sub):  # a command added without a word on --gateway
+        real(sub)
+        sub.add_parser("later", help="a later command").add_argument("--gateway")
 
-    monkeypatch.setattr(cli, "_auth_commands", more)
-    later = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices["later"]
+    monkeypatch.setattr(users, "add_commands", more)
+    later = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)][0].choices["later"]
     option = next(a for a in later._actions if a.dest == "gateway")
-    assert option.help == cli.GATEWAY_HELP and "NOETL_GATEWAY_URL" in option.help and option.metavar == "URL"
+    assert option.help == common.GATEWAY_HELP and "NOETL_GATEWAY_URL" in option.help and option.metavar == "URL"
+
+
+def test_no_module_imports_the_command_line_back_and_its_start_stays_light():
+    """cli/app.py assembles the parser from the command modules: none of them imports it (nor the
+    package), no module of the library imports the command line, and building the parser (every
+    `noetl`'s start) loads neither asyncio, httpx, yaml nor importlib.metadata."""
+    import ast
+    import subprocess
+    import sys
+
+    libs = Path(__file__).parents[2] / "libs"
+    for path in (libs / "noetl_mesh").rglob("*.py"):
+        package = list(path.relative_to(libs).parent.parts)
+        if package == ["noetl_mesh", "cli"] and path.name in ("__init__.py", "__main__.py", "app.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + (node.module.split(".") if node.module else []))
+                imported = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+                for name in imported:  # the command modules share common.py and output.py, nothing else
+                    assert not f"{name}.".startswith("noetl_mesh.cli.") or package == ["noetl_mesh", "cli"] and \
+                        name not in ("noetl_mesh.cli", "noetl_mesh.cli.app"), f"{path}: {name}"
+    code = ("import sys; from noetl_mesh.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('asyncio', 'httpx', 'yaml', 'importlib.metadata') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
 def test_version_comes_from_the_package_metadata(capsys):
@@ -270,10 +296,10 @@ def _loop_events(n: int, failed: set[int], t0: float = 1000.0) -> list[dict]:
 def test_loop_progress_when_piped_is_plain_lines(capsys):
     import io
 
-    from noetl_mesh.cli import _Progress
+    from noetl_mesh.cli.output import Progress
 
     out = io.StringIO()
-    progress = _Progress(out=out, tty=False)
+    progress = Progress(out=out, tty=False)
     for event in _loop_events(8, failed={2, 3, 4, 5}):
         progress(event)
     progress.close()
@@ -290,10 +316,10 @@ def test_loop_progress_when_piped_is_plain_lines(capsys):
 def test_loop_progress_on_a_terminal_is_a_bar_redrawn_in_place():
     import io
 
-    from noetl_mesh.cli import _Progress
+    from noetl_mesh.cli.output import Progress
 
     out = io.StringIO()
-    progress = _Progress(out=out, tty=True)
+    progress = Progress(out=out, tty=True)
     events = _loop_events(4, failed=set())
     for event in events[:4]:  # started, and two iterations of four
         progress(event)
@@ -307,7 +333,7 @@ def test_loop_progress_on_a_terminal_is_a_bar_redrawn_in_place():
 
 
 def test_the_outcome_is_yaml_not_python_reprs():
-    from noetl_mesh.cli import _outcome_text
+    from noetl_mesh.cli.output import outcome_text
 
     final = {"execution_id": "x1", "status": "FAILED",
              "steps": {"start": {"status": "done", "runs": 1, "result": {"count": 2, "names": ["a", "b"]}},
@@ -316,7 +342,7 @@ def test_the_outcome_is_yaml_not_python_reprs():
                        "boom": {"status": "failed", "runs": 1, "result": None}},
              "error": {"kind": "python_error", "message": "boom", "retryable": False,
                        "traceback": "Traceback (most recent call last):\n  File \"<x>\", line 1\nRuntimeError: boom\n"}}
-    text = _outcome_text(final, 1.25)
+    text = outcome_text(final, 1.25)
     assert text.splitlines()[:2] == ["execution x1: FAILED in 1.2s", "  start  done  {count: 2, names: [a, b]}"]
     assert "  mid    done\n      [0, 1, 2, 3," in text
     assert "  big    done (3 runs)\n      - i: 0\n        text: yyyyyyyyyy" in text

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 from noetl_mesh.cli import build_parser
-from noetl_mesh.completion import script
+from noetl_mesh.cli.completion import script
 
 
 def complete(words: list[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""``noetl ps`` and ``noetl inspect`` (operate.py): the rows built from the micro services' STATS and
+"""``noetl ps`` and ``noetl inspect`` (cli/operate.py): the rows built from the micro services' STATS and
 the JetStream API's JSON, the tables, where NATS is found. Against a running stack:
 tests/integration/test_operations.py."""
 from __future__ import annotations
@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from noetl_mesh import operate
-from noetl_mesh.cli import main
+from noetl_mesh.cli import main, operate
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 

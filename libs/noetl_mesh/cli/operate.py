@@ -12,12 +12,16 @@ and the micro services' ``$SRV.STATS``; the rows are built from their JSON by th
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-from datetime import datetime, timezone
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from .common import EXIT_INVALID, EXIT_OK, EXIT_UNREACHABLE, fail
+from .output import aligned
+
+if TYPE_CHECKING:
+    from datetime import datetime  # imported where it is used: not at every `noetl`'s start
 
 NS = 1_000_000_000  # the JetStream API's durations are nanoseconds
 MAX_PAGES = 100  # of 256 streams or consumers each: enough for any noetl deployment, bounded
@@ -74,6 +78,8 @@ def size(n: int | None) -> str:
 
 
 def _started(value: Any, now: datetime) -> float | None:
+    from datetime import datetime, timezone
+
     if not isinstance(value, str):
         return None
     try:
@@ -104,6 +110,8 @@ def ps_rows(stats: list[dict[str, Any]], consumers: dict[tuple[str, str], dict[s
     not yet delivered, ``ack_pending``: delivered, not yet acknowledged; from ``consumers``, the
     JetStream consumer infos by (stream, durable)). A consumer shared by replicas (a worker pool's, the
     scheduler's) counts in full for each of them."""
+    from datetime import datetime, timezone
+
     now = now or datetime.now(timezone.utc)
     rows = []
     for reply in stats:
@@ -206,9 +214,7 @@ def object_rows(streams: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, Callable[[Any], str]]]) -> str:
     """A plain text table: ``columns`` are (header, key, format)."""
-    cells = [[h for h, _, _ in columns]] + [[fmt(r.get(k)) for _, k, fmt in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+    return aligned([[h for h, _, _ in columns]] + [[fmt(r.get(k)) for _, k, fmt in columns] for r in rows])
 
 
 def _num(v: Any) -> str:
@@ -244,8 +250,8 @@ OBJECT_COLUMNS = [("BUCKET", "bucket", _text), ("SIZE", "bytes", size), ("CHUNKS
 # ------------------------------------------------------------------------------------- NATS
 def where(args: argparse.Namespace) -> tuple[str, str | None]:
     """The NATS URL and admin credentials to use (see the module's doc); ValueError when there is no URL."""
-    from .home import admin_creds, running_stack
-    from .infra.nats_auth import ADMIN, SEED_SUFFIX
+    from ..home import admin_creds, running_stack
+    from ..infra.nats_auth import ADMIN, SEED_SUFFIX
 
     stack = running_stack(args.home)
     url = args.nats_url or os.environ.get("NOETL_NATS_URL") or (stack or {}).get("nats")
@@ -267,10 +273,12 @@ class Nats:
         self.nc = None
 
     async def __aenter__(self) -> "Nats":
+        import asyncio
+
         import nats
 
-        from .infra import tls
-        from .infra.nats_auth import connect_options
+        from ..infra import tls
+        from ..infra.nats_auth import connect_options
 
         failed: list[Exception] = []
 
@@ -305,6 +313,8 @@ class Nats:
 
     async def api(self, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """A JetStream API request (``$JS.API.<subject>``); its error, or a refusal, raises."""
+        import asyncio
+
         import nats.errors
 
         try:
@@ -347,7 +357,9 @@ class Nats:
 
 
 async def gather_ps(conn: Nats, wait: float) -> list[dict[str, Any]]:
-    from .infra.micro import ask_all
+    import asyncio
+
+    from ..infra.micro import ask_all
 
     stats = await ask_all(conn.nc, "STATS", timeout=wait)
     if not stats and any("permissions violation" in e.lower() for e in conn.errors):
@@ -359,6 +371,8 @@ async def gather_ps(conn: Nats, wait: float) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------- commands
 def _connected(args: argparse.Namespace, work: Callable[[Nats], Awaitable[Any]]) -> Any:
+    import asyncio
+
     url, creds = where(args)
     timeout = getattr(args, "timeout", 5.0)
 
@@ -370,16 +384,14 @@ def _connected(args: argparse.Namespace, work: Callable[[Nats], Awaitable[Any]])
 
 
 def _run(args: argparse.Namespace, work: Callable[[Nats], Awaitable[list[dict]]], columns, empty: str) -> int:
-    from .cli import EXIT_INVALID, EXIT_OK, EXIT_UNREACHABLE, _fail
-
     try:
         rows = _connected(args, work)
     except ValueError as exc:
-        return _fail(str(exc), EXIT_INVALID)
+        return fail(str(exc), EXIT_INVALID)
     except Refused as exc:
-        return _fail(str(exc), EXIT_INVALID)
+        return fail(str(exc), EXIT_INVALID)
     except Unreachable as exc:
-        return _fail(str(exc), EXIT_UNREACHABLE)
+        return fail(str(exc), EXIT_UNREACHABLE)
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
     elif rows:
@@ -402,6 +414,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return [r for r in stream_rows(found) if not args.names or r["name"] in args.names]
 
     async def consumers(conn: Nats) -> list[dict]:
+        import asyncio
+
         names = args.names or [r["name"] for r in stream_rows(await conn.streams())]
         found = await asyncio.gather(*(conn.consumers(n) for n in names))
         return consumer_rows([c for cs in found for c in cs])

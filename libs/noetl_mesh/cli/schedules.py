@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
+
+from .common import fail, gateway_call, gateway_option, json_object
 
 
-def add_commands(sub, gateway_default: str) -> None:
+def add_commands(sub) -> None:
     p = sub.add_parser("schedule", help="start catalog playbooks on a schedule: add, list, get, pause, resume, delete")
     ssub = p.add_subparsers(dest="action", required=True)
     c = ssub.add_parser("add", help="a new schedule of a catalog playbook (exactly one of --cron, --every, --at)")
@@ -25,31 +26,24 @@ def add_commands(sub, gateway_default: str) -> None:
                         ("delete", "delete a schedule (its executions stay)")):
         ssub.add_parser(verb, help=help_).add_argument("schedule_id", help="the schedule's id")
     for c in ssub.choices.values():
-        c.add_argument("--gateway", default=gateway_default, metavar="URL")  # help: cli.GATEWAY_HELP
-        c.set_defaults(func=cmd_schedule)
+        gateway_option(c).set_defaults(func=cmd_schedule)
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from .cli import _fail, _gateway_call
-
     if args.action == "add":
-        workload = None
-        if args.workload is not None:
-            try:
-                workload = json.loads(args.workload)
-            except json.JSONDecodeError as exc:
-                return _fail(f"--workload is not valid JSON: {exc}")
-            if not isinstance(workload, dict):
-                return _fail("--workload must be a JSON object")
+        try:
+            workload = json_object(args.workload, "--workload")
+        except ValueError as exc:
+            return fail(str(exc))
         given = [flag for flag in ("cron", "every", "at") if getattr(args, flag) is not None]
         if len(given) != 1:
-            return _fail(f"give exactly one of --cron, --every or --at (got {', '.join(given) or 'none'})")
-        return _gateway_call(args, lambda c: c.schedule_add(
+            return fail(f"give exactly one of --cron, --every or --at (got {', '.join(given) or 'none'})")
+        return gateway_call(args, lambda c: c.schedule_add(
             args.path, cron=args.cron, timezone=args.timezone, every=args.every, at=args.at, version=args.version,
             workload=workload, name=args.name))
     if args.action == "list":
-        return _gateway_call(args, lambda c: c.schedules())
+        return gateway_call(args, lambda c: c.schedules())
     if args.action == "get":
-        return _gateway_call(args, lambda c: c.schedule(args.schedule_id, args.next))
+        return gateway_call(args, lambda c: c.schedule(args.schedule_id, args.next))
     method = {"pause": "schedule_pause", "resume": "schedule_resume", "delete": "schedule_delete"}[args.action]
-    return _gateway_call(args, lambda c: getattr(c, method)(args.schedule_id))
+    return gateway_call(args, lambda c: getattr(c, method)(args.schedule_id))

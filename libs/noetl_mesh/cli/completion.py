@@ -17,6 +17,19 @@ __all__ = ["script", "SHELLS"]
 SHELLS = ("bash", "zsh", "fish")
 
 
+def add_commands(sub, root: argparse.ArgumentParser) -> None:
+    """completion: the script of ``root``, the whole command line's parser (complete by the time it runs)."""
+    p = sub.add_parser("completion", help="print shell completion: eval \"$(noetl completion bash)\" (zsh, fish too)")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"], help="which shell's script")
+    p.set_defaults(func=cmd_completion, parser=root)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """``noetl completion bash|zsh|fish``: the shell's completion script, from this parser."""
+    print(script(args.shell, args.parser), end="")
+    return 0
+
+
 def _tree(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], list[str], list[str], dict[str, list[str]], dict[str, str]]]:
     """(path, sub-commands, options, choices by option, help by sub-command) for every parser."""
     subs: list[str] = []
