@@ -1229,3 +1229,13 @@ def test_cli_exit_codes_and_outputs(tmp_path, capsys):
     bad.write_text("a: [\n")
     assert cli.main(["migrate", str(bad), str(legacy)]) == 2
     assert cli.main(["migrate", "--check", *map(str, sorted((ROOT / "examples").glob("*.yaml")))]) == 0
+
+
+def test_noetl_migrate_inlines_a_script_file_next_to_the_playbook(capsys):
+    """The command line gives migrate the file it read: a python task's `script:` naming a file in the
+    playbook's folder is inlined (from stdin nothing is read, and the task needs a person)."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "migrate" / "step_input_script.yaml"
+    assert cli.main(["migrate", str(fixture)]) == 0
+    out = capsys.readouterr().out
+    assert out == fixture.with_name("step_input_script.canonical.yaml").read_text()
+    assert "def main(readings, unit):" in out and "peak = max(readings)" in out  # the file's code, inlined

@@ -133,7 +133,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 print(f"{path}: invalid: {d}", file=report)
             status = EXIT_INVALID
             continue
-        m = migrate_text(text)
+        m = migrate_text(text, source=None if path == "-" else path)  # script: files next to it
         if m.invalid:
             for reason in m.invalid:
                 print(f"{path}: invalid: {reason}", file=report)
@@ -209,7 +209,7 @@ def migrated(path: str) -> str | None:
         for d in problems:
             print(f"{path}: {d}", file=sys.stderr)
         return None
-    m = migrate_text(text)
+    m = migrate_text(text, source=None if path == "-" else path)
     if m.invalid:
         for reason in m.invalid:
             print(f"{path}: {reason}", file=sys.stderr)
