@@ -262,8 +262,12 @@ def test_a_fork_server_that_dies_is_replaced_and_its_running_task_fails_alone():
         try:
             assert (await tool.run({"code": "result = 1"}, {}, ctx()))["status"] == "ok"
             first = sandbox.server_pid()
+            for _ in range(500):  # the first task's process has exited (a loaded machine takes a while)
+                if not sandbox.running():
+                    break
+                await asyncio.sleep(0.02)
             slow = asyncio.ensure_future(tool.run({"code": "import time\ntime.sleep(60)"}, {}, ctx(120)))
-            for _ in range(500):
+            for _ in range(500):  # the slow task's process runs
                 if sandbox.running():
                     break
                 await asyncio.sleep(0.02)
@@ -278,6 +282,33 @@ def test_a_fork_server_that_dies_is_replaced_and_its_running_task_fails_alone():
     assert lost["status"] == "error" and lost["error"]["kind"] == "python_crash"
     assert after["status"] == "ok" and after["result"] == 2
     assert second != first
+
+
+def test_a_fork_server_that_died_before_a_task_was_sent_fails_that_task_clearly_and_is_replaced():
+    """Killed between two tasks: the next task's request cannot reach it. That task fails as a crash
+    saying so (it never started), not with a BrokenPipeError; the one after runs on a new server."""
+    sandbox = Supervisor(Policy())
+    tool = PythonTool(sandbox)
+
+    async def main():
+        try:
+            assert (await tool.run({"code": "result = 1"}, {}, ctx()))["status"] == "ok"
+            first = sandbox.server_pid()
+            server = sandbox._servers["python"]
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(server.ctl.fileno())  # it has not noticed yet that its server died
+            os.kill(first, 9)
+            await asyncio.to_thread(server.proc.wait, 10)
+            lost = await tool.run({"code": "result = 2"}, {}, ctx())
+            after = await tool.run({"code": "result = 3"}, {}, ctx())
+            return first, lost, after, sandbox.server_pid()
+        finally:
+            await sandbox.close()
+
+    first, lost, after, second = asyncio.run(main())
+    assert lost["status"] == "error" and lost["error"]["kind"] == "python_crash", lost
+    assert "before the task started" in lost["error"]["message"]
+    assert after["status"] == "ok" and after["result"] == 3 and second != first
 
 
 def test_python_and_duckdb_tasks_share_one_sandbox_without_meeting():

@@ -204,6 +204,9 @@ class _Server:
                 return
             except BlockingIOError:
                 await asyncio.sleep(0.001)
+            except OSError as exc:  # it died before this request reached it: the task never started
+                self._died(f"the sandbox's fork server went away before the task started ({exc})")
+                raise TaskCrashed(self.dead) from None
 
     def kill(self) -> None:
         self._died("the sandbox was closed")
