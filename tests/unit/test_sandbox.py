@@ -393,8 +393,8 @@ def test_a_task_that_answers_early_and_lingers_is_killed_and_holds_its_slot_unti
         try:
             out = await tool.run({"code": code}, {}, ctx(120))
             pid = out["result"] and out["py"]["pid"]
-            for _ in range(300):
-                if not _alive(pid):
+            for _ in range(600):  # killed, and its exit heard (its slot freed): a guard, not a race
+                if not _alive(pid) and not sandbox.running():
                     break
                 await asyncio.sleep(0.05)
             return out, pid, _alive(pid), sandbox.running()  # (before close, which ends everything anyway)
