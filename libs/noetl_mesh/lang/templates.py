@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import gc
 import itertools
 import json
 import math
@@ -128,7 +129,8 @@ class _Timeout(BaseException):
 
 
 class _Budget:
-    __slots__ = ("tid", "clock", "active", "start", "expired", "pending", "used", "lim", "group", "__weakref__")
+    __slots__ = ("tid", "clock", "active", "start", "expired", "pending", "used", "lim", "group", "paused",
+                 "__weakref__")
 
     def __init__(self, tid: int) -> None:
         self.tid = tid
@@ -138,6 +140,7 @@ class _Budget:
         self.used = 0
         self.lim: limits.Limits = limits.current()
         self.group: _Group | None = None
+        self.paused: float | None = None  # the thread's CPU time when a garbage collection began in it
 
 
 class _Group:
@@ -156,6 +159,34 @@ _GROUP: contextvars.ContextVar[_Group | None] = contextvars.ContextVar("noetl_te
 _cpu = time.thread_time  # the calling thread's CPU time; the watchdog reads a budget's own clock
 
 
+def _gc_paused(phase: str, info: dict) -> None:
+    """A full collection of the process's garbage is not the template's work: its CPU time is left out
+    of the budget of a render (or shared group) running in the collecting thread, and the watchdog
+    sees the budget's clock stand still while it runs. A render in a big process (a service with a
+    large cache, the test suite) otherwise ran out of template_max_ms on a one-line `when` whenever a
+    generation-2 collection fell inside it."""
+    if info.get("generation") != 2:
+        return
+    b = getattr(_local, "budget", None)
+    if b is None:
+        return
+    if phase == "start":
+        b.paused = _cpu()
+        return
+    at, b.paused = b.paused, None
+    if at is None:
+        return
+    spent = _cpu() - at
+    if b.active:
+        b.start += spent
+    g = _GROUP.get()
+    if g is not None:  # a render of the group copies its start from the group's: both move
+        g.start += spent
+
+
+gc.callbacks.append(_gc_paused)
+
+
 def _budget() -> _Budget:
     """This thread's budget."""
     try:
@@ -172,8 +203,10 @@ def _time_error(b: _Budget) -> LimitExceeded:
 
 
 def _spent(b: _Budget) -> float:
-    """CPU seconds the budget's thread has run since the budget's start."""
-    return time.clock_gettime(b.clock) - b.start
+    """CPU seconds the budget's thread has run since the budget's start (standing still while a
+    garbage collection runs in it: :func:`_gc_paused`)."""
+    paused = b.paused
+    return (paused if paused is not None else time.clock_gettime(b.clock)) - b.start
 
 
 def _out_of_time(b: _Budget) -> None:
