@@ -62,7 +62,6 @@ MIX: dict[str, dict] = {
 
 
 def burn() -> None:  # the load beside the soak: one busy process per --load
-    os.nice(0)
     while True:
         pass
 

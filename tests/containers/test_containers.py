@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import ssl
 import subprocess
 import time
@@ -27,6 +26,8 @@ import time
 import httpx
 import pytest
 import yaml
+
+from noetl_mesh.testing.plaintext import plaintext_nats
 
 from container_images import PROJECT_IMAGE, ROOT, docker
 from container_report import note, timed
@@ -282,17 +283,8 @@ def in_container(up, service: str, code: str) -> dict:
 
 def test_nats_refuses_a_client_without_tls_and_one_without_the_ca(up, cli):
     host, port = up.nats.removeprefix("tls://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as s:  # a client that never starts TLS
-        s.settimeout(10)
-        info = json.loads(s.recv(65536).decode().split(" ", 1)[1])
-        assert info["tls_required"] is True
-        s.sendall(b'CONNECT {"verbose":true}\r\nPING\r\n')
-        answer = b""
-        try:
-            while chunk := s.recv(65536):
-                answer += chunk
-        except (ConnectionResetError, TimeoutError):
-            pass
+    info, answer = plaintext_nats(host, int(port))  # a client that never starts TLS
+    assert info["tls_required"] is True
     assert b"PONG" not in answer and b"+OK" not in answer, answer  # closed: nothing is served in the clear
     env = {k: v for k, v in cli.env.items() if k != "NOETL_NATS_TLS_CA"}  # the admin's seed, not the CA
     out = subprocess.run([up.noetl, "ps", "--nats-url", up.nats, "--nats-creds", str(up.creds / "admin.nk")],

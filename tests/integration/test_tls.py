@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from noetl_mesh.infra.bus import Bus, NatsRefused
 from noetl_mesh.infra.embedded import EmbeddedNats, _free_port
 from noetl_mesh.infra.nats_auth import NatsAuth, connect_options
 from noetl_mesh.infra.tls import NATS_CA, NATS_CERT, NATS_KEY, TlsSettingError
+from noetl_mesh.testing.plaintext import plaintext_nats
 from noetl_mesh.cli.operate import Nats, Unreachable
 
 pytestmark = pytest.mark.integration
@@ -128,17 +128,8 @@ def test_a_certificate_for_another_name_is_refused_naming_the_fix(tls_dir, tmp_p
 
 def test_a_plaintext_client_is_refused(secured):
     server, _ = secured
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
-        s.settimeout(5)
-        info = json.loads(s.recv(65536).decode().split(" ", 1)[1])  # after handshake_first's wait, in the clear
-        assert info["tls_required"] is True
-        s.sendall(b'CONNECT {"verbose":true}\r\nPING\r\n')
-        answer = b""
-        try:
-            while chunk := s.recv(65536):
-                answer += chunk
-        except (ConnectionResetError, TimeoutError):
-            pass
+    info, answer = plaintext_nats("127.0.0.1", server.port, timeout=5)  # INFO after handshake_first's wait
+    assert info["tls_required"] is True
     assert b"PONG" not in answer and b"+OK" not in answer, answer  # closed: nothing in the clear is served
 
 
