@@ -81,6 +81,12 @@ def test_migrated_step_output_select_stores_the_selected_part(fixture_api):
     check("step_output_select", summary(run.state))
 
 
+@pytest.mark.parametrize("name", ["paginate_by_retry", "cursor_loop"])
+def test_migrated_pagination_by_retry_collects_every_page(fixture_api, name):
+    run = asyncio.run(_run(migrated(name), workload={"api_url": fixture_api.url}, allow_net=fixture_api.endpoint))
+    check(name, summary(run.state))
+
+
 def test_migrated_postgres_playbook_runs_with_the_stored_credential(pg_dsn):
     run = asyncio.run(_run(migrated("postgres_crud"), credentials={"pg_local": {"dsn": pg_dsn}},
                            allow_net=pg_endpoint(pg_dsn)))

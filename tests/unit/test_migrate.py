@@ -82,7 +82,7 @@ def test_needs_person_fixture_names_each_construct_with_its_location():
     m = migrate_text((FIXTURES / "needs_person.yaml").read_text())
     said = {(p.rule, p.location) for p in m.problems}
     assert ("M6", "workflow[0].step=start.tool.verify_ssl") not in said  # it is the http tool's 'verify'
-    assert ("M6", "workflow[0].step=start.tool.retry.on_success") in said
+    assert ("M6", "workflow[0].step=start.tool.retry.on_success.per_iteration") in said  # a sink per page
     assert ("M5", "workflow[1].step=inspect.tool.script") in said
     assert ("M8", "workflow[4].step=wait_for_approval.case") in said
     assert ("M1", "workflow[3].step=tally_report.tool.result.rows") in said  # a SQL result read whole

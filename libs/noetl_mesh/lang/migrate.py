@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 from jinja2 import nodes
 
+from . import migrate_paginate as paginate
 from . import migrate_python as mpy
 from .diagnostics import Path, locate
 from .documents import load_document, parse, position
@@ -679,10 +680,17 @@ class _Migrator:
         selections = [(st, path, k) for k in ("output", "output_select") if k in st]
         selections += [(t, p, "output_select") for t, p in tasks if "output_select" in t]
         step_retry = st.pop("retry", None)
+        paging, step_retry = paginate.take(tasks, step_retry, path)  # translated below, the task's fields first
         for task, tpath in tasks:
             if step_retry is not None and "retry" not in task:
                 task["retry"] = _copy(step_retry)
             self.task_structure(task, tpath, in_loop="loop" in st)
+        if paging is not None:
+            done = paginate.translate(st, paging)
+            for at, message in done.changes:
+                self.change("M6", at, message)
+            if done.problem:
+                self.problem("M6", *done.problem)
         if step_retry is not None:
             if not tasks:
                 self.problem("M6", path + ("retry",), "'retry' on a step without a tool: dropped")

@@ -1,7 +1,8 @@
 """A small HTTP API on loopback for tests and examples (``examples/pagination.yaml`` pages through it).
 
 Routes: ``/assessments?page=N&pageSize=M`` (25 items in the envelope ``{"data": {"data": [...],
-"paging": {"page", "hasMore"}}}``), ``/status/<code>``, ``/flaky/<key>/<n>`` (503 for the first n calls
+"paging": {"page", "hasMore"}}}``), ``/events?limit=N&cursor=C`` (the same 25 items by an opaque cursor:
+``{"events": [...], "next_cursor": C or null, "limit": N}``), ``/status/<code>``, ``/flaky/<key>/<n>`` (503 for the first n calls
 of a key, then 200), ``/slow/<seconds>``, ``/redirect?to=URL`` (302 to URL), ``/echo`` (POST: the JSON
 body back). Anything else is 404.
 
@@ -44,6 +45,11 @@ class _Handler(BaseHTTPRequestHandler):
             chunk = ITEMS[(page - 1) * size: page * size]
             has_more = page * size < len(ITEMS)
             return self._send(200, {"data": {"data": chunk, "paging": {"page": page, "hasMore": has_more}}})
+        if parts == ["events"]:
+            start, size = int(query.get("cursor", "c0")[1:] or 0), int(query.get("limit", 10))
+            end = start + size
+            return self._send(200, {"events": ITEMS[start:end], "next_cursor": f"c{end}" if end < len(ITEMS) else None,
+                                    "limit": size})
         if len(parts) == 2 and parts[0] == "status":
             return self._send(int(parts[1]), {"status": int(parts[1])})
         if len(parts) == 3 and parts[0] == "flaky":

@@ -1,0 +1,286 @@
+"""Pagination by retry for ``noetl migrate`` (docs/migrate.md, M6): the legacy ``retry.on_success``
+(call the tool again while a condition on the response holds, with new parameters, collecting a part
+of each response) becomes the canonical pipeline that pages with ``jump`` (D9), its pages gathered in
+``iter`` (D6), as ``examples/pagination.yaml`` does.
+
+The legacy runtime ran, for a task with ``retry: {on_success: {while, max_attempts, next_call,
+collect}, on_error}``: call; take the part of the response body at ``collect.path`` (the whole body
+without one) and add it to the pages (``append``: a list's items, else the value; ``replace``: the
+value); stop after ``max_attempts`` calls (default 100) or when ``while`` (reading the body as
+``response`` or ``page``, the call's number as ``iteration``) is false; else call again with
+``next_call.params`` rendered over the params. ``on_error`` retried each call (``when``, reading
+``error.status``; ``max_attempts`` 3, ``initial_delay`` 1 s, ``backoff_multiplier`` 2, jitter).
+The step's result was ``{status, data: <the pages>, meta: {iterations, ...}}``.
+
+Only an http task alone in its step is translated (the body is the response there); anything the
+translation is unsure of is left to a person with the reason. Pure: the round-trip YAML nodes given
+are rewritten in place; what was changed or could not be is returned, never reported here.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import nodes
+from jinja2.exceptions import TemplateSyntaxError
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from .diagnostics import Path
+from .migrate_jinja import NeedsPerson, Ref, build, parse_expression, rewrite
+
+IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DEFAULT_CALLS = 100  # the legacy on_success.max_attempts when none is given
+ON_SUCCESS_KEYS = {"while", "max_attempts", "next_call", "collect"}
+ON_ERROR_KEYS = {"when", "retry_when", "max_attempts", "initial_delay", "delay", "backoff_multiplier", "max_delay",
+                 "jitter"}
+CALLS = "calls"  # the iter key counting the calls made
+
+
+@dataclass
+class Paging:
+    """A task whose ``retry`` pages: the retry block, taken off the task, and where it was written."""
+
+    task: Any
+    path: Path  # the task's
+    retry: Any
+    at: Path  # the retry block's
+    on_step: bool = False  # written on the step (the legacy runtime gave it to the step's task)
+
+
+@dataclass
+class Result:
+    changes: list[tuple[Path, str]] = field(default_factory=list)
+    problem: tuple[Path, str] | None = None
+
+
+class _Unsure(Exception):
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(message)
+        self.path, self.message = path, message
+
+
+def _pages(retry: Any) -> bool:
+    return isinstance(retry, dict) and isinstance(retry.get("on_success"), dict)
+
+
+def take(tasks: list[tuple[Any, Path]], step_retry: Any, step_path: Path) -> tuple[Paging | None, Any]:
+    """The paging retry of a step's only task (its own, or the step's), taken off it so the task's
+    other fields are migrated as usual: (the paging, the step's retry left to spread over its tasks)."""
+    if len(tasks) != 1:
+        return None, step_retry
+    task, path = tasks[0]
+    if _pages(task.get("retry")):
+        return Paging(task, path, task.pop("retry"), path + ("retry",)), step_retry
+    if _pages(step_retry) and "retry" not in task:
+        return Paging(task, path, step_retry, step_path + ("retry",), on_step=True), None
+    return None, step_retry
+
+
+# ------------------------------------------------------------------------------------- templates
+
+
+def _expr(value: Any, where: Path) -> str:
+    """The expression of a template that is exactly ``{{ expr }}`` (a condition)."""
+    s = value.strip() if isinstance(value, str) else ""
+    if not (s.startswith("{{") and s.endswith("}}") and s.count("{{") == 1):
+        raise _Unsure(where, "a condition that is not one '{{ expression }}': rewrite it as one")
+    try:
+        parse_expression(s[2:-2].strip())
+    except TemplateSyntaxError as e:
+        raise _Unsure(where, f"the expression does not parse ({e.message})") from None
+    return s[2:-2].strip()
+
+
+def _response_reader(into: str, where: Path):
+    """The on_success names, as the task policy of the http task reads them in the legacy dialect (which
+    the template pass then translates): the body (``response``, ``page``) is the legacy policy's
+    ``response.data``; the call's number (``iteration``, ``_retry.index``) is ``iter.calls + 1``."""
+    calls = nodes.Add(build(f"iter.{CALLS}", []), nodes.Const(1))
+
+    def resolve(ref: Ref) -> Any:
+        if ref.root in ("response", "page"):
+            return Ref("response", [("attr", "data")] + ref.path)
+        if ref.root == "iteration" and not ref.path:
+            return calls
+        if ref.root == "_retry" and ref.path[:1] in ([("attr", "index")], [("attr", "count")]) and len(ref.path) == 1:
+            return calls
+        if ref.root in ("_retry", "iteration", into):
+            raise NeedsPerson(f"'{ref.root}' read here: it has no translation (the pages are iter.{into}, "
+                              f"the calls made iter.{CALLS})")
+        return None
+
+    return resolve
+
+
+def _rewritten(value: Any, resolve: Any, where: Path) -> Any:
+    if not isinstance(value, str):
+        return value
+    out = rewrite(value, resolve)
+    if out.problems:
+        raise _Unsure(where, "; ".join(out.problems))
+    return out.text
+
+
+def _error_reader(ref: Ref) -> Any:
+    """on_error's ``when`` read ``error`` ({status, message} of the failed call), ``status_code``."""
+    if ref.root == "status_code" and not ref.path:
+        return build("outcome.http.status", [])
+    if ref.root == "error":
+        if ref.path == [("attr", "status")]:
+            return build("outcome.http.status", [])
+        if ref.path == [("attr", "message")]:
+            return build("outcome.error.message", [])
+        raise NeedsPerson(f"'error{'.' if ref.path else ''}{'.'.join(str(p[1]) for p in ref.path)}' in "
+                          "on_error: only error.status and error.message have a translation")
+    if ref.root in ("result", "attempt", "success", "data"):
+        raise NeedsPerson(f"'{ref.root}' in on_error has no translation: write the condition on outcome")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- rules
+
+
+def _flow(pairs: list[tuple[str, Any]]) -> CommentedMap:
+    m = CommentedMap(pairs)
+    m.fa.set_flow_style()
+    return m
+
+
+def _on_error(block: Any, at: Path) -> CommentedMap:
+    """The legacy error retry of each call -> the first rule of the task's policy."""
+    if not isinstance(block, dict):
+        raise _Unsure(at, "'on_error' must be a mapping")
+    for key in block:
+        if key not in ON_ERROR_KEYS:
+            raise _Unsure(at + (key,), f"'on_error.{key}' has no translation")
+    when = block.get("when", block.get("retry_when"))
+    cond = "outcome.status == 'error'"
+    if when is not None:
+        w = at + ("when" if "when" in block else "retry_when",)
+        cond = _expr(_rewritten(when, _error_reader, w), w)
+    multiplier = block.get("backoff_multiplier", 2.0)
+    if multiplier not in (1, 2):
+        raise _Unsure(at + ("backoff_multiplier",), f"backoff_multiplier {multiplier!r}: the engine's backoffs "
+                      "multiply the delay by 1 (none) or 2 (exponential)")
+    then = [("do", "retry"), ("attempts", block.get("max_attempts", 3)),
+            ("backoff", "none" if multiplier == 1 else "exponential"),
+            ("delay", block.get("initial_delay", block.get("delay", 1.0)))]
+    if "max_delay" in block:
+        then.append(("max_delay", block["max_delay"]))
+    if block.get("jitter", True):
+        then.append(("jitter", True))
+    return CommentedMap([("when", "{{ %s }}" % cond), ("then", _flow(then))])
+
+
+def _collected(collect: Any, at: Path) -> tuple[str, str, Any]:
+    """(into, the expression of the pages after this call, their value before the first)."""
+    collect = {} if collect is None else collect
+    if not isinstance(collect, dict):
+        raise _Unsure(at, "'collect' must be a mapping")
+    for key in collect:
+        if key not in ("strategy", "path", "into"):
+            raise _Unsure(at + (key,), f"'collect.{key}' has no translation")
+    into = collect.get("into", "pages")
+    if not isinstance(into, str) or not IDENT.match(into) or into == CALLS:
+        raise _Unsure(at + ("into",), f"'collect.into' {into!r}: a name (not '{CALLS}') is needed")
+    path = collect.get("path")
+    parts = [] if path is None else str(path).split(".")
+    if not all(IDENT.match(p) for p in parts):
+        raise _Unsure(at + ("path",), f"'collect.path' {path!r}: only names joined by dots are translated")
+    part = ".".join(["response.data"] + parts)  # the body's part, as the http task's policy reads it (legacy)
+    strategy = collect.get("strategy", "append")
+    if strategy == "append":
+        return (into, f"iter.{into} + ({part} if {part} is sequence and {part} is not string and {part} is "
+                      f"not mapping else [{part}])", CommentedSeq())
+    if strategy == "replace":
+        return into, part, None
+    raise _Unsure(at + ("strategy",), f"'collect.strategy: {strategy}' has no translation (append and replace do)")
+
+
+def translate(step: Any, paging: Paging) -> Result:
+    """Rewrite ``step`` (whose only task pages by ``paging``) into the paging pipeline."""
+    out = Result()
+    try:
+        _translate(step, paging, out)
+    except _Unsure as e:
+        (step if paging.on_step else paging.task)["retry"] = paging.retry  # left where it was written
+        out.changes.clear()
+        out.problem = (e.path, f"{e.message} ('retry.on_success', pagination by retry, is translated into a "
+                               "pipeline that pages with jump: docs/migrate.md, M6)")
+    return out
+
+
+def _translate(step: Any, paging: Paging, out: Result) -> None:
+    t, at, retry = paging.task, paging.at, paging.retry
+    name = str(step.get("step"))
+    for key in retry:
+        if key not in ("on_success", "on_error"):
+            raise _Unsure(at + (key,), f"'retry.{key}' next to on_success has no translation")
+    ok = retry["on_success"]
+    sat = at + ("on_success",)
+    for key in ok:
+        if key not in ON_SUCCESS_KEYS:
+            raise _Unsure(sat + (key,), f"'on_success.{key}' has no translation")
+    if t.get("kind") != "http":
+        raise _Unsure(sat, f"paging a {t.get('kind')} task: only an http task's response (its body) has a known "
+                           "shape; write the pipeline by hand")
+    if "case" in step:
+        raise _Unsure(sat, "a step with 'case' and a paging retry: write the pipeline by hand")
+    spec = t.get("spec")
+    if isinstance(spec, dict) and "policy" in spec:
+        raise _Unsure(sat, "the task has a policy of its own (or a 'set'): merge it with the paging by hand")
+    if "while" not in ok:
+        raise _Unsure(sat, "'on_success' without 'while'")
+    calls = ok.get("max_attempts", DEFAULT_CALLS)
+    if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
+        raise _Unsure(sat + ("max_attempts",), f"max_attempts {calls!r}: a number of calls is needed")
+    into, pages, first = _collected(ok.get("collect"), sat + ("collect",))
+    resolve = _response_reader(into, sat)
+    cond = _expr(_rewritten(ok["while"], resolve, sat + ("while",)), sat + ("while",))
+    nxt = ok.get("next_call") or {}
+    if not isinstance(nxt, dict) or any(k != "params" for k in nxt) or not isinstance(nxt.get("params", {}), dict):
+        raise _Unsure(sat + ("next_call",), "only 'next_call.params' (a mapping) is translated; headers, url "
+                                            "and body of the next call need a person")
+    params = t.get("params")
+    if params is None and nxt.get("params"):
+        params = t["params"] = CommentedMap()
+    if params is not None and not isinstance(params, dict):
+        raise _Unsure(paging.path + ("params",), "params that are not a mapping, with a paging retry")
+    loop = step.get("loop") if isinstance(step.get("loop"), dict) else {}
+    taken = {into, CALLS, "index"} | {str(loop[k]) for k in ("iterator", "element", "item") if k in loop}
+    moving = []
+    for key, value in (nxt.get("params") or {}).items():
+        key = str(key)
+        if not IDENT.match(key) or key in taken:
+            raise _Unsure(sat + ("next_call", "params", key), f"param {key!r}: kept in iter.{key}, which is "
+                                                               "not a free name there")
+        moving.append((key, _rewritten(value, resolve, sat + ("next_call", "params", key))))
+    base = str(t.get("name") or f"{name}_page")
+    if "name" not in t:
+        t.insert(0, "name", base)
+    start = [(k, params.get(k) if params is not None else None) for k, _ in moving]
+    for key, _ in moving:
+        params[key] = "{{ iter.%s }}" % key
+    calls_now = f"iter.{CALLS} + 1"
+    rules = CommentedSeq()
+    if "on_error" in retry:
+        rules.append(_on_error(retry["on_error"], at + ("on_error",)))
+    rules.append(CommentedMap([("when", "{{ outcome.status == 'error' }}"), ("then", _flow([("do", "fail")]))]))
+    rules.append(CommentedMap([
+        ("when", "{{ %s < %d and (%s) }}" % (calls_now, calls, cond)),
+        ("then", CommentedMap([("do", "jump"), ("to", base), ("set_iter", CommentedMap(
+            [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)] + moving))]))]))
+    rules.append(CommentedMap([("else", CommentedMap([("then", CommentedMap([("do", "continue"), ("set_iter", CommentedMap(
+        [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)]))]))]))]))
+    t["spec"] = spec = spec if isinstance(spec, dict) else CommentedMap()
+    spec["policy"] = CommentedMap([("rules", rules)])
+    init = CommentedMap([("name", f"{base}_init"), ("kind", "noop"), ("spec", CommentedMap([("policy", CommentedMap([
+        ("rules", CommentedSeq([CommentedMap([("else", CommentedMap([("then", CommentedMap([
+            ("do", "continue"), ("set_iter", _flow([(into, first), (CALLS, 0)] + start))]))]))])]))]))]))])
+    result = CommentedMap([("name", f"{base}_collect"), ("kind", "noop"), ("result", CommentedMap([
+        ("status", "success"), ("data", "{{ iter.%s }}" % into), ("meta", _flow([("iterations", "{{ iter.%s }}" % CALLS)]))]))])
+    step["tool"] = CommentedSeq([init, t, result])
+    out.changes.append((at, f"'retry.on_success' (pagination by retry) -> a pipeline: '{base}_init' starts the pages, "
+                            f"'{base}' jumps back to itself while the condition holds (at most {calls} calls), "
+                            f"'{base}_collect' gives {{status, data: iter.{into}, meta: {{iterations}}}} (D9)"))
