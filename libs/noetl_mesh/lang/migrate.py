@@ -686,7 +686,7 @@ class _Migrator:
                 task["retry"] = _copy(step_retry)
             self.task_structure(task, tpath, in_loop="loop" in st)
         if paging is not None:
-            done = paginate.translate(st, paging)
+            done = paginate.translate(st, paging, self.workload_keys)
             for at, message in done.changes:
                 self.change("M6", at, message)
             if done.problem:

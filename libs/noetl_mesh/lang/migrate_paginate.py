@@ -12,8 +12,11 @@ value); stop after ``max_attempts`` calls (default 100) or when ``while`` (readi
 ``error.status``; ``max_attempts`` 3, ``initial_delay`` 1 s, ``backoff_multiplier`` 2, jitter).
 The step's result was ``{status, data: <the pages>, meta: {iterations, ...}}``.
 
-Only an http task alone in its step is translated (the body is the response there); anything the
-translation is unsure of is left to a person with the reason. Pure: the round-trip YAML nodes given
+Only an http or postgres task alone in its step is translated (the response is the http body there,
+and the postgres statements' results ``{command_N: {rows, ...}}``); the task's own templates read the
+pages so far by ``collect.into`` and the call's number by ``_retry.index``, which a cursor loop over a
+table uses (``WHERE id > {{ pages[-1].id if pages else 0 }}``). Anything the translation is unsure of
+is left to a person with the reason. Pure: the round-trip YAML nodes given
 are rewritten in place; what was changed or could not be is returned, never reported here.
 """
 from __future__ import annotations
@@ -35,6 +38,10 @@ ON_SUCCESS_KEYS = {"while", "max_attempts", "next_call", "collect"}
 ON_ERROR_KEYS = {"when", "retry_when", "max_attempts", "initial_delay", "delay", "backoff_multiplier", "max_delay",
                  "jitter"}
 CALLS = "calls"  # the iter key counting the calls made
+# on_success's 'response', as the legacy task policy of that kind reads it ('response' there was the
+# tool's result: an http result's body is its '.data'); the template pass then translates that (M1, M7)
+RESPONSE = {"http": [("attr", "data")], "postgres": []}
+NOT_PAGED = {"duckdb": "the legacy duckdb result's keys (command_N_*) have no canonical reading"}
 
 
 @dataclass
@@ -92,33 +99,59 @@ def _expr(value: Any, where: Path) -> str:
     return s[2:-2].strip()
 
 
-def _response_reader(into: str, where: Path):
-    """The on_success names, as the task policy of the http task reads them in the legacy dialect (which
-    the template pass then translates): the body (``response``, ``page``) is the legacy policy's
-    ``response.data``; the call's number (``iteration``, ``_retry.index``) is ``iter.calls + 1``."""
-    calls = nodes.Add(build(f"iter.{CALLS}", []), nodes.Const(1))
+def _call_number(ref: Ref) -> Any:
+    """``_retry.index`` (and ``.count``): the number of this call, from 1."""
+    if ref.path in ([("attr", "index")], [("attr", "count")]):
+        return nodes.Add(build(f"iter.{CALLS}", []), nodes.Const(1))
+    raise NeedsPerson(f"'_retry' read other than as _retry.index: it has no translation (the calls made are "
+                      f"iter.{CALLS})")
 
+
+def _response_reader(kind: str, into: str):
+    """on_success's own names (``while``, ``next_call``), as the task's policy reads them in the legacy
+    dialect: the response (``response``, ``page``) by RESPONSE; the call's number (``iteration``,
+    ``_retry.index``) is ``iter.calls + 1``. The pages so far are not read there (the legacy value
+    differs by strategy and call)."""
     def resolve(ref: Ref) -> Any:
         if ref.root in ("response", "page"):
-            return Ref("response", [("attr", "data")] + ref.path)
+            return Ref("response", RESPONSE[kind] + ref.path)
         if ref.root == "iteration" and not ref.path:
-            return calls
-        if ref.root == "_retry" and ref.path[:1] in ([("attr", "index")], [("attr", "count")]) and len(ref.path) == 1:
-            return calls
-        if ref.root in ("_retry", "iteration", into):
-            raise NeedsPerson(f"'{ref.root}' read here: it has no translation (the pages are iter.{into}, "
-                              f"the calls made iter.{CALLS})")
+            return nodes.Add(build(f"iter.{CALLS}", []), nodes.Const(1))
+        if ref.root == "_retry":
+            return _call_number(ref)
+        if ref.root in ("iteration", into):
+            raise NeedsPerson(f"'{ref.root}' read here has no translation (the pages are iter.{into}, the calls "
+                              f"made iter.{CALLS})")
         return None
 
     return resolve
 
 
-def _rewritten(value: Any, resolve: Any, where: Path) -> Any:
+def _task_reader(into: str, workload: set[str]):
+    """The task's own templates: the legacy runtime rendered them with the pages so far under
+    ``collect.into`` (from the second call; before it the name was unset, false in a condition) and
+    the call's number as ``_retry.index``."""
+    def resolve(ref: Ref) -> Any:
+        if ref.root == "_retry":
+            return _call_number(ref)
+        if ref.root == into:
+            if into in workload:
+                raise NeedsPerson(f"'{into}' is both a workload key and where the pages are collected: the first "
+                                  "call read the workload's; rename one")
+            return Ref(f"iter.{into}", ref.path)
+        return None
+
+    return resolve
+
+
+def _rewritten(value: Any, resolve: Any, where: Path, changed: list | None = None) -> Any:
     if not isinstance(value, str):
         return value
     out = rewrite(value, resolve)
     if out.problems:
         raise _Unsure(where, "; ".join(out.problems))
+    if changed is not None:
+        changed.extend((where, old, new) for old, new in out.changed)
     return out.text
 
 
@@ -147,7 +180,7 @@ def _flow(pairs: list[tuple[str, Any]]) -> CommentedMap:
     return m
 
 
-def _on_error(block: Any, at: Path) -> CommentedMap:
+def _on_error(block: Any, kind: str, at: Path) -> CommentedMap:
     """The legacy error retry of each call -> the first rule of the task's policy."""
     if not isinstance(block, dict):
         raise _Unsure(at, "'on_error' must be a mapping")
@@ -158,6 +191,8 @@ def _on_error(block: Any, at: Path) -> CommentedMap:
     cond = "outcome.status == 'error'"
     if when is not None:
         w = at + ("when" if "when" in block else "retry_when",)
+        if kind != "http":
+            raise _Unsure(w, f"a condition on the error of a {kind} task: write it on outcome.error by hand")
         cond = _expr(_rewritten(when, _error_reader, w), w)
     multiplier = block.get("backoff_multiplier", 2.0)
     if multiplier not in (1, 2):
@@ -173,7 +208,7 @@ def _on_error(block: Any, at: Path) -> CommentedMap:
     return CommentedMap([("when", "{{ %s }}" % cond), ("then", _flow(then))])
 
 
-def _collected(collect: Any, at: Path) -> tuple[str, str, Any]:
+def _collected(collect: Any, kind: str, at: Path) -> tuple[str, str, Any]:
     """(into, the expression of the pages after this call, their value before the first)."""
     collect = {} if collect is None else collect
     if not isinstance(collect, dict):
@@ -188,7 +223,7 @@ def _collected(collect: Any, at: Path) -> tuple[str, str, Any]:
     parts = [] if path is None else str(path).split(".")
     if not all(IDENT.match(p) for p in parts):
         raise _Unsure(at + ("path",), f"'collect.path' {path!r}: only names joined by dots are translated")
-    part = ".".join(["response.data"] + parts)  # the body's part, as the http task's policy reads it (legacy)
+    part = ".".join(["response"] + [a for _, a in RESPONSE[kind]] + parts)  # as the task's legacy policy reads it
     strategy = collect.get("strategy", "append")
     if strategy == "append":
         return (into, f"iter.{into} + ({part} if {part} is sequence and {part} is not string and {part} is "
@@ -198,33 +233,33 @@ def _collected(collect: Any, at: Path) -> tuple[str, str, Any]:
     raise _Unsure(at + ("strategy",), f"'collect.strategy: {strategy}' has no translation (append and replace do)")
 
 
-def translate(step: Any, paging: Paging) -> Result:
-    """Rewrite ``step`` (whose only task pages by ``paging``) into the paging pipeline."""
+def translate(step: Any, paging: Paging, workload: set[str] = frozenset()) -> Result:
+    """Rewrite ``step`` (whose only task pages by ``paging``) into the paging pipeline. ``workload``:
+    the workload's keys (a bare name of the legacy templates may be one)."""
     out = Result()
     try:
-        _translate(step, paging, out)
+        _translate(step, paging, set(workload), out)
     except _Unsure as e:
         (step if paging.on_step else paging.task)["retry"] = paging.retry  # left where it was written
-        out.changes.clear()
         out.problem = (e.path, f"{e.message} ('retry.on_success', pagination by retry, is translated into a "
                                "pipeline that pages with jump: docs/migrate.md, M6)")
     return out
 
 
-def _translate(step: Any, paging: Paging, out: Result) -> None:
+def _checked(step: Any, paging: Paging) -> tuple[str, Any, int]:
+    """(the task's kind, on_success, the most calls) once the shape is one that is translated."""
     t, at, retry = paging.task, paging.at, paging.retry
-    name = str(step.get("step"))
     for key in retry:
         if key not in ("on_success", "on_error"):
             raise _Unsure(at + (key,), f"'retry.{key}' next to on_success has no translation")
-    ok = retry["on_success"]
-    sat = at + ("on_success",)
+    ok, sat = retry["on_success"], at + ("on_success",)
     for key in ok:
         if key not in ON_SUCCESS_KEYS:
             raise _Unsure(sat + (key,), f"'on_success.{key}' has no translation")
-    if t.get("kind") != "http":
-        raise _Unsure(sat, f"paging a {t.get('kind')} task: only an http task's response (its body) has a known "
-                           "shape; write the pipeline by hand")
+    kind = t.get("kind")
+    if kind not in RESPONSE:
+        raise _Unsure(sat, f"paging a {kind} task: " + NOT_PAGED.get(kind, "only an http or postgres task's "
+                                                                       "response has a known shape"))
     if "case" in step:
         raise _Unsure(sat, "a step with 'case' and a paging retry: write the pipeline by hand")
     spec = t.get("spec")
@@ -235,37 +270,53 @@ def _translate(step: Any, paging: Paging, out: Result) -> None:
     calls = ok.get("max_attempts", DEFAULT_CALLS)
     if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
         raise _Unsure(sat + ("max_attempts",), f"max_attempts {calls!r}: a number of calls is needed")
-    into, pages, first = _collected(ok.get("collect"), sat + ("collect",))
-    resolve = _response_reader(into, sat)
-    cond = _expr(_rewritten(ok["while"], resolve, sat + ("while",)), sat + ("while",))
     nxt = ok.get("next_call") or {}
-    if not isinstance(nxt, dict) or any(k != "params" for k in nxt) or not isinstance(nxt.get("params", {}), dict):
+    if kind == "http" and (not isinstance(nxt, dict) or any(k != "params" for k in nxt)
+                           or not isinstance(nxt.get("params", {}), dict)):
         raise _Unsure(sat + ("next_call",), "only 'next_call.params' (a mapping) is translated; headers, url "
                                             "and body of the next call need a person")
-    params = t.get("params")
-    if params is None and nxt.get("params"):
-        params = t["params"] = CommentedMap()
-    if params is not None and not isinstance(params, dict):
+    if kind != "http" and nxt:
+        raise _Unsure(sat + ("next_call",), f"'next_call' of a {kind} task: let the next query read the pages "
+                                            "so far (collect.into) or the call's number (_retry.index)")
+    if kind == "http" and "params" in t and not isinstance(t["params"], dict):
         raise _Unsure(paging.path + ("params",), "params that are not a mapping, with a paging retry")
+    return kind, ok, calls
+
+
+def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> None:
+    t, at, retry = paging.task, paging.at, paging.retry
+    kind, ok, calls = _checked(step, paging)
+    sat = at + ("on_success",)
+    into, pages, first = _collected(ok.get("collect"), kind, sat + ("collect",))
+    resolve = _response_reader(kind, into)
+    cond = _expr(_rewritten(ok["while"], resolve, sat + ("while",)), sat + ("while",))
     loop = step.get("loop") if isinstance(step.get("loop"), dict) else {}
     taken = {into, CALLS, "index"} | {str(loop[k]) for k in ("iterator", "element", "item") if k in loop}
     moving = []
-    for key, value in (nxt.get("params") or {}).items():
+    for key, value in ((ok.get("next_call") or {}).get("params") or {}).items():
         key = str(key)
         if not IDENT.match(key) or key in taken:
             raise _Unsure(sat + ("next_call", "params", key), f"param {key!r}: kept in iter.{key}, which is "
                                                                "not a free name there")
         moving.append((key, _rewritten(value, resolve, sat + ("next_call", "params", key))))
-    base = str(t.get("name") or f"{name}_page")
+    edits: list = []  # the task's own templates, reading the pages so far and the call's number
+    changed: list = []
+    _edits(t, _task_reader(into, workload), paging.path, edits, changed, skip=("name", "kind", "desc", "spec"))
+    on_error = _on_error(retry["on_error"], kind, at + ("on_error",)) if "on_error" in retry else None
+    # ---- sure of everything: rewrite
+    for container, key, new in edits:
+        container[key] = new
+    base = str(t.get("name") or f"{step.get('step')}_page")
     if "name" not in t:
         t.insert(0, "name", base)
-    start = [(k, params.get(k) if params is not None else None) for k, _ in moving]
+    params = t.get("params")
+    if moving and params is None:
+        params = t["params"] = CommentedMap()
+    start = [(k, params.get(k)) for k, _ in moving]
     for key, _ in moving:
         params[key] = "{{ iter.%s }}" % key
     calls_now = f"iter.{CALLS} + 1"
-    rules = CommentedSeq()
-    if "on_error" in retry:
-        rules.append(_on_error(retry["on_error"], at + ("on_error",)))
+    rules = CommentedSeq([on_error] if on_error is not None else [])
     rules.append(CommentedMap([("when", "{{ outcome.status == 'error' }}"), ("then", _flow([("do", "fail")]))]))
     rules.append(CommentedMap([
         ("when", "{{ %s < %d and (%s) }}" % (calls_now, calls, cond)),
@@ -273,7 +324,9 @@ def _translate(step: Any, paging: Paging, out: Result) -> None:
             [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)] + moving))]))]))
     rules.append(CommentedMap([("else", CommentedMap([("then", CommentedMap([("do", "continue"), ("set_iter", CommentedMap(
         [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)]))]))]))]))
-    t["spec"] = spec = spec if isinstance(spec, dict) else CommentedMap()
+    spec = t.get("spec")
+    if not isinstance(spec, dict):
+        spec = t["spec"] = CommentedMap()
     spec["policy"] = CommentedMap([("rules", rules)])
     init = CommentedMap([("name", f"{base}_init"), ("kind", "noop"), ("spec", CommentedMap([("policy", CommentedMap([
         ("rules", CommentedSeq([CommentedMap([("else", CommentedMap([("then", CommentedMap([
@@ -281,6 +334,23 @@ def _translate(step: Any, paging: Paging, out: Result) -> None:
     result = CommentedMap([("name", f"{base}_collect"), ("kind", "noop"), ("result", CommentedMap([
         ("status", "success"), ("data", "{{ iter.%s }}" % into), ("meta", _flow([("iterations", "{{ iter.%s }}" % CALLS)]))]))])
     step["tool"] = CommentedSeq([init, t, result])
+    for where, old, new in changed:
+        out.changes.append((where, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (the pages so far, the call's number)"))
     out.changes.append((at, f"'retry.on_success' (pagination by retry) -> a pipeline: '{base}_init' starts the pages, "
                             f"'{base}' jumps back to itself while the condition holds (at most {calls} calls), "
                             f"'{base}_collect' gives {{status, data: iter.{into}, meta: {{iterations}}}} (D9)"))
+
+
+def _edits(value: Any, resolve: Any, where: Path, out: list, changed: list, skip: tuple = ()) -> None:
+    """(container, key, new text) for each template in ``value`` the resolver rewrites; ``changed``
+    gets (path, old expression, new expression)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if k in skip:
+            continue
+        if isinstance(v, str):
+            new = _rewritten(v, resolve, where + (k,), changed)
+            if new != v:
+                out.append((value, k, type(v)(new) if type(v) is not str else new))  # its quoting kept
+        else:
+            _edits(v, resolve, where + (k,), out, changed)
