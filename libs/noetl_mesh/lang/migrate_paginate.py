@@ -291,7 +291,11 @@ def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> No
     resolve = _response_reader(kind, into)
     cond = _expr(_rewritten(ok["while"], resolve, sat + ("while",)), sat + ("while",))
     loop = step.get("loop") if isinstance(step.get("loop"), dict) else {}
-    taken = {into, CALLS, "index"} | {str(loop[k]) for k in ("iterator", "element", "item") if k in loop}
+    iterators = {str(loop[k]) for k in ("iterator", "element", "item") if k in loop}
+    if iterators & {into, CALLS}:
+        raise _Unsure(sat + ("collect",), f"the loop's iterator is named '{(iterators & {into, CALLS}).pop()}', "
+                                          f"where the pages (iter.{into}) or the calls (iter.{CALLS}) are kept")
+    taken = {into, CALLS, "index"} | iterators
     moving = []
     for key, value in ((ok.get("next_call") or {}).get("params") or {}).items():
         key = str(key)
@@ -302,6 +306,10 @@ def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> No
     edits: list = []  # the task's own templates, reading the pages so far and the call's number
     changed: list = []
     _edits(t, _task_reader(into, workload), paging.path, edits, changed, skip=("name", "kind", "desc", "spec"))
+    for where, _, _ in changed:
+        if where[:len(paging.path) + 2] in [paging.path + ("params", k) for k, _ in moving]:
+            raise _Unsure(where, f"the first value of param '{where[len(paging.path) + 1]}' reads the call's number "
+                                 "or the pages, and the next call's value replaces it: write the pipeline by hand")
     on_error = _on_error(retry["on_error"], kind, at + ("on_error",)) if "on_error" in retry else None
     # ---- sure of everything: rewrite
     for container, key, new in edits:
