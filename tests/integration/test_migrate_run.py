@@ -87,10 +87,10 @@ def test_migrated_pagination_by_retry_collects_every_page(fixture_api, name):
     check(name, summary(run.state))
 
 
-def test_migrated_cursor_loop_over_a_table_reads_every_batch(pg_dsn):
-    run = asyncio.run(_run(migrated("cursor_table"), credentials={"pg_local": {"dsn": pg_dsn}},
-                           allow_net=pg_endpoint(pg_dsn)))
-    check("cursor_table", summary(run.state))
+@pytest.mark.parametrize("name", ["cursor_table", "cursor_steps"])
+def test_migrated_cursor_loop_over_a_table_reads_every_batch(pg_dsn, name):
+    run = asyncio.run(_run(migrated(name), credentials={"pg_local": {"dsn": pg_dsn}}, allow_net=pg_endpoint(pg_dsn)))
+    check(name, summary(run.state))
 
 
 def test_migrated_postgres_playbook_runs_with_the_stored_credential(pg_dsn):
