@@ -1,10 +1,11 @@
 """A small HTTP API on loopback for tests and examples (``examples/pagination.yaml`` pages through it).
 
 Routes: ``/assessments?page=N&pageSize=M`` (25 items in the envelope ``{"data": {"data": [...],
-"paging": {"page", "hasMore"}}}``), ``/events?limit=N&cursor=C`` (the same 25 items by an opaque cursor:
-``{"events": [...], "next_cursor": C or null, "limit": N}``), ``/status/<code>``, ``/flaky/<key>/<n>`` (503 for the first n calls
-of a key, then 200), ``/slow/<seconds>``, ``/redirect?to=URL`` (302 to URL), ``/echo`` (POST: the JSON
-body back). Anything else is 404.
+"paging": {"page", "hasMore"}}}``; with ``&flaky=KEY`` page 2 answers 503 the first time for that
+KEY), ``/events?limit=N&cursor=C`` (the same 25 items by an opaque cursor: ``{"events": [...],
+"next_cursor": C or null, "limit": N}``), ``/status/<code>``, ``/flaky/<key>/<n>`` (503 for the first
+n calls of a key, then 200), ``/slow/<seconds>``, ``/redirect?to=URL`` (302 to URL), ``/echo`` (POST:
+the JSON body back). Anything else is 404.
 
 ``python -m noetl_mesh.testing.fixture_api [--port 8765]`` serves it in the foreground (the port
 ``examples/pagination.yaml`` expects) until Ctrl-C.
@@ -42,6 +43,11 @@ class _Handler(BaseHTTPRequestHandler):
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         if parts == ["assessments"]:
             page, size = int(query.get("page", 1)), int(query.get("pageSize", 10))
+            if "flaky" in query and page == 2:  # page 2 of a key answers 503 the first time
+                with self.lock:
+                    n = self.calls[f"assessments/{query['flaky']}"] = self.calls.get(f"assessments/{query['flaky']}", 0) + 1
+                if n == 1:
+                    return self._send(503, {"page": page, "attempt": n})
             chunk = ITEMS[(page - 1) * size: page * size]
             has_more = page * size < len(ITEMS)
             return self._send(200, {"data": {"data": chunk, "paging": {"page": page, "hasMore": has_more}}})
