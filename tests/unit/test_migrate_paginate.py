@@ -105,6 +105,22 @@ def test_on_error_becomes_the_first_rule_with_the_legacy_defaults():
                      "then": {"do": "retry", "attempts": 3, "backoff": "exponential", "delay": 0.5, "jitter": True}}
 
 
+def test_on_error_without_the_defaults_keeps_what_it_says():
+    m, doc = mig("""
+        - step: fetch
+          tool: http
+          url: "{{ api_url }}/assessments"
+          retry:
+            on_error: {retry_when: "{{ status_code >= 500 }}", max_attempts: 2, backoff_multiplier: 1,
+                       jitter: false, max_delay: 5}
+            on_success: {while: "{{ response.more }}"}
+        """)
+    assert m.complete, [str(p) for p in m.problems]
+    assert rules(tasks(doc)["fetch_page"])[0] == {
+        "when": "{{ outcome.http.status >= 500 }}",
+        "then": {"do": "retry", "attempts": 2, "backoff": "none", "delay": 1.0, "max_delay": 5}}
+
+
 def test_a_cursor_loop_over_a_table_reads_the_rows_so_far_and_the_call_number_from_iter():
     m, doc = mig("""
         - step: read
@@ -210,6 +226,7 @@ def test_what_the_translation_is_unsure_of_needs_a_person_where_it_is(kind, on_s
     ("on_error: {when: '{{ error.type == 1 }}'}", "retry.on_error.when", "only error.status and error.message"),
     ("on_error: {backoff_multiplier: 3}", "retry.on_error.backoff_multiplier", "by 1 (none) or 2"),
     ("on_error: {max_attempts: 2, codes: [500]}", "retry.on_error.codes", "'on_error.codes' has no translation"),
+    ("on_error: {delay: 2}", "retry.on_error.delay", "'on_error.delay' has no translation"),  # the legacy ignored it
 ])
 def test_unsure_of_on_error_leaves_the_task_as_it_was(extra, where, says):
     m, doc = mig(f"""

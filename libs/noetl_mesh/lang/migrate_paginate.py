@@ -35,8 +35,7 @@ from .migrate_jinja import NeedsPerson, Ref, build, parse_expression, rewrite
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_CALLS = 100  # the legacy on_success.max_attempts when none is given
 ON_SUCCESS_KEYS = {"while", "max_attempts", "next_call", "collect"}
-ON_ERROR_KEYS = {"when", "retry_when", "max_attempts", "initial_delay", "delay", "backoff_multiplier", "max_delay",
-                 "jitter"}
+ON_ERROR_KEYS = {"when", "retry_when", "max_attempts", "initial_delay", "backoff_multiplier", "max_delay", "jitter"}
 CALLS = "calls"  # the iter key counting the calls made
 # on_success's 'response', as the legacy task policy of that kind reads it ('response' there was the
 # tool's result: an http result's body is its '.data'); the template pass then translates that (M1, M7)
@@ -186,11 +185,12 @@ def _on_error(block: Any, kind: str, at: Path) -> CommentedMap:
         raise _Unsure(at, "'on_error' must be a mapping")
     for key in block:
         if key not in ON_ERROR_KEYS:
-            raise _Unsure(at + (key,), f"'on_error.{key}' has no translation")
-    when = block.get("when", block.get("retry_when"))
+            raise _Unsure(at + (key,), f"'on_error.{key}' has no translation" + (
+                " (the legacy runtime read initial_delay, not delay)" if key == "delay" else ""))
+    when = block.get("retry_when") or block.get("when")  # the legacy runtime's order
     cond = "outcome.status == 'error'"
     if when is not None:
-        w = at + ("when" if "when" in block else "retry_when",)
+        w = at + ("retry_when" if block.get("retry_when") else "when",)
         if kind != "http":
             raise _Unsure(w, f"a condition on the error of a {kind} task: write it on outcome.error by hand")
         cond = _expr(_rewritten(when, _error_reader, w), w)
@@ -200,7 +200,7 @@ def _on_error(block: Any, kind: str, at: Path) -> CommentedMap:
                       "multiply the delay by 1 (none) or 2 (exponential)")
     then = [("do", "retry"), ("attempts", block.get("max_attempts", 3)),
             ("backoff", "none" if multiplier == 1 else "exponential"),
-            ("delay", block.get("initial_delay", block.get("delay", 1.0)))]
+            ("delay", block.get("initial_delay", 1.0))]
     if "max_delay" in block:
         then.append(("max_delay", block["max_delay"]))
     if block.get("jitter", True):
