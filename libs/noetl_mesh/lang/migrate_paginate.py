@@ -346,7 +346,10 @@ def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> No
         out.changes.append((where, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (the pages so far, the call's number)"))
     out.changes.append((at, f"'retry.on_success' (pagination by retry) -> a pipeline: '{base}_init' starts the pages, "
                             f"'{base}' jumps back to itself while the condition holds (at most {calls} calls), "
-                            f"'{base}_collect' gives {{status, data: iter.{into}, meta: {{iterations}}}} (D9)"))
+                            f"'{base}_collect' gives {{status, data: iter.{into}, meta: {{iterations}}}} (D9); "
+                            + ("on_success's 'response' (the body) is written as the legacy policy's response.data, "
+                               "which M1 and M7 translate below" if kind == "http" else
+                               "on_success's 'response' is the legacy policy's, which M1 and M7 translate below")))
 
 
 def _edits(value: Any, resolve: Any, where: Path, out: list, changed: list, skip: tuple = ()) -> None:
