@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from noetl_mesh import cli
 from noetl_mesh.lang.lint import lint_text
 from noetl_mesh.lang.migrate import migrate_text
-from noetl_mesh.lang.migrate_jinja import Ref, parse_expression, rewrite, unparse
-from noetl_mesh.lang.migrate_python import analyse, wrap_in_function
+from noetl_mesh.lang.migrate.templates import Ref, parse_expression, rewrite, unparse
+from noetl_mesh.lang.migrate.python import analyse, wrap_in_function
 from noetl_mesh.lang.validate import validate_text
 
 ROOT = Path(__file__).parents[2]
@@ -76,6 +76,34 @@ def test_a_migration_that_would_fail_at_run_time_needs_a_person():
     # a playbook the migration leaves as it is is lint's to judge, not migrate's
     text = HEAD + "workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ ctx.missing }}'}\n"
     assert migrate_text(text).complete and migrate_text(text).text == text
+
+
+def test_a_registered_retry_loop_translation_is_tried_before_the_block_needs_a_person(monkeypatch):
+    from noetl_mesh.lang.migrate.rules import _Migrator
+
+    seen = []
+
+    def decline(m, task, path, retry):
+        seen.append(("decline", path))
+        return False
+
+    def translate(m, task, path, retry):
+        seen.append(("translate", sorted(retry)))
+        task["kind"] = "noop"
+        m.change("M6", path + ("retry",), "a paging retry block translated")
+        return True
+
+    text = HEAD + textwrap.dedent("""
+        workflow:
+          - step: start
+            tool: {kind: noop, retry: {while: "{{ outcome.result.more }}", max_attempts: 5}}
+        """)
+    assert [p.location for p in migrate_text(text).problems] == ["workflow[0].step=start.tool.retry.while"]
+    monkeypatch.setattr(_Migrator, "RETRY_LOOPS", (decline, translate))
+    m = migrate_text(text)
+    assert seen == [("decline", ("workflow", 0, "tool")), ("translate", ["max_attempts", "while"])]
+    assert m.complete and "retry" not in yaml.safe_load(m.text)["workflow"][0]["tool"]
+    assert any(f.message == "a paging retry block translated" for f in m.changes)
 
 
 def test_needs_person_fixture_names_each_construct_with_its_location():
