@@ -12,9 +12,9 @@ from ..diagnostics import Path
 from ..model import RESERVED_NAMES
 from .structure import (
     COMMAND_N, HTTP_META, RESULT_WORDS, STEP_VIEW, TASK_VIEW, TEMPLATE_GLOBALS, _Site, _Step, _Task, _append_key, _cmap,
-    _cseq, _is_map, _is_seq, _producer, _styled, _template,
+    _bare_expr, _cseq, _is_map, _is_seq, _producer, _styled, _template,
 )
-from .templates import NeedsPerson, Ref, build, rewrite
+from .templates import NeedsPerson, Ref, _chain, build, parse_expression, rewrite
 
 
 _SQL_WHOLE = ("the whole result of {kind} {what}: the legacy result read whole here was the statements' results "
@@ -36,6 +36,43 @@ def _path_text(path: list) -> str:
         out.append(str(value) if kind in ("attr", "key") else "[...]")
     return ".".join(out)
 
+
+
+def _whole_chain(value: str) -> bool:
+    """Is the template exactly ``{{ a.b.c }}``, one chain read whole (its value is the template's)?"""
+    expr = _bare_expr(value)
+    if expr is None:
+        return False
+    try:
+        node = parse_expression(expr)
+    except Exception:  # noqa: BLE001 - not an expression: not a chain
+        return False
+    return type(node) in (nodes.Getattr, nodes.Getitem) and type(_chain(node)[0]) is nodes.Name
+
+
+def _error_only(when: Any, roots: set) -> bool:
+    """Does the condition hold only when there is an error: ``R.status == 'error'`` or ``R.error`` (R
+    one of ``roots``), alone or as one side of an ``and``?"""
+    expr = _bare_expr(when)
+    if expr is None:
+        return False
+    try:
+        node = parse_expression(expr)
+    except Exception:  # noqa: BLE001 - not an expression: nothing known
+        return False
+
+    def only(n: Any) -> bool:
+        if type(n) is nodes.And:
+            return only(n.left) or only(n.right)
+        if type(n) is nodes.Getattr and n.attr == "error" and type(n.node) is nodes.Name:
+            return n.node.name in roots
+        if type(n) is nodes.Compare and len(n.ops) == 1 and n.ops[0].op == "eq":
+            left, right = n.expr, n.ops[0].expr
+            return (type(left) is nodes.Getattr and left.attr == "status" and type(left.node) is nodes.Name
+                    and left.node.name in roots and type(right) is nodes.Const and right.value == "error")
+        return False
+
+    return only(node)
 
 class References:
     # ======================================================================= model
@@ -265,6 +302,52 @@ class References:
                 for old, new in out.changed:
                     self.change("M7", path, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (an error's field read where there "
                                 "may be no error: the legacy runtime read it as false, a condition here fails on it)")
+
+    def guard_values(self) -> None:
+        """M7: a value that reads into an error that may be null. A policy rule that also runs on an ok
+        outcome (an ``else``, a ``when`` that is not about an error) or an arc that also fires after a
+        done step has no error to read: ``{{ outcome.error.message }}`` in its ``set_ctx`` or ``args``
+        was undefined in the legacy runtime and fails canonically (D7). Each such read becomes
+        ``outcome.error.message if outcome.error else none``: the field on an error, null without one
+        (``''`` in text or inside a larger expression, where the legacy runtime printed nothing). A rule
+        whose ``when`` holds only on an error (``outcome.status == 'error'``, ``outcome.error``), reads
+        under ``| default`` or ``is defined``, and reads guarded already stay."""
+        for value, site, (container, key, path) in list(self._template_sites()):
+            if site.kind not in ("policy", "arc") or self.reported(path):
+                continue
+            condition = path[-1] == "when" and path[-3] == ("rules" if site.kind == "policy" else "arcs")
+            if condition:
+                continue  # a condition: guard_conditions
+            roots = {"outcome", "output"} if site.kind == "policy" else {"event"}
+            error_only = _error_only(self._condition_of(site), roots)
+            missing = None if _whole_chain(value) else ""
+
+            def resolve(ref: Ref, site: _Site = site, roots: set = roots, error_only: bool = error_only,
+                        missing: Any = missing) -> Any:
+                if ref.tolerant or len(ref.path) < 2 or ref.path[0] != ("attr", "error"):
+                    return None
+                tasks = {t.name for t in site.step.tasks} if site.step is not None and site.kind == "policy" else set()
+                if ref.root in roots:
+                    if error_only:
+                        return None
+                elif ref.root not in self.steps and ref.root not in tasks:
+                    return None
+                return nodes.CondExpr(build(ref.root, ref.path[:1]), build(ref.root, ref.path), nodes.Const(missing))
+
+            out = rewrite(value, resolve)
+            if out.text != value and not out.problems:
+                container[key] = _styled(value, out.text)
+                for old, new in out.changed:
+                    self.change("M7", path, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (an error's field read in a value "
+                                "where there may be no error: the legacy runtime read it as undefined, here it "
+                                "fails on it)")
+
+    def _condition_of(self, site: _Site) -> Any:
+        """The ``when`` of the policy rule or the arc a value stands in (None for an ``else`` rule)."""
+        node: Any = self.doc
+        for k in site.path[:-1] if site.kind == "arc" else site.path:
+            node = node[k]
+        return node.get("when") if _is_map(node) else None
 
     # -------------------------------------------------------------- the resolver
     def _resolver(self, site: _Site, path: Path) -> Any:

@@ -89,6 +89,7 @@ class _Migrator(Reporting, Steps, Policies, References, Code):
         self.templates()
         if self.legacy:
             self.guard_conditions()
+            self.guard_values()
         self.python()
         self.drop_return_steps()
         text = self.original
