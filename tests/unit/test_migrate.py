@@ -982,6 +982,25 @@ def test_m7_a_value_reading_into_an_error_that_may_be_null_is_guarded_by_it():
     assert arcs[1]["args"] == {"kind": "{{ event.error.kind }}"}  # the arc fires only on an error
     assert m.complete and "M7" in rules(m)
     assert migrate_text(m.text).text == m.text
+    from noetl_mesh.lang.lint import lint_text
+
+    assert [f.location for f in lint_text(m.text).findings if f.code == "L411"] == []  # what lint would say
+    # after a rule that takes every ok outcome, the else runs only on an error: its reads stay
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              kind: noop
+              spec:
+                policy:
+                  rules:
+                    - when: "{{ outcome.status == 'ok' }}"
+                      then: {do: continue}
+                    - else:
+                        then: {do: continue, set: {ctx.why: "{{ outcome.error.message }}"}}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    assert doc["workflow"][0]["tool"]["spec"]["policy"]["rules"][1]["else"]["then"]["set_ctx"] == {
+        "why": "{{ outcome.error.message }}"}
     # what the guard gives: the field on an error, null (or nothing in text) on success, where the
     # unguarded read fails
     from noetl_mesh.lang.templates import TemplateError, render

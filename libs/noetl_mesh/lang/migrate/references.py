@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 from jinja2 import nodes
 
 from ..diagnostics import Path
+from ..lint import error_certain
 from ..model import RESERVED_NAMES
 from .structure import (
     COMMAND_N, HTTP_META, RESULT_WORDS, STEP_VIEW, TASK_VIEW, TEMPLATE_GLOBALS, _Site, _Step, _Task, _append_key, _cmap,
@@ -38,6 +39,13 @@ def _path_text(path: list) -> str:
 
 
 
+def _router_mode(step: Any) -> Any:
+    """The mode of a step's router (``next.spec.mode``), or None."""
+    nxt = step.get("next")
+    spec = nxt.get("spec") if _is_map(nxt) else None
+    return spec.get("mode") if _is_map(spec) else None
+
+
 def _whole_chain(value: str) -> bool:
     """Is the template exactly ``{{ a.b.c }}``, one chain read whole (its value is the template's)?"""
     expr = _bare_expr(value)
@@ -49,30 +57,6 @@ def _whole_chain(value: str) -> bool:
         return False
     return type(node) in (nodes.Getattr, nodes.Getitem) and type(_chain(node)[0]) is nodes.Name
 
-
-def _error_only(when: Any, roots: set) -> bool:
-    """Does the condition hold only when there is an error: ``R.status == 'error'`` or ``R.error`` (R
-    one of ``roots``), alone or as one side of an ``and``?"""
-    expr = _bare_expr(when)
-    if expr is None:
-        return False
-    try:
-        node = parse_expression(expr)
-    except Exception:  # noqa: BLE001 - not an expression: nothing known
-        return False
-
-    def only(n: Any) -> bool:
-        if type(n) is nodes.And:
-            return only(n.left) or only(n.right)
-        if type(n) is nodes.Getattr and n.attr == "error" and type(n.node) is nodes.Name:
-            return n.node.name in roots
-        if type(n) is nodes.Compare and len(n.ops) == 1 and n.ops[0].op == "eq":
-            left, right = n.expr, n.ops[0].expr
-            return (type(left) is nodes.Getattr and left.attr == "status" and type(left.node) is nodes.Name
-                    and left.node.name in roots and type(right) is nodes.Const and right.value == "error")
-        return False
-
-    return only(node)
 
 class References:
     # ======================================================================= model
@@ -310,19 +294,19 @@ class References:
         was undefined in the legacy runtime and fails canonically (D7). Each such read becomes
         ``outcome.error.message if outcome.error else none``: the field on an error, null without one
         (``''`` in text or inside a larger expression, where the legacy runtime printed nothing). A rule
-        whose ``when`` holds only on an error (``outcome.status == 'error'``, ``outcome.error``), reads
-        under ``| default`` or ``is defined``, and reads guarded already stay."""
+        or arc that runs only on an error (:func:`..lint.error_certain`, the test ``noetl lint`` L411
+        makes), reads under ``| default`` or ``is defined``, and reads guarded already stay."""
         for value, site, (container, key, path) in list(self._template_sites()):
             if site.kind not in ("policy", "arc") or self.reported(path):
                 continue
             condition = path[-1] == "when" and path[-3] == ("rules" if site.kind == "policy" else "arcs")
             if condition:
                 continue  # a condition: guard_conditions
-            roots = {"outcome", "output"} if site.kind == "policy" else {"event"}
-            error_only = _error_only(self._condition_of(site), roots)
+            roots = ("outcome", "output") if site.kind == "policy" else ("event",)
+            error_only = error_certain(self._conditions_up_to(site), roots)
             missing = None if _whole_chain(value) else ""
 
-            def resolve(ref: Ref, site: _Site = site, roots: set = roots, error_only: bool = error_only,
+            def resolve(ref: Ref, site: _Site = site, roots: tuple = roots, error_only: bool = error_only,
                         missing: Any = missing) -> Any:
                 if ref.tolerant or len(ref.path) < 2 or ref.path[0] != ("attr", "error"):
                     return None
@@ -342,12 +326,16 @@ class References:
                                 "where there may be no error: the legacy runtime read it as undefined, here it "
                                 "fails on it)")
 
-    def _condition_of(self, site: _Site) -> Any:
-        """The ``when`` of the policy rule or the arc a value stands in (None for an ``else`` rule)."""
+    def _conditions_up_to(self, site: _Site) -> list[Any]:
+        """The ``when`` of the policy rule or arc a value stands in, after those of the rules (the arcs of
+        an exclusive router) before it, which are tried first (None: no ``when``)."""
+        cut = -1 if site.kind == "policy" else -2  # (..., rules, i) or (..., arcs, i, key)
         node: Any = self.doc
-        for k in site.path[:-1] if site.kind == "arc" else site.path:
+        for k in site.path[:cut]:
             node = node[k]
-        return node.get("when") if _is_map(node) else None
+        index = site.path[cut]
+        inclusive = site.kind == "arc" and _router_mode(self.doc["workflow"][site.step.index]) == "inclusive"
+        return [x.get("when") for x in list(node)[index if inclusive else 0:index + 1] if _is_map(x)]
 
     # -------------------------------------------------------------- the resolver
     def _resolver(self, site: _Site, path: Path) -> Any:
