@@ -30,6 +30,11 @@ class Finding:
         return {"rule": self.rule, "location": self.location, "line": self.line, "column": self.column,
                 "message": self.message}
 
+    def text(self, file: str, what: str) -> str:
+        """The line ``noetl migrate`` prints for it: ``file:line: what: rule: location: message``
+        (``what``: changed, needs a person)."""
+        return f"{file}:{self.line or 0}: {what}: {self.rule}: {self.location or '<document>'}: {self.message}"
+
 
 @dataclass
 class Migration:

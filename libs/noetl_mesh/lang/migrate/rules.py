@@ -1,11 +1,26 @@
 """The migrator: the rules of docs/migrate.md, by concern, and the order they run in.
 
 Each group of rules is a class of methods over the one tree being rewritten (:class:`_Migrator` is
-all of them): :mod:`.steps` (M0 the header, the shapes of steps and tasks, M3 credentials, ``next``,
-``loop``, M8 ``case``, the workbook), :mod:`.policies` (M6 policies, ``eval``, ``retry``, M4 ``set``),
-:mod:`.references` (the model of steps and tasks, then every template's names: M1, M2, M7) and
-:mod:`.code` (M5, Python task code). :meth:`_Migrator.run` is the order of the passes; a new rule
-joins the group of its concern and, when it is a pass of its own, this order.
+all of them); :meth:`_Migrator.run` is the order of the passes. A new rule joins the group of its
+concern and, when it is a pass of its own, that order; a translation of a paging ``retry`` block
+registers in :attr:`_Migrator.RETRY_LOOPS`.
+
+====  ==============================================  =====================================
+rule  what (docs/migrate.md)                          where
+====  ==============================================  =====================================
+M0    the document header                             :mod:`.steps` (``header``)
+M1    bare names in templates                         :mod:`.references` (the resolver)
+M2    a step's name is its result                     :mod:`.references` (``_step_ref``)
+M3    credentials named directly                      :mod:`.steps` (``auth``, ``keychain``)
+M4    ``set:`` with scoped keys                       :mod:`.policies` (``split_set``, ...)
+M5    Python task conventions                         :mod:`.code`
+M6    spellings, legacy fields, structure             :mod:`.steps`; policies, ``eval``,
+                                                      ``retry``: :mod:`.policies`
+M7    result shapes; an error's field guarded         :mod:`.references` (``_reshape*``,
+                                                      ``guard_conditions``, ``guard_values``)
+M8    ``case`` / ``then`` / ``eval_mode``             :mod:`.steps` (``case``)
+V     what validation and lint still find             :mod:`.report`
+====  ==============================================  =====================================
 """
 from __future__ import annotations
 
