@@ -210,13 +210,41 @@ async def stop_service(running: Running, throwaway: bool = False) -> None:
     replica), then stop the service, then close its connection. ``throwaway``: the NATS server goes
     next, so nothing is handed back to another replica (Bus.throwaway)."""
     running.bus.throwaway = throwaway
+    t0 = time.monotonic()
+    watch = asyncio.get_running_loop().call_later(SLOW_STOP, _slow_stop, running.name, asyncio.current_task())
     try:
         if running.micro is not None:  # nats.micro drains each subscription (a flush each): bounded here
             await _quietly(asyncio.wait_for(running.micro.stop(), 2))
         await running.service.stop()
     finally:
         await running.bus.close()
+        watch.cancel()
         metrics.stopped(running.name)
+        if time.monotonic() - t0 > SLOW_STOP:
+            log.warning("%s stopped after %.1f s", running.name, time.monotonic() - t0)
+
+
+SLOW_STOP = 15.0  # a service's stop waits out at most a few bounded graces; longer than this is said
+
+
+def _slow_stop(name: str, task: asyncio.Task | None) -> None:
+    """A service still stopping after SLOW_STOP seconds: say where it waits."""
+    log.warning("%s is still stopping after %g s; it waits in:\n%s", name, SLOW_STOP, awaiting(task))
+
+
+def awaiting(task: asyncio.Task | None) -> str:
+    """Where a suspended task waits: its chain of awaits, outermost first (``Task.get_stack`` gives
+    only the outermost frame of a suspended coroutine)."""
+    lines, obj = [], getattr(task, "get_coro", lambda: None)()
+    while obj is not None and len(lines) < 40:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None) or getattr(obj, "ag_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        nxt = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None) or getattr(obj, "ag_await", None)
+        if nxt is None and frame is None:
+            lines.append(f"  {obj!r}"[:300])  # a future: what it is
+        obj = nxt
+    return "\n".join(lines)
 
 
 @dataclass

@@ -252,10 +252,11 @@ class RecorderService:
         recorded past that is recorded again, idempotently) and it is deleted."""
         earlier = await self._consumer_info(DURABLE)
         start = int((earlier.get("ack_floor") or {}).get("stream_seq") or 0) + 1 if earlier else None
-        for p in range(self.bus.partitions):
+        config = dict(pinned=True, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
+                      max_deliver=50, ack_policy=AckPolicy.ALL)
+
+        async def durable(p: int) -> None:
             name = feeds.durable(p)
-            config = dict(pinned=True, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
-                          max_deliver=50, ack_policy=AckPolicy.ALL)
             try:
                 await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=start, **config)
             except BusError:  # it exists, made with another start (the deliver policy cannot change): keep that
@@ -264,6 +265,8 @@ class RecorderService:
                     raise
                 kept = (info.get("config") or {}).get("opt_start_seq")
                 await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=int(kept) if kept else None, **config)
+
+        await asyncio.gather(*(durable(p) for p in range(self.bus.partitions)))  # side by side: a round trip each
         if earlier:
             log.warning("the events stream was read by the single durable %r of an earlier version: its partitions' "
                         "durables start after its ack floor (seq %d); deleting it", DURABLE, start - 1)

@@ -6,6 +6,7 @@ module's teardown. Tests that look into its NATS connect as ``handle.admin``."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import base64
 import os
 import shutil
@@ -32,7 +33,17 @@ class LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine, timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"not done within {timeout} s; the loop's tasks:\n{self.tasks()}") from None
+
+    def tasks(self) -> str:
+        """Where each task of the loop waits: what a timeout says, so a hang names itself."""
+        from noetl_mesh.stack import awaiting
+
+        return "\n".join(f"{t.get_name()}:\n{awaiting(t)}" for t in list(asyncio.all_tasks(self.loop)))[-20000:]
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -144,7 +155,7 @@ def stop_stack(nats, loop, handle, check: bool = True) -> None:
     server goes next, so the services hand nothing back (a throw-away stop: 0.1 s instead of 3 s of
     waiting for open pull requests to end; graceful stops have their own tests)."""
     try:
-        loop.run(handle.stack.stop(throwaway=True), timeout=60)
+        loop.run(handle.stack.stop(throwaway=True), timeout=120)
     finally:
         loop.close()
         violations = nats.violations()

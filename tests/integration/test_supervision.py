@@ -41,8 +41,10 @@ def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
         deadline = time.monotonic() + 15  # its next attempt (the delay doubles, up to 5 s) connects
         while "connected to NATS" not in log_path.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1)
-        assert proc.poll() is None, log_path.read_text()  # connected, waiting for the events stream
+        deadline = time.monotonic() + 30  # connected, it says it waits for the events stream
+        while "stream NOETL_EVENTS does not exist yet" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, log_path.read_text()
         asyncio.run(setup(Settings(nats_url=nats.url, nats_creds=str(auth.directory))))
 
         async def consumers() -> set[str]:

@@ -504,6 +504,93 @@ workflow:
     assert codes(fixed) == []
 
 
+def test_l411_a_field_of_the_error_read_where_there_may_be_no_error():
+    body = """
+workflow:
+  - step: start
+    tool:
+      - name: call
+        kind: noop
+        spec:
+          policy:
+            rules:
+              - when: "{{ outcome.error.retryable }}"
+                then: {do: retry, attempts: 2}
+              - when: "{{ outcome.result.n > 1 }}"
+                then: {do: continue, set_ctx: {why: "failed: {{ output.error.message }}"}}
+              - else:
+                  then: {do: continue, set_ctx: {code: "{{ outcome.error.detail['code'] }}"}}
+    next:
+      arcs:
+        - {step: end, when: "{{ event.error.kind != 'timeout' }}", args: {kind: "{{ event.error.kind }}"}}
+        - {step: end, args: {kind: "{{ event.error.kind }}"}}
+  - step: end
+    tool: {kind: noop, result: "{{ ctx.why }} {{ ctx.code }} {{ args.kind }}"}
+"""
+    found = [(f.location, f.severity, f.message) for f in findings(body) if f.code == "L411"]
+    assert [(loc, sev) for loc, sev, _ in found] == [
+        ("workflow[0].step=start.tool[0].spec.policy.rules[0].when", "warning"),
+        ("workflow[0].step=start.tool[0].spec.policy.rules[1].then.set_ctx.why", "warning"),
+        ("workflow[0].step=start.tool[0].spec.policy.rules[2].else.then.set_ctx.code", "warning"),
+        ("workflow[0].step=start.next.arcs[0].when", "warning"),
+        ("workflow[0].step=start.next.arcs[0].args.kind", "warning"),
+        ("workflow[0].step=start.next.arcs[1].args.kind", "error")]  # an arc without when: only step.done
+    # the guarded spelling is the hint: a condition's and a value's
+    assert "'{{ outcome.error and outcome.error.retryable }}'" in found[0][2]
+    assert "'{{ output.error.message if output.error else none }}'" in found[1][2]
+    assert "'{{ outcome.error.detail.code if outcome.error else none }}'" in found[2][2]
+    # guarded, each the way the finding says (or another), they are all gone
+    fixed = (body.replace('"{{ outcome.error.retryable }}"', '"{{ outcome.error and outcome.error.retryable }}"')
+             .replace("{{ output.error.message }}", "{{ output.error.message if output.error else '' }}")
+             .replace("{{ outcome.error.detail['code'] }}", "{{ outcome.error.detail['code'] | default(none) }}")
+             .replace("{{ event.error.kind != 'timeout' }}", "{{ not event.error or event.error.kind != 'timeout' }}")
+             .replace('args: {kind: "{{ event.error.kind }}"}}\n        - {step: end, args',
+                      'args: {kind: "{% if event.error %}{{ event.error.kind }}{% endif %}"}}\n        - {step: end, args')
+             .replace('args: {kind: "{{ event.error.kind }}"}}\n  - step: end',
+                      'args: {kind: "{{ event.error.kind is defined }}"}}\n  - step: end'))
+    assert [f.location for f in findings(fixed) if f.code == "L411"] == []
+
+
+def test_l411_not_where_there_is_certainly_an_error():
+    body = """
+workflow:
+  - step: start
+    tool:
+      kind: noop
+      spec:
+        policy:
+          rules:
+            - when: "{{ outcome.status == 'error' and outcome.error.kind == 'x' }}"
+              then: {do: fail, set_ctx: {why: "{{ outcome.error.message }}"}}
+            - when: "{{ outcome.error }}"
+              then: {do: continue, set_ctx: {why: "{{ outcome.error.message }}"}}
+            - else:
+                then: {do: continue}
+    next: {arcs: [{step: other}]}
+  - step: other
+    tool:
+      kind: noop
+      spec:
+        policy:
+          rules:
+            - when: "{{ outcome.status == 'ok' }}"
+              then: {do: continue}
+            - else:
+                then: {do: continue, set_ctx: {why: "{{ outcome.error.message }}"}}
+    next:
+      arcs:
+        - {step: end, when: "{{ event.name == 'step.failed' }}", args: {kind: "{{ event.error.kind }}"}}
+        - {step: end}
+        - {step: end, when: "{{ event.error.kind == 'timeout' }}"}
+  - step: end
+    tool: {kind: noop, result: "{{ ctx.why }} {{ args.kind | default('') }}"}
+"""
+    assert [f.location for f in findings(body) if f.code == "L411"] == []
+    # an inclusive router tries every arc: the one without 'when' takes nothing from the last
+    inclusive = body.replace("    next:\n      arcs:", "    next:\n      spec: {mode: inclusive}\n      arcs:")
+    assert [f.location for f in findings(inclusive) if f.code == "L411"] == ["workflow[1].step=other.next.arcs[2].when"]
+
+
 # ---------------------------------------------------------------------------- L502/L503 dead arcs
 DEAD = """
 workflow:

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from noetl_mesh import cli
 from noetl_mesh.lang.lint import lint_text
 from noetl_mesh.lang.migrate import migrate_text
-from noetl_mesh.lang.migrate_jinja import Ref, parse_expression, rewrite, unparse
-from noetl_mesh.lang.migrate_python import analyse, wrap_in_function
+from noetl_mesh.lang.migrate.templates import Ref, parse_expression, rewrite, unparse
+from noetl_mesh.lang.migrate.python import analyse, wrap_in_function
 from noetl_mesh.lang.validate import validate_text
 
 ROOT = Path(__file__).parents[2]
@@ -76,6 +76,34 @@ def test_a_migration_that_would_fail_at_run_time_needs_a_person():
     # a playbook the migration leaves as it is is lint's to judge, not migrate's
     text = HEAD + "workflow:\n  - step: start\n    tool: {kind: noop, result: '{{ ctx.missing }}'}\n"
     assert migrate_text(text).complete and migrate_text(text).text == text
+
+
+def test_a_registered_retry_loop_translation_is_tried_before_the_block_needs_a_person(monkeypatch):
+    from noetl_mesh.lang.migrate.rules import _Migrator
+
+    seen = []
+
+    def decline(m, task, path, retry):
+        seen.append(("decline", path))
+        return False
+
+    def translate(m, task, path, retry):
+        seen.append(("translate", sorted(retry)))
+        task["kind"] = "noop"
+        m.change("M6", path + ("retry",), "a paging retry block translated")
+        return True
+
+    text = HEAD + textwrap.dedent("""
+        workflow:
+          - step: start
+            tool: {kind: noop, retry: {while: "{{ outcome.result.more }}", max_attempts: 5}}
+        """)
+    assert [p.location for p in migrate_text(text).problems] == ["workflow[0].step=start.tool.retry.while"]
+    monkeypatch.setattr(_Migrator, "RETRY_LOOPS", (decline, translate))
+    m = migrate_text(text)
+    assert seen == [("decline", ("workflow", 0, "tool")), ("translate", ["max_attempts", "while"])]
+    assert m.complete and "retry" not in yaml.safe_load(m.text)["workflow"][0]["tool"]
+    assert any(f.message == "a paging retry block translated" for f in m.changes)
 
 
 def test_needs_person_fixture_names_each_construct_with_its_location():
@@ -881,7 +909,8 @@ def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
         "{{ outcome.result.x if outcome.result else outcome.error and outcome.error.kind }}"]
     assert doc["workflow"][0]["next"]["arcs"][0]["when"] == \
         "{{ (event.error and event.error.kind) != 'timeout' and (start.error and start.error.kind) is none }}"
-    assert doc["workflow"][0]["next"]["arcs"][0]["args"] == {"when": "{{ event.error.kind }}"}  # a value, not a condition
+    # a value, not a condition: guarded as a value (below)
+    assert doc["workflow"][0]["next"]["arcs"][0]["args"] == {"when": "{{ event.error.kind if event.error else none }}"}
     assert m.complete and "M7" in rules(m)
     assert migrate_text(m.text).text == m.text
     # what the guard is for: on an ok outcome the error is null, and a strict condition fails reading into it
@@ -896,6 +925,100 @@ def test_m7_a_condition_reading_into_a_null_error_is_guarded_by_it():
     # a canonical playbook's conditions are its own: left as they are
     text = HEAD + ("workflow:\n  - step: start\n    tool:\n      kind: noop\n      spec: {policy: {rules: "
                    "[{when: '{{ outcome.error.retryable }}', then: {do: retry}}]}}\n")
+    assert migrate_text(text).text == text
+
+
+def test_m7_a_value_reading_into_an_error_that_may_be_null_is_guarded_by_it():
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              - name: call
+                kind: noop
+                spec:
+                  policy:
+                    rules:
+                      - when: "{{ outcome.status == 'error' and outcome.error.retryable }}"
+                        then: {do: retry, set_ctx: {why: "{{ outcome.error.message }}"}}
+                      - when: "{{ outcome.error }}"
+                        then: {do: fail, set_ctx: {why: "{{ outcome.error.message }}"}}
+                      - when: "{{ outcome.result.n > 1 }}"
+                        then: {do: continue, set_ctx: {why: "{{ outcome.error.message }}"}}
+                      - else:
+                          then:
+                            do: continue
+                            set_ctx:
+                              msg: "{{ output.error.message }}"
+                              code: "{{ outcome.error.detail['code'] }}"
+                              line: "failed: {{ outcome.error.message }}"
+                              loud: "{{ outcome.error.kind | upper }}"
+                              mine: "{{ call.error.kind }}"
+                              kept: "{{ outcome.error.message | default('') }}"
+                              guarded: "{{ outcome.error and outcome.error.message }}"
+                              whole: "{{ outcome.error }}"
+            next: [{step: end, args: {kind: "{{ event.error.kind }}", same: "{{ start.error.kind }}"}},
+                   {step: end, when: "{{ event.error }}", args: {kind: "{{ event.error.kind }}"}}]
+          - step: end
+            tool: {kind: noop}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    rules_ = doc["workflow"][0]["tool"][0]["spec"]["policy"]["rules"]
+    # a rule that holds only on an error reads its field as it is
+    assert rules_[0]["then"]["set_ctx"] == {"why": "{{ outcome.error.message }}"}
+    assert rules_[1]["then"]["set_ctx"] == {"why": "{{ outcome.error.message }}"}
+    # one that holds on success too (its own when, or the else) gets the guard
+    assert rules_[2]["then"]["set_ctx"] == {"why": "{{ outcome.error.message if outcome.error else none }}"}
+    assert rules_[3]["else"]["then"]["set_ctx"] == {
+        "msg": "{{ output.error.message if output.error else none }}",
+        "code": "{{ outcome.error.detail['code'] if outcome.error else none }}",
+        "line": "failed: {{ outcome.error.message if outcome.error else '' }}",  # in text: nothing, as before
+        "loud": "{{ (outcome.error.kind if outcome.error else '') | upper }}",
+        "mine": "{{ call.error.kind if call.error else none }}",
+        "kept": "{{ outcome.error.message | default('') }}",  # tolerant already
+        "guarded": "{{ outcome.error and outcome.error.message }}",  # guarded already
+        "whole": "{{ outcome.error }}"}  # the error itself: null on success, no field read
+    arcs = doc["workflow"][0]["next"]["arcs"]
+    assert arcs[0]["args"] == {"kind": "{{ event.error.kind if event.error else none }}",
+                               "same": "{{ start.error.kind if start.error else none }}"}
+    assert arcs[1]["args"] == {"kind": "{{ event.error.kind }}"}  # the arc fires only on an error
+    assert m.complete and "M7" in rules(m)
+    assert migrate_text(m.text).text == m.text
+    from noetl_mesh.lang.lint import lint_text
+
+    assert [f.location for f in lint_text(m.text).findings if f.code == "L411"] == []  # what lint would say
+    # after a rule that takes every ok outcome, the else runs only on an error: its reads stay
+    m, doc = mig("""
+        workflow:
+          - step: start
+            tool:
+              kind: noop
+              spec:
+                policy:
+                  rules:
+                    - when: "{{ outcome.status == 'ok' }}"
+                      then: {do: continue}
+                    - else:
+                        then: {do: continue, set: {ctx.why: "{{ outcome.error.message }}"}}
+        """, head="apiVersion: noetl.io/v1\nkind: Playbook\nmetadata: {name: t, path: t}\n")
+    assert doc["workflow"][0]["tool"]["spec"]["policy"]["rules"][1]["else"]["then"]["set_ctx"] == {
+        "why": "{{ outcome.error.message }}"}
+    # what the guard gives: the field on an error, null (or nothing in text) on success, where the
+    # unguarded read fails
+    from noetl_mesh.lang.templates import TemplateError, render
+
+    values = rules_[3]["else"]["then"]["set_ctx"]
+    ok = {"outcome": {"status": "ok", "result": {"n": 1}, "error": None}}
+    ok["output"], ok["call"] = ok["outcome"], ok["outcome"]
+    with pytest.raises(TemplateError):
+        render("{{ outcome.error.message }}", ok)
+    assert [render(values[k], ok) for k in ("msg", "code", "line", "loud", "mine")] == [None, None, "failed: ", "", None]
+    failed = {"outcome": {"status": "error", "result": None,
+                          "error": {"kind": "boom", "message": "it broke", "detail": {"code": 7}}}}
+    failed["output"], failed["call"] = failed["outcome"], failed["outcome"]
+    assert [render(values[k], failed) for k in ("msg", "code", "line", "loud", "mine")] == [
+        "it broke", 7, "failed: it broke", "BOOM", "boom"]
+    # a canonical playbook's values are its own: left as they are (noetl lint says it)
+    text = HEAD + ("workflow:\n  - step: start\n    tool:\n      kind: noop\n      spec: {policy: {rules: "
+                   "[{else: {then: {do: continue, set_ctx: {m: '{{ outcome.error.message }}'}}}}]}}\n")
     assert migrate_text(text).text == text
 
 

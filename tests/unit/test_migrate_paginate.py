@@ -1,4 +1,4 @@
-"""noetl migrate, pagination by retry (docs/migrate.md, M6; lang/migrate_paginate.py): each rule on a
+"""noetl migrate, pagination by retry (docs/migrate.md, M6; lang/migrate/paginate.py): each rule on a
 legacy step written for it, before and after; what the translation is unsure of needs a person, with
 the place and the reason; a migrated playbook validates and migrates to itself. The migrated fixtures
 run on the real tools in tests/integration/test_migrate_run.py."""

@@ -113,3 +113,27 @@ def test_a_process_stack_gives_the_database_and_the_credential_key_only_to_who_n
         assert "pg-pw" not in " ".join(args)
         assert ("NOETL_PG_DSN" in env) == (name in ("event-recorder", "credentials")), name
         assert ("NOETL_CREDENTIAL_KEY" in env) == ("NOETL_CREDENTIAL_KEY_OLD" in env) == (name == "credentials"), name
+
+
+def test_a_slow_stop_says_where_it_waits():
+    """What a stop that takes too long logs: the chain of awaits down to the one that waits."""
+    import asyncio
+
+    from noetl_mesh.stack import awaiting
+
+    async def drain():
+        await asyncio.sleep(30)
+
+    async def stop():
+        await drain()
+
+    async def main():
+        task = asyncio.create_task(stop())
+        await asyncio.sleep(0)
+        try:
+            return awaiting(task)
+        finally:
+            task.cancel()
+
+    where = asyncio.run(main()).splitlines()
+    assert [line.rsplit(" in ", 1)[1] for line in where[:3]] == ["stop", "drain", "sleep"]

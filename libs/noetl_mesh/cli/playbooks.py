@@ -140,10 +140,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             status = EXIT_INVALID
             continue
         for f in m.changes:
-            print(f"{path}:{f.line or 0}: changed: {f.rule}: {f.location or '<document>'}: {f.message}", file=report)
+            print(f.text(path, "changed"), file=report)
         for f in m.problems:
-            print(f"{path}:{f.line or 0}: needs a person: {f.rule}: {f.location or '<document>'}: {f.message}",
-                  file=report)
+            print(f.text(path, "needs a person"), file=report)
         if args.write:
             if m.changed:
                 with open(path, "w", encoding="utf-8") as out:
@@ -219,6 +218,5 @@ def migrated(path: str) -> str | None:
               file=sys.stderr)
     for f in m.problems:
         if f.rule != "V":
-            print(f"{path}:{f.line or 0}: migrate: needs a person: {f.rule}: {f.location}: {f.message}",
-                  file=sys.stderr)
+            print(f.text(path, "migrate: needs a person"), file=sys.stderr)
     return m.text

@@ -94,10 +94,10 @@ class PartitionedService:
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.bus.attach()
-        for p in range(self.bus.partitions):
-            subjects = [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes]  # any execution, any writer
-            await self.bus.consumer(EVENTS, f"{self.name}-p{p}", subjects, pinned=True,
-                                    ack_wait=self.ack_wait, max_deliver=50)
+        await asyncio.gather(*(  # one round trip each, side by side: a stack starts ~0.2 s sooner
+            self.bus.consumer(EVENTS, f"{self.name}-p{p}", [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes],
+                              pinned=True, ack_wait=self.ack_wait, max_deliver=50)  # any execution, any writer
+            for p in range(self.bus.partitions)))
         # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
         # stays valid; until the group is known, or without it, a replica reads every partition
         self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read,

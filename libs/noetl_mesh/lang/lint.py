@@ -56,6 +56,7 @@ RULES: dict[str, tuple[Severity, str]] = {
     "L408": ("warning", "a template reads the outcome of a task that runs later in the same pipeline"),
     "L409": ("warning", "a 'when' that is not a template: a constant condition"),
     "L410": ("error", "a template reads a field that an event, outcome or step result does not have"),
+    "L411": ("warning", "a template reads a field of the error where there may be no error (it is null on success)"),
     "L501": ("warning", "a step after which the execution cannot complete: every way on leads into an endless cycle"),
     "L502": ("warning", "an arc that can never fire: an earlier arc of its exclusive router has no 'when'"),
     "L503": ("warning", "a step that can be reached only through arcs that never fire"),
@@ -149,7 +150,7 @@ def lint(doc: Mapping[str, Any], graph: WorkflowGraph) -> list[Finding]:
     made twice (one template reading one key twice) is kept once."""
     v = _View.of(doc, graph)
     found: dict[Finding, None] = {}
-    for rule in (_joins, _cycles, _ctx_races, _templates, _dead_arcs, _wide_loops, _endless_waits):
+    for rule in (_joins, _cycles, _ctx_races, _templates, _error_reads, _dead_arcs, _wide_loops, _endless_waits):
         found.update(dict.fromkeys(rule(v)))
     return sorted(found, key=lambda f: f.code)
 
@@ -849,6 +850,168 @@ def _chain(node: nodes.Node) -> tuple[str, tuple[str, ...], list[nodes.Node]] | 
             break
         keys.append(a)
     return node.name, tuple(keys), [a for a in accessors if not isinstance(a, str)]
+
+
+# ------------------------------------------------------------- an error's field without an error (L411)
+_ERROR_ROOTS = {"rule": ("outcome", "output"), "arc": ("event",)}  # the error a policy rule, an arc reads
+
+
+def _error_reads(v: _View) -> Iterator[Finding]:
+    """L411: ``outcome.error.<f>`` (``output``) in a policy rule, ``event.error.<f>`` in an arc, read
+    unguarded where the rule or arc can run without an error: an ok outcome's error and a done step's
+    event's error are null (D8, D13), and reading into null fails the render (D7)."""
+    for s in v.steps:
+        if s.name not in v.reachable:
+            continue
+        for t in s.tasks:
+            rules = _get(t.raw, "spec", "policy", "rules") or []
+            for r, rule in enumerate(rules):
+                whens = [x.get("when") for x in rules[:r + 1] if isinstance(x, Mapping)]
+                if isinstance(rule, Mapping):
+                    yield from _error_reads_in(v, rule, t.path + ("spec", "policy", "rules", r), "rule", whens, None)
+        for k, arc in enumerate(s.arcs):
+            whens = [a.get("when") for a in (s.arcs[:k + 1] if not s.inclusive else s.arcs[k:k + 1])]
+            yield from _error_reads_in(v, {key: arc.get(key) for key in ("when", "args")}, s.arc_path(k), "arc",
+                                       whens, "when" not in arc)
+
+
+def _error_reads_in(v: _View, node: Mapping[str, Any], base: Path, context: str, whens: list[Any],
+                    never: bool | None) -> Iterator[Finding]:
+    """``whens``: the conditions tried up to this rule or arc (error_certain). Its values are read
+    where its own condition holds; its condition where the earlier ones did not."""
+    certain = error_certain(whens, _ERROR_ROOTS[context])
+    certain_before = error_certain(whens[:-1] + [None], _ERROR_ROOTS[context]) if len(whens) > 1 else False
+    roots = _ERROR_ROOTS[context]
+    for path, text in _strings(node, base):
+        condition = path == base + ("when",)
+        if (certain_before if condition else certain):
+            continue  # the rule or arc runs only on an error: its values read one
+        for name, keys in _unguarded_error_reads(text, roots):
+            chain = ".".join((name,) + keys)
+            guard = f"{name}.error and {chain}" if condition else f"{chain} if {name}.error else none"
+            if context == "rule":
+                which = ("this 'else' rule runs on any outcome no earlier rule took" if "when" not in node else
+                         "this rule's 'when' does not hold only on an error")
+                why = (f"an ok outcome's error is null and {which} (nor does an earlier rule take every ok outcome): "
+                       f"on success {'the condition' if condition else 'the render'} fails the pipeline")
+            elif never:
+                why = ("an arc without 'when' fires only on step.done/loop.done, whose event's error is null: the "
+                       "render fails whenever it fires; read it on an arc that fires on a failure "
+                       "(when: '{{ event.error }}')")
+            else:
+                why = ("a done step's event has a null error and this arc's 'when' does not hold only on a failure: "
+                       "after a done step the render fails and ends the step's routing")
+            yield v.finding("L411", path, f"'{chain}' reads a field of the error where there may be none ({why}, D7); "
+                            f"guard it with its error: '{{{{ {guard} }}}}'", "error" if never else None)
+
+
+def error_certain(whens: list[Any], roots: tuple[str, ...]) -> bool:
+    """Is there certainly an error where the last of ``whens`` holds, the conditions of a task's policy
+    rules (or of an exclusive router's arcs) up to one of them, in order (None: no ``when``)? Yes when
+    its own condition says so (``R.error``, ``R.status == 'error'``, ``event.name == 'step.failed'``,
+    alone or in an ``and``; R one of ``roots``), or when an earlier one takes every outcome without an
+    error (``R.status == 'ok'``, ``R.status != 'error'``, ``not R.error``, ``R.error is none``; an arc
+    without ``when``, which matches only step.done/loop.done). The shapes are read, never evaluated."""
+    *earlier, own = whens
+    expr = _condition(own)
+    if expr is not None and _has_error(expr, roots):
+        return True
+    for when in earlier:
+        if when is None:  # an arc without 'when' (an 'else' rule is the last)
+            return True
+        expr = _condition(when)
+        if expr is not None and _no_error(expr, roots):
+            return True
+    return False
+
+
+def _condition(when: Any) -> nodes.Expr | None:
+    """The expression of a ``when`` that is exactly ``{{ expr }}``."""
+    if not isinstance(when, str):
+        return None
+    try:
+        body = _PARSER.parse(when).body
+    except Exception:  # noqa: BLE001 - an unparseable template is a validation error, not ours
+        return None
+    if len(body) != 1 or not isinstance(body[0], nodes.Output):
+        return None
+    exprs = [n for n in body[0].nodes if not (isinstance(n, nodes.TemplateData) and not n.data.strip())]
+    return exprs[0] if len(exprs) == 1 and not isinstance(exprs[0], nodes.TemplateData) else None
+
+
+def _is_chain(node: nodes.Node, roots: tuple[str, ...], keys: tuple[str, ...]) -> bool:
+    chain = _chain(node)
+    return chain is not None and chain[0] in roots and chain[1] == keys and not chain[2]
+
+
+def _compares(node: nodes.Node, roots: tuple[str, ...], keys: tuple[str, ...], op: str, value: str) -> bool:
+    return (isinstance(node, nodes.Compare) and len(node.ops) == 1 and node.ops[0].op == op
+            and _is_chain(node.expr, roots, keys) and isinstance(node.ops[0].expr, nodes.Const)
+            and node.ops[0].expr.value == value)
+
+
+def _has_error(node: nodes.Node, roots: tuple[str, ...]) -> bool:
+    """Does ``node`` being true mean the error is there?"""
+    if isinstance(node, nodes.And):
+        return _has_error(node.left, roots) or _has_error(node.right, roots)
+    return (_is_chain(node, roots, ("error",)) or _compares(node, roots, ("status",), "eq", "error")
+            or ("event" in roots and _compares(node, roots, ("name",), "eq", "step.failed")))
+
+
+def _no_error(node: nodes.Node, roots: tuple[str, ...]) -> bool:
+    """Does ``node`` hold for every outcome (event) without an error?"""
+    if isinstance(node, nodes.Or):
+        return _no_error(node.left, roots) or _no_error(node.right, roots)
+    return ((isinstance(node, nodes.Not) and _is_chain(node.node, roots, ("error",)))
+            or (isinstance(node, nodes.Test) and node.name == "none" and _is_chain(node.node, roots, ("error",)))
+            or _compares(node, roots, ("status",), "eq", "ok") or _compares(node, roots, ("status",), "ne", "error"))
+
+
+def _unguarded_error_reads(source: str, roots: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(name, keys)`` of each ``R.error.<f>...`` a template reads (R one of ``roots``) that nothing
+    guards: not under ``| default`` or ``is defined``, not after a test that the error is there
+    (``R.error and ...``, ``... if R.error``, ``{% if R.error %}``, ``not R.error or ...``)."""
+    try:
+        ast = _PARSER.parse(source)
+    except Exception:  # noqa: BLE001 - an unparseable template is a validation error, not ours
+        return []
+    found: list[tuple[str, tuple[str, ...]]] = []
+
+    def walk(node: nodes.Node, known: bool) -> None:
+        if known:
+            return  # the error is there wherever this part is evaluated
+        if isinstance(node, nodes.Filter) and node.name in ("default", "d") or \
+                isinstance(node, nodes.Test) and node.name in ("defined", "undefined"):
+            children = [*node.args, *(kw.value for kw in getattr(node, "kwargs", []))]
+        elif isinstance(node, nodes.And):
+            walk(node.left, False)
+            walk(node.right, _has_error(node.left, roots))
+            return
+        elif isinstance(node, nodes.Or):
+            walk(node.left, False)
+            walk(node.right, _no_error(node.left, roots))
+            return
+        elif isinstance(node, (nodes.CondExpr, nodes.If)):
+            walk(node.test, False)
+            for child in (node.expr1,) if isinstance(node, nodes.CondExpr) else node.body:
+                walk(child, _has_error(node.test, roots))
+            children = ([node.expr2] if node.expr2 is not None else []) if isinstance(node, nodes.CondExpr) \
+                else [*node.elif_, *node.else_]
+        elif isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr):
+            children = [node.node.node, *node.args, *(kw.value for kw in node.kwargs)]  # a method: not a key
+            children += [c for c in (node.dyn_args, node.dyn_kwargs) if c is not None]
+        elif isinstance(node, (nodes.Getattr, nodes.Getitem)) and (chain := _chain(node)) is not None:
+            name, keys, dynamic = chain
+            if name in roots and len(keys) >= 2 and keys[0] == "error":
+                found.append((name, keys))
+            children = dynamic
+        else:
+            children = list(node.iter_child_nodes())
+        for child in children:
+            walk(child, False)
+
+    walk(ast, False)
+    return list(dict.fromkeys(found))
 
 
 # ------------------------------------------------------------------------ arcs that never fire (L502, L503)

@@ -21,7 +21,7 @@ from jinja2 import nodes
 from jinja2.exceptions import TemplateSyntaxError
 from jinja2.parser import Parser
 
-from .templates import _ENV
+from ..templates import _ENV
 
 # One step of a reference: ("attr", name) for .name, ("key", constant) for ['k'] / [0],
 # ("expr", node) for a computed subscript [x + 1], ("slice", node) for [a:b].

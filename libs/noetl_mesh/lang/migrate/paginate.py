@@ -16,8 +16,9 @@ Only an http or postgres task alone in its step is translated (the response is t
 and the postgres statements' results ``{command_N: {rows, ...}}``); the task's own templates read the
 pages so far by ``collect.into`` and the call's number by ``_retry.index``, which a cursor loop over a
 table uses (``WHERE id > {{ pages[-1].id if pages else 0 }}``). Anything the translation is unsure of
-is left to a person with the reason. Pure: the round-trip YAML nodes given
-are rewritten in place; what was changed or could not be is returned, never reported here.
+is left to a person with the reason. :func:`translate` is pure: the round-trip YAML nodes given are
+rewritten in place, what was changed or could not be is returned; :func:`paging_retry`, the hook the
+migrator calls (``_Migrator.RETRY_LOOPS``), reports it.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ from typing import Any
 
 from jinja2 import nodes
 from jinja2.exceptions import TemplateSyntaxError
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from .diagnostics import Path
-from .migrate_jinja import NeedsPerson, Ref, build, parse_expression, rewrite
+from ..diagnostics import Path
+from .structure import _cmap, _cseq, _flow
+from .templates import NeedsPerson, Ref, build, parse_expression, rewrite
 
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_CALLS = 100  # the legacy on_success.max_attempts when none is given
@@ -51,7 +52,6 @@ class Paging:
     path: Path  # the task's
     retry: Any
     at: Path  # the retry block's
-    on_step: bool = False  # written on the step (the legacy runtime gave it to the step's task)
 
 
 @dataclass
@@ -66,21 +66,23 @@ class _Unsure(Exception):
         self.path, self.message = path, message
 
 
-def _pages(retry: Any) -> bool:
-    return isinstance(retry, dict) and isinstance(retry.get("on_success"), dict)
-
-
-def take(tasks: list[tuple[Any, Path]], step_retry: Any, step_path: Path) -> tuple[Paging | None, Any]:
-    """The paging retry of a step's only task (its own, or the step's), taken off it so the task's
-    other fields are migrated as usual: (the paging, the step's retry left to spread over its tasks)."""
-    if len(tasks) != 1:
-        return None, step_retry
-    task, path = tasks[0]
-    if _pages(task.get("retry")):
-        return Paging(task, path, task.pop("retry"), path + ("retry",)), step_retry
-    if _pages(step_retry) and "retry" not in task:
-        return Paging(task, path, step_retry, step_path + ("retry",), on_step=True), None
-    return None, step_retry
+def paging_retry(migrator: Any, task: Any, path: Path, retry: Any) -> bool:
+    """The registered translation of a paging ``retry`` (``_Migrator.RETRY_LOOPS``): a block with
+    ``on_success`` on the only task of its step (its own, or the step's given to it) is translated, or
+    left on the task with the reason it needs a person; True either way. Anything else is not this
+    rule's (False)."""
+    step = migrator._step
+    tool = step.get("tool") if isinstance(step, dict) else None
+    tasks = [tool] if isinstance(tool, dict) else [t for t in tool if isinstance(t, dict)] if isinstance(tool, list) else []
+    alone = len(tasks) == 1 and tasks[0] is task
+    if not (isinstance(retry, dict) and isinstance(retry.get("on_success"), dict)) or not alone:
+        return False
+    done = translate(step, Paging(task, path, retry, path + ("retry",)), migrator.workload_keys)
+    for at, message in done.changes:
+        migrator.change("M6", at, message)
+    if done.problem:
+        migrator.problem("M6", *done.problem)
+    return True
 
 
 # ------------------------------------------------------------------------------------- templates
@@ -173,13 +175,7 @@ def _error_reader(ref: Ref) -> Any:
 # ------------------------------------------------------------------------------------------- rules
 
 
-def _flow(pairs: list[tuple[str, Any]]) -> CommentedMap:
-    m = CommentedMap(pairs)
-    m.fa.set_flow_style()
-    return m
-
-
-def _on_error(block: Any, kind: str, at: Path) -> CommentedMap:
+def _on_error(block: Any, kind: str, at: Path) -> Any:
     """The legacy error retry of each call -> the first rule of the task's policy."""
     if not isinstance(block, dict):
         raise _Unsure(at, "'on_error' must be a mapping")
@@ -205,7 +201,7 @@ def _on_error(block: Any, kind: str, at: Path) -> CommentedMap:
         then.append(("max_delay", block["max_delay"]))
     if block.get("jitter", True):
         then.append(("jitter", True))
-    return CommentedMap([("when", "{{ %s }}" % cond), ("then", _flow(then))])
+    return _cmap([("when", "{{ %s }}" % cond), ("then", _flow(_cmap(then)))])
 
 
 def _collected(collect: Any, kind: str, at: Path) -> tuple[str, str, Any]:
@@ -227,7 +223,7 @@ def _collected(collect: Any, kind: str, at: Path) -> tuple[str, str, Any]:
     strategy = collect.get("strategy", "append")
     if strategy == "append":
         return (into, f"iter.{into} + ({part} if {part} is sequence and {part} is not string and {part} is "
-                      f"not mapping else [{part}])", CommentedSeq())
+                      f"not mapping else [{part}])", _cseq())
     if strategy == "replace":
         return into, part, None
     raise _Unsure(at + ("strategy",), f"'collect.strategy: {strategy}' has no translation (append and replace do)")
@@ -240,7 +236,7 @@ def translate(step: Any, paging: Paging, workload: set[str] = frozenset()) -> Re
     try:
         _translate(step, paging, set(workload), out)
     except _Unsure as e:
-        (step if paging.on_step else paging.task)["retry"] = paging.retry  # left where it was written
+        paging.task["retry"] = paging.retry  # left as it was written
         out.problem = (e.path, f"{e.message} ('retry.on_success', pagination by retry, is translated into a "
                                "pipeline that pages with jump: docs/migrate.md, M6)")
     return out
@@ -263,7 +259,7 @@ def _checked(step: Any, paging: Paging) -> tuple[str, Any, int]:
     if "case" in step:
         raise _Unsure(sat, "a step with 'case' and a paging retry: write the pipeline by hand")
     spec = t.get("spec")
-    if isinstance(spec, dict) and "policy" in spec:
+    if (isinstance(spec, dict) and "policy" in spec) or any(k in t for k in ("set", "set_ctx", "set_iter")):
         raise _Unsure(sat, "the task has a policy of its own (or a 'set'): merge it with the paging by hand")
     if "while" not in ok:
         raise _Unsure(sat, "'on_success' without 'while'")
@@ -319,29 +315,29 @@ def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> No
         t.insert(0, "name", base)
     params = t.get("params")
     if moving and params is None:
-        params = t["params"] = CommentedMap()
+        params = t["params"] = _cmap()
     start = [(k, params.get(k)) for k, _ in moving]
     for key, _ in moving:
         params[key] = "{{ iter.%s }}" % key
     calls_now = f"iter.{CALLS} + 1"
-    rules = CommentedSeq([on_error] if on_error is not None else [])
-    rules.append(CommentedMap([("when", "{{ outcome.status == 'error' }}"), ("then", _flow([("do", "fail")]))]))
-    rules.append(CommentedMap([
+    rules = _cseq([on_error] if on_error is not None else [])
+    rules.append(_cmap([("when", "{{ outcome.status == 'error' }}"), ("then", _flow(_cmap([("do", "fail")])))]))
+    rules.append(_cmap([
         ("when", "{{ %s < %d and (%s) }}" % (calls_now, calls, cond)),
-        ("then", CommentedMap([("do", "jump"), ("to", base), ("set_iter", CommentedMap(
+        ("then", _cmap([("do", "jump"), ("to", base), ("set_iter", _cmap(
             [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)] + moving))]))]))
-    rules.append(CommentedMap([("else", CommentedMap([("then", CommentedMap([("do", "continue"), ("set_iter", CommentedMap(
+    rules.append(_cmap([("else", _cmap([("then", _cmap([("do", "continue"), ("set_iter", _cmap(
         [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)]))]))]))]))
     spec = t.get("spec")
     if not isinstance(spec, dict):
-        spec = t["spec"] = CommentedMap()
-    spec["policy"] = CommentedMap([("rules", rules)])
-    init = CommentedMap([("name", f"{base}_init"), ("kind", "noop"), ("spec", CommentedMap([("policy", CommentedMap([
-        ("rules", CommentedSeq([CommentedMap([("else", CommentedMap([("then", CommentedMap([
-            ("do", "continue"), ("set_iter", _flow([(into, first), (CALLS, 0)] + start))]))]))])]))]))]))])
-    result = CommentedMap([("name", f"{base}_collect"), ("kind", "noop"), ("result", CommentedMap([
-        ("status", "success"), ("data", "{{ iter.%s }}" % into), ("meta", _flow([("iterations", "{{ iter.%s }}" % CALLS)]))]))])
-    step["tool"] = CommentedSeq([init, t, result])
+        spec = t["spec"] = _cmap()
+    spec["policy"] = _cmap([("rules", rules)])
+    init = _cmap([("name", f"{base}_init"), ("kind", "noop"), ("spec", _cmap([("policy", _cmap([
+        ("rules", _cseq([_cmap([("else", _cmap([("then", _cmap([
+            ("do", "continue"), ("set_iter", _flow(_cmap([(into, first), (CALLS, 0)] + start)))]))]))])]))]))]))])
+    result = _cmap([("name", f"{base}_collect"), ("kind", "noop"), ("result", _cmap([
+        ("status", "success"), ("data", "{{ iter.%s }}" % into), ("meta", _flow(_cmap([("iterations", "{{ iter.%s }}" % CALLS)])))]))])
+    step["tool"] = _cseq([init, t, result])
     for where, old, new in changed:
         out.changes.append((where, f"{{{{ {old} }}}} -> {{{{ {new} }}}} (the pages so far, the call's number)"))
     out.changes.append((at, f"'retry.on_success' (pagination by retry) -> a pipeline: '{base}_init' starts the pages, "
