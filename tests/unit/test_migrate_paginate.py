@@ -101,8 +101,27 @@ def test_on_error_becomes_the_first_rule_with_the_legacy_defaults():
         """)
     assert m.complete, [str(p) for p in m.problems]
     first = rules(tasks(doc)["fetch_page"])[0]
-    assert first == {"when": "{{ outcome.http.status in [500, 503] }}",
+    # the legacy runtime asked on_error's condition only of a call that failed
+    assert first == {"when": "{{ outcome.status == 'error' and outcome.http.status in [500, 503] }}",
                      "then": {"do": "retry", "attempts": 3, "backoff": "exponential", "delay": 0.5, "jitter": True}}
+
+
+def test_an_on_error_condition_true_of_a_successful_call_does_not_retry_it():
+    from noetl_mesh.lang.templates import truthy
+
+    m, doc = mig("""
+        - step: fetch
+          tool: http
+          url: "{{ api_url }}/assessments"
+          retry:
+            on_error: {when: "{{ error.status != 404 }}"}
+            on_success: {while: "{{ response.more }}"}
+        """)
+    when = rules(tasks(doc)["fetch_page"])[0]["when"]
+    ok = {"outcome": {"status": "ok", "result": {"more": False}, "error": None, "http": {"status": 200}}}
+    failed = {"outcome": {"status": "error", "result": None, "error": {"kind": "http_error"}, "http": {"status": 503}}}
+    assert truthy(when, ok) is False  # was 'outcome.http.status != 404': true, the page called again
+    assert truthy(when, failed) is True
 
 
 def test_on_error_without_the_defaults_keeps_what_it_says():
@@ -117,7 +136,7 @@ def test_on_error_without_the_defaults_keeps_what_it_says():
         """)
     assert m.complete, [str(p) for p in m.problems]
     assert rules(tasks(doc)["fetch_page"])[0] == {
-        "when": "{{ outcome.http.status >= 500 }}",
+        "when": "{{ outcome.status == 'error' and outcome.http.status >= 500 }}",
         "then": {"do": "retry", "attempts": 2, "backoff": "none", "delay": 1.0, "max_delay": 5}}
 
 
@@ -303,3 +322,40 @@ def test_the_step_s_retry_pages_its_only_task():
         """)
     assert m.complete and "retry" not in doc["workflow"][0]
     assert [t["name"] for t in doc["workflow"][0]["tool"]] == ["fetch_page_init", "fetch_page", "fetch_page_collect"]
+
+
+def test_a_bare_on_error_keeps_its_attempts_and_its_condition():
+    # the legacy runtime retried a failed call by 'on_error' alone too; its max_attempts and when were lost
+    m, doc = mig("""
+        - step: fetch
+          tool:
+            kind: http
+            url: http://x
+            retry:
+              on_error: {when: "{{ error.status == 503 }}", max_attempts: 5, initial_delay: 0.2}
+        """)
+    assert m.complete, [str(p) for p in m.problems]
+    tool = doc["workflow"][0]["tool"]
+    assert "retry" not in tool and "name" not in tool  # no pipeline: nothing pages
+    assert rules(tool) == [{"when": "{{ outcome.status == 'error' and outcome.http.status == 503 }}",
+                            "then": {"do": "retry", "attempts": 5, "backoff": "exponential", "delay": 0.2,
+                                     "jitter": True}}]
+    assert any(f.location == "workflow[0].step=fetch.tool.retry" and "attempts 5" in f.message for f in m.changes)
+    assert validate_text(m.text).ok
+    again = migrate_text(m.text)
+    assert not again.changed and not again.problems
+
+
+@pytest.mark.parametrize("retry,where,says", [
+    ("{on_error: {max_attempts: 2}, max_attempts: 4}", "retry.max_attempts", "next to 'on_error'"),
+    ("{on_error: {delay: 2}}", "retry.on_error.delay", "'on_error.delay' has no translation"),
+    ("{on_error: 3}", "retry.on_error", "'on_error' must be a mapping"),
+])
+def test_a_bare_on_error_the_translation_is_unsure_of_stays_with_the_reason(retry, where, says):
+    m, doc = mig(f"""
+        - step: fetch
+          tool: {{kind: http, url: "http://x", retry: {retry}}}
+        """)
+    found = [p for p in m.problems if p.rule == "M6" and p.location == f"workflow[0].step=fetch.tool.{where}"]
+    assert found and says in found[0].message, [str(p) for p in m.problems]
+    assert "retry" in doc["workflow"][0]["tool"] and "spec" not in doc["workflow"][0]["tool"]

@@ -31,7 +31,7 @@ from jinja2.exceptions import TemplateSyntaxError
 
 from ..diagnostics import Path
 from .structure import _cmap, _cseq, _flow
-from .templates import NeedsPerson, Ref, build, parse_expression, rewrite
+from .templates import NeedsPerson, Ref, build, parse_expression, rewrite, unparse
 
 IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_CALLS = 100  # the legacy on_success.max_attempts when none is given
@@ -176,7 +176,8 @@ def _error_reader(ref: Ref) -> Any:
 
 
 def _on_error(block: Any, kind: str, at: Path) -> Any:
-    """The legacy error retry of each call -> the first rule of the task's policy."""
+    """The legacy error retry of each call (``retry.on_error``, next to ``on_success`` or alone) -> the
+    first rule of the task's policy."""
     if not isinstance(block, dict):
         raise _Unsure(at, "'on_error' must be a mapping")
     for key in block:
@@ -189,7 +190,8 @@ def _on_error(block: Any, kind: str, at: Path) -> Any:
         w = at + ("retry_when" if block.get("retry_when") else "when",)
         if kind != "http":
             raise _Unsure(w, f"a condition on the error of a {kind} task: write it on outcome.error by hand")
-        cond = _expr(_rewritten(when, _error_reader, w), w)
+        # the legacy runtime asked it only of a call that failed
+        cond = unparse(nodes.And(parse_expression(cond), parse_expression(_expr(_rewritten(when, _error_reader, w), w))))
     multiplier = block.get("backoff_multiplier", 2.0)
     if multiplier not in (1, 2):
         raise _Unsure(at + ("backoff_multiplier",), f"backoff_multiplier {multiplier!r}: the engine's backoffs "

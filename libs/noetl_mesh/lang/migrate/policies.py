@@ -10,6 +10,7 @@ from .structure import (
     _LeftOnTheArc, _bare_expr, _carry_comment, _cmap, _copy, _cseq, _flow, _is_map, _is_seq, _rename, _styled,
     _template, _writes_of,
 )
+from .paginate import _on_error, _Unsure
 from .templates import NeedsPerson, Ref, parse_expression, rewrite
 
 
@@ -113,6 +114,9 @@ class Policies:
                                  "canonical equivalent: page with a task policy that jumps back (docs/migrate.md)")
                     t["retry"] = retry
                     return
+            if "on_error" in retry:
+                self.retry_on_error(t, rpath, retry)
+                return
             if "when" in retry and isinstance(retry["when"], str):
                 when = retry["when"]
             attempts = retry.get("max_attempts", retry.get("attempts"))
@@ -141,14 +145,33 @@ class Policies:
             return
         if attempts is not None:
             then.insert(1, "attempts", attempts)
-        rule = _cmap([("when", when), ("then", _flow(then))])
+        self._retry_rule(t, rpath, _cmap([("when", when), ("then", _flow(then))]), retry)
+
+    def retry_on_error(self, t: Any, rpath: Path, retry: Any) -> None:
+        """``retry: {on_error: {when, max_attempts, initial_delay, ...}}`` without ``on_success``: the
+        retry of a failed call, as :mod:`.paginate` translates it next to ``on_success``."""
+        try:
+            for key in retry:
+                if key != "on_error":
+                    raise _Unsure(rpath + (key,), f"'retry.{key}' next to 'on_error': the legacy runtime read "
+                                                  "on_error's own; merge them into 'on_error' by hand")
+            rule = _on_error(retry["on_error"], t.get("kind"), rpath + ("on_error",))
+        except _Unsure as e:
+            self.problem("M6", e.path, e.message)
+            t["retry"] = retry
+            return
+        self._retry_rule(t, rpath, rule, retry)
+
+    def _retry_rule(self, t: Any, rpath: Path, rule: Any, retry: Any) -> None:
         spec = t.setdefault("spec", _cmap())
         pol = spec.setdefault("policy", _cmap())
         if not _is_map(pol):
             self.problem("M6", rpath, "'retry' and a policy that is not a mapping: merge them by hand")
+            t["retry"] = retry
             return
         rules = pol.setdefault("rules", _cseq())
         rules.insert(0, rule)
+        attempts = rule["then"].get("attempts")
         self.change("M6", rpath, "'retry' -> a first policy rule {do: retry}" +
                     (f" (attempts {attempts}, the first included)" if attempts is not None else ""))
 
