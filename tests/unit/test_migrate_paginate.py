@@ -359,3 +359,33 @@ def test_a_bare_on_error_the_translation_is_unsure_of_stays_with_the_reason(retr
     found = [p for p in m.problems if p.rule == "M6" and p.location == f"workflow[0].step=fetch.tool.{where}"]
     assert found and says in found[0].message, [str(p) for p in m.problems]
     assert "retry" in doc["workflow"][0]["tool"] and "spec" not in doc["workflow"][0]["tool"]
+
+
+def test_the_report_shows_only_spellings_the_user_wrote():
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "fixtures" / "migrate" / "paginate_by_retry.yaml"
+    m = migrate_text(path.read_text(), source=path)
+    # the paging rules read the body as outcome.result at once: no in-between 'response.data.data...' line
+    assert not [str(f) for f in m.changes if "response.data" in f.message]
+    assert not [str(f) for f in m.changes if ".spec.policy" in f.location and f.rule in ("M1", "M7")]
+
+
+def test_the_paging_rules_read_the_body_canonically_and_still_translate_bare_names():
+    m, doc = mig("""
+        - step: fetch
+          tool: http
+          url: "{{ api_url }}/assessments"
+          retry:
+            on_success:
+              while: "{{ response.data.page < last_page }}"
+              next_call: {params: {page: "{{ response.data.page + 1 }}"}}
+        """, workload=WORKLOAD + "  last_page: 3\n")
+    assert m.complete, [str(p) for p in m.problems]
+    more = rules(tasks(doc)["fetch_page"])[1]
+    # outcome.result.data is the body's 'data' here: M7 would have read it as a legacy result's
+    assert more["when"] == "{{ iter.calls + 1 < 100 and outcome.result.data.page < workload.last_page }}"
+    assert more["then"]["set_iter"]["page"] == "{{ outcome.result.data.page + 1 }}"
+    assert [f.message for f in m.changes if f.rule == "M1" and ".spec.policy" in f.location] == [
+        "{{ iter.calls + 1 < 100 and outcome.result.data.page < last_page }} -> "
+        "{{ iter.calls + 1 < 100 and outcome.result.data.page < workload.last_page }}"]

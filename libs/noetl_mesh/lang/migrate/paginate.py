@@ -38,9 +38,10 @@ DEFAULT_CALLS = 100  # the legacy on_success.max_attempts when none is given
 ON_SUCCESS_KEYS = {"while", "max_attempts", "next_call", "collect"}
 ON_ERROR_KEYS = {"when", "retry_when", "max_attempts", "initial_delay", "backoff_multiplier", "max_delay", "jitter"}
 CALLS = "calls"  # the iter key counting the calls made
-# on_success's 'response', as the legacy task policy of that kind reads it ('response' there was the
-# tool's result: an http result's body is its '.data'); the template pass then translates that (M1, M7)
-RESPONSE = {"http": [("attr", "data")], "postgres": []}
+# on_success's 'response' in the task's policy: an http response's body is canonically outcome.result,
+# written so (the template pass leaves those reads alone, M7 would read them as the legacy result's);
+# the postgres statements' results are the legacy policy's 'response', which M7 reads by the statements
+RESPONSE = {"http": ("outcome", [("attr", "result")]), "postgres": ("response", [])}
 NOT_PAGED = {"duckdb": "the legacy duckdb result's keys (command_N_*) have no canonical reading"}
 
 
@@ -58,6 +59,7 @@ class Paging:
 class Result:
     changes: list[tuple[Path, str]] = field(default_factory=list)
     problem: tuple[Path, str] | None = None
+    canonical: bool = False  # the task's policy reads its outcome canonically (the template pass leaves it)
 
 
 class _Unsure(Exception):
@@ -82,6 +84,8 @@ def paging_retry(migrator: Any, task: Any, path: Path, retry: Any) -> bool:
         migrator.change("M6", at, message)
     if done.problem:
         migrator.problem("M6", *done.problem)
+    if done.canonical:
+        migrator._canonical_outcome.add(id(task))
     return True
 
 
@@ -115,7 +119,8 @@ def _response_reader(kind: str, into: str):
     differs by strategy and call)."""
     def resolve(ref: Ref) -> Any:
         if ref.root in ("response", "page"):
-            return Ref("response", RESPONSE[kind] + ref.path)
+            root, prefix = RESPONSE[kind]
+            return Ref(root, prefix + ref.path)
         if ref.root == "iteration" and not ref.path:
             return nodes.Add(build(f"iter.{CALLS}", []), nodes.Const(1))
         if ref.root == "_retry":
@@ -221,7 +226,8 @@ def _collected(collect: Any, kind: str, at: Path) -> tuple[str, str, Any]:
     parts = [] if path is None else str(path).split(".")
     if not all(IDENT.match(p) for p in parts):
         raise _Unsure(at + ("path",), f"'collect.path' {path!r}: only names joined by dots are translated")
-    part = ".".join(["response"] + [a for _, a in RESPONSE[kind]] + parts)  # as the task's legacy policy reads it
+    root, prefix = RESPONSE[kind]
+    part = ".".join([root] + [a for _, a in prefix] + parts)
     strategy = collect.get("strategy", "append")
     if strategy == "append":
         return (into, f"iter.{into} + ({part} if {part} is sequence and {part} is not string and {part} is "
@@ -325,7 +331,7 @@ def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> No
     rules = _cseq([on_error] if on_error is not None else [])
     rules.append(_cmap([("when", "{{ outcome.status == 'error' }}"), ("then", _flow(_cmap([("do", "fail")])))]))
     rules.append(_cmap([
-        ("when", "{{ %s < %d and (%s) }}" % (calls_now, calls, cond)),
+        ("when", "{{ %s }}" % unparse(nodes.And(parse_expression(f"{calls_now} < {calls}"), parse_expression(cond)))),
         ("then", _cmap([("do", "jump"), ("to", base), ("set_iter", _cmap(
             [(into, "{{ %s }}" % pages), (CALLS, "{{ %s }}" % calls_now)] + moving))]))]))
     rules.append(_cmap([("else", _cmap([("then", _cmap([("do", "continue"), ("set_iter", _cmap(
@@ -345,9 +351,9 @@ def _translate(step: Any, paging: Paging, workload: set[str], out: Result) -> No
     out.changes.append((at, f"'retry.on_success' (pagination by retry) -> a pipeline: '{base}_init' starts the pages, "
                             f"'{base}' jumps back to itself while the condition holds (at most {calls} calls), "
                             f"'{base}_collect' gives {{status, data: iter.{into}, meta: {{iterations}}}} (D9); "
-                            + ("on_success's 'response' (the body) is written as the legacy policy's response.data, "
-                               "which M1 and M7 translate below" if kind == "http" else
-                               "on_success's 'response' is the legacy policy's, which M1 and M7 translate below")))
+                            + ("on_success's 'response' (the body) is outcome.result" if kind == "http" else
+                               "on_success's 'response' is the legacy policy's, which M7 translates below")))
+    out.canonical = kind == "http"
 
 
 def _edits(value: Any, resolve: Any, where: Path, out: list, changed: list, skip: tuple = ()) -> None:

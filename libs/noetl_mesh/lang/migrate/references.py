@@ -365,6 +365,8 @@ class References:
         if root in ("workload", "ctx", "args", "execution_id", "keychain", "iter", "_task", "_attempt"):
             return None, ""
         if root in ("outcome", "output") and site.kind == "policy":
+            if site.task is not None and id(site.task.node) in self._canonical_outcome:
+                return None, ""
             return self._reshape_outcome(root, path, site.task), "M7"
         if root == "event" and site.kind == "arc":
             if path[:1] == [("attr", "result")] and self.legacy and step is not None:

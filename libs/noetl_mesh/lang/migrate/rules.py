@@ -75,6 +75,9 @@ class _Migrator(Reporting, Steps, Policies, References, Code):
         self._step: Any = None  # the step whose structure is being rewritten
         self._handled: set[int] = set()  # comments put back after their key moved (_KeepTrailers)
         self._reads: dict[int, set[str]] = {}  # id(step node) -> the names its templates and code read
+        # id(task node) whose policy a translation wrote reading its outcome canonically: the template
+        # pass leaves those reads alone (M7 would read them as the legacy result's)
+        self._canonical_outcome: set[int] = set()
 
     # -------------------------------------------------------------- driver
     def run(self) -> Migration:
