@@ -110,6 +110,14 @@ LIMITS: tuple[Limit, ...] = (
           "worker, each task process (RLIMIT_NPROC, per user: a worker that does not run as root): starting one more fails"),
     Limit("max_task_processes", 8, "processes", "the python and duckdb task processes one worker runs at once",
           "worker: a task waits for a free one"),
+    Limit("shell_max_processes", 128, "processes", "the processes and threads the shell tasks of a worker may add "
+          "to what their user runs",
+          "worker, each shell task process (RLIMIT_NPROC of its unprivileged user): starting one more fails, "
+          "the task fails with limit_exceeded"),
+    Limit("shell_max_output_bytes", 1 * MIB, "bytes", "what a shell task keeps of its standard output, and of "
+          "its standard error",
+          "worker, each shell task: stdout keeps its first bytes, stderr its last, with a marker; the rest is read "
+          "and dropped"),
 
     # ---- replies over NATS (queries)
     Limit("max_reply_bytes", 768 * KIB, "bytes", "a query's reply over NATS",
