@@ -161,6 +161,8 @@ class Server:
             data, fds, _, _ = socket.recv_fds(self.ctl, _MAX_MESSAGE, 4)
         except InterruptedError:
             return True
+        except ConnectionError:  # the worker closed its end with a message unread: the same as its end
+            return False
         if not data:
             for fd in fds:
                 os.close(fd)

@@ -224,10 +224,16 @@ class _Server:
                 raise TaskCrashed(self.dead) from None
 
     def kill(self) -> None:
+        """Close the server: the end of its control socket makes it kill its task processes and their
+        process groups (what a shell task left running) and exit; killed if it has not within 2 s."""
         self._died("the sandbox was closed")
         try:
             self.ctl.close()
         except OSError:
+            pass
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
             pass
         if self.proc.poll() is None:
             try:
