@@ -247,7 +247,7 @@ class _Server:
 
 
 class Supervisor:
-    """Runs python and duckdb requests in sandboxed task processes (see the module's text)."""
+    """Runs python, duckdb and shell requests in sandboxed task processes (see the module's text)."""
 
     def __init__(self, policy: Policy | None = None, *, secret_paths: Iterable[str] = (),
                  python: str | None = None, spare: int = 2) -> None:
@@ -280,7 +280,7 @@ class Supervisor:
     def describe(self) -> str:
         """One line for the worker's start-up log."""
         if self._unavailable:
-            return (f"sandbox UNAVAILABLE: {self._unavailable}. This worker refuses python and duckdb tasks; "
+            return (f"sandbox UNAVAILABLE: {self._unavailable}. This worker refuses python, duckdb and shell tasks; "
                     "run them on a pool that can sandbox, or set NOETL_SANDBOX=off for a trusted pool")
         if not self.policy.enabled:
             return self.policy.describe()
