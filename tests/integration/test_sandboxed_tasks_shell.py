@@ -151,17 +151,24 @@ def test_a_shell_task_reads_nothing_of_the_worker_nor_reaches_the_network_nor_ru
     os.kill(os.getpid(), 0)  # (the worker is this process)
 
 
-def test_a_fork_bomb_fails_alone_with_its_limit_and_leaves_nothing_behind(stack):
-    bomb = doc("bomb", [shell("bomb", "bomb() { bomb | bomb & }; bomb; wait", spec={"timeout": 60})])
-    fine = doc("fine", [shell("fine", "sleep 1; echo fine"), {"name": "py", "kind": "python", "code": "result = 42"}])
-    (b_final, b_out, _), (f_final, f_out, _) = run_all(stack, [(bomb, {}), (fine, {})])
-    assert b_final["status"] == "FAILED"
-    err = b_out["bomb"]["error"]
-    assert err["kind"] == "limit_exceeded" and "shell_max_processes" in err["message"], err
-    assert "NOETL_LIMIT_SHELL_MAX_PROCESSES" in err["message"]
-    assert f_final["status"] == "COMPLETED" and f_out["fine"]["result"]["stdout"] == "fine\n"
-    assert f_out["py"]["result"] == 42
+def test_fork_bombs_fail_alone_with_their_limit_and_leave_nothing_behind(stack):
+    bomb = doc("bomb", [shell("bomb", "bomb() { bomb | bomb & }; bomb; wait", spec={"timeout": 600})])
+    loop = doc("loop", [shell("loop", "while true; do sleep 987655 & done", spec={"timeout": 600})])
+    beside = doc("beside", [{"name": "py", "kind": "python", "code": "import time\ntime.sleep(1)\nresult = 42"}])
+    fine = doc("fine", [shell("fine", "echo fine")])
+    (b_final, b_out, _), (l_final, l_out, _), (p_final, p_out, _) = run_all(stack, [(bomb, {}), (loop, {}),
+                                                                                   (beside, {})])
+    assert p_final["status"] == "COMPLETED" and p_out["py"]["result"] == 42
+    for final, out in ((b_final, b_out["bomb"]), (l_final, l_out["loop"])):
+        assert final["status"] == "FAILED"
+        err = out["error"]
+        assert err["kind"] == "limit_exceeded" and "shell_max_processes" in err["message"], err
+        assert "NOETL_LIMIT_SHELL_MAX_PROCESSES" in err["message"] and "could not start a process" in err["message"]
+        assert out["result"]["exit_code"] is None  # stopped at the limit, not at its timeout
     assert wait_gone(lambda cmd: cmd[0] in (b"bash", b"/bin/bash") and b"bomb()" in b" ".join(cmd)) == []
+    assert wait_gone(lambda cmd: cmd[:2] == [b"sleep", b"987655"]) == []
+    [(f_final, f_out, _)] = run_all(stack, [(fine, {})])
+    assert f_final["status"] == "COMPLETED" and f_out["fine"]["result"]["stdout"] == "fine\n"
     [(again, outcomes, _)] = run_all(stack, [(doc("again", [shell("again", "echo again")]), {})])
     assert again["status"] == "COMPLETED" and outcomes["again"]["result"]["stdout"] == "again\n"
 

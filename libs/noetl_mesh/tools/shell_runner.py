@@ -17,7 +17,8 @@ when its shell exits: what it left running in the background is not waited for (
 read; the fork server kills the task's whole process group when the task process ends).
 
 ``fork_failed``: the shell said it could not start a process (the kernel's ``EAGAIN`` of the process
-limit, in the words of dash, bash or busybox), so the commands did not all run.
+limit, in the words of dash, bash or busybox), so the commands did not all run: the runner stops
+there, without waiting for the shell (``exit_code`` None), and the task ends.
 
 Only the standard library is imported here.
 """
@@ -77,11 +78,20 @@ def _environment(env: object, home: str) -> dict[str, str]:
     return out
 
 
-def _one(shell: str, command: str, env: dict[str, str], out: Output, err: Output, fork_failed: list[bool]) -> int:
-    """Run one command; its exit status (``-N``: killed by signal N; 127: the shell could not start)."""
+def _one(shell: str, command: str, env: dict[str, str], out: Output, err: Output,
+         fork_failed: list[bool]) -> int | None:
+    """Run one command; its exit status (``-N``: killed by signal N; 127: the shell could not start;
+    None: it could not start a process, and was left to be killed with the task)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except BlockingIOError as e:  # EAGAIN: the process limit is reached already
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        err.add(f"the task could not start its shell: fork: {e.strerror}\n".encode())
+        fork_failed[0] = True
+        return None
     if pid == 0:  # the command's process: its pipes as 1 and 2, nothing else open, then the shell
         try:
             os.dup2(out_w, 1)
@@ -122,17 +132,16 @@ def _one(shell: str, command: str, env: dict[str, str], out: Output, err: Output
         return True
 
     status = None
-    while status is None:
+    while status is None and not fork_failed[0]:
         for fd, _ in poll.poll(100) if streams else ():
             read(fd)
-        if not streams:
-            _, status = os.waitpid(pid, 0)
-            break
-        done, st = os.waitpid(pid, os.WNOHANG)
+        done, st = os.waitpid(pid, os.WNOHANG if streams else 0)
         if done:
             status = st
-    # the shell has exited: what its pipes hold now is read (at most 64 reads: a background process
-    # writing on must not keep this going); one that keeps a pipe open is not waited for
+    # the shell has exited, or could not start a process (a fork bomb at the process limit: not waited
+    # for, the fork server kills the task's process group when the task process ends): what its pipes
+    # hold now is read (at most 64 reads: a background process writing on must not keep this going); one
+    # that keeps a pipe open is not waited for
     for fd in list(streams):
         os.set_blocking(fd, False)
         for _ in range(64):
@@ -140,7 +149,7 @@ def _one(shell: str, command: str, env: dict[str, str], out: Output, err: Output
                 break
     for fd in list(streams):
         os.close(fd)  # (a pipe a background process still holds: it gets EPIPE if it writes on)
-    return os.waitstatus_to_exitcode(status)
+    return None if status is None else os.waitstatus_to_exitcode(status)
 
 
 def run(req: dict) -> dict:
@@ -154,7 +163,7 @@ def run(req: dict) -> dict:
     for command in commands:
         ran += 1
         code = _one(shell, str(command), env, out, err, fork_failed)
-        if code != 0:
+        if code != 0 or fork_failed[0]:
             break
     return {"exit_code": code, "stdout": out.text(), "stderr": err.text(), "stdout_truncated": out.truncated,
             "stderr_truncated": err.truncated, "commands_run": ran, "fork_failed": fork_failed[0]}
