@@ -55,12 +55,8 @@ def run_all(handle, docs: list[tuple[dict, dict]]) -> list[tuple[dict, dict[str,
 
 
 def gone(pid: int) -> bool:
-    """No such process, or one that is dead (a zombie its new parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    """No such process: killed and reaped (the fork server adopts what a task leaves behind)."""
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def wait_gone(match, deadline: float = 30.0) -> list[int]:
@@ -158,13 +154,13 @@ def test_fork_bombs_fail_alone_with_their_limit_and_leave_nothing_behind(stack):
     fine = doc("fine", [shell("fine", "echo fine")])
     (b_final, b_out, _), (l_final, l_out, _), (p_final, p_out, _) = run_all(stack, [(bomb, {}), (loop, {}),
                                                                                    (beside, {})])
-    assert p_final["status"] == "COMPLETED" and p_out["py"]["result"] == 42
+    assert p_final["status"] == "COMPLETED" and p_out["py"]["result"] == 42, p_out
     for final, out in ((b_final, b_out["bomb"]), (l_final, l_out["loop"])):
         assert final["status"] == "FAILED"
         err = out["error"]
         assert err["kind"] == "limit_exceeded" and "shell_max_processes" in err["message"], err
         assert "NOETL_LIMIT_SHELL_MAX_PROCESSES" in err["message"] and "could not start a process" in err["message"]
-        assert out["result"]["exit_code"] is None  # stopped at the limit, not at its timeout
+    assert l_out["loop"]["result"]["exit_code"] is None  # stopped at the limit, not at its timeout
     assert wait_gone(lambda cmd: cmd[0] in (b"bash", b"/bin/bash") and b"bomb()" in b" ".join(cmd)) == []
     assert wait_gone(lambda cmd: cmd[:2] == [b"sleep", b"987655"]) == []
     [(f_final, f_out, _)] = run_all(stack, [(fine, {})])

@@ -22,7 +22,7 @@ __all__ = ["server", "task", "set_limits", "drop_capabilities", "drop_user", "NO
 
 NOBODY = 65534  # the user and group a shell task's fork server becomes when the worker runs as root
 
-_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_PDEATHSIG = 38, 24, 1
+_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 38, 24, 1, 36
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
@@ -33,6 +33,13 @@ def _libc():
 def die_with_parent() -> None:
     """SIGKILL when the parent dies, so nothing sandboxed outlives the process that started it."""
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def reap_orphans() -> None:
+    """Become the parent of this process's orphaned descendants (``PR_SET_CHILD_SUBREAPER``): what a
+    task process leaves behind is then reaped here at once when killed, not by the host's init, whose
+    pace (a container's may never reap) would leave it counted against a user's process limit."""
+    _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def drop_capabilities() -> None:

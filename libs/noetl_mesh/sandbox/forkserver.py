@@ -263,7 +263,7 @@ class Server:
             os.close(fd)
 
     def _reap(self, block: bool = False) -> None:
-        while self.children:
+        while self.children or not block:  # (not blocking: orphans too, when no task process is left)
             try:  # seen, not yet reaped: its pid (its process group's id) cannot be reused meanwhile
                 info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
             except ChildProcessError:
@@ -274,12 +274,13 @@ class Server:
             if info is None:
                 return
             pid = info.si_pid
-            _kill_group(pid)  # what it started and left running (a shell's background processes)
+            if pid in self.children:
+                _kill_group(pid)  # what it started and left running (a shell's background processes)
             try:
                 _, status = os.waitpid(pid, 0)
             except ChildProcessError:
                 continue
-            if pid not in self.children:
+            if pid not in self.children:  # an orphan of a task's process group, handed to us: reaped
                 continue
             task_id, scratch, err = self.children.pop(pid)
             tail = _tail(err)
@@ -379,6 +380,7 @@ def main() -> None:
     from . import confine
 
     confine.die_with_parent()
+    confine.reap_orphans()
     config = json.loads(ctl.recv(_MAX_MESSAGE))
     os.umask(0o077)
     abi = 0
