@@ -138,3 +138,18 @@ def test_a_shell_task_writing_more_than_it_keeps_is_cut_and_one_that_cannot_star
     assert big["result"]["stderr"] == "oops\n"
     assert bad["status"] == "error" and bad["error"]["kind"] == "shell_exit" and bad["error"]["exit_code"] == 127
     assert "/nonexistent/sh: cannot run" in bad["error"]["stderr"]
+
+
+def test_a_playbook_says_where_a_shell_task_is_wrong():
+    from noetl_mesh.lang.validate import validate
+
+    def check(task: dict) -> list[str]:
+        doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "x", "path": "x"},
+               "workflow": [{"step": "start", "tool": [{"name": "t", "kind": "shell", **task}]}]}
+        return [f"{d.location}: {d.message}" for d in validate(doc).diagnostics if d.severity == "error"]
+
+    assert check({"cmds": ["echo {{ workload.x }}"], "env": {"A": "{{ workload.y }}"}, "shell": "sh"}) == []
+    assert check({"command": "echo", "cmds": ["x"]}) == [
+        "workflow[0].step=start.tool[0]: a shell task takes exactly one of 'command' or 'cmds', got both"]
+    assert check({}) == ["workflow[0].step=start.tool[0]: a shell task takes exactly one of 'command' or 'cmds'"]
+    assert check({"command": "ls", "cwd": "/"}) == ["workflow[0].step=start.tool[0].cwd: unknown key 'cwd'"]

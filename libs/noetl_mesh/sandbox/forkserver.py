@@ -13,10 +13,14 @@ Then, for each ``{"op": "run", "id", "kind"}`` carrying one descriptor (the task
 it makes the task's scratch directory, forks, and answers ``{"id", "pid"}``. The task process (a copy of
 the server: a fork costs ~2 ms where starting an interpreter costs ~25) closes every other descriptor,
 adds its own confinement layer, reads its request from the socket, runs it, writes one answer line and
-exits. ``{"op": "kill", "id"}`` kills it. When a task process ends the server answers ``{"id", "exit",
-"stderr"}`` (the exit status as ``os.waitstatus_to_exitcode`` gives it, and the end of what it wrote to
-its standard error) and removes its scratch directory. End of file on the control socket: the server
-kills what runs and exits; it also dies with the worker (``PR_SET_PDEATHSIG``).
+exits. ``{"op": "kill", "id"}`` kills it. Each task process leads a process group of its own, and
+"kill" means the whole group, as does its end: what a shell task started and left running dies with
+it (the group is killed before the task process is reaped, so its id cannot have been reused), and is
+reaped here (the server adopts orphans: ``PR_SET_CHILD_SUBREAPER``). When a task process ends the
+server answers ``{"id", "exit", "stderr"}`` (the exit status as ``os.waitstatus_to_exitcode`` gives it,
+and the end of what it wrote to its standard error) and removes its scratch directory. End of file on
+the control socket: the server kills what runs and exits; it also dies with the worker
+(``PR_SET_PDEATHSIG``).
 
 Only the standard library is imported before confinement.
 """
