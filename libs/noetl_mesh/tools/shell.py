@@ -26,7 +26,7 @@ from ..sandbox.supervisor import SandboxUnavailable, Supervisor, TaskCrashed
 from .base import ResultTooLarge, ToolContext, error, ok
 from .python import limit_message, sandbox_error, task_timeout
 
-__all__ = ["ShellTool", "commands_of", "environment_of"]
+__all__ = ["ShellTool", "BadTask", "commands_of", "environment_of"]
 
 DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["shell"]["timeout"]
 STDERR_TAIL = 2000  # characters of standard error an error message and error.stderr keep
@@ -45,7 +45,7 @@ def commands_of(task: Mapping[str, Any]) -> list[str]:
     given = [k for k in ("command", "cmds") if task.get(k) is not None]
     if len(given) != 1:
         raise BadTask("a shell task takes one of 'command' (a string) or 'cmds' (a list of strings)"
-                      + (f", got both" if len(given) == 2 else ""))
+                      + (", got both" if len(given) == 2 else ""))
     value = task[given[0]]
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items:
