@@ -5,6 +5,7 @@ limit while another execution completes; what a command leaves running is killed
 (and at its timeout); a non-zero exit is an error a policy routes."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Iterator
@@ -38,8 +39,6 @@ def doc(name: str, tasks: list[dict[str, Any]]) -> dict:
 def run_all(handle, docs: list[tuple[dict, dict]]) -> list[tuple[dict, dict[str, dict], str]]:
     """Start every playbook at once as the developer: each one's final status, its outcomes by task and
     all its events as text."""
-    import json
-
     async def go():
         async with GatewayClient(handle.url, token=handle.developer) as c:
             ids = [await c.start(d, workload) for d, workload in docs]
@@ -199,3 +198,15 @@ def test_a_non_zero_exit_is_an_error_a_policy_routes(stack):
     assert fails["result"]["stdout"] == "some output\n" and fails["shell"]["commands_run"] == 2
     assert "skipped" not in outcomes
     assert outcomes["recover"]["result"]["stdout"] == "recovered from 3\n"
+
+
+def test_a_credential_reaches_a_command_only_through_the_keychain_and_is_masked(stack):
+    token = "tok-Vq93-very-secret"
+    playbook = doc("keychain", [shell("use", ['test "$API_TOKEN" = "' + token + '" && echo "token is $API_TOKEN"',
+                                              "echo \"home: ${NOETL_HOME:-unset}\""],
+                                      env={"API_TOKEN": "{{ keychain.api.token }}"})])
+    playbook["keychain"] = [{"name": "api", "kind": "static", "token": token}]
+    [(final, outcomes, events)] = run_all(stack, [(playbook, {})])
+    assert final["status"] == "COMPLETED", (final, outcomes)
+    assert outcomes["use"]["result"]["stdout"] == "token is ***\nhome: unset\n"
+    assert token not in json.dumps(outcomes)  # (the playbook itself holds it: a static entry)
