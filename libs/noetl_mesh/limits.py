@@ -97,19 +97,27 @@ LIMITS: tuple[Limit, ...] = (
 
     # ---- sandboxed tasks (D33): python and duckdb task processes, set by the worker
     Limit("task_max_memory_bytes", 2048 * MIB, "bytes", "the memory a task process allocates",
-          "worker, each python or duckdb task process (RLIMIT_DATA): the task fails with limit_exceeded"),
+          "worker, each python, duckdb or shell task process (RLIMIT_DATA): the task fails with limit_exceeded"),
     Limit("task_max_cpu_seconds", 600, "seconds", "the CPU time of a task process",
-          "worker, each python or duckdb task process (RLIMIT_CPU): the process is stopped, limit_exceeded"),
+          "worker, each python, duckdb or shell task process (RLIMIT_CPU): the process is stopped, limit_exceeded"),
     Limit("task_max_open_files", 256, "files", "the files and sockets a task process holds open at once",
-          "worker, each python or duckdb task process (RLIMIT_NOFILE): opening one more fails"),
+          "worker, each python, duckdb or shell task process (RLIMIT_NOFILE): opening one more fails"),
     Limit("task_max_file_bytes", 1024 * MIB, "bytes", "the size of a file a task process writes",
-          "worker, each python or duckdb task process (RLIMIT_FSIZE): the write fails"),
-    Limit("task_max_seconds", 3600, "seconds", "the time one python or duckdb task runs, whatever its spec.timeout says",
+          "worker, each python, duckdb or shell task process (RLIMIT_FSIZE): the write fails"),
+    Limit("task_max_seconds", 3600, "seconds", "the time one python, duckdb or shell task runs, whatever its spec.timeout says",
           "worker: a task's spec.timeout above it (or none, or 0) is this; the process is killed (timeout)"),
     Limit("task_max_threads", 512, "threads", "the threads the task processes of a worker may add to what its user runs",
           "worker, each task process (RLIMIT_NPROC, per user: a worker that does not run as root): starting one more fails"),
-    Limit("max_task_processes", 8, "processes", "the python and duckdb task processes one worker runs at once",
+    Limit("max_task_processes", 8, "processes", "the python, duckdb and shell task processes one worker runs at once",
           "worker: a task waits for a free one"),
+    Limit("shell_max_processes", 128, "processes", "the processes and threads the shell tasks of a worker may add "
+          "to what their user runs",
+          "worker, each shell task process (RLIMIT_NPROC of its unprivileged user): starting one more fails, "
+          "the task fails with limit_exceeded"),
+    Limit("shell_max_output_bytes", 1 * MIB, "bytes", "what a shell task keeps of its standard output, and of "
+          "its standard error",
+          "worker, each shell task: stdout keeps its first bytes, stderr its last, with a marker; the rest is read "
+          "and dropped"),
 
     # ---- replies over NATS (queries)
     Limit("max_reply_bytes", 768 * KIB, "bytes", "a query's reply over NATS",

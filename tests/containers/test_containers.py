@@ -98,6 +98,9 @@ def test_the_first_admin_logs_in_through_the_proxy_and_runs_the_examples(up, cli
         nested = run_json(cli, up, str(ROOT / "examples" / "nested.yaml"),
                           "--register", str(ROOT / "examples" / "nested_child.yaml"))
         assert nested["status"] == "COMPLETED", nested["error"]
+        shell = run_json(cli, up, str(ROOT / "tests" / "containers" / "playbooks" / "shell.yaml"))
+        assert shell["status"] == "COMPLETED", shell["error"]
+        assert shell["steps"]["start"]["result"]["stdout"] == "10001\nHELLO\n"  # confined, as the image's user
 
 
 def test_a_keychain_credential_reaches_the_task_that_declares_it(up, cli, token):

@@ -167,6 +167,40 @@ def test_a_developers_python_task_reads_nothing_of_the_worker_or_the_stack(up):
     assert "root:x:0:0" not in stored
 
 
+def test_a_developers_shell_task_reads_nothing_of_the_worker_or_the_stack(up):
+    token = developer(up)
+    home = str(up["home"])
+    worker_pid = up["info"]["pids"]["worker-0"]
+    host, port = up["info"]["nats"].split("//", 1)[1].split(":")
+    attempts = {
+        "worker_cmdline": f"cat /proc/{worker_pid}/cmdline",
+        "worker_environ": f"cat /proc/{worker_pid}/environ",
+        "creds_listing": f"ls {home}/nats-creds",
+        "admin_seed": f"cat {home}/nats-creds/admin.nk",
+        "admin_token": f"cat {home}/admin.token",
+        "nats": f"exec 3<>/dev/tcp/{host}/{port}",
+        "shadow": "cat /etc/shadow",
+        "signal_the_worker": f"kill -9 {worker_pid}",
+    }
+    tasks = "".join(f"      - {{name: {name}, kind: shell, shell: bash, command: {json.dumps(cmd)}, spec: "
+                    f"{{policy: {{rules: [{{else: {{then: {{do: continue}}}}}}]}}}}}}\n" for name, cmd in attempts.items())
+    tasks += "      - {name: who, kind: shell, command: 'id -u; env | cut -d= -f1 | sort | paste -sd, -'}\n"
+    [(status, events)] = run_all(up, token, [(playbook("shell_probe", tasks), {})])
+    assert status["status"] == "COMPLETED", status
+    outcomes = {e["task"]: e["data"]["outcome"] for e in events if e["name"] == "task.processed"}
+    for name in attempts:
+        err = outcomes[name]["error"]
+        assert err["kind"] == "shell_exit" and err["exit_code"] != 0, (name, err)
+        assert "Permission denied" in err["stderr"] or "Operation not permitted" in err["stderr"], (name, err)
+    uid, names = outcomes["who"]["result"]["stdout"].split()
+    assert uid == "65534" if os.geteuid() == 0 else uid == str(os.geteuid())  # nobody, when the worker is root
+    assert not any(n.startswith("NOETL") for n in names.split(","))
+    stored = json.dumps(events)
+    for secret in [(up["home"] / "nats-creds" / "admin.nk").read_text().strip(), up["token"]]:
+        assert secret not in stored
+    os.kill(worker_pid, 0)
+
+
 def test_a_fork_bomb_a_huge_allocation_and_a_spin_fail_alone_with_their_limits(up):
     token = developer(up)
     docs = [

@@ -149,6 +149,24 @@ class PostgresTask(TaskBase):
     dsn: Template | None = Field(None, description="a connection string, usually from the keychain")
 
 
+class ShellTask(TaskBase):
+    """D33: commands run by a shell in the task sandbox."""
+
+    kind: Literal["shell"]
+    command: str | list[str] | Template | None = Field(None, description="a command, or a list run in order")
+    cmds: list[str] | Template | None = Field(None, description="commands run in order (alias of a list command)")
+    env: dict[str, Any] | Template | None = Field(None, description="the commands' environment variables")
+    shell: str | None = Field(None, description="sh, bash (default, when installed) or an absolute path")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "ShellTask":
+        given = [k for k in ("command", "cmds") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("a shell task takes exactly one of 'command' or 'cmds'"
+                             + (", got both" if len(given) == 2 else ""))
+        return self
+
+
 class PlaybookTask(TaskBase):
     kind: Literal["playbook"]
     path: Template
@@ -205,14 +223,14 @@ class WaitTask(TaskBase):
 
 
 Task = Annotated[
-    Union[NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask,
-          WaitTask],
+    Union[NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, ShellTask, PlaybookTask, WorkbookTask,
+          SecretsTask, WaitTask],
     Field(discriminator="kind"),
 ]
 TASK_MODELS: dict[str, type[TaskBase]] = {
     m.model_fields["kind"].annotation.__args__[0]: m  # type: ignore[union-attr]
-    for m in (NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, PlaybookTask, WorkbookTask, SecretsTask,
-              WaitTask)
+    for m in (NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, ShellTask, PlaybookTask, WorkbookTask,
+              SecretsTask, WaitTask)
 }
 TOOL_KINDS = tuple(TASK_MODELS)
 
@@ -222,6 +240,7 @@ KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "python": {"timeout": 60.0},
     "postgres": {"timeout": 60.0},
     "duckdb": {"timeout": 60.0},
+    "shell": {"timeout": 60.0},
 }
 
 

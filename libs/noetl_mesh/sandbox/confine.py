@@ -3,6 +3,10 @@
 The fork server confines itself once (:func:`server`); each task process, forked from it, adds its own
 layer (:func:`task`): its own scratch directory instead of the scratch root, no new processes or
 programs, signals to itself only, and its resource limits. Both run while the process has one thread.
+
+A shell task's fork server (``execute`` paths given) runs programs from those directories only; a
+worker running as root first makes that server an unprivileged user (:func:`drop_user`), so that the
+kernel counts its processes (``RLIMIT_NPROC`` does not apply to root).
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ from collections.abc import Iterable, Mapping
 
 from . import landlock, seccomp
 
-__all__ = ["server", "task", "set_limits", "drop_capabilities"]
+__all__ = ["server", "task", "set_limits", "drop_capabilities", "drop_user", "NOBODY"]
 
-_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_PDEATHSIG = 38, 24, 1
+NOBODY = 65534  # the user and group a shell task's fork server becomes when the worker runs as root
+
+_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 38, 24, 1, 36
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
@@ -27,6 +33,13 @@ def _libc():
 def die_with_parent() -> None:
     """SIGKILL when the parent dies, so nothing sandboxed outlives the process that started it."""
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def reap_orphans() -> None:
+    """Become the parent of this process's orphaned descendants (``PR_SET_CHILD_SUBREAPER``): what a
+    task process leaves behind is then reaped here at once when killed, not by the host's init, whose
+    pace (a container's may never reap) would leave it counted against a user's process limit."""
+    _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def drop_capabilities() -> None:
@@ -49,26 +62,41 @@ def _no_new_privs() -> None:
         raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
 
 
-def _layer(read: Iterable[str], write: Iterable[str], network: bool, task_pid: int | None) -> int:
+def drop_user(uid: int = NOBODY, gid: int = NOBODY) -> None:
+    """Become ``uid``/``gid`` for good (real, effective and saved), with no supplementary groups: every
+    capability goes with root. Only a process running as root can; OSError otherwise."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getgroups():
+        raise OSError(f"could not become uid {uid}")
+
+
+def _layer(read: Iterable[str], write: Iterable[str], execute: Iterable[str], network: bool,
+           task_pid: int | None) -> int:
     paths = [(p, landlock.READ) for p in read] + [(p, landlock.WRITE) for p in write]
+    paths += [(p, landlock.READ | landlock.EXECUTE) for p in execute]
     paths += [("/dev/null", landlock.READ | landlock.WRITE_FILE)]
     version = landlock.restrict(paths, network=network)
-    seccomp.install(seccomp.program(task_pid=task_pid, network=network))
+    shell = bool(execute) and task_pid is not None
+    seccomp.install(seccomp.program(task_pid=task_pid, network=network, shell=shell, signals_scoped=version >= 6))
     return version
 
 
-def server(read: Iterable[str], write: Iterable[str], *, network: bool) -> int:
+def server(read: Iterable[str], write: Iterable[str], *, network: bool, execute: Iterable[str] = ()) -> int:
     """The fork server's layer: returns the Landlock ABI version in force. Raises OSError (or
-    :class:`landlock.LandlockError`, :class:`seccomp.SeccompError`) when any part cannot be set."""
+    :class:`landlock.LandlockError`, :class:`seccomp.SeccompError`) when any part cannot be set.
+    ``execute``: files and directories whose programs may run (a shell task's server)."""
     if os.geteuid() == 0:
         drop_capabilities()
     _no_new_privs()
-    return _layer(read, write, network, None)
+    return _layer(read, write, list(execute), network, None)
 
 
-def task(read: Iterable[str], write: Iterable[str], *, network: bool) -> None:
-    """A task process's own layer (on top of the server's)."""
-    _layer(read, write, network, os.getpid())
+def task(read: Iterable[str], write: Iterable[str], *, network: bool, execute: Iterable[str] = ()) -> None:
+    """A task process's own layer (on top of the server's); with ``execute``, a shell task's (programs
+    from those paths, processes kept in its process group)."""
+    _layer(read, write, list(execute), network, os.getpid())
 
 
 # resource -> the limit's name (limits.py) that sets it

@@ -5,16 +5,22 @@ inherited descriptor, a ``SOCK_SEQPACKET`` control socket. Its first message is 
 server then confines itself once (capabilities dropped, Landlock: the Python installation read-only, the
 scratch root and the pool's data directories writable, nothing else; seccomp), imports what its tasks
 use (the python runner, or DuckDB), and answers ``{"ready": true, "landlock": ABI}`` (or ``{"ready":
-false, "error"}``).
+false, "error"}``). A shell task's server (``config["execute"]``: where its programs may come from)
+becomes, when the worker runs as root, the unprivileged user ``nobody`` first (its scratch root handed
+to it), so that the kernel bounds its tasks' processes (``RLIMIT_NPROC``).
 
 Then, for each ``{"op": "run", "id", "kind"}`` carrying one descriptor (the task's end of a socket pair),
 it makes the task's scratch directory, forks, and answers ``{"id", "pid"}``. The task process (a copy of
 the server: a fork costs ~2 ms where starting an interpreter costs ~25) closes every other descriptor,
 adds its own confinement layer, reads its request from the socket, runs it, writes one answer line and
-exits. ``{"op": "kill", "id"}`` kills it. When a task process ends the server answers ``{"id", "exit",
-"stderr"}`` (the exit status as ``os.waitstatus_to_exitcode`` gives it, and the end of what it wrote to
-its standard error) and removes its scratch directory. End of file on the control socket: the server
-kills what runs and exits; it also dies with the worker (``PR_SET_PDEATHSIG``).
+exits. ``{"op": "kill", "id"}`` kills it. Each task process leads a process group of its own, and
+"kill" means the whole group, as does its end: what a shell task started and left running dies with
+it (the group is killed before the task process is reaped, so its id cannot have been reused), and is
+reaped here (the server adopts orphans: ``PR_SET_CHILD_SUBREAPER``). When a task process ends the
+server answers ``{"id", "exit", "stderr"}`` (the exit status as ``os.waitstatus_to_exitcode`` gives it,
+and the end of what it wrote to its standard error) and removes its scratch directory. End of file on
+the control socket: the server kills what runs and exits; it also dies with the worker
+(``PR_SET_PDEATHSIG``).
 
 Only the standard library is imported before confinement.
 """
@@ -150,10 +156,7 @@ class Server:
                 self._top_up()
         finally:
             for pid in list(self.children):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                _kill_group(pid)
             while self.children:
                 self._reap(block=True)
 
@@ -162,6 +165,8 @@ class Server:
             data, fds, _, _ = socket.recv_fds(self.ctl, _MAX_MESSAGE, 4)
         except InterruptedError:
             return True
+        except ConnectionError:  # the worker closed its end with a message unread: the same as its end
+            return False
         if not data:
             for fd in fds:
                 os.close(fd)
@@ -172,10 +177,7 @@ class Server:
         elif request.get("op") == "kill":
             pid = self.by_id.get(request.get("id"))
             if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                _kill_group(pid)
         else:
             for fd in fds:
                 os.close(fd)
@@ -188,7 +190,8 @@ class Server:
         # threads: the kernel counts them per user and never for root, so only a worker that is not root
         # bounds them (its container's user: the image's)
         uid = os.getuid()
-        nproc = _uid_tasks(uid) + int(self.config["limits"]["task_max_threads"]) if uid != 0 else None
+        bound = self.config["limits"]["shell_max_processes" if self.config.get("execute") else "task_max_threads"]
+        nproc = _uid_tasks(uid) + int(bound) if uid != 0 else None
         err = None
         try:
             os.mkdir(scratch, 0o700)
@@ -264,17 +267,26 @@ class Server:
             os.close(fd)
 
     def _reap(self, block: bool = False) -> None:
-        while self.children:
-            try:
-                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        while self.children or not block:  # (not blocking: orphans too, when no task process is left)
+            try:  # seen, not yet reaped: its pid (its process group's id) cannot be reused meanwhile
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
             except ChildProcessError:
                 self.children.clear()
                 return
             except InterruptedError:
                 continue
-            if pid == 0:
+            if info is None:
                 return
-            task_id, scratch, err = self.children.pop(pid, (None, "", None))
+            pid = info.si_pid
+            if pid in self.children:
+                _kill_group(pid)  # what it started and left running (a shell's background processes)
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+            if pid not in self.children:  # an orphan of a task's process group, handed to us: reaped
+                continue
+            task_id, scratch, err = self.children.pop(pid)
             tail = _tail(err)
             if scratch:
                 _rmtree(scratch)
@@ -293,6 +305,16 @@ class Server:
                 _send(self.ctl, {"id": task_id, "exit": os.waitstatus_to_exitcode(status), "stderr": tail})
             if block:
                 return
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a task process and its process group (every process it started: a shell task cannot
+    leave its group; another task's process may have left it, so it is killed by pid too)."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str, err: int,
@@ -326,7 +348,8 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
         pass
     confine.set_limits({**config["limits"], "_nproc": nproc})
     if config["confine"]:
-        confine.task([*config["read"], *OWN_PROC], [scratch, *config["data_dirs"]], network=config["network"])
+        confine.task([*config["read"], *OWN_PROC], [scratch, *config["data_dirs"]], network=config["network"],
+                     execute=config.get("execute") or ())
     from . import task
 
     warm = task.prepare(kind, config)
@@ -335,6 +358,20 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
     if not data or len(fds) != 1:
         return  # the server is going away
     task.serve(socket.socket(fileno=fds[0]), kind, config, warm)
+
+
+def _become_nobody(config: dict) -> None:
+    """A shell task's server, started by root: its scratch root handed to ``nobody``, what it will
+    import imported now (the Python installation may not be readable by ``nobody``), then ``nobody``
+    for good. The kernel counts ``nobody``'s processes, so ``RLIMIT_NPROC`` bounds its tasks'."""
+    from . import confine, task  # noqa: F401 - imported while readable
+    import time  # noqa: F401
+    import traceback  # noqa: F401
+
+    for module in config.get("preload") or ():
+        __import__(module)
+    os.chown(config["scratch_root"], confine.NOBODY, confine.NOBODY)
+    confine.drop_user()
 
 
 def main() -> None:
@@ -347,6 +384,7 @@ def main() -> None:
     from . import confine
 
     confine.die_with_parent()
+    confine.reap_orphans()
     config = json.loads(ctl.recv(_MAX_MESSAGE))
     os.umask(0o077)
     abi = 0
@@ -355,9 +393,11 @@ def main() -> None:
             st = os.stat(config["scratch_root"])
             if not stat.S_ISDIR(st.st_mode):
                 raise OSError(errno.ENOTDIR, f"{config['scratch_root']} is not a directory")
+            if config.get("execute") and os.geteuid() == 0:
+                _become_nobody(config)
             # /proc: each task process narrows it to /proc/self (its own) in its layer
             abi = confine.server([*config["read"], "/proc"], [config["scratch_root"], *config["data_dirs"]],
-                                 network=config["network"])
+                                 network=config["network"], execute=config.get("execute") or ())
         except Exception as e:  # noqa: BLE001 - said to the worker, which refuses user code
             _send(ctl, {"ready": False, "error": f"{type(e).__name__}: {e}"})
             return

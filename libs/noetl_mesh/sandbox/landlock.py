@@ -76,7 +76,8 @@ def restrict(paths: Iterable[tuple[str, int]], *, network: bool) -> int:
     :data:`READ`, :data:`WRITE` — and, unless ``network``, to no TCP connect or bind. Call it while the
     process has one thread (Landlock applies to the calling thread). Returns the ABI version used;
     :class:`LandlockError` when Landlock is unavailable or a path cannot be added (a missing path is
-    skipped)."""
+    skipped, and so is one this process may not open: an unprivileged user's, which could not read it
+    anyway)."""
     version = abi()
     if version < 1:
         raise LandlockError(errno.ENOSYS, "Landlock is not available in this kernel (Linux 5.13+ with Landlock "
@@ -96,7 +97,7 @@ def restrict(paths: Iterable[tuple[str, int]], *, network: bool) -> int:
         for path, rights in paths:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except FileNotFoundError:
+            except (FileNotFoundError, PermissionError):
                 continue
             try:
                 allowed = rights & fs

@@ -7,7 +7,7 @@ defaults are the safe ones:
 |---|---|---|
 | ``NOETL_SANDBOX`` | ``on`` | ``on``: user code (python, duckdb) runs sandboxed and the worker refuses it when it cannot sandbox; ``off``: a *trusted* pool, user code runs with the worker's own rights (said loudly at start) |
 | ``NOETL_SANDBOX_ALLOW_NET`` | empty | destinations opened beyond the default, comma-separated: an address or network (``10.0.0.0/8``, ``::1``) or a host name, each with an optional ``:port`` (``127.0.0.1:8765``, ``[::1]:8080``, ``db.internal:5432``) |
-| ``NOETL_SANDBOX_PYTHON_NET`` | ``0`` | ``1``: python and duckdb tasks may open network sockets (to any address: the kernel filter cannot look at addresses) |
+| ``NOETL_SANDBOX_PYTHON_NET`` | ``0`` | ``1``: python, duckdb and shell tasks may open network sockets (to any address: the kernel filter cannot look at addresses) |
 | ``NOETL_SANDBOX_DATA_DIRS`` | empty | directories user code may read and write besides its scratch directory, separated by ``:`` (``/data:/warehouse``) |
 
 Destinations of ``http`` and ``postgres`` tasks are checked with :meth:`Policy.refusal` on the address a

@@ -10,6 +10,11 @@ What it refuses (``EPERM``), on x86_64 and aarch64 (any other machine cannot san
   scheduling (``prlimit64``/``sched_*`` of pid 0 or its own only; ``setpriority``, ``ioprio_set``);
 - starting processes and programs (task layer only): ``fork``, ``vfork``, a ``clone`` that is not a
   thread, ``clone3`` (``ENOSYS``: the C library falls back to ``clone``), ``execve``, ``execveat``;
+  a *shell* task layer (``shell=True``) allows them (a shell starts programs) but refuses ``setsid`` and
+  ``setpgid``, so that every process it starts stays in its process group, which the fork server kills
+  whole; its signals may go to its own process group (``kill(0)``, ``kill(-pid)``) and, when Landlock
+  scopes signals to the sandbox (``signals_scoped``, ABI 6+), to any single process (the kernel then
+  refuses those outside the task's own processes); never ``kill(-1)`` or another group;
 - namespaces, mounts and the kernel's own surface: ``unshare``, ``setns``, ``mount`` and its family,
   ``chroot``, ``pivot_root``, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``io_uring_*`` (which
   would run system calls behind the filter's back), modules, ``kexec``, ``reboot``, keyrings, clocks,
@@ -73,6 +78,8 @@ _DENIED = (
 # (fchmod: the fork server opens up what a task left unreadable in its scratch, by descriptor)
 _NO_PROGRAMS = ("execve", "execveat", "fork", "vfork", "setpriority", "fchmod", "inotify_init", "inotify_init1",
                 "inotify_add_watch")
+_PROGRAMS = ("execve", "execveat", "fork", "vfork")  # what a shell task layer keeps of _NO_PROGRAMS
+_OWN_GROUP = ("setsid", "setpgid")  # what a shell task layer refuses: leaving the process group
 
 _X86_64 = {
     "socket": 41, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "process_madvise": 440,
@@ -98,7 +105,7 @@ _X86_64 = {
     "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
     "execve": 59, "execveat": 322, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "ioctl": 16,
     "memfd_create": 319, "memfd_secret": 447, "prctl": 157, "fcntl": 72, "sched_setaffinity": 203,
-    "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254,
+    "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254, "setsid": 112, "setpgid": 109,
 }
 _AARCH64 = {
     "socket": 198, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "process_madvise": 440,
@@ -122,7 +129,8 @@ _AARCH64 = {
     "msgrcv": 188, "msgctl": 187, "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182,
     "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185, "execve": 221, "execveat": 281,
     "clone": 220, "clone3": 435, "ioctl": 29, "memfd_create": 279, "memfd_secret": 447, "prctl": 167,
-    "fcntl": 25, "sched_setaffinity": 122, "inotify_init1": 26, "inotify_add_watch": 27,
+    "fcntl": 25, "sched_setaffinity": 122, "inotify_init1": 26, "inotify_add_watch": 27, "setsid": 157,
+    "setpgid": 154,
 }
 # machine -> (AUDIT_ARCH_*, table, the seccomp system call's number)
 _ARCHES = {"x86_64": (0xC000003E, _X86_64, 317), "aarch64": (0xC00000B7, _AARCH64, 277)}
@@ -159,10 +167,13 @@ class _Asm:
         return b"".join(out)
 
 
-def program(*, task_pid: int | None, network: bool, machine: str | None = None) -> bytes:
+def program(*, task_pid: int | None, network: bool, machine: str | None = None, shell: bool = False,
+            signals_scoped: bool = False) -> bytes:
     """The filter as BPF bytes. ``task_pid``: the task process's own pid (the task layer: no new
     processes or programs, signals to itself only); ``None``: the fork server's layer (it forks tasks).
-    ``network``: ``socket()`` of ``AF_INET``/``AF_INET6`` allowed."""
+    ``network``: ``socket()`` of ``AF_INET``/``AF_INET6`` allowed. ``shell`` (task layer): processes and
+    programs allowed, its process group kept, signals to its group (and, ``signals_scoped``, to any one
+    process: Landlock keeps them inside the task's own)."""
     machine = machine or platform.machine()
     if machine not in _ARCHES:
         raise SeccompError(errno.ENOSYS, f"no system-call filter for {machine} (x86_64 and aarch64 only)")
@@ -179,7 +190,9 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
 
     denied = [n for n in _DENIED if n in table]
     if task_pid is not None:
-        denied += [n for n in _NO_PROGRAMS if n in table]
+        denied += [n for n in _NO_PROGRAMS if n in table and not (shell and n in _PROGRAMS)]
+        if shell:
+            denied += [n for n in _OWN_GROUP if n in table]
     for name in denied:
         a.op(_JEQ, table[name], 0, 1)
         a.op(_RET, eperm)
@@ -197,7 +210,7 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
 
     def clone_body() -> None:
         a.op(_JSET, _CLONE_NAMESPACES, "clone_no", 0)
-        if task_pid is not None:
+        if task_pid is not None and not shell:
             a.op(_JSET, _CLONE_THREAD, 0, "clone_no")  # a process, not a thread
         a.op(_RET, _RET_ALLOW)
         a.label("clone_no")
@@ -249,9 +262,25 @@ def program(*, task_pid: int | None, network: bool, machine: str | None = None) 
             a.op(_RET, eperm)
             a.op(_RET, _RET_ALLOW)
 
+        def own_group(label: str):
+            """A shell's signals: itself, its process group (0, -pid), and with Landlock's signal scope
+            any one process (a positive pid: the kernel keeps it inside the sandbox); never -1 or
+            another group."""
+            def body() -> None:
+                a.op(_JEQ, 0, f"{label}_yes", 0)
+                a.op(_JEQ, task_pid, f"{label}_yes", 0)
+                a.op(_JEQ, -task_pid, f"{label}_yes", 0)
+                if signals_scoped:
+                    a.op(_JSET, 0x80000000, 0, f"{label}_yes")  # not negative
+                a.op(_RET, eperm)
+                a.label(f"{label}_yes")
+                a.op(_RET, _RET_ALLOW)
+            return body
+
         arg_block("prctl", 0, prctl_body)
-        arg_block("kill", 0, own_pid("kill", False))
-        arg_block("tgkill", 0, own_pid("tgkill", False))
+        signals = own_group if shell else (lambda label: own_pid(label, False))
+        arg_block("kill", 0, signals("kill"))
+        arg_block("tgkill", 0, signals("tgkill"))
         arg_block("rt_tgsigqueueinfo", 0, own_pid("rtsq", False))
         for name in ("prlimit64", "sched_setscheduler", "sched_setparam", "sched_setattr", "sched_setaffinity"):
             arg_block(name, 0, own_pid(name, True))

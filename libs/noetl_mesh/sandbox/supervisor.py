@@ -42,7 +42,12 @@ ANSWER_EXIT_GRACE = 1.0  # seconds a task process has to exit after its answer b
 # One fork server per kind of task, started on first use, each with only what its tasks use imported:
 # a python task process is then a fork of a small interpreter (DuckDB's 20 MB of mappings would make
 # every fork and exit of a python task slower), a duckdb one of an interpreter with DuckDB loaded.
-PRELOAD = {"python": ("noetl_mesh.tools.python_runner",), "duckdb": ("noetl_mesh.tools.duckdb",)}
+PRELOAD = {"python": ("noetl_mesh.tools.python_runner",), "duckdb": ("noetl_mesh.tools.duckdb",),
+           "shell": ("noetl_mesh.tools.shell_runner",)}
+# A shell task runs programs from these directories only (read-only), and the ELF interpreter they need
+# (the kernel opens it as a program too). Nothing it may write can be run.
+SHELL_EXECUTE = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
+_ELF_INTERPRETERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1")
 # Outside the Python installation, what an interpreter and its C extensions read: shared libraries and
 # their cache, time zones, the CPU count and cgroup limits (DuckDB sizes itself by them). No /etc beyond
 # these, no /proc but the task's own /proc/self, no /home, no /root.
@@ -52,7 +57,7 @@ _SYSTEM_READ = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/
 _NETWORK_READ = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/gai.conf", "/etc/ssl",
                  "/usr/share/ca-certificates", "/etc/ca-certificates")
 _LIMIT_NAMES = ("task_max_memory_bytes", "task_max_cpu_seconds", "task_max_open_files", "task_max_file_bytes",
-                "task_max_threads")
+                "task_max_threads", "shell_max_processes")
 
 
 class SandboxUnavailable(Exception):
@@ -116,6 +121,16 @@ def read_paths(policy: Policy) -> list[str]:
     out: list[str] = []
     for p in paths:
         if p not in out:
+            out.append(p)
+    return out
+
+
+def execute_paths() -> list[str]:
+    """Where a shell task's programs may come from: :data:`SHELL_EXECUTE` and the ELF interpreter (its
+    real file), those that exist."""
+    out: list[str] = []
+    for p in [*SHELL_EXECUTE, *(os.path.realpath(p) for p in _ELF_INTERPRETERS if os.path.exists(p))]:
+        if os.path.exists(p) and p not in out:
             out.append(p)
     return out
 
@@ -209,10 +224,16 @@ class _Server:
                 raise TaskCrashed(self.dead) from None
 
     def kill(self) -> None:
+        """Close the server: the end of its control socket makes it kill its task processes and their
+        process groups (what a shell task left running) and exit; killed if it has not within 2 s."""
         self._died("the sandbox was closed")
         try:
             self.ctl.close()
         except OSError:
+            pass
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
             pass
         if self.proc.poll() is None:
             try:
@@ -226,7 +247,7 @@ class _Server:
 
 
 class Supervisor:
-    """Runs python and duckdb requests in sandboxed task processes (see the module's text)."""
+    """Runs python, duckdb and shell requests in sandboxed task processes (see the module's text)."""
 
     def __init__(self, policy: Policy | None = None, *, secret_paths: Iterable[str] = (),
                  python: str | None = None, spare: int = 2) -> None:
@@ -239,6 +260,7 @@ class Supervisor:
         self._servers: dict[str, _Server] = {}  # by kind of task
         self._starting: dict[str, asyncio.Task] = {}
         self._unavailable: str | None = None
+        self._refused: dict[str, str] = {}  # kind -> why its fork server could not confine itself
         self._root: str | None = None
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
@@ -258,7 +280,7 @@ class Supervisor:
     def describe(self) -> str:
         """One line for the worker's start-up log."""
         if self._unavailable:
-            return (f"sandbox UNAVAILABLE: {self._unavailable}. This worker refuses python and duckdb tasks; "
+            return (f"sandbox UNAVAILABLE: {self._unavailable}. This worker refuses python, duckdb and shell tasks; "
                     "run them on a pool that can sandbox, or set NOETL_SANDBOX=off for a trusted pool")
         if not self.policy.enabled:
             return self.policy.describe()
@@ -276,7 +298,7 @@ class Supervisor:
             return ("Landlock is not available in this kernel (Linux 5.13+ with Landlock among its security "
                     "modules, e.g. lsm=landlock,...; in a container, a seccomp profile that allows the "
                     "landlock_* system calls)")
-        view = read_paths(self.policy) + list(self.policy.data_dirs)
+        view = read_paths(self.policy) + list(self.policy.data_dirs) + execute_paths()
         if "/" in view:
             return "the task's view would hold the whole file system (a Python installed at /?)"
         exposed = _exposed(view, self.secret_paths)
@@ -294,7 +316,7 @@ class Supervisor:
             server.kill()
             del self._servers[kind]
             server = None
-        if server is not None or self._unavailable:
+        if server is not None or self._unavailable or kind in self._refused:
             return
         starting = self._starting.get(kind)
         if starting is not None and not starting.done() and starting.get_loop() is loop:
@@ -316,6 +338,8 @@ class Supervisor:
         if self._root is None or not os.path.isdir(self._root):
             self._root = tempfile.mkdtemp(prefix="noetl-sandbox-")
         scratch_root = tempfile.mkdtemp(prefix=f"{kind}-", dir=self._root)  # each server its own: names never meet
+        if kind == "shell" and os.geteuid() == 0:  # its server becomes nobody: it must pass through the root
+            os.chmod(self._root, 0o711)  # (to reach its own; every other server's stays 0700, root's)
         values = limits.current()
         config = {
             "confine": self.policy.enabled,
@@ -324,6 +348,7 @@ class Supervisor:
             "data_dirs": list(self.policy.data_dirs),
             "network": self.policy.python_network,
             "kind": kind,
+            "execute": execute_paths() if kind == "shell" else [],
             "preload": list(PRELOAD[kind]),
             "limits": {name: getattr(values, name) for name in _LIMIT_NAMES},
             "spare": self.spare,
@@ -348,8 +373,13 @@ class Supervisor:
         if not hello.get("ready"):
             server.kill()
             if self.policy.enabled:
-                self._unavailable = f"confinement failed: {hello.get('error')}"
-                log.error("%s", self.describe())
+                why = f"confinement failed: {hello.get('error')}"
+                if kind == "shell":  # its own profile: python and duckdb tasks may still be confined
+                    self._refused[kind] = why
+                    log.error("sandbox UNAVAILABLE for shell tasks: %s. This worker refuses them", why)
+                else:
+                    self._unavailable = why
+                    log.error("%s", self.describe())
                 return
             raise TaskCrashed(f"the task process server could not start: {hello.get('error')}")
         for module, why in (hello.get("failed") or {}).items():
@@ -382,6 +412,8 @@ class Supervisor:
         await self.start(kind)
         if self._unavailable:
             raise SandboxUnavailable(f"this worker pool cannot sandbox user code: {self._unavailable} (D33)")
+        if kind in self._refused:
+            raise SandboxUnavailable(f"this worker pool cannot sandbox {kind} tasks: {self._refused[kind]} (D33)")
         server, sem = self._servers[kind], self._sem
         assert server is not None and sem is not None
         payload = json.dumps(request, ensure_ascii=False, separators=(",", ":"), default=str).encode()

@@ -1,13 +1,14 @@
 """Inside a task process (D33): read one request, run it, write one answer line, exit.
 
 The request is the JSON the worker wrote on the task's socket (then shut its side); the answer is one
-JSON line. Kinds: ``python`` (:mod:`noetl_mesh.tools.python_runner`) and ``duckdb``
-(:func:`noetl_mesh.tools.duckdb.execute`). An answer says ``sandbox: true`` when what failed was
+JSON line. Kinds: ``python`` (:mod:`noetl_mesh.tools.python_runner`), ``duckdb``
+(:func:`noetl_mesh.tools.duckdb.execute`) and ``shell`` (:mod:`noetl_mesh.tools.shell_runner`). An answer says ``sandbox: true`` when what failed was
 refused by the sandbox, ``limit`` when a resource limit stopped it.
 
 Under confinement an audit hook turns what the kernel would refuse anyway (starting a process or a
 program; a network socket on a pool whose network is closed) into an error that says why, before the
-system call is made. It is a courtesy, not the barrier: the kernel's filters are.
+system call is made. It is a courtesy, not the barrier: the kernel's filters are. A shell task starts
+programs by design, and has no such hook: what refuses it there is the kernel's, in the shell's words.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def prepare(kind: str, config: dict) -> object:
 def serve(sock: socket.socket, kind: str | None, config: dict, warm: object = None) -> None:
     confined = bool(config.get("confine"))
     request = json.loads(_read_all(sock))
-    if confined:
+    if confined and kind != "shell":
         sys.addaudithook(_audit_hook(bool(config.get("network"))))
     try:
         if kind == "python":
@@ -82,6 +83,12 @@ def serve(sock: socket.socket, kind: str | None, config: dict, warm: object = No
             answer = python_runner.run(request, confined=confined)
             answer["pid"] = os.getpid()
             out = python_runner.encode(answer)
+        elif kind == "shell":
+            from noetl_mesh.tools import shell_runner
+
+            answer = shell_runner.run(request)
+            answer["pid"] = os.getpid()
+            out = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
         elif kind == "duckdb":
             from noetl_mesh.tools import duckdb as duckdb_tool
 
