@@ -241,7 +241,10 @@ def parse(task: Mapping[str, Any], keychain: Mapping[str, Any] | None = None) ->
     if url is None and entry_url is None:
         raise _BadTask("nats task needs 'url' (alias 'servers'): the server to connect to, or an 'auth' "
                        "keychain entry that gives one")
-    servers = _servers(url if url is not None else entry_url, "'url'" if url is not None else f"auth {task['auth']!r}: 'url'")
+    if url is not None:
+        servers = _servers(url, "'url'")
+    else:
+        servers = _servers(entry_url, f"auth {task['auth']!r}: 'url'")
     encoding = task.get("encoding") or "json"
     if encoding not in ENCODINGS:
         raise _BadTask(f"'encoding' must be one of {', '.join(ENCODINGS)}, got {str(encoding)[:40]!r}")
@@ -262,7 +265,8 @@ def parse(task: Mapping[str, Any], keychain: Mapping[str, Any] | None = None) ->
     timeout = task.get("timeout")
     if timeout is not None and timeout_seconds(timeout, None) is None and timeout not in (0, "0"):
         raise _BadTask(f"'timeout' must be seconds, got {str(timeout)[:40]!r}")
-    payload = encode(data, encoding) if operation in ("publish", "request", "js_publish", "kv_put", "object_put") else b""
+    sends = operation in ("publish", "request", "js_publish", "kv_put", "object_put")
+    payload = encode(data, encoding) if sends else b""
     limit = limits.current().max_result_bytes
     if len(payload) > limit:
         raise limits.LimitExceeded("max_result_bytes", len(payload), what=f"the data of a nats {operation}")

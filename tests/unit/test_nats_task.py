@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import Any
-
 import pytest
 
 from noetl_mesh import limits
@@ -117,7 +115,8 @@ def test_data_over_the_result_limit_is_refused_before_connecting():
 
     out = asyncio.run(main())
     assert out["status"] == "error" and out["error"]["kind"] == "limit_exceeded", out
-    assert "the data of a nats object_put is 2.0 KiB, over the limit max_result_bytes = 1 KiB" in out["error"]["message"]
+    said = out["error"]["message"]
+    assert "the data of a nats object_put is 2.0 KiB, over the limit max_result_bytes = 1 KiB" in said
 
 
 def test_a_bad_task_is_invalid_task_naming_step_and_task():
@@ -261,7 +260,8 @@ def test_only_checked_addresses_are_dialed_and_a_clusters_announced_servers_neve
     # the metadata address of the name is left out, its loopback one (opened) dialed by address
     assert names.asked == ["nats.example"] and fine.connections == 1
     assert sent == {"status": "ok", "result": {"subject": "a.b", "bytes": 2}, "error": None}
-    assert b"PUB a.b  2\r\nhi\r\n" in fine.received and b'"echo": false' in fine.received  # no_echo: its own messages not back
+    assert b"PUB a.b  2\r\nhi\r\n" in fine.received
+    assert b'"echo": false' in fine.received  # no_echo: its own messages never come back
     # the server went away in the middle: an error, and the peers it announced are never dialed
     assert gone["status"] == "error" and gone["error"]["kind"] in ("nats_error", "nats_timeout"), gone
     assert hangs.connections == 1 and elsewhere.connections == 0
