@@ -201,10 +201,13 @@ def test_the_engines_own_nats_stays_closed_whatever_the_allow_list_says():
 class FakeNats:
     """Just enough of a NATS server on loopback: INFO (announcing ``announce`` as cluster peers), PONG
     for every PING, OK for publishes; with ``hang_up``, the connection is closed at the first PING after
-    CONNECT's (the server going away, where a reconnecting client would dial the announced peers)."""
+    CONNECT's (the server going away, where a reconnecting client would dial the announced peers); with
+    ``reply``, every request is answered with that many bytes (announced, then sent in chunks while the
+    client reads them)."""
 
-    def __init__(self, announce: list[str] | None = None, hang_up: bool = False):
-        self.announce, self.hang_up = announce or [], hang_up
+    def __init__(self, announce: list[str] | None = None, hang_up: bool = False, reply: int = 0):
+        self.announce, self.hang_up, self.reply = announce or [], hang_up, reply
+        self.sent = 0
         self.connections = 0
         self.received = b""
 
@@ -219,10 +222,25 @@ class FakeNats:
                 "max_payload": 1048576, "proto": 1, "headers": True, "connect_urls": self.announce}
         writer.write(b"INFO " + json.dumps(info).encode() + b"\r\n")
         await writer.drain()
-        pings = 0
+        pings, sids = 0, {}
         try:
             while line := await reader.readline():
                 self.received += line
+                words = line.split()
+                if words[:1] == [b"SUB"]:
+                    sids[words[1]] = words[-1]
+                if words[:1] == [b"PUB"] and len(words) == 4 and self.reply:  # PUB subject reply size
+                    await reader.readline()
+                    inbox = words[2]
+                    sid = next(s for p, s in sids.items() if inbox.startswith(p.rstrip(b"*")))
+                    writer.write(b"MSG %s %s %d\r\n" % (inbox, sid, self.reply))
+                    chunk = b"x" * 65536
+                    while self.sent < self.reply:
+                        writer.write(chunk[:self.reply - self.sent])
+                        self.sent += min(len(chunk), self.reply - self.sent)
+                        await writer.drain()
+                    writer.write(b"\r\n")
+                    continue
                 if line.startswith(b"PING"):
                     pings += 1
                     if self.hang_up and pings > 1:
@@ -263,5 +281,30 @@ def test_only_checked_addresses_are_dialed_and_a_clusters_announced_servers_neve
     assert b"PUB a.b  2\r\nhi\r\n" in fine.received
     assert b'"echo": false' in fine.received  # no_echo: its own messages never come back
     # the server went away in the middle: an error, and the peers it announced are never dialed
-    assert gone["status"] == "error" and gone["error"]["kind"] in ("nats_error", "nats_timeout"), gone
+    assert gone["error"]["kind"] == "nats_error" and gone["error"]["retryable"] is True, gone
+    assert gone["error"]["message"].startswith(f"nats publish on nats://127.0.0.1:{hangs.port}: the server closed "
+                                               "the connection")
     assert hangs.connections == 1 and elsewhere.connections == 0
+
+
+@pytest.mark.parametrize("size, read", [(300 * 1024, "the reply"),
+                                        (16 * 1024 * 1024, "a message the server sent; reading stopped there")])
+def test_a_reply_bigger_than_the_result_limit_is_refused_and_a_huge_one_never_held_whole(size, read):
+    """Limit 256 KiB: a reply of 300 KiB is read, then refused; one of 16 MiB -- more than any server's
+    max_payload should allow -- is not even read: the client's reader stops at 1 MiB and hangs up."""
+    async def main():
+        server = await FakeNats(reply=size).start()
+        try:
+            with limits.override(max_result_bytes=256 * 1024):
+                out = await NatsTool(policy=Policy(allow=parse_destinations(f"127.0.0.1:{server.port}"))).run(
+                    {"operation": "request", "url": f"nats://127.0.0.1:{server.port}", "subject": "svc"},
+                    {"timeout": 10}, ctx())
+            return out, server.sent
+        finally:
+            await server.stop()
+
+    out, sent = asyncio.run(main())
+    assert out["status"] == "error" and out["error"]["kind"] == "result_too_large", out
+    assert f"({read})" in out["error"]["message"]
+    if size > 1024 * 1024:
+        assert sent < size  # the connection was closed while the server was still sending

@@ -19,7 +19,9 @@ Bounds: one connection per task, closed when it ends (with its inbox subscriptio
 subscribed); the task's ``timeout`` (else ``spec.timeout``, 30 s) covers connecting and the operation,
 at most ``task_max_seconds``; what is sent and what is read is at most ``max_result_bytes``
 (``limit_exceeded`` before sending, ``result_too_large`` while reading: an object is refused from its
-size, a reply or a value once received -- the server's ``max_payload`` bounds those).
+size, and the client's protocol reader holds no message bigger than the limit (or 1 MiB, NATS's
+default ``max_payload``, when the limit is smaller) -- a server that sends one, whatever its
+``max_payload`` says, has the connection closed on it).
 
 Destinations (D33): each server's host is resolved here and every address checked with the worker
 pool's policy (:mod:`noetl_mesh.sandbox.net`); the client is given the checked addresses only (TLS
@@ -48,6 +50,7 @@ __all__ = ["NatsTool", "OPERATIONS", "parse", "encode", "decode", "Request"]
 
 DEFAULT_TIMEOUT = 30.0  # KIND_DEFAULTS["nats"]["timeout"]
 CONNECT_TIMEOUT = 10.0  # the most one server's connection may take (within the task's timeout)
+READER_FLOOR = 1024 * 1024  # the reader holds at least NATS's default max_payload (JetStream's API answers)
 DEFAULT_PORT = 4222
 
 # operation -> the fields it needs
@@ -293,6 +296,30 @@ def _check_size(n: int, read: str) -> None:
         raise ResultTooLarge(n, read)
 
 
+def _bounded_client(limit: int) -> Any:
+    """A nats-py client whose protocol reader holds at most ``limit`` bytes (plus a control line) at a
+    time: a message the server announces bigger than that -- a reply, a KV value, an object chunk, from
+    a server that ignores its own ``max_payload`` -- closes the connection instead of being buffered;
+    ``client.overflowed`` then says so, and ``client.gone`` is set when the connection closes. (nats-py
+    reads into ``client._ps``, made once per client.)"""
+    from nats.aio.client import Client
+    from nats.errors import ProtocolError
+    from nats.protocol.parser import MAX_CONTROL_LINE_SIZE, Parser
+
+    class BoundedParser(Parser):
+        async def parse(self, data: bytes = b"") -> None:
+            if len(self.buf) + len(data) > limit + MAX_CONTROL_LINE_SIZE:
+                client.overflowed = True
+                raise ProtocolError
+            await super().parse(data)
+
+    client = Client()
+    client.overflowed = False
+    client.gone = asyncio.Event()
+    client._ps = BoundedParser(client)
+    return client
+
+
 class _Budget:
     """A writer for an object's chunks that stops past ``max_result_bytes``."""
 
@@ -449,7 +476,6 @@ class NatsTool:
         """A connection to the first checked address that answers, and its ``host:port`` as the task
         wrote it. The client dials only that address and never reconnects, so servers a cluster
         announces are never dialed."""
-        import nats
         import nats.errors as ne
         from nats.aio.client import RawCredentials
 
@@ -466,13 +492,17 @@ class NatsTool:
             async def quiet() -> None:
                 return None
 
+            async def closed() -> None:
+                nc.gone.set()
+
             hostname = None if is_address(server.host) else server.host
+            nc = _bounded_client(max(limits.current().max_result_bytes, READER_FLOOR))
             try:
-                nc = await nats.connect(
+                await nc.connect(
                     servers=[server.url(address)], allow_reconnect=False, max_reconnect_attempts=1,
                     reconnect_time_wait=0, dont_randomize=True, no_echo=True, name="noetl-task",
                     connect_timeout=max(1, int(min(self._connect_timeout, seconds))),
-                    tls_hostname=hostname, error_cb=noted, disconnected_cb=quiet, closed_cb=quiet,
+                    tls_hostname=hostname, error_cb=noted, disconnected_cb=quiet, closed_cb=closed,
                     discovered_server_cb=quiet, **keywords)
             except (OSError, ne.Error, asyncio.TimeoutError) as e:
                 cause = next((x for x in said if isinstance(x, ne.Error)), e)
@@ -485,14 +515,30 @@ class NatsTool:
             if connected is None or connected.hostname.strip("[]") != address:  # pragma: no cover - nats-py's pool
                 await nc.close()
                 raise Refused("nats", f"the client connected to {connected} instead of the checked {address}")
+            nc.said = said
             return nc, str(server)
         raise _ConnectError(failure)
 
     async def _work(self, r: Request, seconds: float) -> dict:
         nc, where = await self._connect(r, seconds)
         try:
+            op = asyncio.ensure_future(_operate(nc, r, seconds))
+            gone = asyncio.ensure_future(nc.gone.wait())
             try:
-                return await _operate(nc, r, seconds)
+                await asyncio.wait({op, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not op.done():  # the connection closed under it (or this task is cancelled)
+                    op.cancel()
+                    await asyncio.wait({op})
+            if nc.overflowed:
+                raise ResultTooLarge(None, "a message the server sent")
+            if op.cancelled():
+                last = next((f": {e}" for e in reversed(nc.said) if str(e)), "")
+                raise _Failed(error("nats_error", f"nats {r.operation} on {where}: the server closed the "
+                                                  f"connection{last}", True))
+            try:
+                return op.result()
             except (ResultTooLarge, Refused):
                 raise
             except Exception as e:  # noqa: BLE001 - nats-py's errors, sorted by _outcome_of
