@@ -308,3 +308,15 @@ def test_a_reply_bigger_than_the_result_limit_is_refused_and_a_huge_one_never_he
     assert f"({read})" in out["error"]["message"]
     if size > 1024 * 1024:
         assert sent < size  # the connection was closed while the server was still sending
+
+
+def test_a_server_that_does_not_answer_is_a_retryable_connect_error():
+    import socket
+
+    with socket.socket() as s:  # a port with nothing behind it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = asyncio.run(NatsTool(policy=Policy(allow=parse_destinations(f"127.0.0.1:{port}"))).run(
+        {"operation": "publish", "url": f"nats://127.0.0.1:{port}", "subject": "x"}, {"timeout": 5}, ctx()))
+    assert out["error"]["kind"] == "nats_connect_error" and out["error"]["retryable"] is True, out
+    assert out["error"]["message"].startswith(f"nats publish: cannot connect: nats://127.0.0.1:{port} (127.0.0.1): ")

@@ -320,6 +320,14 @@ def _bounded_client(limit: int) -> Any:
     return client
 
 
+async def _close(nc: Any) -> None:
+    """Close a task's connection (its inbox subscription with it), whatever state it is in."""
+    try:
+        await asyncio.shield(nc.close())
+    except Exception:  # noqa: BLE001 - the connection is gone either way
+        pass
+
+
 class _Budget:
     """A writer for an object's chunks that stops past ``max_result_bytes``."""
 
@@ -484,6 +492,7 @@ class NatsTool:
             keywords["user_credentials"] = RawCredentials(keywords["user_credentials"])
         failure = "no server answered"
         for server, address in await self._checked(r):
+            nc = _bounded_client(max(limits.current().max_result_bytes, READER_FLOOR))
             said: list[BaseException] = []
 
             async def noted(e: BaseException) -> None:
@@ -492,11 +501,10 @@ class NatsTool:
             async def quiet() -> None:
                 return None
 
-            async def closed() -> None:
-                nc.gone.set()
+            async def closed(client: Any = nc) -> None:
+                client.gone.set()
 
             hostname = None if is_address(server.host) else server.host
-            nc = _bounded_client(max(limits.current().max_result_bytes, READER_FLOOR))
             try:
                 await nc.connect(
                     servers=[server.url(address)], allow_reconnect=False, max_reconnect_attempts=1,
@@ -505,6 +513,7 @@ class NatsTool:
                     tls_hostname=hostname, error_cb=noted, disconnected_cb=quiet, closed_cb=closed,
                     discovered_server_cb=quiet, **keywords)
             except (OSError, ne.Error, asyncio.TimeoutError) as e:
+                await _close(nc)
                 cause = next((x for x in said if isinstance(x, ne.Error)), e)
                 text = (getattr(cause, "description", None) or str(cause) or type(cause).__name__).strip()
                 if "authorization" in text.lower() or "authentication" in text.lower():
@@ -544,10 +553,7 @@ class NatsTool:
             except Exception as e:  # noqa: BLE001 - nats-py's errors, sorted by _outcome_of
                 raise _Failed(_outcome_of(e, r, where)) from None
         finally:
-            try:
-                await asyncio.shield(nc.close())
-            except Exception:  # noqa: BLE001 - the connection is gone either way
-                pass
+            await _close(nc)
 
     async def run(self, task: dict, spec: dict, ctx: ToolContext) -> dict:
         try:
