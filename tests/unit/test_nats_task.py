@@ -320,3 +320,4 @@ def test_a_server_that_does_not_answer_is_a_retryable_connect_error():
         {"operation": "publish", "url": f"nats://127.0.0.1:{port}", "subject": "x"}, {"timeout": 5}, ctx()))
     assert out["error"]["kind"] == "nats_connect_error" and out["error"]["retryable"] is True, out
     assert out["error"]["message"].startswith(f"nats publish: cannot connect: nats://127.0.0.1:{port} (127.0.0.1): ")
+    assert "Connect call failed" in out["error"]["message"]  # the reason, not only "no servers"

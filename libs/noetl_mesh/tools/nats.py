@@ -514,7 +514,7 @@ class NatsTool:
                     discovered_server_cb=quiet, **keywords)
             except (OSError, ne.Error, asyncio.TimeoutError) as e:
                 await _close(nc)
-                cause = next((x for x in said if isinstance(x, ne.Error)), e)
+                cause = next((x for x in said if not isinstance(x, ne.NoServersError)), e)
                 text = (getattr(cause, "description", None) or str(cause) or type(cause).__name__).strip()
                 if "authorization" in text.lower() or "authentication" in text.lower():
                     raise _ConnectError(f"{server}: the server refused the credentials ({text})", auth=True) from None
