@@ -58,6 +58,7 @@ def test_jetstream_objects_keys_and_the_errors_a_policy_routes(other_nats):
         js = nc.jetstream()
         await js.add_stream(name="ORDERS", subjects=["orders.>"])
         await js.create_key_value(bucket="kv_errors")
+        await js.create_key_value(bucket="kv_keys")
         await js.create_object_store(bucket="files")
         tool, c = tool_for(other_nats), ctx(other_nats)
 
@@ -73,6 +74,9 @@ def test_jetstream_objects_keys_and_the_errors_a_policy_routes(other_nats):
                 "get": await run(operation="object_get", bucket="files", key="a.bin"),
                 "missing_object": await run(operation="object_get", bucket="files", key="b.bin"),
                 "keys_empty": await run(operation="kv_keys", bucket="kv_errors"),
+                "put_a": await run(operation="kv_put", bucket="kv_keys", key="order.1", value=1),
+                "put_b": await run(operation="kv_put", bucket="kv_keys", key="invoice.1", value="x"),
+                "keys": await run(operation="kv_keys", bucket="kv_keys", pattern="order.*"),
                 "missing_key": await run(operation="kv_get", bucket="kv_errors", key="k"),
                 "missing_bucket": await run(operation="kv_get", bucket="no_bucket", key="k"),
                 "no_responders": await run(operation="request", subject="nobody.home"),
@@ -102,6 +106,7 @@ def test_jetstream_objects_keys_and_the_errors_a_policy_routes(other_nats):
         assert out[name]["error"]["kind"] == "nats_not_found" and out[name]["error"]["retryable"] is False
         assert out[name]["error"]["message"].endswith(said), out[name]
     assert out["keys_empty"]["result"] == {"bucket": "kv_errors", "keys": [], "count": 0}
+    assert out["keys"]["result"] == {"bucket": "kv_keys", "keys": ["order.1"], "count": 1}
     assert out["no_responders"]["error"]["kind"] == "nats_no_responders"
     assert out["no_responders"]["error"]["retryable"] is True
     err = out["bad_password"]["error"]

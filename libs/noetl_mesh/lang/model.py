@@ -162,6 +162,7 @@ class NatsTask(TaskBase):
     bucket: Template | None = None
     key: Template | None = None
     stream: Template | None = None
+    pattern: Template | None = Field(None, description="kv_keys: a glob the keys must match")
     encoding: Template | None = Field(None, description="json (default), text or base64")
     timeout: float | Template | None = None
 

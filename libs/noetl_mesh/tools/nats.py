@@ -8,7 +8,8 @@ a URL, a comma-separated list or a list; ``nats://`` or ``tls://``, port 4222 by
 of a ``.creds`` file) -- and optionally ``url``. Credentials come only from the keychain: a URL with a
 user or password in it is refused. Per operation: ``subject``, ``data`` (alias ``payload``),
 ``headers``, ``bucket``, ``key`` (a KV key or an object's name), ``value`` (kv_put; alias of ``data``),
-``stream`` (js_publish: the stream expected to store it), ``encoding`` and ``timeout``.
+``stream`` (js_publish: the stream expected to store it), ``pattern`` (kv_keys: a glob the keys must
+match), ``encoding`` and ``timeout``.
 
 Payloads: ``data`` as text is sent as its UTF-8 bytes, anything else as JSON; with ``encoding: base64``
 a text is decoded from base64 first. What comes back (a reply, a KV value, an object) is decoded as
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import fnmatch
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,6 +107,7 @@ class Request:
     payload: bytes = b""
     headers: Mapping[str, str] | None = None
     stream: str | None = None
+    pattern: str | None = None
     encoding: str = "json"
     timeout: float | None = None
 
@@ -275,7 +278,7 @@ def parse(task: Mapping[str, Any], keychain: Mapping[str, Any] | None = None) ->
         raise limits.LimitExceeded("max_result_bytes", len(payload), what=f"the data of a nats {operation}")
     return Request(operation=operation, servers=servers, credentials=credentials, subject=fields["subject"],
                    bucket=fields["bucket"], key=fields["key"], payload=payload, headers=headers or None,
-                   stream=_text(task, "stream"), encoding=encoding, timeout=timeout_seconds(timeout, None))
+                   stream=_text(task, "stream"), pattern=_text(task, "pattern"), encoding=encoding, timeout=timeout_seconds(timeout, None))
 
 
 def task_seconds(request: Request, spec_timeout: Any) -> tuple[float, str]:
@@ -378,6 +381,8 @@ async def _operate(nc: Any, r: Request, seconds: float) -> dict:
             keys = sorted(await kv.keys())
         except jse.NoKeysError:
             keys = []
+        if r.pattern is not None:
+            keys = [k for k in keys if fnmatch.fnmatchcase(k, r.pattern)]
         _check_size(json_size(keys), "the keys")
         return {"bucket": r.bucket, "keys": keys, "count": len(keys)}
     obs = await js.object_store(r.bucket)
