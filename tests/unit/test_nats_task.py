@@ -78,6 +78,7 @@ def test_credentials_come_from_the_keychain_entry_auth_names_and_only_from_there
         "two": {"user": "a", "password": "p", "token": "t"},
         "half": {"user": "a"},
         "odd": {"password": 12345},
+        "legacy": {"nats_url": "nats://old.example", "nats_user": "bob", "nats_password": "pw-legacy"},
     }
     r = parse({"operation": "publish", "auth": "up", "subject": "x"}, keychain)
     assert r.credentials == {"user": "alice", "password": "pw-1234"} and str(r.servers[0]) == "nats://kc.example:4111"
@@ -88,6 +89,8 @@ def test_credentials_come_from_the_keychain_entry_auth_names_and_only_from_there
         "nkeys_seed_str": "SUAM..."}
     assert parse({"operation": "publish", "auth": "creds", "url": "n", "subject": "x"}, keychain).credentials == {
         "user_credentials": "-----BEGIN NATS USER JWT-----"}
+    r = parse({"operation": "publish", "auth": "legacy", "subject": "x"}, keychain)  # NoETL's field names
+    assert r.credentials == {"user": "bob", "password": "pw-legacy"} and r.servers[0].host == "old.example"
     task = {"operation": "publish", "url": "n", "subject": "x"}
     assert "auth 'nope' names no keychain entry" in bad({**task, "auth": "nope"}, keychain)
     assert "'auth' must name a keychain entry (D24)" in bad({**task, "auth": {"token": "inline"}}, keychain)

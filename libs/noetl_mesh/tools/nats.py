@@ -5,7 +5,8 @@ Fields: ``operation`` (required, one of :data:`OPERATIONS`); ``url`` (aliases ``
 a URL, a comma-separated list or a list; ``nats://`` or ``tls://``, port 4222 by default), or the
 ``url`` of the ``auth`` entry; ``auth``: the name of a keychain entry (D24) with the credentials --
 ``user``/``username`` and ``password``, ``token``, ``nkey_seed`` (alias ``seed``) or ``creds`` (the text
-of a ``.creds`` file) -- and optionally ``url``. Credentials come only from the keychain: a URL with a
+of a ``.creds`` file), or NoETL's ``nats_user``, ``nats_password``, ``nats_token`` -- and optionally
+``url`` (or ``nats_url``). Credentials come only from the keychain: a URL with a
 user or password in it is refused. Per operation: ``subject``, ``data`` (alias ``payload``),
 ``headers``, ``bucket``, ``key`` (a KV key or an object's name), ``value`` (kv_put; alias of ``data``),
 ``stream`` (js_publish: the stream expected to store it), ``pattern`` (kv_keys: a glob the keys must
@@ -69,8 +70,14 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "object_delete": ("bucket", "key"),
 }
 ENCODINGS = ("json", "text", "base64")
-_USER = ("user", "username")
-_SEED = ("nkey_seed", "nkeys_seed", "seed")
+# a keychain entry's fields, each with its names (NoETL's nats_* spellings too)
+_SECRET = {
+    "user": ("user", "username", "nats_user"),
+    "password": ("password", "nats_password"),
+    "token": ("token", "nats_token"),
+    "seed": ("nkey_seed", "nkeys_seed", "seed"),
+    "creds": ("creds",),
+}
 _URL = ("url", "servers", "server", "nats_url")
 
 
@@ -156,32 +163,35 @@ def _credentials(auth: Any, keychain: Mapping[str, Any]) -> tuple[dict[str, Any]
     if not isinstance(entry, Mapping):
         raise _BadTask(f"auth {auth!r} names no keychain entry")
     for nested in ("data", "value", "values"):  # entries may keep their fields one level down
-        if not any(k in entry for k in (*_USER, "password", "token", *_SEED, "creds", *_URL)) \
+        if not any(k in entry for names in (*_SECRET.values(), _URL) for k in names) \
                 and isinstance(entry.get(nested), Mapping):
             entry = entry[nested]
     where = f"auth {auth!r}"
-    text = {k: v for k, v in entry.items() if v not in (None, "")}
-    for k, v in text.items():
-        if k in (*_USER, "password", "token", *_SEED, "creds") and not isinstance(v, str):
-            raise _BadTask(f"{where}: {k!r} must be text, got {type(v).__name__}")
-    user = next((text[k] for k in _USER if k in text), None)
-    seed = next((text[k] for k in _SEED if k in text), None)
-    given = [name for name, v in (("user/password", user or text.get("password")), ("token", text.get("token")),
-                                  ("nkey_seed", seed), ("creds", text.get("creds"))) if v]
+    found: dict[str, str] = {}  # user, password, token, seed, creds -> the entry's value
+    for field_, names in _SECRET.items():
+        for k in names:
+            v = entry.get(k)
+            if v in (None, ""):
+                continue
+            if not isinstance(v, str):
+                raise _BadTask(f"{where}: {k!r} must be text, got {type(v).__name__}")
+            found.setdefault(field_, v)
+    given = [name for name, keys in (("user/password", ("user", "password")), ("token", ("token",)),
+                                     ("nkey_seed", ("seed",)), ("creds", ("creds",))) if any(k in found for k in keys)]
     if len(given) > 1:
         raise _BadTask(f"{where} gives {' and '.join(given)}: give one way to authenticate")
     out: dict[str, Any] = {}
-    if user or "password" in text:
-        if not user or "password" not in text:
+    if "user" in found or "password" in found:
+        if "user" not in found or "password" not in found:
             raise _BadTask(f"{where}: a user needs a password and a password a user")
-        out = {"user": user, "password": text["password"]}
-    elif "token" in text:
-        out = {"token": text["token"]}
-    elif seed:
-        out = {"nkeys_seed_str": seed}
-    elif "creds" in text:
-        out = {"user_credentials": text["creds"]}
-    return out, next((text[k] for k in _URL if k in text), None)
+        out = {"user": found["user"], "password": found["password"]}
+    elif "token" in found:
+        out = {"token": found["token"]}
+    elif "seed" in found:
+        out = {"nkeys_seed_str": found["seed"]}
+    elif "creds" in found:
+        out = {"user_credentials": found["creds"]}
+    return out, next((entry[k] for k in _URL if entry.get(k) not in (None, "")), None)
 
 
 def encode(data: Any, encoding: str) -> bytes:
