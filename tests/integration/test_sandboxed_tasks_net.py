@@ -151,13 +151,15 @@ def test_a_stack_that_opens_its_postgres_reaches_it_and_not_the_port_next_to_it(
 
 
 def test_the_engines_nats_endpoint_stays_closed_whatever_the_allow_list_opens(pg_dsn):
-    """All of loopback opened: the worker's own NATS server is still refused, to http and postgres tasks."""
+    """All of loopback opened: the worker's own NATS server is still refused, to http, postgres and nats
+    tasks."""
     nats, loop, handle = start_stack(pg_dsn, allow_net="127.0.0.0/8")
     try:
         token = developer(handle)
         port = nats.url.rsplit(":", 1)[1]
         for task in ({"kind": "http", "url": f"http://127.0.0.1:{port}/"},
-                     {"kind": "postgres", "dsn": f"host=127.0.0.1 port={port} dbname=x user=y", "command": "select 1"}):
+                     {"kind": "postgres", "dsn": f"host=127.0.0.1 port={port} dbname=x user=y", "command": "select 1"},
+                     {"kind": "nats", "operation": "kv_get", "url": nats.url, "bucket": "noetl_users", "key": "admin"}):
             final, outcome = probe(handle, token, task)
             assert refused(final, outcome).endswith(
                 f"127.0.0.1:{port} is the engine's own NATS server, closed to tasks on this worker pool (D33); it "

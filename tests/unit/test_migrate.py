@@ -1362,3 +1362,43 @@ def test_noetl_migrate_inlines_a_script_file_next_to_the_playbook(capsys):
     out = capsys.readouterr().out
     assert out == fixture.with_name("step_input_script.canonical.yaml").read_text()
     assert "def main(readings, unit):" in out and "peak = max(readings)" in out  # the file's code, inlined
+
+
+def test_a_legacy_nats_task_names_its_object_with_key_and_drops_ttl():
+    m, doc = mig("""
+    keychain:
+      - {name: bus, kind: credential}
+    workflow:
+      - step: start
+        tool:
+          kind: nats
+          auth: bus
+          operation: object_get
+          bucket: files
+          name: report.pdf
+        next: [{step: labelled}]
+      - step: labelled
+        tool:
+          - fetch:
+              kind: nats
+              auth: bus
+              operation: object_put
+              bucket: files
+              name: copy.pdf
+              data: "{{ start.result.data }}"
+          - remember:
+              kind: nats
+              auth: bus
+              operation: kv_put
+              bucket: seen
+              key: report
+              value: 1
+              ttl: 3600
+    """)
+    start, labelled = doc["workflow"][0]["tool"], doc["workflow"][1]["tool"]
+    assert start["key"] == "report.pdf" and "name" not in start
+    assert labelled[0]["name"] == "fetch" and labelled[0]["key"] == "copy.pdf"
+    assert labelled[1]["name"] == "remember" and "ttl" not in labelled[1]
+    assert {("M6", "workflow[0].step=start.tool.name"), ("M6", "workflow[1].step=labelled.tool[1].ttl")} <= {
+        (c.rule, c.location) for c in m.changes}
+    assert m.complete and validate_text(m.text).ok

@@ -12,8 +12,8 @@ from .common import (EXIT_FAILED, EXIT_OK, EXIT_STACK, EXIT_UNREACHABLE, Interru
                      run_loop)
 
 DEFAULT_METRICS_PORT = 9464
-ALLOW_NET_HELP = ("open a destination to the workers' http and postgres tasks (D33): an address, a network or a host "
-                  "name, with an optional port (127.0.0.1:8765, 10.0.0.0/8, db.internal:5432); repeatable or "
+ALLOW_NET_HELP = ("open a destination to the workers' http, postgres and nats tasks (D33): an address, a network or "
+                  "a host name, with an optional port (127.0.0.1:8765, 10.0.0.0/8, db.internal:5432); repeatable or "
                   "comma-separated; sets NOETL_SANDBOX_ALLOW_NET for the stack's workers (default: the environment's)")
 
 

@@ -167,6 +167,34 @@ class ShellTask(TaskBase):
         return self
 
 
+class NatsTask(TaskBase):
+    kind: Literal["nats"]
+    operation: Template = Field(description="publish, request, js_publish, kv_get, kv_put, kv_delete, kv_keys, "
+                                            "object_get, object_put, object_delete")
+    url: Any = Field(None, validation_alias=AliasChoices("url", "servers", "server"))
+    auth: str | None = Field(None, description="a keychain entry with the credentials (and maybe the url)")
+    subject: Template | None = None
+    data: Any = Field(None, validation_alias=AliasChoices("data", "payload"))
+    value: Any = None
+    headers: dict[str, Any] | Template | None = None
+    bucket: Template | None = None
+    key: Template | None = None
+    stream: Template | None = None
+    pattern: Template | None = Field(None, description="kv_keys: a glob the keys must match")
+    encoding: Template | None = Field(None, description="json (default), text or base64")
+    timeout: float | Template | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> "NatsTask":
+        from ..tools.nats import ENCODINGS, OPERATIONS
+
+        for name, known in (("operation", OPERATIONS), ("encoding", ENCODINGS)):
+            value = getattr(self, name)
+            if isinstance(value, str) and "{" not in value and value not in known:
+                raise ValueError(f"{name} {value[:60]!r} is not one of {', '.join(known)}")
+        return self
+
+
 class PlaybookTask(TaskBase):
     kind: Literal["playbook"]
     path: Template
@@ -224,13 +252,15 @@ class WaitTask(TaskBase):
 
 Task = Annotated[
     Union[NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, ShellTask, PlaybookTask, WorkbookTask,
-          SecretsTask, WaitTask],
+          SecretsTask, WaitTask,
+          NatsTask],
     Field(discriminator="kind"),
 ]
 TASK_MODELS: dict[str, type[TaskBase]] = {
     m.model_fields["kind"].annotation.__args__[0]: m  # type: ignore[union-attr]
     for m in (NoopTask, HttpTask, PythonTask, DuckdbTask, PostgresTask, ShellTask, PlaybookTask, WorkbookTask,
-              SecretsTask, WaitTask)
+              SecretsTask, WaitTask,
+              NatsTask)
 }
 TOOL_KINDS = tuple(TASK_MODELS)
 
@@ -241,6 +271,7 @@ KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "postgres": {"timeout": 60.0},
     "duckdb": {"timeout": 60.0},
     "shell": {"timeout": 60.0},
+    "nats": {"timeout": 30.0},
 }
 
 

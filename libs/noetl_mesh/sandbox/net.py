@@ -2,7 +2,7 @@
 to, each checked with the pool's :meth:`Policy.refusal <noetl_mesh.sandbox.policy.Policy.refusal>`, and
 the words of a refusal.
 
-The ``http`` and ``postgres`` tools resolve a destination here, connect only to an address it returned,
+The ``http``, ``postgres`` and ``nats`` tools resolve a destination here, connect only to an address it returned,
 and turn :class:`Refused` into the task's outcome ``error.kind: sandbox`` (not retryable). The decision
 itself is the policy's; this module only applies it to every address and explains it.
 """

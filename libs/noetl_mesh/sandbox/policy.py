@@ -10,7 +10,7 @@ defaults are the safe ones:
 | ``NOETL_SANDBOX_PYTHON_NET`` | ``0`` | ``1``: python, duckdb and shell tasks may open network sockets (to any address: the kernel filter cannot look at addresses) |
 | ``NOETL_SANDBOX_DATA_DIRS`` | empty | directories user code may read and write besides its scratch directory, separated by ``:`` (``/data:/warehouse``) |
 
-Destinations of ``http`` and ``postgres`` tasks are checked with :meth:`Policy.refusal` on the address a
+Destinations of ``http``, ``postgres`` and ``nats`` tasks are checked with :meth:`Policy.refusal` on the address a
 connection is really made to (after name resolution): loopback, link-local (cloud metadata services live
 there), unspecified, multicast and the known metadata addresses are closed unless an entry of
 ``NOETL_SANDBOX_ALLOW_NET`` opens them. The endpoints the worker adds itself (its NATS servers'

@@ -1,9 +1,9 @@
 """Tools: what a task of each ``kind`` does (D8, D10, D25, D27, D28).
 
 ``default_tools()`` gives the built-in registry kind -> tool instance (noop, python, http, duckdb,
-postgres, shell); ``close_tools()`` releases what they hold (the sandbox's task processes, http connections).
+postgres, shell, nats); ``close_tools()`` releases what they hold (the sandbox's task processes, http connections).
 Under the worker pool's sandbox policy (D33): python, duckdb and shell share one sandbox
-(:mod:`noetl_mesh.sandbox`), http and postgres reach only the destinations it allows.
+(:mod:`noetl_mesh.sandbox`), http, postgres and nats reach only the destinations it allows.
 
 This module imports nothing heavy at import time: the sandbox's task processes import this package.
 """
@@ -26,12 +26,13 @@ def default_tools(
     sandbox: "Supervisor | None" = None,
     policy: "Policy | None" = None,
 ) -> dict[str, Any]:
-    """kind -> tool instance for ``noop``, ``python``, ``http``, ``duckdb``, ``postgres`` and ``shell``. ``sandbox``:
+    """kind -> tool instance for ``noop``, ``python``, ``http``, ``duckdb``, ``postgres``, ``shell`` and ``nats``. ``sandbox``:
     the worker's (its policy, secrets and lifetime); by default one of ``policy``, closed with the
     tools. ``policy``: the pool's (D33; default: the sandbox's, else the safe default, nothing opened)."""
     from ..sandbox.supervisor import Supervisor
     from .duckdb import DuckdbTool
     from .http import HttpTool
+    from .nats import NatsTool
     from .noop import NoopTool
     from .postgres import PostgresTool
     from .python import PythonTool
@@ -49,6 +50,7 @@ def default_tools(
         "duckdb": duckdb,
         "postgres": PostgresTool(policy=policy),
         "shell": ShellTool(sandbox),
+        "nats": NatsTool(policy=policy),
     }
 
 

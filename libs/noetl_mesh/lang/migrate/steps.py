@@ -305,6 +305,8 @@ class Steps:
             if k != "name":
                 task[k] = v
                 _keep_comments(inner, k, task)
+            elif _nats_object_name(inner):  # the object's name, not the task's
+                task["key"] = v
         return task
 
     def flatten_tool(self, item: Any) -> Any:
@@ -344,6 +346,8 @@ class Steps:
             self.http_fields(t, path)
         elif kind in ("postgres", "duckdb"):
             self.sql_fields(t, path, kind)
+        elif kind == "nats":
+            self.nats_fields(t, path)
         elif kind == "playbook":
             if "return_step" in t:
                 pass  # kept until the model is built (M7); removed there
@@ -497,6 +501,14 @@ class Steps:
                 if key in t and "db_path" not in t:
                     _rename(t, key, "db_path")
                     self.change("M6", path + (key,), f"duckdb '{key}' -> 'db_path'")
+
+    def nats_fields(self, t: Any, path: Path) -> None:
+        if _nats_object_name(t):
+            _rename(t, "name", "key")
+            self.change("M6", path + ("name",), "nats 'name' (the object's) -> 'key' ('name' is the task's)")
+        if "ttl" in t:
+            t.pop("ttl")
+            self.change("M6", path + ("ttl",), "nats 'ttl' dropped: a key lives as long as its bucket's max_age says")
 
     # -------------------------------------------------------------- M3: credentials
     def auth(self, t: Any, path: Path, kind: Any) -> None:
@@ -906,3 +918,9 @@ class Steps:
                 _rename(task, "task", "name")
                 self.change("M6", path + ("task",), "a workbook task's 'task' -> 'name'")
             self.task_structure(task, path, in_loop=False)
+
+
+def _nats_object_name(t: Any) -> bool:
+    """A legacy nats task naming its object with ``name`` (an object operation without ``key``)."""
+    return (t.get("kind") == "nats" and "name" in t and "key" not in t
+            and str(t.get("operation") or "").startswith("object_"))
