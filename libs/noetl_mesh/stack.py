@@ -82,6 +82,7 @@ class Settings:
     port: int = 0
     ack_wait: float = 30.0
     replicas: int | None = None  # of streams, buckets, object stores when created (NOETL_REPLICAS, else 1)
+    partitions: int | None = None  # of the events stream when created (NOETL_PARTITIONS, else DEFAULT_PARTITIONS)
     # NATS credentials (infra/nats_auth.py): a directory holds one file per user (each service takes its
     # own, the stack's setup the admin's); a file is used by every service; None connects without
     nats_creds: str | None = None
@@ -193,7 +194,8 @@ async def setup(settings: Settings) -> None:
     ``admin`` NATS user: services may not create them (``noetl setup``, the stack runners)."""
     bus = await Bus.connect(settings.nats_url, "noetl-setup", settings.creds_for("admin"))
     try:
-        await bus.setup(int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)), replicas=settings.replicas)
+        await bus.setup(settings.partitions or int(os.environ.get("NOETL_PARTITIONS", DEFAULT_PARTITIONS)),
+                        replicas=settings.replicas)
     finally:
         await bus.close()
 

@@ -350,3 +350,6 @@ def test_run_on_a_shared_nats_hands_its_partitions_back_when_done(fresh_nats, pg
 
     still, names = asyncio.run(pinned())
     assert any(n.startswith("router-p") for n in names) and still == []
+    # its own NATS gets one partition (thrown away with it); a shared one the default count, which the
+    # stream keeps for every stack after
+    assert {n for n in names if n.startswith("router-p")} == {f"router-p{p}" for p in range(16)}

@@ -162,7 +162,11 @@ class Run:
         args, stack = self.args, None
         try:
             if servers is not None:
-                stack = await embedded_stack(servers, metrics_port=args.metrics_port,
+                # on its own NATS, one partition: a stack of one replica each, for one execution, thrown
+                # away after (a partition is a durable per control-plane service; 16 of each took ~0.2 s
+                # to create). Someone else's NATS keeps its count (fixed when its stream was created).
+                own = isinstance(servers.nats, EmbeddedNats)
+                stack = await embedded_stack(servers, metrics_port=args.metrics_port, partitions=1 if own else None,
                                              allow_net=getattr(args, "allow_net_text", None))
                 if stack.metrics_url and not args.json:
                     print(f"metrics: {stack.metrics_url}/metrics (and /livez, /readyz)", file=sys.stderr, flush=True)

@@ -169,20 +169,21 @@ def provision(persistent: str | None = None) -> Servers:
 
 async def embedded_stack(servers: Servers, processes: bool = False, metrics_port: int | None = None,
                          log_format: str | None = None, port: int = 0, counts: dict[str, int] | None = None,
-                         allow_net: str | None = None):
+                         allow_net: str | None = None, partitions: int | None = None):
     """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised;
     the gateway on ``port`` (0: any free one), ``counts`` replicas per service (stack.parse_replicas).
     ``stop()`` stops the services; the servers are the caller's to stop. ``metrics_port``: in this
     process, the port of its one metrics server (0: a free one; None: none); with ``processes``, the
     first of the services' ports (0 or None: free ones). ``allow_net``: NOETL_SANDBOX_ALLOW_NET for the
-    workers (None: the environment's)."""
+    workers (None: the environment's). ``partitions``: of the events stream, when this stack creates it
+    (None: NOETL_PARTITIONS, else the default)."""
     from ..stack import InProcessStack, ProcessStack, Settings
 
     persistent = servers.persistent
     creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
     settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds,
                         metrics_port=metrics_port, log_format=log_format, port=port, allow_net=allow_net,
-                        home=persistent)
+                        home=persistent, partitions=partitions)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file, counts=counts)
