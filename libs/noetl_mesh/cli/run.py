@@ -50,28 +50,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     """D26: run a playbook to its end; exit 0 COMPLETED, 1 FAILED/CANCELLED, 2 invalid input, 3 --timeout
     passed, 4 no gateway at --gateway, 5 the embedded stack cannot start, 128 + the signal's number when
     SIGINT/SIGTERM stopped it (after stopping what it started)."""
-    gateway = args.gateway or os.environ.get("NOETL_GATEWAY_URL")
-    local = None
-    if not gateway:
-        from ..home import running_stack
-
-        local = running_stack(args.home)
-    with Signals() as signals:
-        # the embedded stack's servers start while the playbooks are checked (a bad one, or a signal,
-        # stops them again)
-        early = None if gateway or local else EarlyServers()
-        try:
-            return _run(args, gateway, local, early, signals)
-        except Interrupted as exc:  # while checking the playbooks: the run's own handling starts later
-            fail(f"interrupted ({exc}): stopping the embedded stack" if early else f"interrupted ({exc})")
-            return 128 + exc.signum
-        finally:
-            if early is not None:
-                early.discard()
-
-
-def _run(args: argparse.Namespace, gateway: str | None, local: dict | None, early: "EarlyServers | None",
-         signals: Signals) -> int:
     from ..lang.documents import read_document
     from ..lang.validate import validate_file, validate_text
 
@@ -97,10 +75,15 @@ def _run(args: argparse.Namespace, gateway: str | None, local: dict | None, earl
     except ValueError as exc:
         return fail(str(exc))
     text = texts.get(args.file) or read_document(args.file)[0]  # decoded as it was validated (UTF-8/16/32)
-    if local:
-        gateway = local["gateway"]
-        print(f"noetl: running on the noetl up of {local.get('home') or args.home or '.noetl'} ({gateway}; "
-              "--gateway URL for another)", file=sys.stderr)
+    gateway = args.gateway or os.environ.get("NOETL_GATEWAY_URL")
+    if not gateway:
+        from ..home import running_stack
+
+        local = running_stack(args.home)
+        if local:
+            gateway = local["gateway"]
+            print(f"noetl: running on the noetl up of {local.get('home') or args.home or '.noetl'} ({gateway}; "
+                  "--gateway URL for another)", file=sys.stderr)
     if bad_url(gateway):
         return fail(bad_url(gateway))
     if gateway and getattr(args, "allow_net", None):
@@ -110,51 +93,16 @@ def _run(args: argparse.Namespace, gateway: str | None, local: dict | None, earl
         args.allow_net_text = None if gateway else allow_net(args)
     except ValueError as exc:
         return fail(str(exc))
-    run = Run(args, gateway, signals)
+    with Signals() as signals:
+        run = Run(args, gateway, signals)
 
-    def start():
-        if early is not None:
-            run.servers = early.result()
-        return run.main(text, workload, run.servers, texts)
+        def start():
+            if not gateway:
+                preload_services()
+                run.servers = provision()
+            return run.main(text, workload, run.servers, texts)
 
-    return run.go(start)
-
-
-class EarlyServers:
-    """The embedded stack's NATS and Postgres, started in a thread (and the services imported in
-    another) while the main thread checks the playbooks: ``noetl run`` starts ~0.2 s sooner. A signal
-    or a bad playbook meanwhile: :meth:`discard` waits for the thread and stops what it started."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.servers: Servers | None = None
-        self.error: BaseException | None = None
-        preload_services()
-        self.thread = threading.Thread(target=self._start, name="noetl-provision", daemon=True)
-        self.thread.start()
-
-    def _start(self) -> None:
-        try:
-            self.servers = provision()
-        except BaseException as exc:  # noqa: BLE001 - raised in the main thread by result()
-            self.error = exc
-
-    def result(self) -> Servers:
-        """The servers (the caller stops them), or what starting them raised."""
-        while self.thread.is_alive():
-            self.thread.join(0.05)  # a signal's handler runs in between (Signals: Interrupted)
-        if self.error is not None:
-            raise self.error
-        servers, self.servers = self.servers, None
-        assert servers is not None
-        return servers
-
-    def discard(self) -> None:
-        self.thread.join()
-        if self.servers is not None:
-            servers, self.servers = self.servers, None
-            servers.stop()
+        return run.go(start)
 
 
 class TimedOut(Exception):
