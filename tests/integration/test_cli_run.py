@@ -230,6 +230,38 @@ def test_a_signal_stops_noetl_run_with_its_nats_and_postgres(tmp_path, sig):
     assert not nats_dir.exists() and not pg_dir.exists()
 
 
+def test_a_signal_while_the_servers_start_stops_them(tmp_path):
+    """A signal while the embedded stack's servers start (here: as soon as the NATS server runs) stops
+    what has started, and nothing is left running."""
+    pb = tmp_path / "slow.yaml"
+    pb.write_text(SLOW)
+    proc = subprocess.Popen([sys.executable, "-m", "noetl_mesh.cli", "run", str(pb)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 60
+        nats: list[int] = []
+        while not nats:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            nats = [pid for pid, cmd in _children(proc.pid).items() if "nats-server" in cmd]
+        proc.send_signal(signal.SIGTERM)
+        seen = set(nats)  # whatever it starts until it exits (Postgres may start after the signal)
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= {pid for pid, cmd in _children(proc.pid).items() if "sandbox" not in cmd}
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert re.fullmatch(r"noetl: interrupted \(SIGTERM\): (cancelling execution \w+ and )?stopping the embedded "
+                        r"stack\n", err), err
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in seen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in seen if _alive(pid)]
+
+
 def test_a_second_noetl_up_on_a_home_says_one_runs_there(tmp_path):
     import shutil
     import tempfile
