@@ -58,7 +58,7 @@ def migrated(name: str) -> dict:
 @pytest.mark.parametrize("name", ["heavy_loop", "hello_world", "case_routing", "control_flow_workbook",
                                   "step_set_reads_itself", "unrouted_end", "arc_set_ctx",
                                   "pipeline_task_set", "policy_error_reads", "error_field_values",
-                                  "step_input_script"])
+                                  "step_input_script", "artifact_get"])
 def test_migrated_fixture_runs_and_gives_its_results(name):
     check(name, summary(asyncio.run(_run(migrated(name))).state))
 

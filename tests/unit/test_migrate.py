@@ -1402,3 +1402,28 @@ def test_a_legacy_nats_task_names_its_object_with_key_and_drops_ttl():
     assert {("M6", "workflow[0].step=start.tool.name"), ("M6", "workflow[1].step=labelled.tool[1].ttl")} <= {
         (c.rule, c.location) for c in m.changes}
     assert m.complete and validate_text(m.text).ok
+
+
+def test_artifact_get_becomes_the_steps_result_and_other_artifact_actions_need_a_person():
+    legacy = """apiVersion: noetl.io/v1
+kind: Playbook
+metadata: {name: a, path: a}
+workflow:
+  - step: start
+    tool: {kind: python, code: "result = {'n': 1}"}
+    next: [{step: load}]
+  - step: load
+    tool:
+      - name: fetch
+        kind: artifact
+        action: get
+        input: {result_ref: "{{ start._ref }}"}
+      - name: keep
+        kind: artifact
+        action: put
+        input: {data: "{{ fetch }}"}
+"""
+    m = migrate_text(legacy)
+    assert "      - name: fetch\n        kind: noop\n        result: '{{ start.result }}'\n" in m.text
+    [problem] = m.problems
+    assert "artifact" in str(problem) and "action 'put'" in str(problem) and "tool[1].kind" in str(problem)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from typing import Any
 
 from jinja2 import nodes
@@ -335,6 +336,8 @@ class Steps:
             _rename(t, "type", "kind")
             kind = t["kind"]
             self.change("M6", path + ("type",), "'type' -> 'kind'")
+        if kind == "artifact" and self.artifact_get(t, path):
+            kind = "noop"
         if kind == "sink" or "sink" in t or "save" in t:
             for key in ("sink", "save"):
                 if key in t:
@@ -397,7 +400,7 @@ class Steps:
                         and not (key == "output_select" and self._step is not None):  # the step's (step_output)
                     self.problem("M6", path + (key,), f"the {kind} tool has no field '{key}': "
                                  + _NO_FIELD.get(key, "remove it or express it another way (docs/tools.md)"))
-        elif kind is not None and not (isinstance(kind, str) and kind in _FIELDS):
+        elif kind is not None and not (isinstance(kind, str) and kind in _FIELDS) and not self.reported(path + ("kind",)):
             self.problem("M6", path + ("kind",), f"tool kind {kind!r} has no canonical equivalent here "
                                                  f"(the kinds: {', '.join(sorted(_FIELDS))})")
 
@@ -501,6 +504,31 @@ class Steps:
                 if key in t and "db_path" not in t:
                     _rename(t, key, "db_path")
                     self.change("M6", path + (key,), f"duckdb '{key}' -> 'db_path'")
+
+    def artifact_get(self, t: Any, path: Path) -> bool:
+        """The legacy ``artifact`` tool, ``action: get`` of ``result_ref: "{{ <step>._ref }}"``: it fetched
+        a step's result that had been stored aside. Results here are always whole (a large one is kept in
+        the payload store and read back transparently), so it is that step's result: a ``noop`` whose
+        ``result`` reads the step (M2 then spells the read). Anything else needs a person."""
+        inp = t.get("input") if _is_map(t.get("input")) else None
+        ref = (inp or t).get("result_ref")
+        match = _ARTIFACT_REF.fullmatch(ref) if isinstance(ref, str) else None
+        extra = [k for k in t if k not in ("kind", "name", "action", "input", "result_ref", "desc", "spec")]
+        extra += [f"input.{k}" for k in (inp or {}) if k != "result_ref"]
+        if t.get("action", "get") != "get" or match is None or extra:
+            why = (f"fields {', '.join(extra)}" if extra and match else
+                   f"action {t.get('action')!r}" if t.get("action", "get") != "get" else "its result_ref")
+            self.problem("M6", path + ("kind",), f"an artifact task is translated only as 'action: get' of "
+                         f"'result_ref: \"{{{{ <step>._ref }}}}\"' (that step's result); this one has {why}")
+            return False
+        for key in ("action", "input", "result_ref"):
+            t.pop(key, None)
+        t["kind"] = "noop"
+        t["result"] = f"{{{{ {match.group(1)} }}}}"
+        self.change("M6", path + ("kind",), f"artifact get of step '{match.group(1)}''s stored result -> a noop "
+                    f"whose result is that step's (results are whole here; a large one is read back from the "
+                    f"payload store)")
+        return True
 
     def nats_fields(self, t: Any, path: Path) -> None:
         if _nats_object_name(t):
@@ -918,6 +946,9 @@ class Steps:
                 _rename(task, "task", "name")
                 self.change("M6", path + ("task",), "a workbook task's 'task' -> 'name'")
             self.task_structure(task, path, in_loop=False)
+
+
+_ARTIFACT_REF = re.compile(r"\s*\{\{\s*([A-Za-z_]\w*)\._ref\s*\}\}\s*")
 
 
 def _nats_object_name(t: Any) -> bool:
