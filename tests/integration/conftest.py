@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import base64
+import logging
 import os
 import shutil
 import tempfile
@@ -48,6 +49,21 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+class Capture(logging.Handler):
+    """Every log record of the process, formatted: what a test searches for a secret that must not be
+    there."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # noqa: BLE001
+            self.lines.append(str(record.msg))
 
 
 class StackHandle:

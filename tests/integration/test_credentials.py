@@ -22,7 +22,7 @@ from noetl_mesh.services.sessions.audit import STREAM as AUDIT
 from noetl_mesh.services.sessions.store import LOGINS, SESSIONS, USERS
 from noetl_mesh.services.worker import service as worker_service
 
-from conftest import start_stack, stop_stack
+from conftest import Capture, start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
 
@@ -73,18 +73,6 @@ workflow:
       url: "{{ workload.api }}/echo"
       json: {token: "{{ keychain.db.password }}", passed: "{{ args.token }}"}
 """
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(self.format(record))
-        except Exception:  # noqa: BLE001
-            self.lines.append(str(record.msg))
 
 
 @pytest.fixture(scope="module")

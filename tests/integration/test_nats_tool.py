@@ -20,7 +20,7 @@ from noetl_mesh.sandbox.policy import Policy, parse_destinations
 from noetl_mesh.tools.base import ToolContext
 from noetl_mesh.tools.nats import NatsTool
 
-from conftest import start_stack, stop_stack
+from conftest import Capture, start_stack, stop_stack
 from test_sandboxed_tasks_net import developer
 
 pytestmark = pytest.mark.integration
@@ -185,18 +185,6 @@ workflow:
         bucket: orders
         key: "order.{{ workload.order }}"
 """
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(self.format(record))
-        except Exception:  # noqa: BLE001
-            self.lines.append(str(record.msg))
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,34 @@ def timeout_seconds(value: Any, default: float | None) -> float | None:
 # ------------------------------------------------------------------------------------- result limit
 
 
+async def bounded(work: Any, cancel: Any, timeout: float | None) -> tuple[str, Any]:
+    """Run the coroutine ``work`` until it ends (``("done", its future)``: read its result there), the
+    execution's ``cancel`` event is set (``("cancelled", None)``) or ``timeout`` seconds pass (``("timeout",
+    None)``; None: no bound). Work that is given up is cancelled and awaited, its own error dropped."""
+    import asyncio
+
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(cancel.wait()) if cancel is not None else None
+    try:
+        done, _ = await asyncio.wait({task} if waiter is None else {task, waiter}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        if waiter is not None:
+            waiter.cancel()
+        raise
+    if waiter is not None:
+        waiter.cancel()
+    if task in done:
+        return "done", task
+    task.cancel()  # (psycopg cancels a running query on the server)
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - the abandoned work's own error is not the story
+        pass
+    return ("cancelled" if waiter is not None and waiter in done else "timeout"), None
+
+
 def json_size(value: Any) -> int:
     """The size in bytes of ``value`` as JSON (as the bus serialises it: compact, UTF-8)."""
     try:

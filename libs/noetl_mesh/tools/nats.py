@@ -47,7 +47,7 @@ from .. import limits
 from ..core.keychain import masker
 from ..sandbox.net import Refused, Resolver, allowed_addresses, is_address
 from ..sandbox.policy import Policy
-from .base import ResultTooLarge, ToolContext, error, json_size, ok, timeout_seconds
+from .base import ResultTooLarge, ToolContext, bounded, error, json_size, ok, timeout_seconds
 
 __all__ = ["NatsTool", "OPERATIONS", "parse", "encode", "decode", "Request"]
 
@@ -579,26 +579,10 @@ class NatsTool:
             return error("limit_exceeded", f"step {ctx.step!r}, task {ctx.task_name!r}: {e}")
         seconds, said = task_seconds(r, ctx.timeout if ctx.timeout is not None else spec.get("timeout"))
         hide = masker(r.secrets()).text
-        work = asyncio.ensure_future(self._work(r, seconds))
-        waiter = asyncio.ensure_future(ctx.cancel.wait()) if ctx.cancel is not None else None
-        try:
-            done, _ = await asyncio.wait({work} if waiter is None else {work, waiter}, timeout=seconds + 1,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            if waiter is not None:
-                waiter.cancel()
-            raise
-        if waiter is not None:
-            waiter.cancel()
-        if work not in done:
-            work.cancel()
-            try:
-                await work
-            except BaseException:  # noqa: BLE001 - the abandoned call's own error is not the story
-                pass
-            if waiter is not None and waiter in done:
-                return error("cancelled", "nats task cancelled")
+        how, work = await bounded(self._work(r, seconds), ctx.cancel, seconds + 1)
+        if how == "cancelled":
+            return error("cancelled", "nats task cancelled")
+        if how == "timeout":
             return error("nats_timeout", f"nats {r.operation}: the task passed its timeout of {said}", True)
         try:
             return ok(work.result())

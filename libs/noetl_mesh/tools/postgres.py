@@ -55,7 +55,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from ..core.keychain import masker
 from ..sandbox.net import Refused, Resolver, allowed_addresses, check_address, is_address
 from ..sandbox.policy import Policy
-from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
+from .base import ResultBudget, ResultTooLarge, ToolContext, bounded, error, ok, timeout_seconds
 from .duckdb import FETCH_ROWS, _shape_rows
 
 __all__ = ["PostgresTool", "split_statements", "RETRYABLE_SQLSTATES"]
@@ -516,27 +516,10 @@ class PostgresTool:
         async def checked_then_executed() -> dict:  # D33: libpq connects to the checked addresses only
             return await self._execute(await _pinned(conninfo, self._policy, self._resolver), plan, timeout)
 
-        work = asyncio.ensure_future(checked_then_executed())
-        waiter = asyncio.ensure_future(ctx.cancel.wait()) if ctx.cancel is not None else None
-        try:
-            waits = {work} if waiter is None else {work, waiter}
-            done, _ = await asyncio.wait(waits, timeout=(timeout + GRACE) if timeout else None,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            if waiter is not None:
-                waiter.cancel()
-            raise
-        if waiter is not None:
-            waiter.cancel()
-        if work not in done:
-            work.cancel()  # psycopg cancels the running query on the server
-            try:
-                await work
-            except BaseException:  # noqa: BLE001 - the abandoned query's own error is not the story
-                pass
-            if waiter is not None and waiter in done:
-                return error("cancelled", "postgres task cancelled")
+        how, work = await bounded(checked_then_executed(), ctx.cancel, (timeout + GRACE) if timeout else None)
+        if how == "cancelled":
+            return error("cancelled", "postgres task cancelled")
+        if how == "timeout":
             return error("timeout", f"postgres task exceeded its timeout of {timeout:g}s", True)
         try:
             return ok(work.result())
