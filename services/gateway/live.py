@@ -14,7 +14,8 @@ A stream (:func:`stream`) writes, as server-sent events:
 - ``hello`` once; ``events`` — what was recorded since the last write: counts by event name and the
   newest events (at most :data:`TAIL` per write); ``state`` — the execution's view after the new
   events (core/view.py, asked of the recorder once per topic however many streams watch it, at most
-  every :data:`MIN_STATE_INTERVAL` s, or twice the time the last view took); ``executions`` — ids
+  every :data:`MIN_STATE_INTERVAL` s, or twice the time the last view took; and after
+  :data:`IDLE_REFRESH` s without a notice while the execution runs); ``executions`` — ids
   of executions that started or ended (the list page reads its page again); ``resync`` — after a NATS
   reconnection, when notices may have been lost: read everything again; ``bye`` — the stream ends,
   ``reason`` saying why: ``lifetime`` (``live_stream_seconds`` passed), ``revoked`` (its session or
@@ -58,6 +59,7 @@ HEARTBEAT = 15.0  # seconds between comments on an idle stream
 RECHECK = 30.0  # seconds between two checks of the stream's token
 COALESCE = 0.25  # seconds a stream waits after a write before the next (notices in between are merged)
 MIN_STATE_INTERVAL = 0.5  # seconds between two views of one execution
+IDLE_REFRESH = 5.0  # seconds without a notice after which an unfinished execution's view is read anyway
 LIST = "*"  # the key of the executions list's topic
 ANNOUNCE_EVERY = 5.0  # seconds between two announcements to the recorders of every topic (event_recorder/live.py)
 WATCH_TTL = 15.0  # how long the recorders keep sending a topic's notices without hearing of it again
@@ -181,9 +183,16 @@ class Topic:
         self.dirty.set()
 
     async def _refresh(self) -> None:
-        """One view of the execution after new notices, shared by every stream of the topic."""
+        """One view of the execution after new notices, shared by every stream of the topic; and, until
+        it has finished, one after :data:`IDLE_REFRESH` s without a notice: notices are at most once,
+        and those of what was recorded before the recorders heard of this topic never come (an
+        execution that ended meanwhile would otherwise never say so)."""
+        finished = False
         while True:
-            await self.dirty.wait()
+            try:
+                await asyncio.wait_for(self.dirty.wait(), None if finished else IDLE_REFRESH)
+            except asyncio.TimeoutError:
+                pass
             self.dirty.clear()
             started = time.monotonic()
             try:
@@ -195,6 +204,7 @@ class Topic:
                 state = None
             took = time.monotonic() - started
             if state is not None:
+                finished = bool(state.get("finished"))
                 for listener in self.listeners:
                     listener.set_state(state)
             await asyncio.sleep(max(MIN_STATE_INTERVAL, 2 * took))

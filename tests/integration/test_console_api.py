@@ -519,7 +519,26 @@ def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack)
         finally:
             await bus.close()
 
-    stack.run(go(), 300)  # two executions, a stream and a cancel: a guard against a hang, not a race with load
+    stack.run(go(), 200)  # two executions, a stream and a cancel: a guard against a hang (a timeout names every
+    # waiting task of the loop, before pytest-timeout's 300 s would say only where the test thread waits)
+
+
+def test_a_stream_learns_the_end_it_had_no_notice_of(stack):
+    """Notices are at most once, and none comes of what was recorded before the recorders heard of a
+    stream: a stream opened on an execution that has already ended (no notice will ever come) still
+    gets its finished state, read after IDLE_REFRESH s without a notice."""
+
+    async def go():
+        async with http(stack) as client:
+            eid = await start(client, FORK_JOIN)
+            await finished(client, eid)
+            async with client.stream("GET", f"/api/live/executions/{eid}") as resp:
+                sse = Sse(resp)
+                assert (await sse.next())[0] == "hello"
+                seen = await sse.until(lambda event, data: event == "state" and data.get("finished"))
+                assert not [event for event, _ in seen if event == "events"]  # no notice: the view came anyway
+
+    stack.run(go(), 120)
 
 
 def test_a_child_execution_is_listed_as_started_on_behalf_of_its_parents_starter(stack):
