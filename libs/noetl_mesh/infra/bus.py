@@ -281,17 +281,13 @@ class Bus:
             else:
                 await self._migrate_events(info.config)  # the earlier layout, or refused: not made by noetl
         except NotFoundError:
-            await self.js.add_stream(StreamConfig(
-                name=EVENTS, subjects=[EVENT_SUBJECTS, TIMER_SUBJECTS], storage=StorageType.FILE,
-                retention=RetentionPolicy.LIMITS, max_age=max_age_s, duplicate_window=120,
-                subject_transform=_event_transform(partitions), num_replicas=replicas, allow_msg_schedules=True, allow_rollup_hdrs=True,
-            ))
+            info = None  # made last (below)
             self.partitions, self.replicas = partitions, replicas
         try:
-            info = await self.js.stream_info(COMMANDS)
-            if set(info.config.subjects or ()) != set(COMMAND_SUBJECTS):  # an earlier version's stream
-                info.config.subjects = list(COMMAND_SUBJECTS)
-                await self.js.update_stream(info.config)
+            info_commands = await self.js.stream_info(COMMANDS)
+            if set(info_commands.config.subjects or ()) != set(COMMAND_SUBJECTS):  # an earlier version's stream
+                info_commands.config.subjects = list(COMMAND_SUBJECTS)
+                await self.js.update_stream(info_commands.config)
         except NotFoundError:
             await self.js.add_stream(StreamConfig(
                 name=COMMANDS, subjects=list(COMMAND_SUBJECTS), storage=StorageType.FILE,
@@ -305,6 +301,13 @@ class Bus:
         from . import schedules
 
         await schedules.ensure(self.js, self.replicas)  # the schedules stream and bucket (D31)
+        if info is None:  # last: services wait for it (attach), so everything else they use is there by then
+            await self.js.add_stream(StreamConfig(
+                name=EVENTS, subjects=[EVENT_SUBJECTS, TIMER_SUBJECTS], storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS, max_age=max_age_s, duplicate_window=120,
+                subject_transform=_event_transform(partitions), num_replicas=replicas, allow_msg_schedules=True,
+                allow_rollup_hdrs=True,
+            ))
 
     async def _migrate_events(self, config: StreamConfig) -> None:
         """An events stream of the earlier layout (``noetl.evt.<class>.<execution_id>``, no writer)
