@@ -26,7 +26,7 @@ kind: Playbook
 metadata: {name: slow, path: tests/slow}
 workflow:
   - step: start
-    tool: {kind: python, code: "import time\\ntime.sleep(40)\\nresult = 1"}
+    tool: {kind: python, code: "import time\\ntime.sleep(3600)\\nresult = 1", spec: {timeout: 3600}}
 """
 
 
@@ -160,12 +160,10 @@ workflow:
 def test_run_timeout_is_a_message_and_exit_3(tmp_path):
     pb = tmp_path / "slow.yaml"
     pb.write_text(SLOW)
-    started = time.monotonic()
-    proc = noetl("run", str(pb), "--timeout", "2")
+    proc = noetl("run", str(pb), "--timeout", "2")  # within noetl()'s 120 s: the hour-long task was cancelled
     assert proc.returncode == 3, proc.stderr
     assert re.fullmatch(r"noetl: execution \w+ did not finish within 2s \(--timeout\): cancelling it and stopping "
                         r"the embedded stack\n", proc.stderr), proc.stderr
-    assert time.monotonic() - started < 30  # not the 40 s the task sleeps: cancelled
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -211,10 +209,8 @@ def test_a_signal_stops_noetl_run_with_its_nats_and_postgres(tmp_path, sig):
         nats_dir = Path(re.search(r"--ports_file_dir (\S+)", children[nats[0]]).group(1))
         pg_dir = Path(re.search(r" -D (\S+)", children[pg[0]]).group(1)).parent
         assert nats_dir.is_dir() and (pg_dir / "data" / "PG_VERSION").exists()
-        sent = time.monotonic()
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
+        out, err = proc.communicate(timeout=60)  # the task (an hour's sleep) is cancelled, not waited for
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -222,7 +218,6 @@ def test_a_signal_stops_noetl_run_with_its_nats_and_postgres(tmp_path, sig):
     assert proc.returncode == 128 + sig, err
     assert re.fullmatch(rf"noetl: interrupted \({sig.name}\): cancelling execution \w+ and stopping the embedded "
                         r"stack\n", err), err
-    assert took < 10, took  # a running task is cancelled, not waited for (it sleeps 40 s)
     deadline = time.monotonic() + 10  # orphans would be reparented and stay; the reaped ones go
     while any(_alive(pid) for pid in nats + pg + runners) and time.monotonic() < deadline:
         time.sleep(0.1)

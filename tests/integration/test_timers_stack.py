@@ -37,7 +37,7 @@ metadata: {name: timeout, path: time/timeout}
 workflow:
   - step: start
     spec: {policy: {lifecycle: {timeout_s: 1}}}
-    tool: {kind: python, code: "import time\\ntime.sleep(30)\\nresult = 1"}
+    tool: {kind: python, code: "import time\\ntime.sleep(3600)\\nresult = 1", spec: {timeout: 3600}}
     next: {arcs: [{step: handler, when: "{{ event.error.kind == 'timeout' }}"}]}
   - step: handler
     tool: {kind: noop, result: handled}
@@ -104,13 +104,11 @@ async def _until(client, eid, name, timeout=20.0):
 
 
 def test_a_step_timeout_cancels_the_task_and_routes_to_its_handler(timed):
-    t0 = time.monotonic()
-    status, events = timed.execute(TIMEOUT, timeout=60)
+    status, events = timed.execute(TIMEOUT, timeout=60)  # the task sleeps an hour: cancelled, not waited for
     assert status["status"] == "COMPLETED", status
     assert status["steps"]["start"]["status"] == "failed" and status["steps"]["handler"]["result"] == "handled"
     failed = next(e for e in events if e["name"] == "step.failed")
     assert failed["source"] == "router" and failed["data"]["error"]["kind"] == "timeout"
-    assert time.monotonic() - t0 < 20  # the 30 s python task was cancelled, not waited for
 
 
 def test_an_approval_sent_by_http_resumes_the_execution(timed):
