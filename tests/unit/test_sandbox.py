@@ -454,3 +454,34 @@ def test_no_timeout_is_still_the_task_time_limit():
     with limits.override(task_max_seconds=1):
         out, = run_tasks([({"code": "import time\ntime.sleep(30)"}, {"timeout": 0})])
     assert out["error"]["kind"] == "timeout" and "task_max_seconds" in out["error"]["message"], out
+
+
+def test_a_fork_server_whose_start_is_cancelled_is_killed_before_the_sandbox_closes():
+    """A worker that stops while a fork server is still starting (the stack stopped early): the server
+    is killed with the start, not left to find its scratch directory gone and say so on the worker's
+    standard error until the worker exits."""
+    import subprocess
+
+    sandbox = Supervisor(Policy())
+
+    def servers() -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "sandbox.forkserver"], capture_output=True,
+                             text=True).stdout
+        return [int(pid) for pid in out.split()]
+
+    async def main():
+        start = asyncio.ensure_future(sandbox.start("duckdb"))
+        for _ in range(500):  # until its process runs
+            if servers():
+                break
+            await asyncio.sleep(0.01)
+        started = servers()
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await sandbox.close()
+        return started
+
+    started = asyncio.run(main())
+    assert started  # it was caught starting
+    assert not [pid for pid in started if os.path.exists(f"/proc/{pid}") and
+                open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]

@@ -364,12 +364,15 @@ class Supervisor:
         mine.setblocking(False)
         server = _Server(proc, mine, loop)
         loop.add_reader(mine.fileno(), server.on_readable)
-        await server.send(config)
         try:
+            await server.send(config)
             async with asyncio.timeout(_START_TIMEOUT):
                 hello = await server.hello
         except TimeoutError:
             hello = {"ready": False, "error": f"the fork server did not start within {_START_TIMEOUT:g}s"}
+        except BaseException:  # the start cancelled (the sandbox closing): this server is nobody's to kill else
+            await asyncio.shield(asyncio.to_thread(server.kill))
+            raise
         if not hello.get("ready"):
             server.kill()
             if self.policy.enabled:
