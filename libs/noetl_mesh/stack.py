@@ -464,6 +464,11 @@ class ProcessStack:
         if self.supervise:
             self._supervisor = asyncio.create_task(self._watch(), name="supervisor")
         self.token = await bootstrap(self.settings, self.token_file)
+        try:  # every service answering (the gateway's /ready), so that the first request does not get a 503
+            await wait_http(f"{self.gateway_url}/ready", timeout=60, procs=None if self.supervise else self.procs)
+        except TimeoutError:
+            log.warning("not every service answered within 60 s of the start: %s/ready says which; "
+                        "requests that need them are answered 503 until they do", self.gateway_url)
         return self
 
     @property
