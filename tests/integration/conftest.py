@@ -38,13 +38,15 @@ class LoopThread:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"not done within {timeout} s; the loop's tasks:\n{self.tasks()}") from None
+            raise TimeoutError(f"not done within {timeout} s; the loop's tasks:\n{self.tasks(coro)}") from None
 
-    def tasks(self) -> str:
-        """Where each task of the loop waits: what a timeout says, so a hang names itself."""
+    def tasks(self, coro: Any = None) -> str:
+        """Where each task of the loop waits, the one running ``coro`` first: what a timeout says, so a
+        hang names itself."""
         from noetl_mesh.stack import awaiting
 
-        return "\n".join(f"{t.get_name()}:\n{awaiting(t)}" for t in list(asyncio.all_tasks(self.loop)))[-20000:]
+        tasks = sorted(asyncio.all_tasks(self.loop), key=lambda t: t.get_coro() is not coro)
+        return "\n".join(f"{t.get_name()}:\n{awaiting(t)}" for t in tasks)[:40000]
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -514,7 +514,7 @@ def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack)
                     sse = Sse(resp)
                     assert (await sse.next())[0] == "hello"
                     await client.post(f"/api/executions/{watched}/cancel")
-                    await sse.until(lambda event, data: event == "state" and data.get("finished"))
+                    await sse.until(lambda event, data: event == "state" and data.get("finished"), timeout=90)
                 assert watched in heard and quiet not in heard
         finally:
             await bus.close()
