@@ -145,6 +145,20 @@ def fixture_api() -> Iterator[FixtureApi]:
     api.stop()
 
 
+def developer(handle: "StackHandle") -> str:
+    """An API token of a new user with the role ``developer`` (who writes and runs playbooks)."""
+
+    async def make() -> str:
+        async with handle.client() as admin:
+            await admin.add_user("a-developer", ["developer"], password="a long password")
+        async with GatewayClient(handle.url, token="") as c:
+            c.use(None)
+            await c.login("a-developer", "a long password")
+            return (await c.create_token("sandbox tests"))["token"]
+
+    return handle.run(make())
+
+
 def pg_endpoint(dsn: str) -> str:
     """``HOST:PORT`` of a Postgres connection string: what a stack's workers must be allowed to reach
     for tasks that use that database (NOETL_SANDBOX_ALLOW_NET)."""

@@ -12,23 +12,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from noetl_mesh.client import GatewayClient
 
-from conftest import pg_endpoint, start_stack, stop_stack
+from conftest import developer, pg_endpoint, start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
-
-
-def developer(handle) -> str:
-    """An API token of a new user with the role ``developer`` (who writes and runs playbooks)."""
-
-    async def make() -> str:
-        async with handle.client() as admin:
-            await admin.add_user("a-developer", ["developer"], password="a long password")
-        async with GatewayClient(handle.url, token="") as c:
-            c.use(None)
-            await c.login("a-developer", "a long password")
-            return (await c.create_token("sandbox tests"))["token"]
-
-    return handle.run(make())
 
 
 def probe(handle, token: str, task: dict[str, Any]) -> tuple[dict, dict]:

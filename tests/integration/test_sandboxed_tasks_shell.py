@@ -14,21 +14,9 @@ import pytest
 
 from noetl_mesh.client import GatewayClient
 
-from conftest import start_stack, stop_stack
+from conftest import developer, start_stack, stop_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def developer(handle) -> str:
-    async def make() -> str:
-        async with handle.client() as admin:
-            await admin.add_user("a-shell-developer", ["developer"], password="a long password")
-        async with GatewayClient(handle.url, token="") as c:
-            c.use(None)
-            await c.login("a-shell-developer", "a long password")
-            return (await c.create_token("shell tests"))["token"]
-
-    return handle.run(make())
 
 
 def doc(name: str, tasks: list[dict[str, Any]]) -> dict:

@@ -18,18 +18,9 @@ from noetl_mesh.sandbox.supervisor import Supervisor, execute_paths
 from noetl_mesh.tools.base import ToolContext
 from noetl_mesh.tools.shell import BadTask, ShellTool, commands_of, environment_of
 from noetl_mesh.tools.shell_runner import Output
+from test_sandbox import _in_child
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _in_child(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os._exit(0 if fn() else 1)
-        except BaseException:  # noqa: BLE001
-            os._exit(2)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def test_the_shell_filter_keeps_processes_and_programs_in_the_group_and_signals_inside_it():
