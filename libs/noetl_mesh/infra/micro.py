@@ -258,8 +258,9 @@ async def ask_all(nc: Client, verb: str, name: str | None = None, *, timeout: fl
 async def ping_services(nc: Client, services: Iterable[str], *, timeout: float = 1.0,
                         grace: float = 0.05) -> dict[str, int]:
     """How many replicas of each service (noetl names; workers: ``worker-<pool>``) answer
-    ``$SRV.PING.noetl-<service>``: done when each has answered (plus ``grace`` for its other replicas) or
-    after ``timeout``. The gateway's readiness."""
+    ``$SRV.PING.noetl-<service>``: done when each has answered, plus a grace for their other replicas (``grace``,
+    or as long as the first answers took if longer: a loaded replica answers late), or after ``timeout``.
+    The gateway's readiness."""
     names = {micro_name(s): s for s in services}
     counts = dict.fromkeys(names.values(), 0)
     seen: set[str] = set()
@@ -281,9 +282,11 @@ async def ping_services(nc: Client, services: Iterable[str], *, timeout: float =
     try:
         for name in names:
             await nc.publish(control_subject("PING", name), b"", reply=inbox)
+        started = time.monotonic()
         try:
             await asyncio.wait_for(everyone.wait(), timeout)
-            await asyncio.sleep(grace)
+            took = time.monotonic() - started
+            await asyncio.sleep(min(max(grace, took), timeout - took))
         except asyncio.TimeoutError:
             pass
     finally:
