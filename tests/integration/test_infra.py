@@ -123,6 +123,42 @@ def test_nats_starts_fast_and_stops_clean() -> None:
     assert workdir is not None and not workdir.exists()
 
 
+@pytest.mark.parametrize("server", ["nats", "postgres"])
+def test_a_signal_inside_the_launch_stops_the_server_it_started(server: str, shared_tmp_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's SIGTERM lands while Popen has created the server's process but not yet returned
+    it (a loaded machine: the child execs, Popen still waits on the exec pipe): the start raises the
+    interruption, and the server it launched is stopped, not left running unknown to anyone."""
+    import signal
+    import subprocess
+
+    from noetl_mesh.cli.common import Interrupted, Signals
+    from noetl_mesh.infra import embedded
+
+    launched: list[int] = []
+    real = subprocess.Popen
+
+    def popen(cmd, *args, **kwargs):  # the signal comes inside the server's Popen, after the child exists
+        proc = real(cmd, *args, **kwargs)
+        if not kwargs.get("start_new_session"):
+            return proc  # not a server (initdb, cp, postgres --version): it ends by itself
+        launched.append(proc.pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # Python runs the handler at the next bytecode boundary: here
+            time.sleep(0.001)
+        return proc
+
+    monkeypatch.setattr(embedded.subprocess, "Popen", popen)
+    # a kept data directory (noetl up's): a server is not ended by its directory's removal
+    start = ((lambda: EmbeddedNats(store_dir=shared_tmp_dir / "js").start()) if server == "nats"
+             else (lambda: EmbeddedPostgres(shared_tmp_dir / "pgdata", fast=True).start()))
+    with Signals() as signals, pytest.raises(Interrupted):
+        start()
+    assert signals.received == signal.SIGTERM and launched
+    for pid in launched:  # stopped by the start itself: nothing running
+        assert not _pid_alive(pid), f"{server} pid {pid} left running"
+
+
 def test_nats_failure_reports_command_and_log(nats_server: NatsServer) -> None:
     assert isinstance(nats_server, EmbeddedNats), "needs an embedded session server"
     taken = int(nats_server.url.rsplit(":", 1)[1])

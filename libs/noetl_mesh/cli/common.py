@@ -105,7 +105,10 @@ class Signals:
             self.task.cancel()
             self.loop.call_soon_threadsafe(lambda: None)  # wake the loop up
             return
-        raise Interrupted(signum)
+        from ..infra.launching import defer
+
+        if not defer(Interrupted(signum)):  # a server's launch under way raises it once it holds the process
+            raise Interrupted(signum)
 
 
 def run_loop(coro):

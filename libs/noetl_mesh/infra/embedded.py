@@ -36,6 +36,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from .launching import launching
+
 __all__ = [
     "ENV_NATS_URL",
     "ENV_PG_BIN",
@@ -197,14 +199,15 @@ class EmbeddedNats:
         self._workdir = Path(tempfile.mkdtemp(prefix="noetl-nats-"))
         try:
             cmd = self._command(binary, self._workdir)
-            try:
-                self._proc = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, start_new_session=True,
-                )  # fmt: skip
-            except OSError as exc:
-                raise _failure("could not launch nats-server", cmd, None, str(exc)) from exc
-            self._finalizer = weakref.finalize(self, _finalizer_stop, self._proc, signal.SIGTERM, self._workdir)
+            with launching():  # a signal meanwhile is raised once the process is ours to stop
+                try:
+                    self._proc = subprocess.Popen(
+                        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL, start_new_session=True,
+                    )  # fmt: skip
+                except OSError as exc:
+                    raise _failure("could not launch nats-server", cmd, None, str(exc)) from exc
+                self._finalizer = weakref.finalize(self, _finalizer_stop, self._proc, signal.SIGTERM, self._workdir)
             self._wait_ready(cmd)
         except BaseException:
             self.stop()
@@ -906,14 +909,15 @@ class EmbeddedPostgres(_PgAdmin):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # opened by us, so no permission issue for run_as
         started = time.monotonic()
-        try:
-            self._proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-                cwd="/", start_new_session=True, **_user_kwargs(self.run_as),
-            )  # fmt: skip
-        except OSError as exc:
-            raise _failure("could not launch postgres", cmd, self.log_path, str(exc)) from exc
-        self._finalizer = weakref.finalize(self, _finalizer_stop, self._proc, signal.SIGINT, self._tmp_root)
+        with launching():  # a signal meanwhile is raised once the process is ours to stop
+            try:
+                self._proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+                    cwd="/", start_new_session=True, **_user_kwargs(self.run_as),
+                )  # fmt: skip
+            except OSError as exc:
+                raise _failure("could not launch postgres", cmd, self.log_path, str(exc)) from exc
+            self._finalizer = weakref.finalize(self, _finalizer_stop, self._proc, signal.SIGINT, self._tmp_root)
         deadline = started + self.startup_timeout
         while True:
             if self._proc.poll() is not None:
