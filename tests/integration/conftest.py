@@ -41,12 +41,26 @@ class LoopThread:
             raise TimeoutError(f"not done within {timeout} s; the loop's tasks:\n{self.tasks(coro)}") from None
 
     def tasks(self, coro: Any = None) -> str:
-        """Where each task of the loop waits, the one running ``coro`` first: what a timeout says, so a
-        hang names itself."""
+        """What a timeout says, so that a hang names itself: the state of ``coro`` (never started: the loop
+        did not get to it) and its chain of awaits, where the loop's thread is (a loop blocked by a
+        synchronous call shows it there), whether the loop still answers, then where each task waits."""
+        import inspect
+        import sys
+        import traceback
+        from types import SimpleNamespace
+
         from noetl_mesh.stack import awaiting
 
+        answers = threading.Event()
+        self.loop.call_soon_threadsafe(answers.set)
+        alive = answers.wait(2)
+        frame = sys._current_frames().get(self.thread.ident)
+        head = [f"the test's coroutine: {inspect.getcoroutinestate(coro) if coro else '?'}",
+                awaiting(SimpleNamespace(get_coro=lambda: coro)) if coro else "",
+                f"the loop {'answers' if alive else 'does NOT answer within 2 s (blocked)'}; its thread is at:",
+                "".join(traceback.format_stack(frame)[-12:]) if frame else "  (no frame)"]
         tasks = sorted(asyncio.all_tasks(self.loop), key=lambda t: t.get_coro() is not coro)
-        return "\n".join(f"{t.get_name()}:\n{awaiting(t)}" for t in tasks)[:40000]
+        return "\n".join(head + [f"{t.get_name()}:\n{awaiting(t)}" for t in tasks])[:40000]
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
