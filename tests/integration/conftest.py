@@ -34,7 +34,16 @@ class LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine, timeout: float = 120) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        async def own() -> Any:
+            try:
+                return await coro
+            except TimeoutError as exc:  # asyncio hands this thread a bare copy: say which wait it was
+                import traceback
+
+                raise AssertionError("a wait of the test's own timed out:\n"
+                                     + "".join(traceback.format_exception(exc))) from None
+
+        future = asyncio.run_coroutine_threadsafe(own(), self.loop)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -59,7 +68,7 @@ class LoopThread:
                 awaiting(SimpleNamespace(get_coro=lambda: coro)) if coro else "",
                 f"the loop {'answers' if alive else 'does NOT answer within 2 s (blocked)'}; its thread is at:",
                 "".join(traceback.format_stack(frame)[-12:]) if frame else "  (no frame)"]
-        tasks = sorted(asyncio.all_tasks(self.loop), key=lambda t: t.get_coro() is not coro)
+        tasks = sorted(asyncio.all_tasks(self.loop), key=lambda t: getattr(t.get_coro(), "cr_await", None) is not coro)
         return "\n".join(head + [f"{t.get_name()}:\n{awaiting(t)}" for t in tasks])[:40000]
 
     def close(self) -> None:
