@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+from unittest.mock import patch
+
 import nats
 import pytest
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy
 
 from noetl_mesh.infra.bus import EVENTS, Bus
@@ -201,6 +204,44 @@ def test_one_ack_covers_many_messages(fresh_nats):
             assert 0 < len(acks) <= 300 // 10, len(acks)
         finally:
             await spy.close()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_an_ack_that_was_lost_is_sent_again_when_its_messages_come_back(fresh_nats):
+    """The ack covering 1-3 never reaches the server (a node failing over with it): after ack_wait the
+    consumer redelivers 1-3, which the reader handled and believes acknowledged. It acks them again
+    instead of waiting for the consumer to count them as its own forever, handles none of them twice,
+    and goes on with 4-5."""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        real, lost = Msg.ack, []
+
+        async def lossy(msg):
+            if not lost:
+                lost.append(msg.metadata.sequence.stream)
+                return
+            await real(msg)
+
+        try:
+            got: list[int] = []
+            stop = asyncio.Event()
+            with patch.object(Msg, "ack", lossy):
+                task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, _collecting(got), stop).run())
+                await asyncio.sleep(0.3)
+                await _publish(bus, 3)
+                await until(lambda: got == [1, 2, 3] and lost, 5)
+                await asyncio.sleep(3)  # ack_wait (2 s): 1-3 come back
+                await _publish(bus, 2)
+                await until(lambda: len(got) >= 5, 10)
+                await asyncio.sleep(0.3)
+                info = await bus.consumer_info(EVENTS, DURABLE)
+                stop.set()
+                await task
+            assert lost == [3] and got == [1, 2, 3, 4, 5]
+            assert info["num_ack_pending"] == 0 and info["ack_floor"]["stream_seq"] == 5, info
+        finally:
             await bus.close()
 
     asyncio.run(main())

@@ -33,7 +33,8 @@ a message it still has to ack out of reach. A message that cannot be handled is 
 has handled everything below it by then. A message handed back (``nak``) keeps every later ack below
 it until it has come back and been handled. Under ``AckPolicy.ALL`` the consumer's unacknowledged
 count (``num_ack_pending``) still counts each delivered message not covered by an ack, so a resyncing
-reader counts what it handled and has not acknowledged yet as its own.
+reader counts what it handled and has not acknowledged yet as its own, and acks again what comes back
+after an ack of its own that the consumer does not show (:meth:`PinnedReader._ack_again`).
 """
 from __future__ import annotations
 
@@ -275,12 +276,32 @@ class PinnedReader:
             return float("inf")
         # a replicated consumer may report a floor behind this reader's own last ack: the higher one holds
         floor = info.get("ack_floor") or {}
-        self.acks.raise_floor(int(floor.get("consumer_seq") or 0), int(floor.get("stream_seq") or 0))
-        for seq in [s for s in held if s <= self.acks.floor[1]]:
+        reported = int(floor.get("stream_seq") or 0)
+        self.acks.raise_floor(int(floor.get("consumer_seq") or 0), reported)
+        covered = [s for s in held if s <= self.acks.floor[1]]  # handled, by this reader or another
+        again = max((s for s in covered if s > reported), default=None)
+        if again is not None:  # handled and acked by this reader, yet redelivered: that ack may have been lost
+            await self._ack_again(held[again], reported)
+        for seq in covered:
             del held[seq]
         for seq in [s for s in self.returned if s <= self.acks.floor[1]]:
             del self.returned[seq]
         return pending
+
+    async def _ack_again(self, msg: Msg, reported: int) -> None:
+        """Ack the new delivery of a message this reader handled and acked, which the consumer redelivered
+        and reports unacknowledged (its floor at ``reported``): the earlier ack was lost (a node failed
+        over with it), or the report lags and the server ignores this one. Without it, the consumer
+        would count the message as unacknowledged forever, and the resync would wait for it."""
+        seq = msg.metadata.sequence
+        log.info("%s: acking seq %d again (delivery %d; the consumer reports its floor at %d)", self.durable,
+                 seq.stream, seq.consumer, reported)
+        try:
+            await msg.ack()
+        except Exception as exc:  # noqa: BLE001 - it comes back again, and this is tried again
+            log.warning("%s: ack of seq %s failed: %s", self.durable, seq.stream, exc)
+            return
+        self.acks.raise_floor(seq.consumer, seq.stream)
 
     async def _ack(self, final: bool = False) -> None:
         """Acknowledge the handled messages that are safe to (:func:`ack_choice`) with one ack."""
