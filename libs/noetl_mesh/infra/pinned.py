@@ -258,7 +258,8 @@ class PinnedReader:
                     continue
                 if not await self._one(msg):
                     break  # handed back: what follows waits for it, held
-        for msg in held.values():  # stopping, or no longer pinned: give the rest back at once
+        for seq, msg in held.items():  # stopping, or no longer pinned: give the rest back at once
+            self.returned[seq] = msg
             await nak(msg)
         if held:
             self.irregular = True
