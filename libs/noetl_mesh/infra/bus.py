@@ -540,7 +540,7 @@ class Bus:
                        ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT,
                        pinned: bool = False, start_seq: int | None = None):
         """Create or update a durable pull consumer; ``pinned``: one partition's, read by one pinned
-        reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its). ``start_seq``:
+        reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its ``MAX_ACK_PENDING``). ``start_seq``:
         deliver from that stream sequence on (a durable taking over from another), else from the start."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         config = ConsumerConfig(
