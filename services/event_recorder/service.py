@@ -250,7 +250,7 @@ class RecorderService:
         """Create (or update) each partition's durable. An events stream read by the single durable of
         an earlier version hands over: the partitions' durables start after its ack floor (what it
         recorded past that is recorded again, idempotently) and it is deleted."""
-        earlier = await self._consumer_info(DURABLE)
+        earlier = await self.bus.consumer_info(EVENTS, DURABLE)
         start = int((earlier.get("ack_floor") or {}).get("stream_seq") or 0) + 1 if earlier else None
         config = dict(pinned=True, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
                       max_deliver=50, ack_policy=AckPolicy.ALL)
@@ -260,7 +260,7 @@ class RecorderService:
             try:
                 await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=start, **config)
             except BusError:  # it exists, made with another start (the deliver policy cannot change): keep that
-                info = await self._consumer_info(name)
+                info = await self.bus.consumer_info(EVENTS, name)
                 if info is None:
                     raise
                 kept = (info.get("config") or {}).get("opt_start_seq")
@@ -282,14 +282,6 @@ class RecorderService:
             log.warning("cannot read partition %d yet (%s: %s)", p, type(exc).__name__, exc)
             if self.feeds.get(p) is feed:
                 del self.feeds[p]
-
-    async def _consumer_info(self, name: str) -> dict[str, Any] | None:
-        reply = _json_loads((await self.bus.nc.request(f"$JS.API.CONSUMER.INFO.{EVENTS}.{name}", b"", timeout=5)).data)
-        if "error" in reply:
-            if (reply["error"] or {}).get("code") == 404:
-                return None
-            raise BusError("unavailable", f"consumer {name}: {reply['error']}")
-        return reply
 
     def _read(self, owned: set[int]) -> None:
         """A feed per owned partition; a partition no longer owned finishes what it delivered, acks or

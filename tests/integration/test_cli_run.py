@@ -389,7 +389,7 @@ def test_run_on_a_shared_nats_hands_its_partitions_back_when_done(fresh_nats, pg
             await nc.close()
 
     still, names = asyncio.run(pinned())
-    assert any(n.startswith("router-p") for n in names) and still == []
+    assert any(n.startswith("router-all-p") for n in names) and still == []
     # its own NATS gets one partition (thrown away with it); a shared one the default count, which the
     # stream keeps for every stack after
-    assert {n for n in names if n.startswith("router-p")} == {f"router-p{p}" for p in range(16)}
+    assert {n for n in names if n.startswith("router-all-p")} == {f"router-all-p{p}" for p in range(16)}

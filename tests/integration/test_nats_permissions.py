@@ -251,7 +251,7 @@ def test_the_gateway_cannot_publish_a_command_purge_or_bootstrap_sessions(secure
                                   f"noetl.cmd.default.{xid}")
             await gateway.refused(gateway.js.purge_stream(EVENTS), f"$JS.API.STREAM.PURGE.{EVENTS}")
             await gateway.refused(gateway.js.purge_stream(COMMANDS), f"$JS.API.STREAM.PURGE.{COMMANDS}")
-            await gateway.refused(gateway.js.delete_consumer(EVENTS, "router-p0"), "CONSUMER.DELETE")
+            await gateway.refused(gateway.js.delete_consumer(EVENTS, "router-all-p0"), "CONSUMER.DELETE")
             await gateway.refused(gateway.nc.request("noetl.q.sessions.bootstrap", b"{}", timeout=TIMEOUT),
                                   "noetl.q.sessions.bootstrap")
             finished = make_event("workflow.finished", xid, event_id="forged-4", source="router")

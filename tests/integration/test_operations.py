@@ -110,7 +110,7 @@ def test_info_lists_request_endpoints_consumers_and_partitions(ops):
         time.sleep(0.5)
     lc = by_name(ask(ops, "INFO", "noetl-loop-coordinator", expect=2))["noetl-loop-coordinator"][0]
     events = next(e for e in lc["endpoints"] if e["name"] == "events")
-    assert events["metadata"]["durables"] == ",".join(f"loop-coordinator-p{p}" for p in
+    assert events["metadata"]["durables"] == ",".join(f"loop-coordinator-all-p{p}" for p in
                                                       map(int, lc["metadata"]["partitions"].split(",")))
     assert lc["metadata"]["partition_count"] == "16"
 
@@ -175,7 +175,7 @@ def test_ps_lists_every_replica_with_its_partitions_work_and_lag(ops, capsys):
     routers = [r for r in rows if r["service"] == "router"]
     assert sorted(p for r in routers for p in r["partitions"]) == list(range(16))
     assert sum(r["handled"] for r in routers) > 0 and all(r["failed"] == 0 for r in routers)
-    assert all(c["durable"] == f"router-p{p}" for r in routers for c, p in zip(r["consumers"], r["partitions"]))
+    assert all(c["durable"] == f"router-all-p{p}" for r in routers for c, p in zip(r["consumers"], r["partitions"]))
     assert all(r["uptime"] is not None and r["version"] == micro.version() for r in rows)
     workers = [r for r in rows if r["service"] == "worker"]
     assert all(r["pool"] == "default" and r["consumers"][0]["durable"] == "pool-default" for r in workers)
@@ -216,7 +216,7 @@ def test_inspect_shows_streams_consumers_buckets_and_object_stores(ops, capsys):
     assert streams["NOETL_COMMANDS"]["retention"] == "workqueue"
     assert [r["name"] for r in noetl_json(ops, capsys, "inspect", "streams", "NOETL_COMMANDS")] == ["NOETL_COMMANDS"]
     consumers = {(r["stream"], r["name"]): r for r in noetl_json(ops, capsys, "inspect", "consumers")}
-    assert {f"router-p{p}" for p in range(16)} <= {name for _, name in consumers}
+    assert {f"router-all-p{p}" for p in range(16)} <= {name for _, name in consumers}
     assert ("NOETL_EVENTS", "event-recorder") not in consumers  # the earlier version's single durable
     recorder = [consumers[("NOETL_EVENTS", f"event-recorder-p{p}")] for p in range(16)]
     assert all(r["ack_policy"] == "all" for r in recorder)

@@ -1,13 +1,17 @@
 """The control plane's partition reader (infra/pinned.py) on a real NATS server: batches, yet no
 message of a partition is handled before an earlier one — when the pin moves away from a reader that
-still holds messages, and when a handler fails on one."""
+still holds messages, and when a handler fails on one — and the reader acknowledges cumulatively."""
 from __future__ import annotations
 
 import asyncio
 import json
 
+from unittest.mock import patch
+
 import nats
 import pytest
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy
 
 from noetl_mesh.infra.bus import EVENTS, Bus
 from noetl_mesh.infra.pinned import GROUP, PinnedReader
@@ -17,20 +21,21 @@ from conftest import until
 pytestmark = pytest.mark.integration
 
 DURABLE = "probe-p0"
+EARLIER = "probe-earlier-p0"  # an earlier version's durable of the partition
 
 
 def _collecting(got: list[int]):
-    """A handler that notes each message's stream sequence and acks it."""
+    """A handler that notes each message's stream sequence (the reader acks)."""
     async def handle(msg):
         got.append(msg.metadata.sequence.stream)
-        await msg.ack()
     return handle
 
 
 async def _setup(url: str) -> Bus:
     bus = await Bus.connect(url, "pinned")
     await bus.setup(1)
-    await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=2, max_deliver=50)
+    await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=2, max_deliver=50,
+                       ack_policy=AckPolicy.ALL)
     return bus
 
 
@@ -89,7 +94,6 @@ def test_a_failing_handler_holds_up_what_follows_it(fresh_nats):
                 if seq == 2 and attempts.count(2) == 1:
                     raise RuntimeError("a service did not answer")
                 done.append(seq)
-                await msg.ack()
 
             stop = asyncio.Event()
             reader = PinnedReader(bus, EVENTS, DURABLE, handle, stop)
@@ -121,7 +125,6 @@ def test_two_readers_of_one_partition_never_interleave(fresh_nats):
             def handler(name):
                 async def handle(msg):
                     got[name].append(msg.metadata.sequence.stream)
-                    await msg.ack()
                 return handle
 
             stop = asyncio.Event()
@@ -140,33 +143,104 @@ def test_two_readers_of_one_partition_never_interleave(fresh_nats):
     asyncio.run(main())
 
 
-def test_an_existing_partition_durable_is_updated_in_place(fresh_nats):
-    """A stack upgraded from one message in flight per partition keeps its durables (and their place in
-    the stream): creating them again adds the priority group."""
+def test_a_durable_of_an_earlier_version_hands_over_to_the_new_one(fresh_nats):
+    """A partition's durable of an earlier version acknowledged each message (an ack policy a consumer
+    cannot change): the new durable starts after its ack floor, and it is deleted."""
     async def main():
         bus = await Bus.connect(fresh_nats.url, "pinned")
         await bus.setup(1)
         try:
-            await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], max_ack_pending=1, ack_wait=2)
+            await bus.consumer(EVENTS, EARLIER, ["noetl.pevt.0.ctl.*.*"], max_ack_pending=1, ack_wait=2)
             await _publish(bus, 2)
-            sub = await bus.js.pull_subscribe_bind(DURABLE, stream=EVENTS)
+            sub = await bus.js.pull_subscribe_bind(EARLIER, stream=EVENTS)
             [first] = await sub.fetch(1, timeout=2)
             await first.ack_sync()
             await sub.unsubscribe()
-            await bus.consumer(EVENTS, DURABLE, ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=2)
-            info = json.loads((await bus.nc.request(f"$JS.API.CONSUMER.INFO.{EVENTS}.{DURABLE}", b"")).data)
-            assert info["config"]["priority_policy"] == "pinned_client" and info["config"]["max_ack_pending"] == 64
+            start = await bus.handover_consumer(EVENTS, DURABLE, EARLIER, ["noetl.pevt.0.ctl.*.*"], pinned=True,
+                                                ack_wait=2, ack_policy=AckPolicy.ALL)
+            assert start == 2 and await bus.consumer_info(EVENTS, EARLIER) is None
+            info = await bus.consumer_info(EVENTS, DURABLE)
+            assert info["config"]["ack_policy"] == "all" and info["config"]["max_ack_pending"] == 128
+            # a second replica, after the first has handed over: the durable keeps its start
+            assert await bus.handover_consumer(EVENTS, DURABLE, EARLIER, ["noetl.pevt.0.ctl.*.*"], pinned=True,
+                                               ack_wait=2, ack_policy=AckPolicy.ALL) is None
             got: list[int] = []
-
-            async def handle(msg):
-                got.append(msg.metadata.sequence.stream)
-                await msg.ack()
-
             stop = asyncio.Event()
-            task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle, stop).run())
+            task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, _collecting(got), stop).run())
             await until(lambda: got == [2], 5)  # where the old durable left off
             stop.set()
             await task
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_one_ack_covers_many_messages(fresh_nats):
+    """A reader handling 300 messages acknowledges them with a few acks, each covering what it
+    handled before; once it stops, nothing is unacknowledged."""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        spy = await nats.connect(fresh_nats.url)
+        try:
+            acks: list[str] = []
+
+            async def note(msg):
+                acks.append(msg.subject)
+
+            await spy.subscribe(f"$JS.ACK.{EVENTS}.{DURABLE}.>", cb=note)
+            await spy.flush()
+            got: list[int] = []
+            stop = asyncio.Event()
+            task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, _collecting(got), stop).run())
+            await asyncio.sleep(0.3)
+            await _publish(bus, 300)
+            await until(lambda: len(got) >= 300, 20)
+            stop.set()
+            await task
+            info = await bus.consumer_info(EVENTS, DURABLE)
+            assert got == list(range(1, 301))
+            assert info["num_ack_pending"] == 0 and info["ack_floor"]["stream_seq"] == 300
+            assert 0 < len(acks) <= 300 // 10, len(acks)
+        finally:
+            await spy.close()
+            await bus.close()
+
+    asyncio.run(main())
+
+
+def test_an_ack_that_was_lost_is_sent_again_when_its_messages_come_back(fresh_nats):
+    """The ack covering 1-3 never reaches the server (a node failing over with it): after ack_wait the
+    consumer redelivers 1-3, which the reader handled and believes acknowledged. It acks them again
+    instead of waiting for the consumer to count them as its own forever, handles none of them twice,
+    and goes on with 4-5."""
+    async def main():
+        bus = await _setup(fresh_nats.url)
+        real, lost = Msg.ack, []
+
+        async def lossy(msg):
+            if not lost:
+                lost.append(msg.metadata.sequence.stream)
+                return
+            await real(msg)
+
+        try:
+            got: list[int] = []
+            stop = asyncio.Event()
+            with patch.object(Msg, "ack", lossy):
+                task = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, _collecting(got), stop).run())
+                await asyncio.sleep(0.3)
+                await _publish(bus, 3)
+                await until(lambda: got == [1, 2, 3] and lost, 5)
+                await asyncio.sleep(3)  # ack_wait (2 s): 1-3 come back
+                await _publish(bus, 2)
+                await until(lambda: len(got) >= 5, 10)
+                await asyncio.sleep(0.3)
+                info = await bus.consumer_info(EVENTS, DURABLE)
+                stop.set()
+                await task
+            assert lost == [3] and got == [1, 2, 3, 4, 5]
+            assert info["num_ack_pending"] == 0 and info["ack_floor"]["stream_seq"] == 5, info
         finally:
             await bus.close()
 
@@ -193,7 +267,6 @@ def test_a_stopping_reader_gives_back_what_arrives_late_once_and_only_after_unpi
 
             async def handle_b(msg):
                 got_b[msg.metadata.sequence.stream] = msg.metadata.num_delivered
-                await msg.ack()
 
             stop_b = asyncio.Event()
             b = asyncio.create_task(PinnedReader(bus, EVENTS, DURABLE, handle_b, stop_b).run())

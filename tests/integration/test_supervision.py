@@ -53,7 +53,7 @@ def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
                 for _ in range(200):
                     try:
                         names = {c.name async for c in _consumers(bus)}
-                        if "admission-p0" in names:
+                        if "admission-all-p0" in names:
                             return names
                     except Exception:  # noqa: BLE001 - the stream may not exist yet
                         pass
@@ -62,7 +62,7 @@ def test_a_service_started_before_nats_waits_for_it_quietly(tmp_path):
             finally:
                 await bus.close()
 
-        assert "admission-p0" in asyncio.run(consumers()), log_path.read_text()
+        assert "admission-all-p0" in asyncio.run(consumers()), log_path.read_text()
         assert proc.poll() is None
         assert nats.violations() == []
     finally:

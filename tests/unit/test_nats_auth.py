@@ -88,23 +88,33 @@ def test_only_the_recorder_says_what_is_recorded_and_only_gateways_hear_it():
 
 
 def test_control_plane_durables_are_each_services_own():
-    assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p3")
-    assert may_publish("router", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.router-p3")
-    assert may_publish("router", "$JS.ACK.NOETL_EVENTS.router-p3.1.2.3.4.5.6")
-    assert not may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p4")  # 4 partitions
-    assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p4", partitions=5)
+    assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-all-p3")
+    assert may_publish("router", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.router-all-p3")
+    assert may_publish("router", "$JS.ACK.NOETL_EVENTS.router-all-p3.1.2.3.4.5.6")
+    assert not may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-all-p4")  # 4 partitions
+    assert may_publish("router", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-all-p4", partitions=5)
     # a rebuild consumer (random name) is fine; another service's durable is not, by any verb
     assert may_publish("router", "$JS.API.CONSUMER.CREATE.NOETL_EVENTS.Xy12.noetl.pevt.0.ctl.x1.*")
     assert may_publish("router", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.Xy12")
     assert may_publish("router", "$JS.API.CONSUMER.DELETE.NOETL_EVENTS.Xy12")
-    for durable in ("event-recorder", "admission-p0", "loop-coordinator-p3"):
+    for durable in ("event-recorder", "admission-all-p0", "loop-coordinator-all-p3", "admission-p0", "event-recorder-p1"):
         for subject in (f"$JS.API.CONSUMER.CREATE.NOETL_EVENTS.{durable}",
                         f"$JS.API.CONSUMER.CREATE.NOETL_EVENTS.{durable}.noetl.pevt.>",
                         f"$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.{durable}",
                         f"$JS.API.CONSUMER.DELETE.NOETL_EVENTS.{durable}",
                         f"$JS.ACK.NOETL_EVENTS.{durable}.1.2.3.4.5.6"):
             assert not may_publish("router", subject), subject
-    assert not may_publish("router", "$JS.API.CONSUMER.DELETE.NOETL_EVENTS.router-p0")  # not even its own
+    assert not may_publish("router", "$JS.API.CONSUMER.DELETE.NOETL_EVENTS.router-all-p0")  # not even its own
+
+
+def test_a_control_plane_service_reads_where_its_earlier_durables_stopped_and_deletes_them():
+    """Its durables of an earlier version (one ack per event) hand over to the current ones: it may read
+    their ack floor and delete them, and nothing else."""
+    assert may_publish("router", "$JS.API.CONSUMER.INFO.NOETL_EVENTS.router-p3")
+    assert may_publish("router", "$JS.API.CONSUMER.DELETE.NOETL_EVENTS.router-p3")
+    for subject in ("$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.router-p3", "$JS.ACK.NOETL_EVENTS.router-p3.1.2.3.4.5.6",
+                    "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_EVENTS.router-p3"):
+        assert not may_publish("router", subject), subject
 
 
 def test_a_worker_reads_its_pools_commands_only():

@@ -265,7 +265,7 @@ CHANNELS: tuple[Channel, ...] = (
                         "class": "the most demanding class of its events: ctl, loop, dispatch, info", **_EXECUTION}),
     Channel("events-stored", "noetl.pevt.{partition}.{class}.{execution_id}.{writer}", "jetstream",
             "The events stream's stored form of noetl.evt (its subject transform: partition = hash of the "
-            "execution id mod the partition count). Read through durables: <service>-p<P> (control plane, "
+            "execution id mod the partition count). Read through durables: <service>-all-p<P> (control plane, "
             "ctl/loop), event-recorder (everything); never published to.",
             "EventsMessage", receivers=(*CONTROL_PLANE, "event-recorder"), stream=EVENTS,
             parameters={"partition": "the execution's partition", "class": "ctl, loop, dispatch, info",

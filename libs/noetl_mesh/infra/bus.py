@@ -540,7 +540,7 @@ class Bus:
                        ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT,
                        pinned: bool = False, start_seq: int | None = None):
         """Create or update a durable pull consumer; ``pinned``: one partition's, read by one pinned
-        reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its batch). ``start_seq``:
+        reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its ``MAX_ACK_PENDING``). ``start_seq``:
         deliver from that stream sequence on (a durable taking over from another), else from the start."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         config = ConsumerConfig(
@@ -554,12 +554,46 @@ class Bus:
         if not pinned:
             await self.js.add_consumer(stream, config)
             return
-        from .pinned import BATCH, consumer_config  # nats-py's ConsumerConfig has no priority groups
+        from .pinned import MAX_ACK_PENDING, consumer_config  # nats-py's ConsumerConfig has no priority groups
         reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", dumps(
-            {"stream_name": stream, "config": consumer_config(config.as_dict(), max_ack_pending or BATCH)}),
+            {"stream_name": stream, "config": consumer_config(config.as_dict(), max_ack_pending or MAX_ACK_PENDING)}),
             timeout=5)).data)
         if "error" in reply:
             raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
+
+    async def consumer_info(self, stream: str, name: str) -> dict[str, Any] | None:
+        """A consumer's info (JSON, as the server sends it); None when there is no such consumer."""
+        reply = loads((await self.nc.request(f"$JS.API.CONSUMER.INFO.{stream}.{name}", b"", timeout=5)).data)
+        if "error" in reply:
+            if (reply["error"] or {}).get("code") == 404:
+                return None
+            raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error']}")
+        return reply
+
+    async def handover_consumer(self, stream: str, name: str, earlier: str, filter_subject: str | list[str],
+                                **config: Any) -> int | None:
+        """Create (or update) durable ``name``; when ``earlier`` (a durable of an earlier version the
+        configuration of ``name`` cannot be given to, such as another ack policy) exists, ``name``
+        starts after its ack floor, and it is deleted. What ``earlier``'s readers handled past its floor
+        is delivered again (folded or recorded again to nothing, D21). A durable that exists already
+        keeps where it started (its deliver policy cannot change). The stream sequence ``name`` starts
+        at when it took over from ``earlier``, else None."""
+        old = await self.consumer_info(stream, earlier)
+        start = int((old.get("ack_floor") or {}).get("stream_seq") or 0) + 1 if old else None
+        try:
+            await self.consumer(stream, name, filter_subject, start_seq=start, **config)
+        except BusError:  # made with another start (by another replica): keep that
+            info = await self.consumer_info(stream, name)
+            if info is None:
+                raise
+            kept = (info.get("config") or {}).get("opt_start_seq")
+            await self.consumer(stream, name, filter_subject, start_seq=int(kept) if kept else None, **config)
+        if old:
+            try:
+                await self.js.delete_consumer(stream, earlier)
+            except Exception as exc:  # noqa: BLE001 - another replica deleted it first
+                log.info("earlier durable %r not deleted: %s", earlier, exc)
+        return start
 
     async def first_seq(self, execution_id: str, partition: int) -> int | None:
         """The stream sequence of the execution's first message (any class), None when it has none."""

@@ -1,9 +1,12 @@
 """The shell shared by the control-plane services (admission, router, loop-coordinator).
 
 Each service reads the ``ctl`` events of every partition through its own durable consumers (one per
-partition), each read by one pinned reader at a time, in batches, in stream order (:mod:`.pinned`), so
-the events of one execution are handled strictly in log order and never concurrently, however many
-replicas run. Replicas share the partitions out through NATS KV membership
+partition, ``<service>-all-p<N>``), each read by one pinned reader at a time, in batches, in stream
+order, and acknowledged cumulatively, one ack for many events (:mod:`.pinned`), so the events of one
+execution are handled strictly in log order and never concurrently, however many replicas run. The
+durables of earlier versions (``<service>-p<N>``, one ack per event: the ack policy of a consumer
+cannot change) hand over at start: the new durable starts after the old one's ack floor, and the old
+one is deleted. Replicas share the partitions out through NATS KV membership
 (:mod:`.membership`), so normally one replica reads a partition and its cache stays valid.
 
 Each replica keeps the execution states it has folded (:mod:`noetl_mesh.core.state`) in a cache. The
@@ -30,6 +33,7 @@ import time
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.js.api import AckPolicy
 
 from ..core.decide import Decision
 from ..core.events import event_class
@@ -38,6 +42,7 @@ from . import logs, metrics, tracing
 from .bus import CTL, EVENTS, UNHANDLEABLE, Bus, admitted, loads, partition_from_subject
 from .membership import Membership
 from .micro import Consumer
+from .nats_auth import durable_prefix
 from .pinned import PinnedReader
 
 log = logging.getLogger("noetl.control")
@@ -71,7 +76,8 @@ class PartitionedService:
         self._m_handled: dict[str, Any] = {}
         self._m_pending: dict[int, Any] = {}
         # what `nats micro stats` and `noetl ps` show of this replica (infra/micro.py)
-        self.events = Consumer(name="events", stream=EVENTS, durable=self.name, partitions=[],
+        self.prefix = durable_prefix(self.name)  # of its partitions' durables: <prefix>-p<N>
+        self.events = Consumer(name="events", stream=EVENTS, durable=self.prefix, partitions=[],
                                subject=",".join(f"noetl.pevt.*.{c}.*.*" for c in self.classes))
         self.consumers: list[Consumer] = [self.events]
 
@@ -94,10 +100,7 @@ class PartitionedService:
     # --------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.bus.attach()
-        await asyncio.gather(*(  # one round trip each, side by side: a stack starts ~0.2 s sooner
-            self.bus.consumer(EVENTS, f"{self.name}-p{p}", [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes],
-                              pinned=True, ack_wait=self.ack_wait, max_deliver=50)  # any execution, any writer
-            for p in range(self.bus.partitions)))
+        await asyncio.gather(*(self._durable(p) for p in range(self.bus.partitions)))  # side by side: ~0.2 s sooner
         # replicas share the partitions out (infra/membership.py): each reads its own, so its cache
         # stays valid; until the group is known, or without it, a replica reads every partition
         self.membership = Membership(self.bus.js, self.name, self.bus.partitions, self._read,
@@ -105,6 +108,16 @@ class PartitionedService:
         await self.membership.start()
         self._read(self.membership.owned)
         self.started = True
+
+    async def _durable(self, p: int) -> None:
+        """Partition ``p``'s durable (any execution, any writer); the earlier version's hands over."""
+        start = await self.bus.handover_consumer(
+            EVENTS, f"{self.prefix}-p{p}", f"{self.name}-p{p}", [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes],
+            pinned=True, ack_wait=self.ack_wait, max_deliver=50, ack_policy=AckPolicy.ALL)
+        if start is not None:
+            log.warning("%s-p%d, the durable of an earlier version, acknowledged each event: %s-p%d, which "
+                        "acknowledges cumulatively, starts after its ack floor (seq %d); it is deleted",
+                        self.name, p, self.prefix, p, start - 1)
 
     async def ready(self) -> dict[str, Any]:
         """Its consumers bound: a live reader for every partition it owns."""
@@ -131,11 +144,11 @@ class PartitionedService:
             stop.set()
             self.tasks.append(task)
             self._m_pending.pop(p, None)
-            metrics.forget_pending(self.name, f"{self.name}-p{p}", p)
+            metrics.forget_pending(self.name, f"{self.prefix}-p{p}", p)
         for p in sorted(owned):
             if p not in self.readers and not self.stop_event.is_set():
                 stop = asyncio.Event()
-                self.readers[p] = (asyncio.create_task(self._reader(p, stop), name=f"{self.name}-p{p}"), stop)
+                self.readers[p] = (asyncio.create_task(self._reader(p, stop), name=f"{self.prefix}-p{p}"), stop)
         self.tasks = [t for t in self.tasks if not t.done()]
         self.events.own(self.readers)
 
@@ -147,10 +160,10 @@ class PartitionedService:
             # a subscription (inbox) per reader: a delivery meant for an earlier reader of this
             # partition can never reach this one's handler; a new reader resyncs first
             try:
-                await PinnedReader(self.bus, EVENTS, f"{self.name}-p{p}", self.handle, stop, expires=FETCH_TIMEOUT,
+                await PinnedReader(self.bus, EVENTS, f"{self.prefix}-p{p}", self.handle, stop, expires=FETCH_TIMEOUT,
                                    counts=self.events, on_resync=lambda: self._drop_partition(p)).run()
             except Exception as exc:  # noqa: BLE001
-                log.exception("%s-p%d: the reader failed; starting another", self.name, p)
+                log.exception("%s-p%d: the reader failed; starting another", self.prefix, p)
                 self.failed[p] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(READER_RESTART)
 
@@ -190,25 +203,24 @@ class PartitionedService:
         seq = msg.metadata.sequence
         pending = self._m_pending.get(p)
         if pending is None:
-            pending = self._m_pending[p] = metrics.PENDING.labels(self.name, f"{self.name}-p{p}", str(p))
+            pending = self._m_pending[p] = metrics.PENDING.labels(self.name, f"{self.prefix}-p{p}", str(p))
         pending.set(msg.metadata.num_pending)
         # one decision's events, one execution; only those the subject's writer may write
         events = admitted(msg.subject, await self.bus.expand(msg.data, loads(msg.data)), self.name, msg.headers)
         if not events:
-            await msg.ack()
             return
         eid = events[0]["execution_id"]
         exemplar = await self._handle(msg, p, seq, eid, events)
         self._m_decision.observe(time.perf_counter() - t0, exemplar)
 
     async def _handle(self, msg: Msg, p: int, seq: Any, eid: str, events: list[dict[str, Any]]) -> dict | None:
-        """Fold, decide, publish, ack; the trace id of the decision's span (an exemplar), if exported."""
+        """Fold, decide, publish (the reader acks once it returns); the trace id of the decision's span
+        (an exemplar), if exported."""
         state = self.cache.get(eid)
         if state is IDLE:
             for event in events:
                 self._count(event["name"])
             self.handled += 1
-            await msg.ack()
             return None
         first = events[0]
         if state is None and first["name"] == "playbook.execution.requested" and (
@@ -235,9 +247,6 @@ class PartitionedService:
         if self.idle(state):
             self.cache[eid] = IDLE
         self.handled += 1
-        # A plain ack: the server reads it before this connection's next fetch, and a lost ack only
-        # means a redelivery, which folds to nothing (D21).
-        await msg.ack()
         self._evict()
         return exemplar
 

@@ -95,9 +95,21 @@ def srv_subjects(name: str) -> list[str]:
     return [s for verb in SRV_VERBS for s in (f"$SRV.{verb}", f"$SRV.{verb}.{name}", f"$SRV.{verb}.{name}.*")]
 
 
+def durable_prefix(service: str) -> str:
+    """What the names of the partitions' durables of a control-plane service (or the recorder) start with:
+    ``<prefix>-p<N>``. The control plane's acknowledge cumulatively (``<service>-all``); those of earlier
+    versions (``<service>-p<N>``, one ack per message) hand over to them (infra/control.py)."""
+    return f"{service}-all" if service in CONTROL_PLANE else service
+
+
 def durables(service: str, partitions: int) -> list[str]:
     """The durable consumers of the events stream a control-plane service (or the recorder) reads through."""
-    return [f"{service}-p{p}" for p in range(partitions)]
+    return [f"{durable_prefix(service)}-p{p}" for p in range(partitions)]
+
+
+def earlier_durables(service: str, partitions: int) -> list[str]:
+    """A control-plane service's durables of earlier versions: read where they stopped, then deleted."""
+    return [f"{service}-p{p}" for p in range(partitions)] if service in CONTROL_PLANE else []
 
 
 # ------------------------------------------------------------------------------------- keys
@@ -205,6 +217,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [_js("STREAM", "INFO", EVENTS), _js("STREAM", "MSG", "GET", EVENTS)]
         for name in own:
             pub += _durable(EVENTS, name, pinned=True)
+        for name in earlier_durables(user, partitions):  # where they stopped, then deleted (control.py)
+            pub += [_js("CONSUMER", "INFO", EVENTS, name), _js("CONSUMER", "DELETE", EVENTS, name)]
         # rebuilds: a short-lived consumer (nats-py names it at random; its filter travels in the subject
         # when there is one), fetched and deleted; never another's durable (denied below)
         pub += [_js("CONSUMER", "CREATE", EVENTS, "*"), _js("CONSUMER", "CREATE", EVENTS, "*", ">"),
@@ -299,11 +313,12 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [f"$KV.{SCHEDULES_BUCKET}.>", "noetl.schedule.>"]
     deny += [_js("STREAM", "PURGE", s) for s in ALL_STREAMS if s not in purges and s not in SESSION_STREAMS]
     deny += [_js("STREAM", verb, s) for verb in ("CREATE", "UPDATE") for s in ALL_STREAMS if s not in SESSION_STREAMS]
-    others = ["event-recorder", *(d for s in (*CONTROL_PLANE, "event-recorder") for d in durables(s, partitions))]
+    others = ["event-recorder", *(d for s in (*CONTROL_PLANE, "event-recorder")
+                                  for d in (*durables(s, partitions), *earlier_durables(s, partitions)))]
     if user in CONTROL_PLANE:  # its wildcards cover ephemerals only: never another service's durable
-        own = set(durables(user, partitions))
+        own, earlier = set(durables(user, partitions)), set(earlier_durables(user, partitions))
         deny += [_js("CONSUMER", verb, EVENTS, d) for verb in ("MSG.NEXT", "DELETE", "CREATE") for d in others
-                 if d not in own]
+                 if d not in own and not (verb == "DELETE" and d in earlier)]
         deny += [_js("CONSUMER", "CREATE", EVENTS, d, ">") for d in others if d not in own]
         deny += [_js("CONSUMER", "DELETE", EVENTS, d) for d in own]
     elif user == "event-recorder":  # no consumer but the earlier version's single durable (allowed above)
