@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from noetl_mesh.client import GatewayClient
@@ -86,19 +88,39 @@ def test_supervised_stack_starts_a_killed_service_again(pg_dsn, tmp_path, monkey
     auth = NatsAuth(tmp_path / "creds").ensure()
     nats = EmbeddedNats(auth=auth).start()
 
+    squatter = socket.socket()
+
     async def go():
         stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, ack_wait=2.0, nats_creds=str(auth.directory)),
                              log_dir=str(tmp_path), supervise=True)
         await stack.start()
         try:
             for key in ("router-0", "worker-0"):
-                old = stack.procs[key].pid
+                old, port = stack.procs[key].pid, stack.metrics_ports[key]
                 os.kill(old, signal.SIGKILL)
+                stack.procs[key].wait(10)
+                if key == "router-0":  # someone else takes the port picked for its metrics while it is down
+                    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    squatter.bind(("127.0.0.1", port))
+                    squatter.listen()
                 for _ in range(100):
                     await asyncio.sleep(0.1)
                     if stack.procs[key].pid != old and stack.procs[key].poll() is None:
                         break
                 assert stack.procs[key].pid != old and stack.restarts[key] == 1
+            # back on a port of its own, not exiting at every restart on the taken one
+            assert stack.metrics_ports["router-0"] != squatter.getsockname()[1]
+            async with httpx.AsyncClient(trust_env=False, timeout=2) as probe:
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        if (await probe.get(f"{stack.metrics_urls['router-0']}/livez")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    assert time.monotonic() < deadline, (tmp_path / "router-0.log").read_text()
+                    await asyncio.sleep(0.2)
+            assert stack.restarts["router-0"] == 1 and stack.procs["router-0"].poll() is None
             async with GatewayClient(stack.gateway_url, token=stack.token) as client:
                 eid = await client.start(CHAIN)
                 return await client.wait(eid, timeout=60)
@@ -108,5 +130,6 @@ def test_supervised_stack_starts_a_killed_service_again(pg_dsn, tmp_path, monkey
     try:
         final = asyncio.run(go())
     finally:
+        squatter.close()
         nats.stop()
     assert final["status"] == "COMPLETED" and final["steps"]["b"]["result"] == 2
