@@ -16,7 +16,7 @@ from typing import Any
 
 from .infra.bus import DEFAULT_PARTITIONS, Bus, BusError
 from .infra import logs, metrics, tracing
-from .infra.probes import PortTaken, ProbeServer, readiness
+from .infra.probes import PortTaken, ProbeServer, port_free, readiness
 
 log = logging.getLogger("noetl.stack")
 
@@ -368,17 +368,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bindable(host: str, port: int) -> bool:
-    """Whether a server could listen on ``host:port`` now (as the metrics server binds: address reuse on)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
 @dataclass
 class ProcessStack:
     """Every service in its own OS process (``noetl service NAME``), as in a deployment. With
@@ -421,7 +410,7 @@ class ProcessStack:
         if key not in self.metrics_ports:  # its own port (kept across restarts): BASE + n, or a free one
             base = s.metrics_port
             self.metrics_ports[key] = base + len(self.metrics_ports) if base else free_port()
-        elif not s.metrics_port and not bindable(s.metrics_host or "127.0.0.1", self.metrics_ports[key]):
+        elif not s.metrics_port and not port_free(s.metrics_host or "127.0.0.1", self.metrics_ports[key]):
             # a free port picked for it was taken by someone else meanwhile (between the pick and its
             # bind, or while it was down): the service would exit on it at every restart; a new free one
             self.metrics_ports[key] = free_port()
