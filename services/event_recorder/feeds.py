@@ -29,7 +29,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from noetl_mesh.infra.bus import EVENTS, dumps, loads
-from noetl_mesh.infra.pinned import GROUP, nak, unpin
+from noetl_mesh.infra.pinned import GROUP, ack_choice, nak, unpin
 
 log = logging.getLogger("noetl.event-recorder")
 
@@ -172,18 +172,15 @@ class Feed:
                 log.info("%s: holding the ack of %d recorded messages until the messages below seq %d that "
                          "another reader held are redelivered", self.durable, len(self.held), max(self.held))
                 return
-        # The server takes an ack of (stream S, delivery D) only above its floor, and moves its floor
-        # to (D, S): a delivery at or below the delivery floor can no longer be acked (it will be once
-        # it is redelivered). So ack the highest such stream sequence, and not while that would put a
-        # recorded message above it (delivered earlier) out of reach of an ack that could cover it.
-        unrecorded = min((s for s in self.inflight if s not in self.held and s > self.sfloor), default=None)
-        top = max((s for s, m in self.held.items() if (unrecorded is None or s < unrecorded)
-                   and m.metadata.sequence.consumer > self.cfloor), default=None)
+        # The same choice as the control plane's readers (pinned.ack_choice): the highest recorded
+        # stream sequence below anything delivered and not recorded, whose delivery is above the floor,
+        # unless acking it would put a recorded message above it out of reach (then wait, and ack it all
+        # at once). What is in flight comes back recorded, or redelivered: a barrier only.
+        top = ack_choice({s: m.metadata.sequence.consumer for s, m in self.held.items()},
+                         [(s, 0) for s in self.inflight if s not in self.held], (self.cfloor, self.sfloor), final=True)
         if top is None:
             return
         dseq = self.held[top].metadata.sequence.consumer
-        if any(s > top and self.cfloor < m.metadata.sequence.consumer < dseq for s, m in self.held.items()):
-            return  # wait until the messages below it are recorded too, and ack it all at once
         try:  # a plain ack, in order on this connection; one that is lost covers nothing, and what it
             await self.held[top].ack()  # would have covered is covered by the next, or recorded again
         except Exception as exc:  # noqa: BLE001 - they will be redelivered and recorded again: harmless
