@@ -250,30 +250,13 @@ class RecorderService:
         """Create (or update) each partition's durable. An events stream read by the single durable of
         an earlier version hands over: the partitions' durables start after its ack floor (what it
         recorded past that is recorded again, idempotently) and it is deleted."""
-        earlier = await self.bus.consumer_info(EVENTS, DURABLE)
-        start = int((earlier.get("ack_floor") or {}).get("stream_seq") or 0) + 1 if earlier else None
-        config = dict(pinned=True, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait,
-                      max_deliver=50, ack_policy=AckPolicy.ALL)
-
-        async def durable(p: int) -> None:
-            name = feeds.durable(p)
-            try:
-                await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=start, **config)
-            except BusError:  # it exists, made with another start (the deliver policy cannot change): keep that
-                info = await self.bus.consumer_info(EVENTS, name)
-                if info is None:
-                    raise
-                kept = (info.get("config") or {}).get("opt_start_seq")
-                await self.bus.consumer(EVENTS, name, feeds.subject(p), start_seq=int(kept) if kept else None, **config)
-
-        await asyncio.gather(*(durable(p) for p in range(self.bus.partitions)))  # side by side: a round trip each
-        if earlier:
+        start = await self.bus.handover_consumer(
+            EVENTS, DURABLE, {feeds.durable(p): feeds.subject(p) for p in range(self.bus.partitions)},
+            pinned=True, max_ack_pending=max(4 * self.batch, 1000), ack_wait=self.ack_wait, max_deliver=50,
+            ack_policy=AckPolicy.ALL)
+        if start is not None:
             log.warning("the events stream was read by the single durable %r of an earlier version: its partitions' "
-                        "durables start after its ack floor (seq %d); deleting it", DURABLE, start - 1)
-            try:
-                await self.bus.js.delete_consumer(EVENTS, DURABLE)
-            except Exception as exc:  # noqa: BLE001 - another recorder deleted it first
-                log.info("earlier durable %r not deleted: %s", DURABLE, exc)
+                        "durables start after its ack floor (seq %d); it is deleted", DURABLE, start - 1)
 
     async def _open(self, p: int, feed: Feed) -> None:
         try:

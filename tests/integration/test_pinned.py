@@ -156,13 +156,13 @@ def test_a_durable_of_an_earlier_version_hands_over_to_the_new_one(fresh_nats):
             [first] = await sub.fetch(1, timeout=2)
             await first.ack_sync()
             await sub.unsubscribe()
-            start = await bus.handover_consumer(EVENTS, DURABLE, EARLIER, ["noetl.pevt.0.ctl.*.*"], pinned=True,
+            start = await bus.handover_consumer(EVENTS, EARLIER, {DURABLE: ["noetl.pevt.0.ctl.*.*"]}, pinned=True,
                                                 ack_wait=2, ack_policy=AckPolicy.ALL)
             assert start == 2 and await bus.consumer_info(EVENTS, EARLIER) is None
             info = await bus.consumer_info(EVENTS, DURABLE)
             assert info["config"]["ack_policy"] == "all" and info["config"]["max_ack_pending"] == 128
             # a second replica, after the first has handed over: the durable keeps its start
-            assert await bus.handover_consumer(EVENTS, DURABLE, EARLIER, ["noetl.pevt.0.ctl.*.*"], pinned=True,
+            assert await bus.handover_consumer(EVENTS, EARLIER, {DURABLE: ["noetl.pevt.0.ctl.*.*"]}, pinned=True,
                                                ack_wait=2, ack_policy=AckPolicy.ALL) is None
             got: list[int] = []
             stop = asyncio.Event()

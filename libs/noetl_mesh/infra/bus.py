@@ -570,24 +570,29 @@ class Bus:
             raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error']}")
         return reply
 
-    async def handover_consumer(self, stream: str, name: str, earlier: str, filter_subject: str | list[str],
+    async def handover_consumer(self, stream: str, earlier: str, durables: dict[str, str | list[str]],
                                 **config: Any) -> int | None:
-        """Create (or update) durable ``name``; when ``earlier`` (a durable of an earlier version the
-        configuration of ``name`` cannot be given to, such as another ack policy) exists, ``name``
-        starts after its ack floor, and it is deleted. What ``earlier``'s readers handled past its floor
-        is delivered again (folded or recorded again to nothing, D21). A durable that exists already
-        keeps where it started (its deliver policy cannot change). The stream sequence ``name`` starts
-        at when it took over from ``earlier``, else None."""
+        """Create (or update) each of ``durables`` (name -> filter subjects), side by side; when
+        ``earlier`` (a durable of an earlier version whose configuration they cannot be given to, such
+        as another ack policy) exists, they start after its ack floor, and it is deleted once they
+        exist. What ``earlier``'s readers handled past its floor is delivered again (folded or recorded
+        again to nothing, D21). A durable that exists already keeps where it started (its deliver
+        policy cannot change). The stream sequence they start at when they took over from ``earlier``,
+        else None."""
         old = await self.consumer_info(stream, earlier)
         start = int((old.get("ack_floor") or {}).get("stream_seq") or 0) + 1 if old else None
-        try:
-            await self.consumer(stream, name, filter_subject, start_seq=start, **config)
-        except BusError:  # made with another start (by another replica): keep that
-            info = await self.consumer_info(stream, name)
-            if info is None:
-                raise
-            kept = (info.get("config") or {}).get("opt_start_seq")
-            await self.consumer(stream, name, filter_subject, start_seq=int(kept) if kept else None, **config)
+
+        async def one(name: str, filter_subject: str | list[str]) -> None:
+            try:
+                await self.consumer(stream, name, filter_subject, start_seq=start, **config)
+            except BusError:  # made with another start (by another replica): keep that
+                info = await self.consumer_info(stream, name)
+                if info is None:
+                    raise
+                kept = (info.get("config") or {}).get("opt_start_seq")
+                await self.consumer(stream, name, filter_subject, start_seq=int(kept) if kept else None, **config)
+
+        await asyncio.gather(*(one(name, subjects) for name, subjects in durables.items()))
         if old:
             try:
                 await self.js.delete_consumer(stream, earlier)

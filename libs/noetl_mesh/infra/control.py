@@ -112,7 +112,7 @@ class PartitionedService:
     async def _durable(self, p: int) -> None:
         """Partition ``p``'s durable (any execution, any writer); the earlier version's hands over."""
         start = await self.bus.handover_consumer(
-            EVENTS, f"{self.prefix}-p{p}", f"{self.name}-p{p}", [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes],
+            EVENTS, f"{self.name}-p{p}", {f"{self.prefix}-p{p}": [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes]},
             pinned=True, ack_wait=self.ack_wait, max_deliver=50, ack_policy=AckPolicy.ALL)
         if start is not None:
             log.warning("%s-p%d, the durable of an earlier version, acknowledged each event: %s-p%d, which "
