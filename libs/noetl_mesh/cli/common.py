@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from ..infra.launching import defer  # a leaf: nothing but contextlib
+
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_TIMEOUT = 3  # noetl run --timeout passed before the execution ended
 EXIT_NEEDS_PERSON = 3  # noetl migrate: something could not be translated (listed)
@@ -105,8 +107,6 @@ class Signals:
             self.task.cancel()
             self.loop.call_soon_threadsafe(lambda: None)  # wake the loop up
             return
-        from ..infra.launching import defer
-
         if not defer(Interrupted(signum)):  # a server's launch under way raises it once it holds the process
             raise Interrupted(signum)
 
