@@ -126,11 +126,19 @@ class Bucket:
 
     async def get(self, key: str, *, fresh: bool = False) -> tuple[dict[str, Any], int] | None:
         """The value and revision of ``key``, None when absent, removed or unreadable. ``fresh`` reads
-        from the stream's leader (a direct get may be answered by a replica a moment behind)."""
+        from the stream's leader (a direct get may be answered by a replica a moment behind). "Absent"
+        is always the leader's answer: a replica behind (one back from a failover) does not know a key
+        written meanwhile, and a token it has not seen is not an unknown token."""
+        direct = self.direct and not fresh
         try:
-            msg = await self.js.get_msg(self.stream, subject=self.prefix + key, direct=self.direct and not fresh)
+            msg = await self.js.get_msg(self.stream, subject=self.prefix + key, direct=direct)
         except NotFoundError:
-            return None
+            if not direct:
+                return None
+            try:
+                msg = await self.js.get_msg(self.stream, subject=self.prefix + key)
+            except NotFoundError:
+                return None
         if msg.headers and msg.headers.get("KV-Operation") in _DELETED:
             return None
         try:
