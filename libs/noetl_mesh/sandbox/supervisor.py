@@ -42,7 +42,7 @@ ANSWER_EXIT_GRACE = 1.0  # seconds a task process has to exit after its answer b
 # One fork server per kind of task, started on first use, each with only what its tasks use imported:
 # a python task process is then a fork of a small interpreter (DuckDB's 20 MB of mappings would make
 # every fork and exit of a python task slower), a duckdb one of an interpreter with DuckDB loaded.
-PRELOAD = {"python": ("noetl_mesh.tools.python_runner",), "duckdb": ("noetl_mesh.tools.duckdb",),
+PRELOAD = {"python": ("noetl_mesh.tools.python_runner",), "duckdb": ("duckdb", "noetl_mesh.tools.duckdb"),
            "shell": ("noetl_mesh.tools.shell_runner",)}
 # A shell task runs programs from these directories only (read-only), and the ELF interpreter they need
 # (the kernel opens it as a program too). Nothing it may write can be run.

@@ -33,8 +33,6 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-import duckdb
-
 from .. import limits
 from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok
 
@@ -182,7 +180,11 @@ def _fetch(con: Any, columns: list[str], budget: ResultBudget, post: dict[int, A
         rows.extend(chunk)
 
 
+# DuckDB itself is imported where a task runs (its sandbox's task process, which loads it ahead); the
+# worker only hands tasks over, and does not load it
 def _run_statements(con: Any, sql: str, params: Any, budget: ResultBudget) -> dict:
+    import duckdb
+
     stmts = con.extract_statements(sql)
     if not stmts:
         return {"rows": [], "columns": [], "row_count": 0}
@@ -213,6 +215,8 @@ def _run_statements(con: Any, sql: str, params: Any, budget: ResultBudget) -> di
 def connect(db_path: str | None, directories: list[str], memory_bytes: int | None) -> Any:
     """A connection whose file access is off but for ``directories`` (locked: SQL cannot turn it back
     on), extensions neither installed nor loaded on their own, memory bounded below the process limit."""
+    import duckdb
+
     config: dict[str, Any] = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
     if memory_bytes:
         config["memory_limit"] = f"{max(64, memory_bytes * 3 // 4 // (1 << 20))}MB"
@@ -235,6 +239,8 @@ def execute(req: dict, confined: bool = False, warm: Any = None) -> dict:
     """In a task process: run one request ``{sql, params, db_path, max_result_bytes, directories,
     memory_bytes}``; the answer ``{ok, result}`` or ``{ok: false, kind, message}``. ``warm``: an
     in-memory database the process opened while it waited (used when the request asks for one)."""
+    import duckdb
+
     db_path = req.get("db_path")
     if warm is not None and (not db_path or db_path == ":memory:"):
         con = warm
@@ -261,6 +267,8 @@ def execute(req: dict, confined: bool = False, warm: Any = None) -> dict:
 
 
 def _failure(e: BaseException, confined: bool) -> dict:
+    import duckdb
+
     if isinstance(e, duckdb.PermissionException) or (confined and isinstance(e, duckdb.IOException)
                                                       and "Permission denied" in str(e)):
         return {"ok": False, "kind": "sandbox", "message": f"refused by the sandbox (D33): {e} (a duckdb task reads "
