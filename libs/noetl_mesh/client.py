@@ -84,7 +84,7 @@ class GatewayError(Exception):
     """An answer of 400 or more: ``status``, ``body`` (the parsed JSON, or the text), ``message`` (the
     gateway's ``detail.message``), ``errors`` (``detail.errors``) and, on a 503, ``retry_after`` seconds."""
 
-    def __init__(self, status: int, body: Any, retry_after: float | None = None):
+    def __init__(self, status: int, body: Any, retry_after: float | None = None, who: str = "gateway"):
         detail = body.get("detail") if isinstance(body, dict) else None
         if isinstance(detail, dict):
             self.message = str(detail.get("message") or detail)
@@ -94,7 +94,7 @@ class GatewayError(Exception):
         lines = [f"{e.get('location')}: {e.get('message')}" if e.get("location") else str(e.get("message"))
                  for e in self.errors]
         lines = [line for line in lines if not self.message.startswith(line)]  # the message says it already
-        super().__init__(f"gateway answered {status}: {self.message}" + "".join(f"\n  {line}" for line in lines))
+        super().__init__(f"{who} answered {status}: {self.message}" + "".join(f"\n  {line}" for line in lines))
         self.status, self.body, self.retry_after = status, body, retry_after
 
 
@@ -112,7 +112,56 @@ def retry_after(value: str | None) -> float | None:
         return None
 
 
-class GatewayClient:
+class Following:
+    """Following an execution to its end, over a client's ``status`` and ``events``."""
+
+    async def status(self, execution_id: str, brief: bool = False) -> dict:
+        raise NotImplementedError
+
+    async def events(self, execution_id: str, offset: int = 0, limit: int = 1000, **filters: Any) -> dict:
+        raise NotImplementedError
+
+    async def all_events(self, execution_id: str, **filters: Any) -> list[dict]:
+        """Every event (the filters of :meth:`events`: name, step, task, iteration), page by page."""
+        out: list[dict] = []
+        while True:
+            page = await self.events(execution_id, offset=len(out), **filters)
+            out += page["events"]
+            if not page["events"] or len(out) >= page["total"]:
+                return out
+
+    async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
+                   on_event: Callable[[dict], None] | None = None) -> dict:
+        """Poll until the execution is final. The recorder stores a message's events and the projection
+        in one transaction, so a final status means ``workflow.finished`` and the ``playbook.processed``
+        published with it are recorded (events may still follow: a child's notice, a late report).
+        Not recorded yet (404) polls on; unavailable (503) waits as its Retry-After asks (at most
+        30 s) and tries again, until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            delay = poll
+            try:
+                status = await self.status(execution_id, brief=True)
+                if on_event is not None:
+                    page = await self.events(execution_id, offset=seen)
+                    for event in page["events"]:
+                        on_event(event)
+                    seen += len(page["events"])
+                if status["status"] in FINAL:
+                    return await self.status(execution_id)
+            except GatewayError as exc:
+                if exc.status == 503:
+                    delay = min(MAX_RETRY_AFTER, exc.retry_after if exc.retry_after is not None else 1.0)
+                elif exc.status != 404:
+                    raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"execution {execution_id} did not finish within {timeout}s")
+            await asyncio.sleep(min(max(delay, poll), left))
+
+
+class GatewayClient(Following):
     """``token``: the bearer token to send; without one, ``NOETL_TOKEN`` or the token stored for
     ``base_url`` (:func:`resolve_token`). ``ca``: the CA file an ``https://`` gateway's certificate must
     verify against; without one ``NOETL_GATEWAY_CA``, else the system's authorities (infra/tls.py)."""
@@ -169,15 +218,6 @@ class GatewayClient:
             if value is not None:
                 params[key] = value
         return await self._call("GET", f"/api/executions/{execution_id}/events", params=params)
-
-    async def all_events(self, execution_id: str, **filters: Any) -> list[dict]:
-        """Every event (the filters of :meth:`events`: name, step, task, iteration), page by page."""
-        out: list[dict] = []
-        while True:
-            page = await self.events(execution_id, offset=len(out), **filters)
-            out += page["events"]
-            if not page["events"] or len(out) >= page["total"]:
-                return out
 
     async def list_executions(self, status: str | None = None, limit: int = 1000, all_pages: bool = False,
                               user: str | None = None, path: str | None = None, since: str | None = None,
@@ -333,32 +373,97 @@ class GatewayClient:
         await self._call("DELETE", f"/api/schedules/{schedule_id}")
         return {"id": schedule_id, "deleted": True}
 
-    async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
-                   on_event: Callable[[dict], None] | None = None) -> dict:
-        """Poll until the execution is final. The recorder stores a message's events and the projection
-        in one transaction, so a final status means ``workflow.finished`` and the ``playbook.processed``
-        published with it are recorded (events may still follow: a child's notice, a late report).
-        Not recorded yet (404) polls on; unavailable (503) waits as its Retry-After asks (at most
-        30 s) and tries again, until ``timeout``."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while True:
-            delay = poll
-            try:
-                status = await self.status(execution_id, brief=True)
-                if on_event is not None:
-                    page = await self.events(execution_id, offset=seen)
-                    for event in page["events"]:
-                        on_event(event)
-                    seen += len(page["events"])
-                if status["status"] in FINAL:
-                    return await self.status(execution_id)
-            except GatewayError as exc:
-                if exc.status == 503:
-                    delay = min(MAX_RETRY_AFTER, exc.retry_after if exc.retry_after is not None else 1.0)
-                elif exc.status != 404:
-                    raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"execution {execution_id} did not finish within {timeout}s")
-            await asyncio.sleep(min(max(delay, poll), left))
+
+class StackClient(Following):
+    """``noetl run``'s client of the embedded stack it started, over NATS instead of HTTP: that stack
+    runs no gateway (nobody else can reach it), and the command line takes the gateway's place, as its
+    NATS user and as the writer of the requests (architecture.md, "noetl run"). The same answers as
+    :class:`GatewayClient`'s for what ``noetl run`` asks (register, start, status, events, cancel),
+    and the same checks on the way in: the playbook validated, the workload's size bounded."""
+
+    WHO = "the embedded stack"
+
+    def __init__(self, bus: Any):
+        self.bus = bus
+
+    async def __aenter__(self) -> "StackClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.bus.close()
+
+    @classmethod
+    async def connect(cls, nats_url: str, creds: str | None) -> "StackClient":
+        from .infra.bus import Bus
+
+        return cls(await Bus.connect(nats_url, "noetl-run", creds))
+
+    def _failed(self, status: int, message: str, errors: list | None = None) -> GatewayError:
+        detail: dict[str, Any] = {"message": message}
+        if errors:
+            detail["errors"] = errors
+        return GatewayError(status, {"detail": detail}, who=self.WHO)
+
+    async def _ask(self, subject: str, payload: dict[str, Any], expand: bool = False) -> Any:
+        from .contracts.subjects import STATUS_OF_KIND
+        from .infra.bus import BusError
+
+        try:
+            return await self.bus.request(subject, payload, timeout=10.0, expand=expand)
+        except BusError as exc:
+            raise self._failed(STATUS_OF_KIND.get(exc.kind, 502), exc.message) from exc
+
+    async def register(self, content: str) -> dict:
+        from .contracts.subjects import Q_CATALOG_REGISTER
+
+        reply = await self._ask(Q_CATALOG_REGISTER, {"content": content})
+        reply.setdefault("warnings", [])
+        return reply
+
+    async def start(self, playbook: str | dict, workload: dict | None = None) -> str:
+        from . import limits
+        from .core.events import execution_requested, new_execution_id
+        from .infra.wire import dumps
+        from .lang.validate import parse_yaml, validate_cached
+
+        workload = workload or {}
+        size = len(dumps(workload))
+        if size > limits.current().max_workload_bytes:
+            raise self._failed(413, str(limits.LimitExceeded("max_workload_bytes", size, "workload")))
+        doc, diags = parse_yaml(playbook) if isinstance(playbook, str) else (playbook, [])
+        errors = [{"location": d.location, "message": d.message} for d in diags or validate_cached(doc).diagnostics
+                  if d.severity == "error"]
+        if errors:
+            raise self._failed(422, "invalid playbook", errors)
+        execution_id = new_execution_id()
+        await self.bus.publish_event(execution_requested(execution_id, {
+            "playbook": doc, "catalog": None, "workload": workload, "parent_execution_id": None,
+            "requested_by": None}))
+        return execution_id
+
+    async def status(self, execution_id: str, brief: bool = False) -> dict:
+        from .contracts.subjects import Q_EXECUTION_GET
+        from .infra.payloads import MARKER, PayloadMissing
+        from .infra.wire import dumps
+
+        reply = await self._ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+        try:
+            return await self.bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
+        except PayloadMissing as exc:
+            raise self._failed(410, f"execution {execution_id}: {exc}") from None
+
+    async def events(self, execution_id: str, offset: int = 0, limit: int = 1000, **filters: Any) -> dict:
+        from .contracts.subjects import Q_EXECUTION_EVENTS
+
+        if filters:
+            raise TypeError(f"StackClient.events filters nothing ({sorted(filters)})")
+        return await self._ask(Q_EXECUTION_EVENTS, {"execution_id": execution_id, "offset": offset, "limit": limit})
+
+    async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
+        from .core.events import cancel_requested
+
+        current = await self.status(execution_id, brief=True)
+        if current["status"] in FINAL:
+            raise self._failed(409, f"execution {execution_id} is already {current['status']}")
+        await self.bus.publish_event(cancel_requested(execution_id, reason, None))
+        return {"execution_id": execution_id, "status": "CANCELLING"}

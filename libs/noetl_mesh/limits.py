@@ -59,7 +59,7 @@ LIMITS: tuple[Limit, ...] = (
 
     # ---- executions
     Limit("max_workload_bytes", 4 * MIB, "bytes", "the workload (JSON)",
-          "gateway (413) and admission (the request is refused)"),
+          "gateway (413), `noetl run` on its own stack (exit 1) and admission (the request is refused)"),
     Limit("max_loop_items", 1_000_000, "items", "the collection of a loop (loop.in)",
           "loop-coordinator (the loop step fails)"),
     Limit("max_timer_seconds", 7 * 24 * 3600, "seconds", "a delay, wait, timeout or instant ahead",

@@ -23,6 +23,7 @@ log = logging.getLogger("noetl.stack")
 CONTROL_PLANE = ("event-recorder", "admission", "router", "loop-coordinator", "scheduler")
 ALL_SERVICES = (*CONTROL_PLANE, "credentials", "sessions", "worker", "gateway")
 SINGLE = ("event-recorder", "credentials", "sessions")  # one replica unless asked for more
+GATEWAY_ONLY = ("gateway", "sessions", "scheduler")  # reached only through the gateway (logins, users, schedules)
 
 
 NEEDS_POSTGRES = ("event-recorder", "credentials")  # the services given the Postgres connection string
@@ -94,6 +95,9 @@ class Settings:
     # what the workers' tasks may reach beyond the default (D33): NOETL_SANDBOX_ALLOW_NET for the workers
     # (``--allow-net``); None: the environment's
     allow_net: str | None = None
+    # the sandboxed task kinds whose fork servers a worker starts ahead, besides python's (D33): comma
+    # separated, NOETL_SANDBOX_WARM for the workers; None: the environment's (default: every kind)
+    sandbox_warm: str | None = None
     # the stack's home (noetl up --home, noetl service --home): where a service keeps its files (the
     # credentials service its key file, unless NOETL_CREDENTIAL_KEY is set); None: none
     home: str | None = None
@@ -135,7 +139,7 @@ def make_service(name: str, bus: Bus, settings: Settings):
         return cls(bus, pg_dsn=settings.pg_dsn, home=settings.home)
     if name == "worker":
         return cls(bus, pool=settings.pool, concurrency=settings.concurrency, ack_wait=settings.ack_wait,
-                   allow_net=settings.allow_net)
+                   allow_net=settings.allow_net, warm=settings.sandbox_warm)
     if name == "gateway":
         return cls(bus, host=settings.host, port=settings.port)
     return cls(bus)
@@ -258,13 +262,17 @@ class InProcessStack:
     workers: int = 1
     token_file: str | None = None  # where the first admin's API token is kept (see bootstrap)
     counts: dict[str, int] | None = None  # replicas per service, over replicas/workers (parse_replicas)
+    # False: no gateway, nor what only its users reach (sessions, the scheduler), nor a first admin
+    # (noetl run: its command line is the stack's only client, over NATS: client.StackClient)
+    gateway: bool = True
     running: list[Running] = field(default_factory=list)
     token: str | None = None
     probes: ProbeServer | None = None  # the process's metrics port, when settings.metrics_port is set
 
     async def start(self) -> "InProcessStack":
         await setup(self.settings)
-        names = [name for name, _ in topology(self.replicas, self.workers, self.counts)]
+        names = [name for name, _ in topology(self.replicas, self.workers, self.counts)
+                 if self.gateway or name not in GATEWAY_ONLY]
         if self.settings.metrics_port is not None:  # one server for the process: services by label
             self.probes = ProbeServer(asyncio.get_running_loop(), self.settings.metrics_host,
                                       self.settings.metrics_port).start()
@@ -274,7 +282,8 @@ class InProcessStack:
         if self.probes is not None:
             for key, r in zip(_keys(names), self.running):
                 self.probes.add(key, readiness(r.service, r.bus))
-        self.token = await bootstrap(self.settings, self.token_file)
+        if self.gateway:
+            self.token = await bootstrap(self.settings, self.token_file)
         return self
 
     @property
@@ -422,6 +431,8 @@ class ProcessStack:
         out = open(os.path.join(self.log_dir, f"{key}.log"), "ab") if self.log_dir else subprocess.DEVNULL
         if name == "worker" and s.allow_net is not None:  # D33: its sandbox policy reads it at start
             env["NOETL_SANDBOX_ALLOW_NET"] = s.allow_net
+        if name == "worker" and s.sandbox_warm is not None:
+            env["NOETL_SANDBOX_WARM"] = s.sandbox_warm
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own descriptor

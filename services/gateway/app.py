@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from noetl_mesh import limits
 from noetl_mesh.core import restart
-from noetl_mesh.core.events import make_event, new_execution_id, stable_id
+from noetl_mesh.core.events import cancel_requested, execution_requested, make_event, new_execution_id
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import bounded, metrics, micro, tracing
 from noetl_mesh.infra.nats_auth import READY_SERVICES
@@ -89,6 +89,7 @@ from noetl_mesh.infra.bus import (
     BusError,
     dumps,
 )
+from noetl_mesh.contracts.subjects import STATUS_OF_KIND
 from noetl_mesh.lang.validate import parse_yaml, validate_cached
 from noetl_mesh.limits import LimitExceeded
 from noetl_mesh.core import access, signals
@@ -102,9 +103,6 @@ from noetl_mesh.services.sessions import service as sessions
 log = logging.getLogger("noetl.gateway")
 
 YAML_TYPES = ("application/x-yaml", "application/yaml", "text/yaml", "text/x-yaml", "text/plain")
-STATUS_OF_KIND = {"bad_request": 400, "unauthenticated": 401, "forbidden": 403, "not_found": 404,
-                  "conflict": 409, "payload_missing": 410, "too_large": 413, "invalid_playbook": 422, "locked": 429, "unavailable": 503,
-                  "timeout": 503}
 SOURCES = ("path", "catalog_id", "playbook")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds: NATS reconnects every 0.5 s
 CLOSE = {"Connection": "close"}  # after a 413: the server closes instead of reading the rest of the body
@@ -725,12 +723,10 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             span.set_attribute(tracing.EXECUTION_ID, execution_id)
             # the request travels in the execution's own trace (its id is the trace id), linked to this one
             with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=execution_id):
-                await shell.publish(make_event(
-                    "playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
-                    source="gateway", status="in_progress",
-                    data={"playbook": doc, "catalog": catalog, "workload": workload,
-                          "parent_execution_id": body.parent_execution_id,
-                          "requested_by": auth.requested_by(who)}), "body.playbook")
+                await shell.publish(execution_requested(execution_id, {
+                    "playbook": doc, "catalog": catalog, "workload": workload,
+                    "parent_execution_id": body.parent_execution_id, "requested_by": auth.requested_by(who)}),
+                    "body.playbook")
         return {"execution_id": execution_id, "status": "PENDING"}
 
     @app.get("/api/executions", tags=["executions"])
@@ -812,9 +808,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             if current["status"] in FINAL:
                 raise problem(409, f"execution {execution_id} is already {current['status']}")
             reason = body.reason if body else None
-            await shell.publish(make_event(
-                "execution.cancelled", execution_id, event_id=stable_id("cancel", execution_id),
-                source="gateway", data={"reason": reason, "requested_by": auth.requested_by(who)}), "body")
+            await shell.publish(cancel_requested(execution_id, reason, auth.requested_by(who)), "body")
             await auditor.record("execution.cancelled", who, request, target={"execution_id": execution_id},
                                  details={"reason": reason} if reason else None)
         return {"execution_id": execution_id, "status": "CANCELLING"}
@@ -854,9 +848,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             new_id = new_execution_id()
             span.set_attribute(tracing.EXECUTION_ID, new_id)
             with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=new_id):
-                await shell.publish(make_event(
-                    "playbook.execution.requested", new_id, event_id=stable_id("request", new_id),
-                    source="gateway", status="in_progress", data=data), "body")
+                await shell.publish(execution_requested(new_id, data), "body")
         return {"execution_id": new_id, "status": "PENDING", "restarted_from": data["restarted_from"]}
 
     # ------------------------------------------------------------------ signals and waits (D30)

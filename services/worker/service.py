@@ -217,9 +217,11 @@ class WorkerService:
     name = "worker"
 
     def __init__(self, bus: Bus, *, pool: str = "default", concurrency: int = 8, ack_wait: float = 30.0,
-                 tools: dict[str, Any] | None = None, grace: float | None = None, allow_net: str | None = None):
+                 tools: dict[str, Any] | None = None, grace: float | None = None, allow_net: str | None = None,
+                 warm: str | None = None):
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
         self.allow_net = allow_net  # D33: over NOETL_SANDBOX_ALLOW_NET when given (see sandbox_policy)
+        self.warm = warm  # over NOETL_SANDBOX_WARM when given (see _start_sandbox)
         self.policy: sandbox.Policy | None = None
         # seconds a stopping worker lets its running commands finish before handing them back
         self.grace = grace if grace is not None else float(os.environ.get("NOETL_SHUTDOWN_GRACE") or 10)
@@ -277,13 +279,17 @@ class WorkerService:
             return
         unavailable = self.sandbox.describe().startswith("sandbox UNAVAILABLE")
         (log.error if unavailable else log.info)("worker %s: %s", self.pool, self.sandbox.describe())
-        warm = os.environ.get("NOETL_SANDBOX_WARM")
-        for kind in PRELOAD if warm is None else [k.strip() for k in warm.split(",")]:
-            if kind in PRELOAD and kind != "python" and not unavailable:
-                try:
-                    await self.sandbox.start(kind)
-                except Exception as exc:  # noqa: BLE001 - its first task starts it again, and says why
-                    log.warning("worker %s: the %s fork server did not start ahead: %s", self.pool, kind, exc)
+        warm = self.warm if self.warm is not None else os.environ.get("NOETL_SANDBOX_WARM")
+        kinds = [k for k in (PRELOAD if warm is None else [k.strip() for k in warm.split(",")])
+                 if k in PRELOAD and k != "python" and not unavailable]
+
+        async def start(kind: str) -> None:
+            try:
+                await self.sandbox.start(kind)
+            except Exception as exc:  # noqa: BLE001 - its first task starts it again, and says why
+                log.warning("worker %s: the %s fork server did not start ahead: %s", self.pool, kind, exc)
+
+        await asyncio.gather(*(start(kind) for kind in kinds))  # side by side: each mostly imports
 
     def _secret_paths(self) -> list[str]:
         """What the sandbox must never show a task: this worker's NATS credentials and the stack's home."""

@@ -54,6 +54,24 @@ def test_run_json_contract_and_workload_merge():
     assert [(e["step"], e["task"], e["attempt"]) for e in processed][:1] == [("start", "start_task", 1)]
 
 
+def test_run_on_its_own_stack_starts_no_gateway_and_checks_the_workload_itself():
+    """Nobody else can reach the stack `noetl run` starts: it runs no gateway (FastAPI is not even
+    imported), and the command checks on the way in what the gateway would, saying who refused."""
+    code = ("import sys; from noetl_mesh.cli.app import main; rc = main(['run', sys.argv[1], '--json']); "
+            "print('gateway modules:', sorted(m for m in ('fastapi', 'uvicorn', 'noetl_mesh.services.gateway.app') "
+            "if m in sys.modules), file=sys.stderr); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(EXAMPLES / "hello.yaml")], capture_output=True, text=True,
+                          timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["status"] == "COMPLETED"
+    assert proc.stderr.splitlines()[-1] == "gateway modules: []"
+    proc = noetl("run", str(EXAMPLES / "hello.yaml"), "--workload", '{"pad": "%s"}' % ("x" * 200),
+                 env={**ENV, "NOETL_LIMIT_MAX_WORKLOAD_BYTES": "100"})
+    assert proc.returncode == 1
+    assert proc.stderr == ("noetl: the embedded stack answered 413: workload: the workload (JSON) is 210 bytes, over "
+                           "the limit max_workload_bytes = 100 bytes (set NOETL_LIMIT_MAX_WORKLOAD_BYTES to change it)\n")
+
+
 def test_run_failed_playbook_exits_1(tmp_path):
     pb = tmp_path / "fail.yaml"
     pb.write_text("""

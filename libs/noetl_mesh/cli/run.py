@@ -55,6 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     invalid = False
     texts: dict[str, str] = {}
+    kinds: set[str] = set()  # of the tasks in them: their sandboxes' fork servers start with the worker
     for path in [args.file, *(args.register or [])]:  # every playbook checked before anything starts
         if getattr(args, "migrate", False):
             text = migrated(path)
@@ -68,6 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for d in result.errors:
             print(f"{path}: {d}", file=sys.stderr)
         invalid = invalid or not result.ok
+        kinds |= _kinds(result.document)
     if invalid:
         return EXIT_INVALID
     try:
@@ -93,6 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.allow_net_text = None if gateway else allow_net(args)
     except ValueError as exc:
         return fail(str(exc))
+    args.sandbox_warm = ",".join(sorted(kinds))
     with Signals() as signals:
         run = Run(args, gateway, signals)
 
@@ -155,7 +158,7 @@ class Run:
     async def main(self, text: str, workload: dict, servers: "Servers | None", texts: dict | None = None) -> int:
         import asyncio
 
-        from ..client import GatewayClient
+        from ..client import GatewayClient, StackClient
         from ..infra.embedded import EmbeddedNats
         from ..lang.documents import read_document
 
@@ -166,13 +169,16 @@ class Run:
                 # away after (a partition is a durable per control-plane service; 16 of each took ~0.2 s
                 # to create). Someone else's NATS keeps its count (fixed when its stream was created).
                 own = isinstance(servers.nats, EmbeddedNats)
+                # without a gateway: this command is the stack's only client, over NATS as the gateway's user
                 stack = await embedded_stack(servers, metrics_port=args.metrics_port, partitions=1 if own else None,
-                                             allow_net=getattr(args, "allow_net_text", None))
+                                             allow_net=getattr(args, "allow_net_text", None), gateway=False,
+                                             sandbox_warm=getattr(args, "sandbox_warm", None))
                 if stack.metrics_url and not args.json:
                     print(f"metrics: {stack.metrics_url}/metrics (and /livez, /readyz)", file=sys.stderr, flush=True)
-            gateway = stack.gateway_url if stack is not None else self.gateway
-            # the throw-away stack's own admin token; a running gateway gets the command line's (noetl login)
-            async with GatewayClient(gateway, token=stack.token if stack is not None else None) as client:
+                client = await StackClient.connect(stack.settings.nats_url, stack.settings.creds_for("gateway"))
+            else:  # a running gateway, with the command line's token (noetl login)
+                client = GatewayClient(self.gateway)
+            async with client:
                 for path in args.register or ():  # the playbooks that `playbook` tasks call, by catalog path
                     await client.register((texts or {}).get(path) or read_document(path)[0])
                 self.execution_id = await client.start(text, workload)
@@ -287,3 +293,13 @@ def cmd_restart(args: argparse.Namespace) -> int:
     with Signals() as signals:
         run = Run(args, args.gateway, signals)
         return run.go(lambda: run.restart(args.execution_id, args.from_step, workload))
+
+
+def _kinds(value) -> set[str]:
+    """Every ``kind`` named in a playbook document (its tasks' among them)."""
+    if isinstance(value, dict):
+        found = {value["kind"]} if isinstance(value.get("kind"), str) else set()
+        return found.union(*(_kinds(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_kinds(v) for v in value))
+    return set()

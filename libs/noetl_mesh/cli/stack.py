@@ -102,17 +102,16 @@ def add_commands(sub) -> None:
 
 
 def preload_services() -> None:
-    """Import the services in a thread while NATS and Postgres start (mostly waiting for them): the
-    stack then starts without the imports' ~0.3 s."""
+    """Import the services of ``noetl run``'s stack in a thread while NATS and Postgres start (mostly
+    waiting for them): the stack then starts without the imports' ~0.3 s."""
     import threading
 
     def load() -> None:
         try:
             from .. import stack
-            from ..services.gateway import app  # noqa: F401 - FastAPI, the heaviest
             for name in stack.ALL_SERVICES:
-                stack.service_class(name)
-            import duckdb  # noqa: F401 - the worker's duckdb tool
+                if name not in stack.GATEWAY_ONLY:  # noetl run's stack has no gateway
+                    stack.service_class(name)
         except Exception:  # noqa: BLE001 - the stack imports them again, and says what failed
             pass
 
@@ -169,26 +168,29 @@ def provision(persistent: str | None = None) -> Servers:
 
 async def embedded_stack(servers: Servers, processes: bool = False, metrics_port: int | None = None,
                          log_format: str | None = None, port: int = 0, counts: dict[str, int] | None = None,
-                         allow_net: str | None = None, partitions: int | None = None):
+                         allow_net: str | None = None, partitions: int | None = None, gateway: bool = True,
+                         sandbox_warm: str | None = None):
     """Every service, on ``servers``: in this process, or (``processes``) one process each, supervised;
     the gateway on ``port`` (0: any free one), ``counts`` replicas per service (stack.parse_replicas).
     ``stop()`` stops the services; the servers are the caller's to stop. ``metrics_port``: in this
     process, the port of its one metrics server (0: a free one; None: none); with ``processes``, the
     first of the services' ports (0 or None: free ones). ``allow_net``: NOETL_SANDBOX_ALLOW_NET for the
     workers (None: the environment's). ``partitions``: of the events stream, when this stack creates it
-    (None: NOETL_PARTITIONS, else the default)."""
+    (None: NOETL_PARTITIONS, else the default). ``gateway``: False for a stack in this process whose only
+    client is the caller, over NATS (``noetl run``: client.StackClient). ``sandbox_warm``: the task kinds
+    whose fork servers the workers start ahead (None: NOETL_SANDBOX_WARM, else every kind)."""
     from ..stack import InProcessStack, ProcessStack, Settings
 
     persistent = servers.persistent
     creds = str(servers.auth.directory) if servers.auth else os.environ.get("NOETL_NATS_CREDS")
     settings = Settings(nats_url=servers.nats.url, pg_dsn=servers.pg.dsn("postgres"), nats_creds=creds,
                         metrics_port=metrics_port, log_format=log_format, port=port, allow_net=allow_net,
-                        home=persistent, partitions=partitions)
+                        home=persistent, partitions=partitions, sandbox_warm=sandbox_warm)
     token_file = os.path.join(persistent, "admin.token") if persistent else None
     if processes:
         stack = ProcessStack(settings, log_dir=persistent, supervise=True, token_file=token_file, counts=counts)
     else:
-        stack = InProcessStack(settings, token_file=token_file, counts=counts)
+        stack = InProcessStack(settings, token_file=token_file, counts=counts, gateway=gateway)
     try:
         await stack.start()
     except BaseException:

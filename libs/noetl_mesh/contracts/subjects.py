@@ -48,6 +48,11 @@ SCHEDULE_Q_PREFIX = "noetl.q.schedule."
 SCHEDULE_VERBS = ("add", "list", "get", "pause", "resume", "delete")
 
 # request/reply, answered by the event-recorder (queue group ``event-recorder``)
+# the kind of an error reply (``{"error": {kind, message, details}}``), and the HTTP status the gateway
+# answers with for it (any other kind: 502)
+STATUS_OF_KIND = {"bad_request": 400, "unauthenticated": 401, "forbidden": 403, "not_found": 404,
+                  "conflict": 409, "payload_missing": 410, "too_large": 413, "invalid_playbook": 422, "locked": 429,
+                  "unavailable": 503, "timeout": 503}
 Q_CATALOG_REGISTER = "noetl.q.catalog.register"
 Q_CATALOG_GET = "noetl.q.catalog.get"
 Q_CATALOG_LIST = "noetl.q.catalog.list"

@@ -168,6 +168,21 @@ def new_execution_id() -> str:
     return uuid.uuid4().hex
 
 
+def execution_requested(execution_id: str, data: dict[str, Any], source: str = "gateway",
+                        timestamp: float | None = None) -> dict[str, Any]:
+    """The event that asks for a new execution (``data``: playbook, catalog, workload,
+    parent_execution_id, requested_by; or a restart's, core/restart.py); one id per execution, so a
+    request published twice is one request."""
+    return make_event("playbook.execution.requested", execution_id, event_id=stable_id("request", execution_id),
+                      source=source, status="in_progress", data=data, timestamp=timestamp)
+
+
+def cancel_requested(execution_id: str, reason: str | None, requested_by: Any, source: str = "gateway") -> dict[str, Any]:
+    """The event that asks for an execution's cancellation; one per execution."""
+    return make_event("execution.cancelled", execution_id, event_id=stable_id("cancel", execution_id),
+                      source=source, data={"reason": reason, "requested_by": requested_by})
+
+
 def action_id(execution_id: str, step_run_id: str, iteration: int | None, task: str, visit: int) -> str:
     """D21: stable across retries and redeliveries of one task visit."""
     return stable_id("action", execution_id, step_run_id, iteration, task, visit)

@@ -28,7 +28,7 @@ import orjson
 
 from ..lang.durations import parse_duration, parse_instant  # the language's durations and instants
 from ..lang.paths import path_problem  # a schedule names a catalog path: the catalog's rule
-from .events import make_event, stable_id
+from .events import execution_requested, stable_id
 from .access import allowed
 
 # ------------------------------------------------------------------------------------ names
@@ -558,9 +558,8 @@ def request(record: dict[str, Any], fired_at: int, now: float) -> dict[str, Any]
     """The ``playbook.execution.requested`` of a firing: the playbook by catalog path (and version, or
     the latest now), the workload, the schedule's creator as who requested it, and the schedule."""
     eid = execution_id(record["id"], fired_at)
-    return make_event(
-        "playbook.execution.requested", eid, event_id=stable_id("request", eid), source=SOURCE,
-        status="in_progress", timestamp=now,
+    return execution_requested(
+        eid, source=SOURCE, timestamp=now,
         data={"playbook": None, "catalog": {"path": record["path"], "version": record.get("version")},
               "workload": record.get("workload") or {}, "parent_execution_id": None,
               "requested_by": record.get("created_by"),

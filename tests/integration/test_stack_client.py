@@ -1,0 +1,83 @@
+"""`noetl run`'s stack has no gateway: the command line is its only client, over NATS with the gateway's
+NATS user (client.StackClient). It must answer as the gateway would for what `noetl run` asks, refuse
+what the gateway refuses, and need no permission the gateway's NATS user lacks (stop_stack fails on a
+permission violation the server logged)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import start_stack, stop_stack
+from noetl_mesh import limits
+from noetl_mesh.client import GatewayError, StackClient
+
+pytestmark = pytest.mark.integration
+
+SLOW = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: slow, path: tests/slow}
+workflow:
+  - step: start
+    tool: {kind: python, code: "import time\\ntime.sleep(3600)\\nresult = 1", spec: {timeout: 3600}}
+"""
+CHILD = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: child, path: tests/stack-client/child}
+workflow:
+  - step: start
+    tool: {kind: noop, result: "{{ workload.n * 2 }}"}
+"""
+
+
+def test_the_command_lines_own_client_starts_follows_refuses_and_cancels(module_pg):
+    nats, loop, handle = start_stack(module_pg, gateway=False)
+    try:
+        stack = handle.stack
+        # no HTTP API, nor what only its users reach, nor a first admin
+        assert {r.name for r in stack.running} == {"event-recorder", "credentials", "admission", "router",
+                                                    "loop-coordinator", "worker"} and stack.token is None
+
+        async def go() -> None:
+            settings = stack.settings
+            async with await StackClient.connect(settings.nats_url, settings.creds_for("gateway")) as client:
+                # refused on the way in, as the gateway refuses: where and why
+                with pytest.raises(GatewayError) as bad:
+                    await client.start("apiVersion: noetl.io/v2\nkind: Playbook\nmetadata: {name: x}\nworkflow: []\n")
+                assert bad.value.status == 422 and bad.value.errors
+                assert str(bad.value).startswith("the embedded stack answered 422: invalid playbook")
+                with limits.override(max_workload_bytes=100), pytest.raises(GatewayError) as big:
+                    await client.start(CHILD, {"n": 1, "pad": "x" * 200})
+                assert big.value.status == 413 and "max_workload_bytes" in str(big.value)
+                with pytest.raises(GatewayError) as unknown:
+                    await client.status("0" * 32)
+                assert unknown.value.status == 404
+
+                entry = await client.register(CHILD)
+                assert entry["path"] == "tests/stack-client/child" and entry["warnings"] == []
+                done = await client.wait(await client.start(CHILD, {"n": 21}), timeout=60)
+                assert done["status"] == "COMPLETED" and done["steps"]["start"]["result"] == 42
+
+                xid = await client.start(SLOW)
+                names: list[str] = []
+                for _ in range(600):  # the task runs (404 until the recorder has the request)
+                    try:
+                        names = [e["name"] for e in await client.all_events(xid)]
+                    except GatewayError as exc:
+                        assert exc.status == 404, exc
+                    if "task.started" in names:
+                        break
+                    await asyncio.sleep(0.1)
+                assert names[0] == "playbook.execution.requested" and "task.started" in names
+                assert (await client.cancel(xid, reason="test"))["status"] == "CANCELLING"
+                final = await client.wait(xid, timeout=60)
+                assert final["status"] == "CANCELLED"
+                with pytest.raises(GatewayError) as again:
+                    await client.cancel(xid)
+                assert again.value.status == 409 and "already CANCELLED" in str(again.value)
+
+        loop.run(go(), timeout=180)
+    finally:
+        stop_stack(nats, loop, handle)
