@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-import httpx
-
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 MAX_RETRY_AFTER = 30.0  # seconds: the longest wait a 503's Retry-After can ask of wait()
 TOKEN_ENV = "NOETL_TOKEN"
@@ -167,6 +165,8 @@ class GatewayClient(Following):
     verify against; without one ``NOETL_GATEWAY_CA``, else the system's authorities (infra/tls.py)."""
 
     def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None, ca: str | None = None):
+        import httpx
+
         from .infra.tls import gateway_verify
 
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, trust_env=False,

@@ -130,11 +130,14 @@ class Run:
         """Run ``start()`` (the coroutine of :meth:`main` or :meth:`restart`; the embedded stack's servers
         started first when it needs them) to the exit code; a signal, ``--timeout``, the gateway's refusal
         or absence, or a stack that cannot start said in one line."""
-        import httpx
-
         from ..client import GatewayError
         from ..infra.embedded import InfraError
 
+        transport: tuple[type[BaseException], ...] = (OSError,)
+        if self.gateway:  # httpx's errors too (imported only then: the embedded stack's client is NATS)
+            import httpx
+
+            transport = (OSError, httpx.TransportError)
         try:
             return arun(start(), self.signals)
         except Interrupted as exc:
@@ -144,7 +147,7 @@ class Run:
             return EXIT_TIMEOUT
         except GatewayError as exc:
             return gateway_failed(exc, self.gateway or "URL")
-        except (OSError, httpx.TransportError) as exc:
+        except transport as exc:
             if not self.gateway or isinstance(exc, TimeoutError):
                 raise
             return unreachable(self.gateway, exc)

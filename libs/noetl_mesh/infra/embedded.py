@@ -545,17 +545,22 @@ def _pg_run_user() -> str | None:
 
 
 def _can_run(bin_dir: Path, user: str) -> bool:
-    """True if ``user`` can execute initdb and postgres there (incl. loading their shared libs)."""
-    for exe in ("initdb", "postgres"):
-        try:
-            res = subprocess.run(
-                [str(bin_dir / exe), "--version"], capture_output=True, timeout=30, cwd="/", **_user_kwargs(user)
-            )
-        except OSError:
-            return False
-        if res.returncode != 0:
-            return False
-    return True
+    """True if ``user`` can execute initdb and postgres there (incl. loading their shared libs); the
+    two tried side by side."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for exe in ("initdb", "postgres"):
+            procs.append(subprocess.Popen([str(bin_dir / exe), "--version"], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
+                                          **_user_kwargs(user)))
+        return all(p.wait(timeout=30) == 0 for p in procs)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def _make_world_readable(root: Path) -> None:
