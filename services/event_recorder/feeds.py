@@ -15,15 +15,22 @@ that died, or handed the partition over) still holds fetched messages. The feed 
 when the delivery sequences it recorded since the consumer's ack floor have no gap (deliveries are
 numbered by the consumer, whoever they went to); then it acks the highest stream sequence. After a
 gap it asks the server: when the consumer's unacknowledged messages are all ones this feed holds, it
-acks; otherwise it holds its acks until the others' messages come back (at ``ack_wait``) and are
-recorded. A feed that stops acks what it can, gives back (``nak``) what it could not, and gives up the
-pin, so that the next owner starts at once.
+acks; otherwise it holds its acks. Holding them for longer than ``GAP_READ_AFTER``, it reads the
+partition's messages below its own that it does not hold straight from the stream (a delivery lost on
+the way, or another reader's fetch) and records them like deliveries: then an ack of its own covers
+them, and the log is whole at once instead of when the server redelivers them (at ``ack_wait``). A
+feed that stops acks what it can, gives back (``nak``) what it could not, and gives up the pin, so
+that the next owner starts at once.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
+import re
 import time
+from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -36,6 +43,8 @@ log = logging.getLogger("noetl.event-recorder")
 DURABLE = "event-recorder"  # the prefix of the partitions' durables; before them, the one durable's name
 REQUEST = 250  # messages per pull request of one partition
 EXPIRES = 0.5  # seconds a pull request stays open (a stopping feed waits for its end)
+GAP_READ_AFTER = 1.0  # seconds of held acks before the feed reads what it lacks below them from the stream
+GAP_READ_MAX = 2_000  # stream reads per look at a gap (the next look goes on from there)
 
 
 def durable(partition: int) -> str:
@@ -66,6 +75,9 @@ class Feed:
         self.delivered: set[int] = set()  # delivery sequences recorded since ``cfloor``
         self.inflight: dict[int, int] = {}  # delivered, not recorded yet (queued, or being written): stream seq -> n
         self.num_pending = 0  # the last delivery's count of messages left in the partition
+        self.holding_since: float | None = None  # when its acks began to wait for messages it does not hold
+        self.gap_task: asyncio.Task | None = None  # reading those from the stream
+        self.gap_next = 0  # the stream sequence the next look at the gap starts from
 
     # ------------------------------------------------------------------ pulling
     async def open(self) -> None:
@@ -140,11 +152,12 @@ class Feed:
         for msg in msgs:
             seq = msg.metadata.sequence
             self._landed(seq.stream)
-            self.num_pending = msg.metadata.num_pending
             if seq.stream > self.sfloor:
                 self.held[seq.stream] = msg
-            if seq.consumer > self.cfloor:
-                self.delivered.add(seq.consumer)
+            if seq.consumer:  # a delivery (a message read from the stream has none)
+                self.num_pending = msg.metadata.num_pending
+                if seq.consumer > self.cfloor:
+                    self.delivered.add(seq.consumer)
         await self._ack()
 
     def _landed(self, seq: int) -> None:
@@ -169,9 +182,15 @@ class Feed:
                 return  # NATS did not say: ask again with the next batch
             mine = self.held.keys() | {s for s in self.inflight if s > self.sfloor}
             if not self._alone() and (info.get("num_ack_pending") or 0) > len(mine):
-                log.info("%s: holding the ack of %d recorded messages until the messages below seq %d that "
-                         "another reader held are redelivered", self.durable, len(self.held), max(self.held))
+                if self.holding_since is None:
+                    self.holding_since = time.monotonic()
+                    log.info("%s: holding the ack of %d recorded messages: messages below seq %d were delivered "
+                             "and not recorded here (lost on the way, or another reader's)", self.durable,
+                             len(self.held), max(self.held))
+                if self.gap_task is None or self.gap_task.done():  # a look at the gap, once held long enough
+                    self.gap_task = asyncio.create_task(self._read_gap(), name=f"{self.durable} gap")
                 return
+        self.holding_since = None
         # The same choice as the control plane's readers (pinned.ack_choice): the highest recorded
         # stream sequence below anything delivered and not recorded, whose delivery is above the floor,
         # unless acking it would put a recorded message above it out of reach (then wait, and ack it all
@@ -190,6 +209,40 @@ class Feed:
         self.delivered = {d for d in self.delivered if d > dseq}
         for seq in [s for s in self.held if s <= top]:
             del self.held[seq]
+
+    async def _read_gap(self) -> None:
+        """Once the acks have been held for ``GAP_READ_AFTER`` (and still are): read the partition's
+        messages between the ack floor and the highest one this feed holds that it neither holds nor
+        has in flight, from the stream, and queue them for recording (at most ``GAP_READ_MAX`` reads a
+        look; the next look goes on from there). Recorded, they count as this feed's."""
+        if self.holding_since is not None:
+            await asyncio.sleep(max(0.0, self.holding_since + GAP_READ_AFTER - time.monotonic()))
+        if self.holding_since is None or not self.held or self.closing:
+            return  # acked meanwhile (the messages came back), or stopping
+        below = max(self.held)
+        seq, reads, found = max(self.sfloor + 1, self.gap_next), 0, 0
+        while seq < below and reads < GAP_READ_MAX and not self.closing:
+            reads += 1
+            try:
+                reply = await self.nc.request(f"$JS.API.STREAM.MSG.GET.{EVENTS}",
+                                              dumps({"seq": seq, "next_by_subj": subject(self.partition)}), timeout=2)
+                body = loads(reply.data)
+            except Exception as exc:  # noqa: BLE001 - the next look tries again
+                log.info("%s: reading seq %d from the stream failed (%s)", self.durable, seq, exc)
+                break
+            stored = body.get("message") if isinstance(body, dict) else None
+            if not isinstance(stored, dict) or not isinstance(stored.get("seq"), int) or stored["seq"] >= below:
+                break  # none left below (or an error: the next look tries again)
+            seq = stored["seq"]
+            if seq > self.sfloor and seq not in self.held and seq not in self.inflight:
+                self.inflight[seq] = 1
+                self.out.put_nowait((self, StoredMessage(stored)))
+                found += 1
+            seq += 1
+        self.gap_next = seq
+        if found:
+            log.warning("%s: recording %d messages below seq %d read from the stream (delivered, but not to this "
+                        "reader or lost on the way)", self.durable, found, below)
 
     async def _read_floor(self) -> dict[str, Any] | None:
         """The consumer's ack floor (and what it holds below it dropped); None when NATS did not say."""
@@ -222,6 +275,8 @@ class Feed:
         safe to; once the open request has ended, give the pin up (so that the next owner is pinned at
         once), then give back everything else. On a throw-away stack nobody reads next: it just goes."""
         self.closing = True
+        if self.gap_task is not None:
+            self.gap_task.cancel()
         until = time.monotonic() + grace
         while self.inflight and time.monotonic() < until:
             await asyncio.sleep(0.02)
@@ -243,4 +298,40 @@ class Feed:
                 pass
 
 
-__all__ = ["Feed", "DURABLE", "durable", "subject", "REQUEST"]
+class StoredMessage:
+    """A message of the partition read from the stream (``$JS.API.STREAM.MSG.GET``'s ``message``), not
+    delivered: recorded as a delivery is; it has no delivery to ack or give back (an ack of a delivery
+    above it covers it; given back, the server still holds it for the partition's next reader)."""
+
+    def __init__(self, stored: dict[str, Any]):
+        self.subject = stored.get("subject") or ""
+        self.data = base64.b64decode(stored.get("data") or "")
+        self.headers = _headers(stored.get("hdrs"))
+        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=stored["seq"], consumer=0), num_pending=0,
+                                        timestamp=_time(stored.get("time")))
+
+    async def ack(self) -> None:
+        pass
+
+    async def nak(self, delay: float | None = None) -> None:
+        pass
+
+
+def _headers(encoded: str | None) -> dict[str, str] | None:
+    """A stored message's headers (``NATS/1.0`` then ``Name: value`` lines, base64)."""
+    if not encoded:
+        return None
+    lines = base64.b64decode(encoded).decode("utf-8", "replace").split("\r\n")[1:]
+    out = {name.strip(): value.strip() for name, sep, value in (line.partition(":") for line in lines) if sep}
+    return out or None
+
+
+def _time(text: Any) -> datetime:
+    """A stored message's time (RFC 3339, nanoseconds cut to microseconds); now when unreadable."""
+    try:
+        return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", str(text)).replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.now(timezone.utc)
+
+
+__all__ = ["Feed", "StoredMessage", "DURABLE", "durable", "subject", "REQUEST"]

@@ -402,6 +402,50 @@ def test_a_batch_held_by_a_dead_recorder_is_not_acked_away(nats_url: str, pg_dsn
     assert count(pg_dsn) == len(events)
 
 
+def test_what_a_dead_recorder_held_is_read_from_the_stream_long_before_its_redelivery(nats_url: str,
+                                                                                      pg_dsn: str) -> None:
+    """The same dead reader, with ack_wait 120 s: its 100 messages would come back only after two
+    minutes. The feed that reads next holds its acks, then reads what it lacks from the stream and
+    records it: the log is whole, and the partition acknowledged to its end, within seconds."""
+    events = small_events(600, executions=1)
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, ack_wait=120.0)
+        await rec.start()
+        await rec.stop()  # the durables exist now
+        await publish_all(bus, events[:300])
+        name = feeds.durable(await _partition_of(bus, events[0]["execution_id"]))
+        dead = await nats.connect(nats_url)
+        inbox = dead.new_inbox()
+        sub = await dead.subscribe(inbox)
+        await dead.publish(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS}.{name}",
+                           json.dumps({"batch": 100, "expires": 10**9, "group": GROUP}).encode(), reply=inbox)
+        held = [await sub.next_msg(timeout=5) for _ in range(100)]  # fetched and never acked: it "died"
+        assert [m.metadata.sequence.stream for m in held] == list(range(1, 101))
+        await dead.request(f"$JS.API.CONSUMER.UNPIN.{EVENTS}.{name}", json.dumps({"group": GROUP}).encode())
+        await dead.close()
+        rec = RecorderService(bus, pg_dsn=pg_dsn, ack_wait=120.0)
+        await rec.start()
+        try:
+            await publish_all(bus, events[300:])
+            await eventually(lambda: recorded(pg_dsn, len(events)), timeout=30)
+
+            async def all_acked() -> bool:
+                info = await bus.js.consumer_info(EVENTS, name)
+                return info.ack_floor.stream_seq == len(events) and info.num_ack_pending == 0
+
+            await eventually(all_acked, timeout=30)
+            info = await bus.js.consumer_info(EVENTS, name)
+            assert info.num_redelivered == 0  # nothing came back: the feed read the 100 itself
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+    assert count(pg_dsn) == len(events)
+
+
 def test_two_recorders_share_the_partitions_and_one_that_dies_loses_nothing(nats_url: str, pg_dsn: str) -> None:
     """Recorder replicas deal the partitions out (each reads its own durables); when one is killed
     mid-stream (no drain, no ack, no unpin) the other takes its partitions over once its membership

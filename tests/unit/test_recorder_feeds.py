@@ -3,12 +3,15 @@ acks, and what it must not ack, when another reader held messages of the partiti
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
 from types import SimpleNamespace
 
 import orjson
+import pytest
 
-from noetl_mesh.services.event_recorder.feeds import Feed
+from noetl_mesh.services.event_recorder import feeds
+from noetl_mesh.services.event_recorder.feeds import Feed, StoredMessage
 
 
 class FakeConsumer:
@@ -56,12 +59,23 @@ class FakeMsg:
 
 
 class FakeNats:
-    """Answers CONSUMER.INFO for the fake consumer; counts the requests."""
+    """Answers CONSUMER.INFO for the fake consumer (counted) and STREAM.MSG.GET from a stream that holds
+    the partition's messages 1 to ``stored`` (counted as ``read``)."""
 
-    def __init__(self, consumer: FakeConsumer):
-        self.consumer, self.asked, self.is_closed = consumer, 0, False
+    def __init__(self, consumer: FakeConsumer, stored: int = 10_000):
+        self.consumer, self.asked, self.is_closed, self.stored, self.read = consumer, 0, False, stored, 0
 
     async def request(self, subject: str, payload: bytes, timeout: float = 1.0):
+        if ".STREAM.MSG.GET." in subject:
+            self.read += 1
+            ask = orjson.loads(payload)
+            assert ask["next_by_subj"] == "noetl.pevt.0.>"
+            if ask["seq"] > self.stored:
+                return SimpleNamespace(data=orjson.dumps({"error": {"code": 404, "description": "no message found"}}))
+            hdrs = base64.b64encode(b"NATS/1.0\r\nNats-Msg-Id: m\r\n\r\n").decode()
+            return SimpleNamespace(data=orjson.dumps({"message": {
+                "subject": "noetl.pevt.0.ctl.x.admission", "seq": ask["seq"], "hdrs": hdrs,
+                "data": base64.b64encode(b"[]").decode(), "time": "2026-11-27T19:30:00.123456789Z"}}))
         self.asked += 1
         return SimpleNamespace(data=orjson.dumps(self.consumer.info()))
 
@@ -69,6 +83,20 @@ class FakeNats:
 def feed_with(consumer: FakeConsumer) -> tuple[Feed, FakeNats]:
     nc = FakeNats(consumer)
     return Feed(SimpleNamespace(nc=nc, throwaway=False), 0, asyncio.Queue(), limit=1000), nc
+
+
+def settle(feed: Feed, msgs: list) -> list[StoredMessage]:
+    """``feed.settle(msgs)``, and the messages a read of a gap it began meanwhile put on its queue (when
+    GAP_READ_AFTER is 0; else the read waits, and is cancelled with the loop)."""
+    async def go() -> None:
+        await feed.settle(msgs)
+        if feed.gap_task is not None and feeds.GAP_READ_AFTER == 0:
+            await feed.gap_task
+    asyncio.run(go())
+    out = []
+    while not feed.out.empty():
+        out.append(feed.out.get_nowait()[1])
+    return out
 
 
 def deliver(feed: Feed, msgs: list[FakeMsg]) -> None:
@@ -114,6 +142,45 @@ def test_messages_another_reader_holds_hold_the_acks_until_they_are_redelivered_
     assert c.acked == [600] and not c.ignored and not feed.held and not c.pending
 
 
+def test_acks_held_past_the_gap_read_time_read_what_is_missing_from_the_stream(monkeypatch):
+    """A delivery lost on the way (stream 3, delivery 3): the feed records 1-2 and 4-10 and may not
+    ack past 3. Once it has held its acks for GAP_READ_AFTER, it reads what it lacks below its own
+    from the stream (3 alone: the rest it holds), records it like a delivery, and its next ack covers
+    it: nothing waits for the redelivery at ack_wait. A hold that ends before GAP_READ_AFTER reads
+    nothing."""
+    c = FakeConsumer(set())
+    feed, nc = feed_with(c)
+    FakeMsg(c, 1, 1)  # delivered, and redelivered before the gap read time
+    got = [FakeMsg(c, 2, 2)]
+    deliver(feed, got)
+
+    async def hold_then_get_it_back() -> None:
+        await feed.settle(got)
+        assert c.acked == [] and feed.gap_task is not None and not feed.gap_task.done()
+        again = FakeMsg(c, 1, 3)
+        deliver(feed, [again])
+        await feed.settle([again])
+        await feed.gap_task
+    asyncio.run(hold_then_get_it_back())
+    assert c.acked == [2] and nc.read == 0 and feed.out.empty()
+
+    monkeypatch.setattr(feeds, "GAP_READ_AFTER", 0.0)
+    c = FakeConsumer(set())
+    feed, nc = feed_with(c)
+    lost = FakeMsg(c, 3, 3)  # delivered: pending at the server, never arrived
+    got = [FakeMsg(c, s, s) for s in (1, 2, *range(4, 11))]
+    deliver(feed, got)
+    assert settle(feed, got[:2]) == [] and c.acked == [2]
+    read = settle(feed, got[2:])  # held: the gap is read
+    assert [m.metadata.sequence.stream for m in read] == [3] and nc.read == 7  # 3, then 4-10 (held) to the top
+    assert read[0].metadata.sequence.consumer == 0 and read[0].headers == {"Nats-Msg-Id": "m"}
+    assert read[0].data == b"[]" and read[0].metadata.timestamp.year == 2026 and feed.inflight == {3: 1}
+    assert c.acked == [2] and 3 in c.pending
+    assert settle(feed, read) == []  # recorded: ack 10, which covers 3
+    assert c.acked == [2, 10] and not c.pending and not c.ignored and not feed.held and feed.holding_since is None
+    assert lost.metadata.sequence.stream not in c.pending
+
+
 def test_a_redelivery_of_a_recorded_message_does_not_stop_the_ack():
     c = FakeConsumer(set())
     feed, _ = feed_with(c)
@@ -137,15 +204,20 @@ def test_a_released_feed_acks_nothing_and_gives_back_what_it_records_late():
     assert c.acked == [] and c.naked == [1, 2, 3] and not feed.inflight
 
 
-def test_acks_cover_only_recorded_messages_and_the_server_takes_every_one():
+@pytest.mark.parametrize("gap_reads", [False, True], ids=["redelivered", "read-from-the-stream"])
+def test_acks_cover_only_recorded_messages_and_the_server_takes_every_one(monkeypatch, gap_reads):
     """Random interleavings of dead readers' deliveries (at the start and midway), fresh deliveries,
     redeliveries (ack_wait) and recorded batches, with a consumer whose reported floor sometimes lags one ack behind: every
     ack the server takes covers only recorded messages, it ignores none (each is above its floor), and
-    once the pending messages have come back the floor is the end."""
+    once the pending messages have come back the floor is the end. ``gap_reads``: the feed reads what
+    it lacks from the stream as soon as its acks are held (the reads recorded in later batches)."""
+    monkeypatch.setattr(feeds, "GAP_READ_AFTER", 0.0 if gap_reads else 3600.0)
+    reads = 0
     for seed in range(400):
         rnd = random.Random(seed)
         total, c = 60, FakeConsumer(set(), lagging=random.Random(seed) if seed % 2 else None)
-        feed, _ = feed_with(c)
+        feed, nc = feed_with(c)
+        nc.stored = total
         dseq, fresh, queue, recorded = 0, list(range(1, total + 1)), [], set()
 
         def delivery(stream: int) -> FakeMsg:
@@ -176,9 +248,12 @@ def test_acks_cover_only_recorded_messages_and_the_server_takes_every_one():
                 batch, queue[:n] = queue[:n], []
                 recorded |= {m.metadata.sequence.stream for m in batch}
                 floor = c.floor[1]
-                asyncio.run(feed.settle(batch))
+                read = settle(feed, batch)
+                queue += read
+                reads += len(read)
                 assert all(x in recorded for x in range(floor + 1, c.floor[1] + 1)), seed
                 continue
             deliver(feed, got)
             queue += got
         assert not c.ignored and c.floor[1] == total and not c.pending, seed
+    assert (reads > 0) == gap_reads

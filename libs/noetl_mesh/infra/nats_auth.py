@@ -8,7 +8,7 @@ permissions; each service holds its own seed in a file (0600). Users:
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
 | ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
-| ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket), answer ``noetl.q.{catalog,execution,recorder}.*``, publish notices of what it committed (``noetl.live.>``) |
+| ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket) and, for a gap, by sequence, answer ``noetl.q.{catalog,execution,recorder}.*``, publish notices of what it committed (``noetl.live.>``) |
 | ``credentials`` | answer ``noetl.q.credential.*`` and the workers' ``noetl.q.credential.resolve.<pool>``, read a command of ``NOETL_COMMANDS`` by its sequence, ask the recorder an execution's status, record ``credential.resolved``/``credential.refused`` audit records; it answers to inboxes only (no ``allow_responses``) |
 | ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve the credentials of the commands it holds (``noetl.q.credential.resolve.<pool>``: its pool's subject only), hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
@@ -236,7 +236,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         else:
             pub.append("noetl.cmd.*.*")
     elif user == "event-recorder":
-        pub += [_js("STREAM", "INFO", EVENTS)]
+        pub += [_js("STREAM", "INFO", EVENTS), _js("STREAM", "MSG", "GET", EVENTS)]  # a gap's messages (feeds.py)
         for name in durables(user, partitions):  # its partitions, shared out among its replicas
             pub += _durable(EVENTS, name, pinned=True)
         # the single durable of an earlier version: where it stopped, then deleted (event_recorder/service.py)
