@@ -103,10 +103,23 @@ def nats_counts(nats) -> dict[str, float]:
     return out
 
 
-def count_rows(scenario: str, before: dict, after: dict, steps: int) -> list[tuple]:
+# The budget of a noop step (docs/performance.md): CPU across every process, CPU of each Python
+# service's processes, NATS messages published by every connection
+BUDGET_CPU_MS, BUDGET_SERVICE_MS, BUDGET_MESSAGES = 2.0, 0.35, 8.0
+
+
+def over(value: float, budget: float | None) -> str:
+    """`` (budget B: met)``, `` (budget B: N× over)``, or nothing without a budget."""
+    if budget is None:
+        return ""
+    return f" (budget {budget:g}: {'met' if value <= budget else f'{value / budget:.1f}x over'})"
+
+
+def count_rows(scenario: str, before: dict, after: dict, steps: int, budget: bool = False) -> list[tuple]:
     used = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     pub = sum(v for k, v in used.items() if k.startswith("published"))
-    rows = [(scenario, "NATS messages published per step, all connections", f"{pub / steps:.1f}"),
+    rows = [(scenario, "NATS messages published per step, all connections"
+             + over(pub / steps, BUDGET_MESSAGES if budget else None), f"{pub / steps:.1f}"),
             (scenario, "JetStream API requests per step", f"{used.get('JetStream API requests', 0) / steps:.1f}")]
     for key, n in sorted(used.items(), key=lambda kv: -kv[1]):
         if n and key != "JetStream API requests":
@@ -114,12 +127,18 @@ def count_rows(scenario: str, before: dict, after: dict, steps: int) -> list[tup
     return rows
 
 
-def cpu_rows(scenario: str, before: dict, after: dict, steps: int) -> list[tuple]:
+def cpu_rows(scenario: str, before: dict, after: dict, steps: int, budget: bool = False) -> list[tuple]:
+    """CPU seconds of every process and of each; ``budget``: each against a noop step's budget."""
     used = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     total = sum(used.values())
-    rows = [(scenario, f"CPU seconds, all processes ({total / steps * 1000:.2f} ms per step)", f"{total:.1f}")]
+    per = total / steps * 1000
+    rows = [(scenario, f"CPU seconds, all processes ({per:.2f} ms per step)"
+             + over(per, BUDGET_CPU_MS if budget else None), f"{total:.1f}")]
     for key, sec in sorted(used.items(), key=lambda kv: -kv[1]):
-        rows.append((scenario, f"CPU seconds {key}", f"{sec:.2f}"))
+        ms = sec / steps * 1000
+        python = budget and not any(k in key for k in ("nats", "postgres"))  # the budget is the Python services'
+        rows.append((scenario, f"CPU seconds {key}" + (f" ({ms:.2f} ms per step)" if budget else "")
+                     + over(ms, BUDGET_SERVICE_MS if python else None), f"{sec:.2f}"))
     return rows
 
 
@@ -354,8 +373,8 @@ async def main(args: argparse.Namespace) -> None:
                     before, counts = cpu_by_process(stack.procs, nats, pg), nats_counts(nats)
                     rows += await bench_burst(stack.gateway_url, stack.token, n,
                                               gateway_cpu=lambda: _cpu(stack.procs["gateway"].pid))
-                    rows += cpu_rows("burst", before, cpu_by_process(stack.procs, nats, pg), n * 5)
-                    rows += count_rows("burst", counts, nats_counts(nats), n * 5)
+                    rows += cpu_rows("burst", before, cpu_by_process(stack.procs, nats, pg), n * 5, budget=True)
+                    rows += count_rows("burst", counts, nats_counts(nats), n * 5, budget=True)
                 if "child" in which:
                     rows += await bench_child(stack.gateway_url, stack.token, 20 if quick else 100, 100 if quick else 1000)
                 if "loop" in which:
