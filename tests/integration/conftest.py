@@ -182,6 +182,17 @@ def developer(handle: "StackHandle") -> str:
     return handle.run(make())
 
 
+# an execution that runs until it is cancelled (its one task sleeps for an hour)
+SLOW = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: slow, path: tests/slow}
+workflow:
+  - step: start
+    tool: {kind: python, code: "import time\\ntime.sleep(3600)\\nresult = 1", spec: {timeout: 3600}}
+"""
+
+
 def pg_endpoint(dsn: str) -> str:
     """``HOST:PORT`` of a Postgres connection string: what a stack's workers must be allowed to reach
     for tasks that use that database (NOETL_SANDBOX_ALLOW_NET)."""

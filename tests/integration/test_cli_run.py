@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import noetl_up
+from conftest import SLOW, noetl_up
 
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("NOETL_")}  # an embedded stack, always
-SLOW = """
-apiVersion: noetl.io/v2
-kind: Playbook
-metadata: {name: slow, path: tests/slow}
-workflow:
-  - step: start
-    tool: {kind: python, code: "import time\\ntime.sleep(3600)\\nresult = 1", spec: {timeout: 3600}}
-"""
 
 
 def noetl(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:

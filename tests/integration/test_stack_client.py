@@ -8,20 +8,12 @@ import asyncio
 
 import pytest
 
-from conftest import start_stack, stop_stack
+from conftest import SLOW, start_stack, stop_stack
 from noetl_mesh import limits
 from noetl_mesh.client import GatewayError, StackClient
 
 pytestmark = pytest.mark.integration
 
-SLOW = """
-apiVersion: noetl.io/v2
-kind: Playbook
-metadata: {name: slow, path: tests/slow}
-workflow:
-  - step: start
-    tool: {kind: python, code: "import time\\ntime.sleep(3600)\\nresult = 1", spec: {timeout: 3600}}
-"""
 CHILD = """
 apiVersion: noetl.io/v2
 kind: Playbook
