@@ -424,15 +424,13 @@ class StackClient(Following):
         from . import limits
         from .core.events import execution_requested, new_execution_id
         from .infra.wire import dumps
-        from .lang.validate import parse_yaml, validate_cached
+        from .lang.validate import parse_and_validate
 
         workload = workload or {}
-        size = len(dumps(workload))
-        if size > limits.current().max_workload_bytes:
-            raise self._failed(413, str(limits.LimitExceeded("max_workload_bytes", size, "workload")))
-        doc, diags = parse_yaml(playbook) if isinstance(playbook, str) else (playbook, [])
-        errors = [{"location": d.location, "message": d.message} for d in diags or validate_cached(doc).diagnostics
-                  if d.severity == "error"]
+        if over := limits.exceeded("max_workload_bytes", len(dumps(workload)), "workload"):
+            raise self._failed(413, str(over))
+        doc, diags = parse_and_validate(playbook)
+        errors = [{"location": d.location, "message": d.message} for d in diags if d.severity == "error"]
         if errors:
             raise self._failed(422, "invalid playbook", errors)
         execution_id = new_execution_id()
@@ -443,14 +441,9 @@ class StackClient(Following):
 
     async def status(self, execution_id: str, brief: bool = False) -> dict:
         from .contracts.subjects import Q_EXECUTION_GET
-        from .infra.payloads import MARKER, PayloadMissing
-        from .infra.wire import dumps
 
-        reply = await self._ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
-        try:
-            return await self.bus.payloads.expand(reply) if MARKER in dumps(reply) else reply  # D23: values
-        except PayloadMissing as exc:
-            raise self._failed(410, f"execution {execution_id}: {exc}") from None
+        # D23: values whole (an object gone past its retention: 410, payload_missing)
+        return await self._ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief}, expand=True)
 
     async def events(self, execution_id: str, offset: int = 0, limit: int = 1000, **filters: Any) -> dict:
         from .contracts.subjects import Q_EXECUTION_EVENTS

@@ -196,6 +196,11 @@ class LimitExceeded(ValueError):
         return "limit_exceeded"
 
 
+def exceeded(name: str, actual: int | float, where: str = "") -> LimitExceeded | None:
+    """The :class:`LimitExceeded` to raise or report when ``actual`` is over limit ``name`` now, else None."""
+    return LimitExceeded(name, actual, where) if actual > getattr(current(), name) else None
+
+
 def amount(value: int | float, unit: str) -> str:
     if unit == "bytes" and isinstance(value, int) and value >= KIB:
         for size, suffix in ((MIB, "MiB"), (KIB, "KiB")):

@@ -25,15 +25,14 @@ that the next owner starts at once.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-import re
 import time
 from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from noetl_mesh.infra.bus import EVENTS, dumps, loads
 from noetl_mesh.infra.pinned import GROUP, ack_choice, nak, unpin
@@ -223,17 +222,16 @@ class Feed:
         seq, reads, found = max(self.sfloor + 1, self.gap_next), 0, 0
         while seq < below and reads < GAP_READ_MAX and not self.closing:
             reads += 1
-            try:
-                reply = await self.nc.request(f"$JS.API.STREAM.MSG.GET.{EVENTS}",
-                                              dumps({"seq": seq, "next_by_subj": subject(self.partition)}), timeout=2)
-                body = loads(reply.data)
+            try:  # the partition's next message at or after seq
+                stored = await self.bus.js.get_msg(EVENTS, seq=seq, subject=subject(self.partition), next=True)
+            except NotFoundError:
+                break  # none left
             except Exception as exc:  # noqa: BLE001 - the next look tries again
                 log.info("%s: reading seq %d from the stream failed (%s)", self.durable, seq, exc)
                 break
-            stored = body.get("message") if isinstance(body, dict) else None
-            if not isinstance(stored, dict) or not isinstance(stored.get("seq"), int) or stored["seq"] >= below:
-                break  # none left below (or an error: the next look tries again)
-            seq = stored["seq"]
+            if stored.seq is None or stored.seq >= below:
+                break
+            seq = stored.seq
             if seq > self.sfloor and seq not in self.held and seq not in self.inflight:
                 self.inflight[seq] = 1
                 self.out.put_nowait((self, StoredMessage(stored)))
@@ -299,39 +297,20 @@ class Feed:
 
 
 class StoredMessage:
-    """A message of the partition read from the stream (``$JS.API.STREAM.MSG.GET``'s ``message``), not
-    delivered: recorded as a delivery is; it has no delivery to ack or give back (an ack of a delivery
-    above it covers it; given back, the server still holds it for the partition's next reader)."""
+    """A message of the partition read from the stream (nats-py's ``RawStreamMsg``), not delivered:
+    recorded as a delivery is; it has no delivery to ack or give back (an ack of a delivery above it
+    covers it; given back, the server still holds it for the partition's next reader)."""
 
-    def __init__(self, stored: dict[str, Any]):
-        self.subject = stored.get("subject") or ""
-        self.data = base64.b64decode(stored.get("data") or "")
-        self.headers = _headers(stored.get("hdrs"))
-        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=stored["seq"], consumer=0), num_pending=0,
-                                        timestamp=_time(stored.get("time")))
+    def __init__(self, stored: Any):
+        self.subject, self.data, self.headers = stored.subject or "", stored.data or b"", stored.headers
+        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=stored.seq, consumer=0), num_pending=0,
+                                        timestamp=stored.time or datetime.now(timezone.utc))
 
     async def ack(self) -> None:
         pass
 
     async def nak(self, delay: float | None = None) -> None:
         pass
-
-
-def _headers(encoded: str | None) -> dict[str, str] | None:
-    """A stored message's headers (``NATS/1.0`` then ``Name: value`` lines, base64)."""
-    if not encoded:
-        return None
-    lines = base64.b64decode(encoded).decode("utf-8", "replace").split("\r\n")[1:]
-    out = {name.strip(): value.strip() for name, sep, value in (line.partition(":") for line in lines) if sep}
-    return out or None
-
-
-def _time(text: Any) -> datetime:
-    """A stored message's time (RFC 3339, nanoseconds cut to microseconds); now when unreadable."""
-    try:
-        return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", str(text)).replace("Z", "+00:00"))
-    except ValueError:
-        return datetime.now(timezone.utc)
 
 
 __all__ = ["Feed", "StoredMessage", "DURABLE", "durable", "subject", "REQUEST"]

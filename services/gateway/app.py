@@ -90,7 +90,7 @@ from noetl_mesh.infra.bus import (
     dumps,
 )
 from noetl_mesh.contracts.subjects import STATUS_OF_KIND
-from noetl_mesh.lang.validate import parse_yaml, validate_cached
+from noetl_mesh.lang.validate import parse_and_validate, parse_yaml
 from noetl_mesh.limits import LimitExceeded
 from noetl_mesh.core import access, signals
 from noetl_mesh.services.gateway import auth
@@ -535,11 +535,6 @@ def _json_request(model: type[BaseModel], required: bool = True, **other: Any) -
         "application/json": {"schema": model.model_json_schema()}, **other}}}
 
 
-def _parse_and_validate(playbook: str | dict[str, Any]) -> tuple[Any, list[Any]]:
-    doc, diags = parse_yaml(playbook) if isinstance(playbook, str) else (playbook, [])
-    return doc, (diags or validate_cached(doc).diagnostics)
-
-
 # --------------------------------------------------------------------------------- the app
 class _Shell:
     """The NATS side of the gateway: one request or publish per call, answered with a 503 (and
@@ -697,16 +692,15 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         who started it (``requested_by``)."""
         with tracing.span("gateway POST /api/executions", service="gateway") as span:
             workload = body.workload or {}
-            size = len(dumps(workload))
-            if size > limits.current().max_workload_bytes:
-                raise problem(413, str(LimitExceeded("max_workload_bytes", size, "body.workload")), "body.workload")
+            if over := limits.exceeded("max_workload_bytes", len(dumps(workload)), "body.workload"):
+                raise problem(413, str(over), "body.workload")
             catalog: dict[str, Any] | None = None
             if body.playbook is not None:
                 # YAML text may hold aliases that expand; a big mapping is long to walk: both in a thread
                 if isinstance(body.playbook, str) or request.state.body_bytes >= HEAVY_BYTES:
-                    doc, diags = await offload(_parse_and_validate, body.playbook)
+                    doc, diags = await offload(parse_and_validate, body.playbook)
                 else:
-                    doc, diags = _parse_and_validate(body.playbook)
+                    doc, diags = parse_and_validate(body.playbook)
                 if any(d.severity == "error" for d in diags):
                     raise problem(422, "invalid playbook", "body.playbook", _diagnostics(diags))
             else:
@@ -823,10 +817,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         changed. 404: unknown execution; 409: not finished; 422: a step its playbook has not, or that
         never started. Needs what starting the playbook needs."""
         with tracing.span("gateway POST /api/executions/{id}/restart", service="gateway") as span:
-            if body.workload is not None:
-                size = len(dumps(body.workload))
-                if size > limits.current().max_workload_bytes:
-                    raise problem(413, str(LimitExceeded("max_workload_bytes", size, "body.workload")), "body.workload")
+            if body.workload is not None and \
+                    (over := limits.exceeded("max_workload_bytes", len(dumps(body.workload)), "body.workload")):
+                raise problem(413, str(over), "body.workload")
             try:
                 start = await shell.ask(Q_EXECUTION_SEED, {"execution_id": execution_id, "from_step": body.from_step})
             except HTTPException as exc:
@@ -840,11 +833,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                 except PayloadMissing as exc:
                     raise problem(410, f"execution {execution_id}'s workload: {exc}") from None
             data = restart.request(start, workload=body.workload, requested_by=auth.requested_by(who))
-            if body.workload and not is_ref(data["workload"]):
-                size = len(dumps(data["workload"]))
-                if size > limits.current().max_workload_bytes:
-                    raise problem(413, str(LimitExceeded("max_workload_bytes", size, "the merged workload")),
-                                  "body.workload")
+            if body.workload and not is_ref(data["workload"]) and \
+                    (over := limits.exceeded("max_workload_bytes", len(dumps(data["workload"])), "the merged workload")):
+                raise problem(413, str(over), "body.workload")
             new_id = new_execution_id()
             span.set_attribute(tracing.EXECUTION_ID, new_id)
             with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=new_id):

@@ -3,12 +3,14 @@ acks, and what it must not ack, when another reader held messages of the partiti
 from __future__ import annotations
 
 import asyncio
-import base64
 import random
+from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import orjson
 import pytest
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError
 
 from noetl_mesh.services.event_recorder import feeds
 from noetl_mesh.services.event_recorder.feeds import Feed, StoredMessage
@@ -59,30 +61,29 @@ class FakeMsg:
 
 
 class FakeNats:
-    """Answers CONSUMER.INFO for the fake consumer (counted) and STREAM.MSG.GET from a stream that holds
-    the partition's messages 1 to ``stored`` (counted as ``read``)."""
+    """Answers CONSUMER.INFO for the fake consumer (counted); its ``js`` reads a stream that holds the
+    partition's messages 1 to ``stored`` (counted as ``read``)."""
 
     def __init__(self, consumer: FakeConsumer, stored: int = 10_000):
         self.consumer, self.asked, self.is_closed, self.stored, self.read = consumer, 0, False, stored, 0
 
     async def request(self, subject: str, payload: bytes, timeout: float = 1.0):
-        if ".STREAM.MSG.GET." in subject:
-            self.read += 1
-            ask = orjson.loads(payload)
-            assert ask["next_by_subj"] == "noetl.pevt.0.>"
-            if ask["seq"] > self.stored:
-                return SimpleNamespace(data=orjson.dumps({"error": {"code": 404, "description": "no message found"}}))
-            hdrs = base64.b64encode(b"NATS/1.0\r\nNats-Msg-Id: m\r\n\r\n").decode()
-            return SimpleNamespace(data=orjson.dumps({"message": {
-                "subject": "noetl.pevt.0.ctl.x.admission", "seq": ask["seq"], "hdrs": hdrs,
-                "data": base64.b64encode(b"[]").decode(), "time": "2026-11-27T19:30:00.123456789Z"}}))
         self.asked += 1
         return SimpleNamespace(data=orjson.dumps(self.consumer.info()))
+
+    async def get_msg(self, stream: str, seq: int, subject: str, next: bool) -> RawStreamMsg:
+        """nats-py's JetStreamManager.get_msg: the next message of ``subject`` at or after ``seq``."""
+        self.read += 1
+        assert stream == "NOETL_EVENTS" and subject == "noetl.pevt.0.>" and next
+        if seq > self.stored:
+            raise NotFoundError()
+        return RawStreamMsg(subject="noetl.pevt.0.ctl.x.admission", seq=seq, data=b"[]",
+                            headers={"Nats-Msg-Id": "m"}, time=datetime(2026, 11, 27, 19, 30, tzinfo=timezone.utc))
 
 
 def feed_with(consumer: FakeConsumer) -> tuple[Feed, FakeNats]:
     nc = FakeNats(consumer)
-    return Feed(SimpleNamespace(nc=nc, throwaway=False), 0, asyncio.Queue(), limit=1000), nc
+    return Feed(SimpleNamespace(nc=nc, js=nc, throwaway=False), 0, asyncio.Queue(), limit=1000), nc
 
 
 def settle(feed: Feed, msgs: list) -> list[StoredMessage]:

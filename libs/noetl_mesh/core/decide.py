@@ -142,10 +142,10 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
         return
     overrides = state.request.get("workload") or {}
     workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
-    size = len(orjson.dumps(workload, default=str, option=orjson.OPT_NON_STR_KEYS))
-    if size > limits.current().max_workload_bytes:
-        out.event("playbook.request.evaluated", status="error",
-                  data={"errors": [str(limits.LimitExceeded("max_workload_bytes", size, "workload"))]})
+    over = limits.exceeded("max_workload_bytes", len(orjson.dumps(workload, default=str, option=orjson.OPT_NON_STR_KEYS)),
+                           "workload")
+    if over:
+        out.event("playbook.request.evaluated", status="error", data={"errors": [str(over)]})
         return
     out.event(
         "playbook.request.evaluated",

@@ -118,6 +118,13 @@ _CACHE: "collections.OrderedDict[str, ValidationResult]" = collections.OrderedDi
 _CACHE_LOCK = threading.Lock()
 
 
+def parse_and_validate(playbook: str | Any) -> tuple[Any, list[Diagnostic]]:
+    """A submitted playbook (YAML text, or a value already parsed) read and checked, as it is published:
+    ``(value, diagnostics)``, the value not normalised (the gateway's and ``noetl run``'s requests)."""
+    doc, diags = parse_yaml(playbook) if isinstance(playbook, str) else (playbook, [])
+    return doc, (diags or validate_cached(doc).diagnostics)
+
+
 def validate_cached(doc: Any) -> ValidationResult:
     """:func:`validate` with a small LRU keyed by the document's digest: the same playbook submitted
     again is not validated again (gateway and admission see the same playbooks over and over). The
