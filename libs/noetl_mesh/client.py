@@ -455,7 +455,12 @@ class StackClient(Following):
     async def cancel(self, execution_id: str, reason: str | None = None) -> dict:
         from .core.events import cancel_requested
 
-        current = await self.status(execution_id, brief=True)
+        try:
+            current = await self.status(execution_id, brief=True)
+        except GatewayError as exc:  # accepted a moment ago, not recorded yet: the log knows it
+            current = await self.bus.pending_request(execution_id) if exc.status == 404 else None
+            if current is None:
+                raise
         if current["status"] in FINAL:
             raise self._failed(409, f"execution {execution_id} is already {current['status']}")
         await self.bus.publish_event(cancel_requested(execution_id, reason, None))

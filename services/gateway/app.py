@@ -794,7 +794,12 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         """Ask for cancellation (409 when the execution has already finished). One's own executions
         with ``execution.cancel.own``; another user's need ``execution.cancel.any``."""
         with tracing.span("gateway POST /api/executions/{id}/cancel", service="gateway"):
-            current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": True})
+            try:
+                current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": True})
+            except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
+                current = await bus.pending_request(execution_id) if exc.status_code == 404 else None
+                if current is None:
+                    raise
             if current.get("requested_by") != who["user_id"] and \
                     not access.allowed(who["roles"], "execution.cancel.any"):
                 raise auth.deny(request, who, "execution.cancel.any", " to cancel an execution another user started",

@@ -73,3 +73,41 @@ def test_the_command_lines_own_client_starts_follows_refuses_and_cancels(module_
         loop.run(go(), timeout=180)
     finally:
         stop_stack(nats, loop, handle)
+
+
+def test_an_execution_cancelled_before_it_is_recorded_is_cancelled_not_unknown(module_pg):
+    """A cancel right after a start is accepted may reach the gateway (or `noetl run`'s client) before
+    the recorder has recorded the request: the log knows the execution, so it is cancelled, not
+    called unknown (404). An id that names no request, or that is not an id, is still unknown."""
+    from noetl_mesh.client import GatewayClient
+
+    nats, loop, handle = start_stack(module_pg)
+    stack = handle.stack
+    recorder = stack.services("event-recorder")[0]
+    try:
+        gate = asyncio.Event()
+        store = recorder.store
+
+        async def held(records):  # the recorder answers queries, and records nothing until the gate opens
+            await gate.wait()
+            await store(records)
+
+        async def go() -> None:
+            recorder.store = held
+            settings = stack.settings
+            async with GatewayClient(stack.gateway_url, token=stack.token) as http, \
+                    await StackClient.connect(settings.nats_url, settings.creds_for("gateway")) as own:
+                for client in (http, own):
+                    xid = await client.start(SLOW)
+                    assert (await client.cancel(xid, reason="at once"))["status"] == "CANCELLING"
+                    for unknown in ("0" * 32, "x.>", "*"):
+                        with pytest.raises(GatewayError) as exc:
+                            await client.cancel(unknown)
+                        assert exc.value.status in (404, 422), exc.value  # the gateway's path checks first
+                pending = await own.bus.pending_request(xid)
+                assert pending == {"execution_id": xid, "status": "PENDING", "requested_by": None}
+            gate.set()
+
+        loop.run(go(), timeout=120)
+    finally:
+        stop_stack(nats, loop, handle)

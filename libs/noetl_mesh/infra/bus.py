@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
@@ -66,6 +67,7 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
     Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject,
     command_subject, credential_resolve_subject, live_subject, pool_filter, timer_subject, timer_target)
 
+_SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an id that may stand in a subject as one token
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
 DEFAULT_PARTITIONS = 16
 PING_INTERVAL = 5.0  # seconds between a connection's pings (NOETL_NATS_PING_INTERVAL); 2 unanswered: another node
@@ -607,6 +609,25 @@ class Bus:
                                           next=True)).seq
         except NotFoundError:
             return None
+
+    async def pending_request(self, execution_id: str) -> dict[str, Any] | None:
+        """An execution accepted and not recorded yet, from the log: ``{execution_id, status: PENDING,
+        requested_by}`` (a brief summary, as the recorder's) when its first message is its request, else
+        None. The recorder answers a moment after a start is accepted (longer on a loaded machine); a
+        cancel in between must not call the execution unknown."""
+        if not _SUBJECT_TOKEN.fullmatch(execution_id):  # it goes into a subject filter: no dots or wildcards
+            return None
+        try:
+            msg = await self.js.get_msg(EVENTS, seq=1, subject=f"noetl.pevt.*.*.{execution_id}.*", next=True)
+            events = admitted(msg.subject, loads(msg.data), self.name, msg.headers)
+        except (NotFoundError, *UNHANDLEABLE):
+            return None
+        first = events[0] if events else None
+        if not isinstance(first, dict) or first.get("name") != "playbook.execution.requested":
+            return None
+        by = (first.get("data") or {}).get("requested_by")
+        return {"execution_id": execution_id, "status": "PENDING",
+                "requested_by": by.get("user_id") if isinstance(by, dict) else None}
 
     async def execution_events(self, execution_id: str, partition: int,
                                classes: tuple[str, ...] = (CTL,)) -> list[tuple[int, dict]]:

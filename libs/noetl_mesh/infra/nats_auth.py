@@ -6,7 +6,7 @@ permissions; each service holds its own seed in a file (0600). Users:
 | user | may |
 |---|---|
 | ``admin`` | everything: creates the streams, buckets and object store (``noetl setup``, the stack runners), operators' tools, ``noetl.q.sessions.bootstrap`` |
-| ``gateway`` | publish its events (``noetl.evt.gateway.>``), ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
+| ``gateway`` | publish its events (``noetl.evt.gateway.>``), read an execution's request from the events stream before it is recorded, ask the recorder and the sessions service, record audit entries of its own areas, hear the recorder's notices (``noetl.live.>``, the console's live streams) |
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
 | ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket) and, for a gap, by sequence, answer ``noetl.q.{catalog,execution,recorder}.*``, publish notices of what it committed (``noetl.live.>``) |
 | ``credentials`` | answer ``noetl.q.credential.*`` and the workers' ``noetl.q.credential.resolve.<pool>``, read a command of ``NOETL_COMMANDS`` by its sequence, ask the recorder an execution's status, record ``credential.resolved``/``credential.refused`` audit records; it answers to inboxes only (no ``allow_responses``) |
@@ -202,6 +202,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub.append(f"noetl.evt.{writer}.>")
     if user == "gateway":
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]
+        pub.append(_js("STREAM", "MSG", "GET", EVENTS))  # a request not recorded yet (Bus.pending_request)
         pub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
         pub += [f"noetl.q.credential.{verb}" for verb in ("put", "list", "get", "delete")]  # not resolve
         pub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]  # bootstrap denied below
