@@ -513,7 +513,8 @@ def test_the_recorder_sends_notices_only_of_what_a_console_stream_watches(stack)
                 async with client.stream("GET", f"/api/live/executions/{watched}") as resp:
                     sse = Sse(resp)
                     assert (await sse.next())[0] == "hello"
-                    await client.post(f"/api/executions/{watched}/cancel")
+                    # at once: recorded or not yet, the execution is cancelled
+                    assert (await client.post(f"/api/executions/{watched}/cancel")).status_code == 202
                     await sse.until(lambda event, data: event == "state" and data.get("finished"), timeout=90)
                 assert watched in heard and quiet not in heard
         finally:
