@@ -19,4 +19,4 @@ class LoopCoordinatorService(PartitionedService):
         return decide.loops(state, event)
 
     def idle(self, state: ExecutionState) -> bool:
-        return super().idle(state) or decide.loops_idle(state)
+        return super().idle(state) or decide.flat(state)

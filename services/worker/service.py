@@ -62,8 +62,9 @@ class EventBatcher:
     """A run's events leave in a few messages: everything reported within ``linger`` seconds travels
     together (a quick step is one message), and the PubAcks are awaited once, at the end."""
 
-    def __init__(self, bus: Bus, linger: float = 0.05, limit: int | None = None):
+    def __init__(self, bus: Bus, linger: float = 0.05, limit: int | None = None, flat: bool = False):
         self.bus, self.linger, self.limit = bus, linger, limit
+        self.flat = flat  # the command's execution is flat: its ctl messages go as flat (core/decide.py)
         self.buffer: list[dict] = []
         self.acks: list[asyncio.Future] = []
         self.timer: asyncio.TimerHandle | None = None
@@ -84,7 +85,7 @@ class EventBatcher:
         if events:
             if self.acks:  # in order: a step's end must not be stored while what it reported before is lost
                 await asyncio.wait_for(asyncio.gather(*self.acks), 30)
-            self.acks.append(await self.bus.send_events(events, self.limit))
+            self.acks.append(await self.bus.send_events(events, self.limit, flat=self.flat))
 
     def abandon(self) -> None:
         """Stop a cancelled run's pending flush (nothing more of it is published)."""
@@ -398,7 +399,7 @@ class WorkerService:
                                       msg.headers, service=self.name, execution_id=eid,
                                       **{k: v for k, v in attributes.items() if v is not None}) as run_span:
                 command = await self.bus.expand(msg.data, command)  # D23: references -> values
-                batcher = EventBatcher(self.bus, limit=payload_limit(command))
+                batcher = EventBatcher(self.bus, limit=payload_limit(command), flat=command.get("flat") is True)
                 observer = RunObserver(self.name, self.pool, command, run_span, started)
 
                 async def publish(event: dict, add=batcher.add, seen=observer.event) -> None:

@@ -279,3 +279,40 @@ def test_a_stopping_reader_gives_back_what_arrives_late_once_and_only_after_unpi
             await bus.close()
 
     asyncio.run(main())
+
+
+def test_setup_gives_the_durables_of_an_earlier_version_the_classes_read_now(fresh_nats):
+    """A router durable made when the router read ``ctl`` only: setup adds ``flat`` before any writer of
+    this version sends it, keeping the durable's position, its ack floor and its pinned group."""
+    async def main():
+        bus = await Bus.connect(fresh_nats.url, "pinned")
+        await bus.setup(1)
+        try:
+            await bus.consumer(EVENTS, "router-all-p0", ["noetl.pevt.0.ctl.*.*"], pinned=True, ack_wait=2,
+                               max_deliver=50, ack_policy=AckPolicy.ALL)
+            await _publish(bus, 2)
+            got: list[int] = []
+            stop = asyncio.Event()
+            reader = asyncio.create_task(PinnedReader(bus, EVENTS, "router-all-p0", _collecting(got), stop).run())
+            await until(lambda: got == [1, 2], 5)
+            stop.set()
+            await reader  # it acks what it handled as it stops
+            await bus.setup(1)  # an upgrade's setup
+            info = await bus.consumer_info(EVENTS, "router-all-p0")
+            assert sorted(info["config"]["filter_subjects"]) == ["noetl.pevt.0.ctl.*.*", "noetl.pevt.0.flat.*.*"]
+            assert info["config"]["ack_policy"] == "all" and info["config"]["priority_groups"] == [GROUP]
+            assert info["ack_floor"]["stream_seq"] == 2  # where it was
+            assert await bus.consumer_info(EVENTS, "loop-coordinator-all-p0") is None  # none made that was not there
+            await bus.js.publish("noetl.evt.router.flat.x1", b"[]")
+            await bus.js.publish("noetl.evt.router.loop.x1", b"[]")  # not the router's
+            await bus.js.publish("noetl.evt.router.ctl.x1", b"[]")
+            got = []
+            stop = asyncio.Event()
+            reader = asyncio.create_task(PinnedReader(bus, EVENTS, "router-all-p0", _collecting(got), stop).run())
+            await until(lambda: got == [3, 5], 5)
+            stop.set()
+            await reader
+        finally:
+            await bus.close()
+
+    asyncio.run(main())

@@ -112,6 +112,32 @@ def test_one_execution_is_one_trace(stack):
     assert {"playbook.execution.requested", "step.admitted", "task.processed", "next.evaluated"} <= sources
 
 
+def test_the_loop_coordinator_reads_two_messages_of_a_flat_execution(stack):
+    """A playbook without loops: after its evaluation, admission, the router, the worker and their timers
+    send its control messages as ``flat``, which only admission and the router read; a playbook with a
+    loop keeps every one ``ctl`` (and ``loop``), for the loop-coordinator too."""
+    def classes(eid):
+        async def read():
+            bus = await Bus.connect(stack.nats_url, "flat-test", stack.admin)
+            sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{eid}.*", stream=EVENTS, config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=5.0))
+            msgs = await sub.fetch(1000, timeout=2)
+            await bus.close()
+            return [(m.subject.split(".")[3], m.subject.split(".")[5], [e["name"] for e in loads(m.data)])
+                    for m in msgs]
+        return stack.run(read())
+
+    flat, _ = stack.execute(BY_ID["back_edge_before_join"].doc("http://unused"))
+    assert flat["status"] == "COMPLETED"
+    got = classes(flat["execution_id"])
+    read_by_loops = [(writer, names) for cls, writer, names in got if cls in ("ctl", "loop")]
+    assert [w for w, _ in read_by_loops] == ["gateway", "admission"], got
+    assert read_by_loops[1][1][0] == "playbook.request.evaluated"
+    assert {w for cls, w, _ in got if cls == "flat"} >= {"admission", "router", "worker"}, got
+    looped, _ = stack.execute(BY_ID["loops"].doc("http://unused"))
+    assert "flat" not in {cls for cls, _, _ in classes(looped["execution_id"])}
+
+
 # ------------------------------------------------------------------------------ cancellation
 def test_cancel_stops_a_running_execution(stack):
     async def go():

@@ -20,7 +20,7 @@ class FlakyBus:
     async def execution_events(self, execution_id, partition, classes):
         return list(self.log)
 
-    async def publish_all(self, events, commands=(), timers=()):
+    async def publish_all(self, events, commands=(), timers=(), flat=None):
         if self.failures:
             self.failures -= 1
             raise ConnectionError("no response from stream")

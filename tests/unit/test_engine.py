@@ -494,14 +494,40 @@ def test_retry_policy_recovers_flaky_task():
 
 
 # ------------------------------------------------------------------------------------------ replay and idempotency
-def test_replay_equals_live_state_of_every_service():
-    r = run(play(FORK_JOIN, {"a": True, "b": True, "c": True}), seed=3)
+@pytest.mark.parametrize("doc,services", [
+    (play(FORK_JOIN, {"a": True, "b": True, "c": True}), ("admission", "router")),  # flat: not the loop-coordinator
+    (play(LOOP.replace("MODE", "parallel"), {"items": [1, 2, 3]}), ("admission", "router", "loop-coordinator")),
+])
+def test_replay_equals_live_state_of_every_service(doc, services):
+    r = run(doc, seed=3)
     rebuilt = summary(r.state)
-    for name, states in r.states.items():
-        live = states[r.execution_id]
+    assert set(services) <= set(r.states)
+    for name in services:
+        live = r.states[name][r.execution_id]
         assert summary(live) == rebuilt, name
         assert set(live.runs) == set(r.state.runs)
         assert live.tokens.keys() == r.state.tokens.keys() == set()
+
+
+def test_the_loop_coordinator_reads_a_flat_execution_until_it_knows_it_is_flat():
+    """A playbook without loop steps: every ctl message after its evaluation travels as ``flat``, which
+    the loop-coordinator does not read; admission and the router read them all."""
+    from noetl_mesh.core import decide
+
+    flat = run(play(FORK_JOIN, {"a": True, "b": True, "c": True}), seed=3)
+    read = [[e["name"] for e in m] for m, c in zip(flat.messages, flat.classes)
+            if c in decide.CONSUMES["loop-coordinator"]]
+    assert read[0] == ["playbook.execution.requested"] and read[1][0] == "playbook.request.evaluated"
+    assert len(read) == 2 and decide.flat(flat.states["loop-coordinator"][flat.execution_id])
+    assert {"flat", "info"} >= set(flat.classes[2:]) and "flat" in flat.classes
+    looped = run(play(LOOP.replace("MODE", "parallel"), {"items": [1, 2, 3]}))
+    assert "flat" not in looped.classes and not decide.flat(looped.state)
+    assert {"flat"} == {c for m, c in zip(flat.messages, flat.classes) if _worker_ended(m)}  # told by the command
+    assert {"ctl"} == {c for m, c in zip(looped.messages, looped.classes) if _worker_ended(m)}
+
+
+def _worker_ended(message):
+    return message[0]["source"].startswith("worker") and any(e["name"] == "step.done" for e in message)
 
 
 def test_folding_duplicates_changes_nothing():

@@ -13,7 +13,7 @@ class FakeBus:
         self.sent: list[list[str]] = []
         self.acks: list[asyncio.Future] = []
 
-    async def send_events(self, events, limit=None):
+    async def send_events(self, events, limit=None, flat=False):
         self.sent.append([e["name"] for e in events])
         ack = asyncio.get_running_loop().create_future()
         self.acks.append(ack)

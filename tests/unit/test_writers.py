@@ -171,17 +171,17 @@ def written():
 
 def test_the_loop_coordinator_has_nothing_to_decide_once_it_is_idle(written):
     """It acknowledges an idle execution's events unread (infra/control.py): fold each log, and after
-    ``loops_idle`` every event must have needed no decision of it."""
+    ``flat`` every event must have needed no decision of it."""
     idle_runs = 0
     for log in LOGS:
         states: dict[str, ExecutionState] = {}
         for e in log:
             state = states.setdefault(e["execution_id"], ExecutionState(e["execution_id"]))
-            was_idle = decide.loops_idle(state)
+            was_idle = decide.flat(state)
             if apply(state, e) and was_idle:
                 d = decide.loops(state, e)
                 assert not (d.events or d.commands or d.foreign or d.timers or d.cancel_runs), (e["name"], d)
-        idle_runs += sum(decide.loops_idle(s) for s in states.values())
+        idle_runs += sum(decide.flat(s) for s in states.values())
     assert idle_runs > 20  # most scenarios have no loop
 
 

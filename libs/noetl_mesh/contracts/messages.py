@@ -96,6 +96,7 @@ class Command(_Exact):
     keychain: Any = None
     loop_mode: Optional[str] = None
     resume: Optional[Resume] | PayloadRef = None
+    flat: bool = Field(False, description="the execution has no loop step: the run's ctl events travel as flat")
 
 
 class CancelNotice(_Exact):

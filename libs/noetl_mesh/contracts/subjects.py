@@ -130,9 +130,10 @@ def timer_subject(execution_id: str, timer_id: str) -> str:
     return f"noetl.sched.{execution_id}.{timer_id}"
 
 
-def timer_target(execution_id: str) -> str:
-    """Where the server writes a timer's ``timer.fired`` (the writer ``timer``, D29)."""
-    return f"noetl.evt.timer.ctl.{execution_id}"
+def timer_target(execution_id: str, cls: str = "ctl") -> str:
+    """Where the server writes a timer's ``timer.fired`` (the writer ``timer``, D29): ``ctl``, or
+    ``flat`` for a flat execution's (core/events.py)."""
+    return f"noetl.evt.timer.{cls}.{execution_id}"
 
 
 def live_subject(execution_id: str) -> str:
@@ -267,13 +268,15 @@ CHANNELS: tuple[Channel, ...] = (
             "EventsMessage", senders=("gateway", *CONTROL_PLANE, "worker", "scheduler", "nats-server (timer)"),
             stream=EVENTS,
             parameters={"writer": "who wrote the events: " + ", ".join(_WRITERS),
-                        "class": "the most demanding class of its events: ctl, loop, dispatch, info", **_EXECUTION}),
+                        "class": "the most demanding class of its events: ctl, loop, dispatch, info; flat for the ctl "
+                                 "messages of an execution without loop steps (core/events.py)", **_EXECUTION}),
     Channel("events-stored", "noetl.pevt.{partition}.{class}.{execution_id}.{writer}", "jetstream",
             "The events stream's stored form of noetl.evt (its subject transform: partition = hash of the "
             "execution id mod the partition count). Read through durables: <service>-all-p<P> (control plane, "
-            "ctl/loop), event-recorder (everything); never published to.",
+            "admission and router: ctl/flat; loop-coordinator: ctl/loop), event-recorder (everything); never "
+            "published to.",
             "EventsMessage", receivers=(*CONTROL_PLANE, "event-recorder"), stream=EVENTS,
-            parameters={"partition": "the execution's partition", "class": "ctl, loop, dispatch, info",
+            parameters={"partition": "the execution's partition", "class": "ctl, flat, loop, dispatch, info",
                         **_EXECUTION, "writer": "who wrote the events"}),
     Channel("events-legacy", "noetl.evt.{class}.{execution_id}", "jetstream",
             "Events of the layout of earlier versions (no writer token). No longer published: setup moves an "
@@ -282,7 +285,7 @@ CHANNELS: tuple[Channel, ...] = (
             parameters={"class": "ctl, loop, dispatch, info", **_EXECUTION}),
     Channel("timers", "noetl.sched.{execution_id}.{timer_id}", "jetstream",
             "A timer (D29): a message schedule of the events stream (headers Nats-Schedule: @at <instant>, "
-            "Nats-Schedule-Target: noetl.evt.timer.ctl.<execution_id>) whose body, the timer.fired event, the "
+            "Nats-Schedule-Target: noetl.evt.timer.<ctl or flat>.<execution_id>) whose body, the timer.fired event, the "
             "server writes into the execution's log at that time; an empty message with Nats-Rollup: sub "
             "cancels it.", "EventsMessage", senders=CONTROL_PLANE, stream=EVENTS,
             parameters={**_EXECUTION, "timer_id": "the timer's id"}),

@@ -33,15 +33,15 @@ from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy
 from . import restart as restart_seed
-from .events import ALIASES, CTL, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
+from .events import ALIASES, CTL, FLAT, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
                     graph_of, open_wait, playbook_digest)
 
 DEFAULT_POOL = "default"
-# The event classes (events.event_class) each decider folds: a service consumes the messages of these
+# The event classes (events.batch_class) each decider folds: a service consumes the messages of these
 # classes, every event of such a message included. The loop-coordinator's own ``dispatch`` events are
-# folded when it makes them (and read back on rebuilds).
-CONSUMES = {"admission": (CTL,), "router": (CTL,), "loop-coordinator": (CTL, LOOP)}
+# folded when it makes them (and read back on rebuilds); it reads no ``flat`` message (:func:`flat`).
+CONSUMES = {"admission": (CTL, FLAT), "router": (CTL, FLAT), "loop-coordinator": (CTL, LOOP)}
 DEFAULT_MAX_DEPTH = 10  # child executions nest at most this deep (a root execution is at depth 0)
 
 
@@ -665,9 +665,11 @@ class EventName(str):
 
 
 # =============================================================== loops
-def loops_idle(state: ExecutionState) -> bool:
-    """The loop-coordinator decides only on loop steps (their runs, iterations, waits, timeouts and
-    children): an execution whose playbook has none needs nothing more from it."""
+def flat(state: ExecutionState) -> bool:
+    """A flat execution: its playbook is evaluated and has no loop step. The loop-coordinator decides
+    only on loop steps (their runs, iterations, waits, timeouts and children), so a flat execution
+    needs nothing more from it, and its writers send its ``ctl`` messages as ``flat`` (events.batch_class),
+    which the loop-coordinator does not read; a command says so to the worker that runs it."""
     return state.playbook is not None and not any(s.get("loop") for s in state.playbook.get("workflow") or ())
 
 
@@ -857,6 +859,7 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         "keychain": [dict(d) for d in state.keychain if isinstance(d, dict)]
         if isinstance(state.keychain, list) else [],  # declarations (D24): the worker resolves them
         "loop_mode": loop_mode,
+        "flat": flat(state),
     }
 
 

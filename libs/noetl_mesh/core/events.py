@@ -54,7 +54,12 @@ ALIASES = {"call.done": "step.done", "call.error": "step.failed"}  # D13: accept
 # (task progress, scheduling notes) no service decides on: only the recorder reads them.
 # ``dispatch`` events are the loop-coordinator's own bookkeeping: it folds them when it makes them and
 # reads them back only to rebuild a state, so they do not come back to it one by one.
-CTL, LOOP, DISPATCH, INFO = "ctl", "loop", "dispatch", "info"
+# ``flat`` messages are the ``ctl`` messages of a flat execution (a playbook without loop steps,
+# decide.flat), once its writer knows it is one: the loop-coordinator has nothing to decide for such an
+# execution, so it does not read them. It still reads the message with ``playbook.request.evaluated``,
+# which tells it the execution is flat, and the messages of writers that cannot know (the gateway's
+# requests, cancels and signals; other executions' notices).
+CTL, LOOP, DISPATCH, INFO, FLAT = "ctl", "loop", "dispatch", "info", "flat"
 LOOP_EVENTS = frozenset({"loop.iteration.done", "loop.iteration.failed"})
 DISPATCH_EVENTS = frozenset({"loop.started", "loop.iteration.started"})
 INFO_EVENTS = frozenset({"task.started", "task.processed", "step.started", "step.scheduled", "playbook.processed"})
@@ -69,10 +74,14 @@ def event_class(name: str) -> str:
     return INFO if name in INFO_EVENTS else CTL
 
 
-def batch_class(events: list[dict[str, Any]]) -> str:
+def batch_class(events: list[dict[str, Any]], flat: bool = False) -> str:
     """A message of events goes to the most demanding class among them (ctl > loop > dispatch > info):
-    a service that consumes a class folds every event of its messages."""
-    return max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
+    a service that consumes a class folds every event of its messages. ``flat``: the writer knows the
+    execution is flat, and its ``ctl`` message (but the one that says so) is ``flat``."""
+    cls = max((event_class(e["name"]) for e in events), key=_CLASS_RANK.__getitem__)
+    if flat and cls == CTL and not any(e["name"] == "playbook.request.evaluated" for e in events):
+        return FLAT
+    return cls
 
 
 # Writers: who may write which event name (docs/architecture.md §1). A message's writer travels in its
@@ -104,8 +113,8 @@ MAY_WRITE: dict[str, frozenset[str]] = {
         "step.started", "step.done", "step.failed", "loop.iteration.done", "loop.iteration.failed",
     }),
     # Written by the NATS server itself when a timer's time comes: the message a control-plane service
-    # scheduled (``noetl.sched.<execution>.<timer>``, targeting ``noetl.evt.timer.ctl.<execution>``). No
-    # NATS user may publish as ``timer``; a timer.fired event only fires a timer its execution set.
+    # scheduled (``noetl.sched.<execution>.<timer>``, targeting ``noetl.evt.timer.<ctl or flat>.<execution>``).
+    # No NATS user may publish as ``timer``; a timer.fired event only fires a timer its execution set.
     "timer": frozenset({"timer.fired"}),
     "scheduler": frozenset({"playbook.execution.requested"}),  # a schedule's firing (core/schedules.py)
 }

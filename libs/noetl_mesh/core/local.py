@@ -38,6 +38,7 @@ class LocalRun:
     execution_id: str  # the root execution
     events: list[dict[str, Any]] = field(default_factory=list)  # every execution's events, in log order
     messages: list[list[dict[str, Any]]] = field(default_factory=list)  # the same events as published
+    classes: list[str] = field(default_factory=list)  # each message's subject class (events.batch_class)
     states: dict[str, dict[str, ExecutionState]] = field(default_factory=dict)  # service -> execution -> state
     cursors: dict[str, int] = field(default_factory=dict)
     commands: list[dict[str, Any]] = field(default_factory=list)
@@ -106,16 +107,19 @@ async def run_local(
         run.states[name] = {}
         run.cursors[name] = 0
 
-    def send(events: list[dict[str, Any]]) -> None:
-        """Publish: consecutive events of one execution travel as one message (as bus.batches)."""
-        current: list[dict[str, Any]] | None = None
+    def send(events: list[dict[str, Any]], flat: str | None = None) -> None:
+        """Publish: consecutive events of one execution travel as one message (as bus.batches);
+        ``flat``: the execution its writer knows is flat (decide.flat)."""
+        messages: list[list[dict[str, Any]]] = []
         for e in events:
-            if current is None or current[0]["execution_id"] != e["execution_id"]:
-                current = [e]
-                run.messages.append(current)
+            if not messages or messages[-1][0]["execution_id"] != e["execution_id"]:
+                messages.append([e])
             else:
-                current.append(e)
+                messages[-1].append(e)
             run.events.append(e)
+        for m in messages:
+            run.messages.append(m)
+            run.classes.append(batch_class(m, flat=m[0]["execution_id"] == flat))
 
     send([make_event("playbook.execution.requested", run.execution_id, event_id=f"req-{run.execution_id}",
                      source="gateway", data=dict(request) if request is not None else {"workload": dict(workload or {})})])
@@ -130,17 +134,20 @@ async def run_local(
     async def no_sleep(_: float) -> None:
         return None
 
-    async def publish(event: dict[str, Any]) -> None:  # a worker's event: a message of its own
-        send([event])
+    def publish(command: dict[str, Any]) -> Callable[[dict[str, Any]], Any]:
+        async def one(event: dict[str, Any]) -> None:  # a worker's event: a message of its own
+            send([event], flat=command["execution_id"] if command.get("flat") else None)
+        return one
 
     fake = _FakeTime()
     t0 = fake.time()
-    clock: list[tuple[float, int, str, dict[str, Any]]] = []  # (due, order, what, event): timers and signals
+    # (due, order, what, event, flat): timers and signals; flat: the execution of a flat execution's timer
+    clock: list[tuple[float, int, str, dict[str, Any], str | None]] = []
     for k, (after, name, payload) in enumerate(signals):
         heapq.heappush(clock, (t0 + after, k, f"signal {name}", make_event(
             "signal.received", run.execution_id, event_id=stable_id("signal", run.execution_id, name, k),
             source="gateway", timestamp=t0 + after,
-            data={"signal": name, "payload": payload, "by": "local", "at": t0 + after})))
+            data={"signal": name, "payload": payload, "by": "local", "at": t0 + after}), None))
 
     with fake:
         await _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tools, publish, sleep or no_sleep,
@@ -199,13 +206,13 @@ async def _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tool
             movers.append("worker")
         if not movers:
             while clock:  # idle: the clock jumps to the next timer or signal
-                due, _, what, event = heapq.heappop(clock)
+                due, _, what, event, flat = heapq.heappop(clock)
                 router_state = run.states["router"].get(event["execution_id"])
                 if router_state is not None and router_state.finished:
                     continue  # a finished execution's timers were purged
                 fake.jump(due)
                 run.fired.append((round(due - t0, 3), what))
-                send([event])
+                send([event], flat)
                 break
             else:
                 break
@@ -215,17 +222,18 @@ async def _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tool
             i = rng.randrange(len(run.commands)) if seed is not None else 0
             command = run.commands.pop(i)
             if not _cancelled(run, command):
-                await execute_command(command, tools, publish, sleep=sleep, keychain_resolver=keychain_resolver)
+                await execute_command(command, tools, publish(command), sleep=sleep,
+                                      keychain_resolver=keychain_resolver)
             continue
-        message = run.messages[run.cursors[who]]
+        message, cls = run.messages[run.cursors[who]], run.classes[run.cursors[who]]
         run.cursors[who] += 1
-        if batch_class(message) not in decide.CONSUMES[who]:
+        if cls not in decide.CONSUMES[who]:
             continue  # not on this service's subjects
         eid = message[0]["execution_id"]
         state = run.states[who].get(eid)
         if state is None:
             state = run.states[who][eid] = ExecutionState(eid)
-        foreign, own = [], []
+        foreign, own, timers = [], [], []
         for event in message:
             if not apply(state, event):
                 continue  # its own event coming back, already folded (D21)
@@ -236,10 +244,12 @@ async def _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tool
             foreign += decision.foreign
             own += decision.events
             run.commands.extend(decision.commands)
-            for timer in decision.timers:
-                heapq.heappush(clock, (timer["due"], next(order), f"timer {timer['event']['data']['kind']}",
-                                       timer["event"]))
-        send(foreign + own)  # as the shell publishes them: other executions' first
+            timers += decision.timers
+        flat = eid if decide.flat(state) else None  # as the shell decides it (infra/control.py)
+        for timer in timers:
+            heapq.heappush(clock, (timer["due"], next(order), f"timer {timer['event']['data']['kind']}",
+                                   timer["event"], flat if timer["execution_id"] == flat else None))
+        send(foreign + own, flat)  # as the shell publishes them: other executions' first
     else:
         raise RuntimeError(f"execution did not settle within {max_moves} moves")
 

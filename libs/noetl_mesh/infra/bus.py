@@ -5,11 +5,11 @@ Streams and subjects (their names: :mod:`noetl_mesh.contracts.subjects`; docs/ar
 - ``NOETL_EVENTS`` (JetStream, limits retention, file storage): every event. Publishers write
   ``noetl.evt.<writer>.<class>.<execution_id>`` (writer: ``gateway``, ``admission``, ``router``,
   ``loop-coordinator`` or ``worker``, from the events' ``source``, so that NATS permissions let each
-  service's user publish as itself only; class: ``ctl``, ``loop``, ``dispatch`` or ``info``, see
-  :func:`event_class`); the stream's subject transform stores it as
+  service's user publish as itself only; class: ``ctl``, ``flat``, ``loop``, ``dispatch`` or ``info``,
+  see :func:`batch_class`); the stream's subject transform stores it as
   ``noetl.pevt.<partition>.<class>.<execution_id>.<writer>`` with ``partition = hash(execution_id) % P``.
-  Control-plane services read ``ctl`` events through one pinned durable consumer per partition
-  (:mod:`.pinned`: per-execution serialisation across any number of replicas); the
+  Control-plane services read ``ctl`` events (and ``flat`` or ``loop`` ones) through one pinned durable
+  consumer per partition (:mod:`.pinned`: per-execution serialisation across any number of replicas); the
   event-recorder reads everything. Readers keep only the events the subject's writer may write
   (:func:`admitted`).
 - ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>.<execution_id>``, one durable consumer per
@@ -52,7 +52,7 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 
 from . import logs, metrics, tls, tracing
 from ..lang.durations import rfc3339
-from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
+from ..core.events import (CTL, DISPATCH, DISPATCH_EVENTS, FLAT, INFO, INFO_EVENTS, LOOP, LOOP_EVENTS,  # noqa: F401
                            batch_class, event_class, split_by_writer, writer_of)
 from .micro import Endpoint
 from .wire import NO_PLACEMENT, UNHANDLEABLE, dumps, handle_one, loads  # noqa: F401 - also read from here
@@ -82,16 +82,17 @@ def log_seq(stream_seq: int, index: int) -> int:
     return stream_seq * BATCH_MAX + index
 
 
-def batch_subject(events: list[dict[str, Any]]) -> str:
+def batch_subject(events: list[dict[str, Any]], flat: bool = False) -> str:
     """``noetl.evt.<writer>.<class>.<execution_id>``: the writer named by the events' ``source``; the
-    class the most demanding among the events (ctl > loop > dispatch > info)."""
+    class the most demanding among the events (ctl > loop > dispatch > info), ``flat`` for a ctl message
+    of an execution its writer knows is flat (core/events.py batch_class)."""
     first = events[0]
     writer = writer_of(first.get("source"))
     if writer is None:
         raise ValueError(f"event {first.get('name')!r} of execution {first.get('execution_id')}: source "
                          f"{first.get('source')!r} names no writer (gateway, admission, router, loop-coordinator, "
                          "worker:<pool>)")
-    return batch_subject_of(writer, batch_class(events), first["execution_id"])
+    return batch_subject_of(writer, batch_class(events, flat), first["execution_id"])
 
 
 def batches(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -303,6 +304,8 @@ class Bus:
         from . import schedules
 
         await schedules.ensure(self.js, self.replicas)  # the schedules stream and bucket (D31)
+        if info is not None:
+            await self._refilter_durables()
         if info is None:  # last: services wait for it (attach), so everything else they use is there by then
             await self.js.add_stream(StreamConfig(
                 name=EVENTS, subjects=[EVENT_SUBJECTS, TIMER_SUBJECTS], storage=StorageType.FILE,
@@ -325,6 +328,30 @@ class Bus:
         config.subject_transform = _event_transform(self.partitions)
         config.allow_msg_schedules = config.allow_rollup_hdrs = True
         await self.js.update_stream(config)
+
+    async def _refilter_durables(self) -> None:
+        """The control plane's durables of an earlier version read the classes it consumed then: each is
+        given the classes its service consumes now (``decide.CONSUMES``, e.g. ``flat``) before any
+        service of this version writes them, since a durable never goes back for messages stored before
+        its filter took them in. Its position and every other setting stay."""
+        from ..core.decide import CONSUMES
+        from .nats_auth import durable_prefix
+
+        async def one(service: str, p: int) -> None:
+            name = f"{durable_prefix(service)}-p{p}"
+            info = await self.consumer_info(EVENTS, name)
+            wanted = [f"noetl.pevt.{p}.{c}.*.*" for c in CONSUMES[service]]
+            config = (info or {}).get("config") or {}
+            if not info or sorted(config.get("filter_subjects") or [config.get("filter_subject")]) == sorted(wanted):
+                return
+            config = {k: v for k, v in config.items() if k != "filter_subject"} | {"filter_subjects": wanted}
+            reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS}.{name}", dumps(
+                {"stream_name": EVENTS, "config": config}), timeout=5)).data)
+            if "error" in reply:
+                raise BusError("unavailable", f"consumer {name} of {EVENTS}: {reply['error'].get('description')}")
+            log.info("setup: durable %s now reads %s", name, ", ".join(wanted))
+
+        await asyncio.gather(*(one(s, p) for s in CONSUMES for p in range(self.partitions)))
 
     async def ensure_lost_commands(self, max_age_s: float = 7 * 24 * 3600) -> None:
         """The server's MAX_DELIVERIES advisories for the commands stream, kept in a stream until
@@ -378,37 +405,39 @@ class Bus:
         return log_seq((ack[0] if isinstance(ack, list) else ack).seq, 0)
 
     async def publish_all(self, events: list[dict[str, Any]], commands: list[dict[str, Any]] = (),
-                          timeout: float = 10.0, timers: list[dict[str, Any]] = ()) -> None:
+                          timeout: float = 10.0, timers: list[dict[str, Any]] = (), flat: str | None = None) -> None:
         """Publish without waiting for each PubAck, then wait for every PubAck: on return, all are
         stored. Commands and timers go only once the events are stored: a command's work (a worker's
         report of it) must never be in the log before the events that decided it, and one connection's
         order does not hold when NATS restarts between two publishes, nor across two streams' leaders
         in a cluster. A rebuild folds the log in order (control.py), and would drop such a report as
-        one about work it never heard of."""
-        futures = [await self.send_events(batch) for batch in batches(events)]
+        one about work it never heard of. ``flat``: an execution known to be flat (core/decide.py
+        ``flat``), whose ctl messages and timers go as ``flat``."""
+        futures = [await self.send_events(batch, flat=batch[0]["execution_id"] == flat) for batch in batches(events)]
         if futures and (commands or timers):
             await asyncio.wait_for(asyncio.gather(*futures), timeout)
             futures = []
         for c in commands:
             futures.append(await self.send_command(c))
         for t in timers:
-            futures.append(await self.send_timer(t))
+            futures.append(await self.send_timer(t, flat=t["execution_id"] == flat))
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), timeout)
 
-    async def send_events(self, events: list[dict[str, Any]], limit: int | None = None) -> asyncio.Future:
+    async def send_events(self, events: list[dict[str, Any]], limit: int | None = None,
+                          flat: bool = False) -> asyncio.Future:
         """Write the events of one execution to the connection, as one message or, when too big for
         one, several in order (values over ``limit`` bytes become references, D23); the returned
         future resolves when every PubAck is in."""
         limit = limit or self.payload_limit
         data = dumps(events)
         if len(data) <= min(limit, MAX_MESSAGE) and len(events) <= BATCH_MAX:  # the common case: one message
-            return await self.js.publish_async(batch_subject(events), data, stream=EVENTS,
+            return await self.js.publish_async(batch_subject(events, flat), data, stream=EVENTS,
                                                headers=tracing.inject({"Nats-Msg-Id": _msg_id(events)}))
         events = await self._fit(events, min(limit, MAX_MESSAGE))
         futures = []
         for chunk in _by_size(events, MAX_MESSAGE):
-            futures.append(await self.js.publish_async(batch_subject(chunk), dumps(chunk), stream=EVENTS,
+            futures.append(await self.js.publish_async(batch_subject(chunk, flat), dumps(chunk), stream=EVENTS,
                                                        headers=tracing.inject({"Nats-Msg-Id": _msg_id(chunk)})))
         return asyncio.gather(*futures)
 
@@ -437,13 +466,13 @@ class Bus:
         """A received message's value with its payload references resolved (D23)."""
         return await self.payloads.expand(value) if MARKER in raw else value
 
-    async def send_timer(self, timer: dict[str, Any]) -> asyncio.Future:
+    async def send_timer(self, timer: dict[str, Any], flat: bool = False) -> asyncio.Future:
         """D29: a JetStream message schedule (``@at`` the due instant) whose body, the ``timer.fired``
         event, the server writes into the execution's log at that time. The schedule's subject is the
         timer's identity: setting the same timer again (a redelivered decision) replaces it."""
         eid, tid = timer["execution_id"], timer["timer_id"]
         headers = tracing.inject({"Nats-Schedule": f"@at {rfc3339(timer['due'])}",
-                                  "Nats-Schedule-Target": timer_target(eid)})
+                                  "Nats-Schedule-Target": timer_target(eid, FLAT if flat else CTL)})
         return await self.js.publish_async(timer_subject(eid, tid), dumps([timer["event"]]), stream=EVENTS,
                                            headers=headers)
 

@@ -1,12 +1,12 @@
 """The shell shared by the control-plane services (admission, router, loop-coordinator).
 
-Each service reads the ``ctl`` events of every partition through its own durable consumers (one per
-partition, ``<service>-all-p<N>``), each read by one pinned reader at a time, in batches, in stream
-order, and acknowledged cumulatively, one ack for many events (:mod:`.pinned`), so the events of one
-execution are handled strictly in log order and never concurrently, however many replicas run. The
-durables of earlier versions (``<service>-p<N>``, one ack per event: the ack policy of a consumer
-cannot change) hand over at start: the new durable starts after the old one's ack floor, and the old
-one is deleted. Replicas share the partitions out through NATS KV membership
+Each service reads the events of its classes (``decide.CONSUMES``) of every partition through its own
+durable consumers (one per partition, ``<service>-all-p<N>``), each read by one pinned reader at a time,
+in batches, in stream order, and acknowledged cumulatively, one ack for many events (:mod:`.pinned`), so
+the events of one execution are handled strictly in log order and never concurrently, however many
+replicas run. The durables of earlier versions (``<service>-p<N>``, one ack per event: the ack policy of
+a consumer cannot change) hand over at start: the new durable starts after the old one's ack floor, and
+the old one is deleted. Replicas share the partitions out through NATS KV membership
 (:mod:`.membership`), so normally one replica reads a partition and its cache stays valid.
 
 Each replica keeps the execution states it has folded (:mod:`noetl_mesh.core.state`) in a cache. The
@@ -35,7 +35,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy
 
-from ..core.decide import Decision
+from ..core.decide import Decision, flat
 from ..core.events import event_class
 from ..core.state import FINAL, ExecutionState, apply
 from . import logs, metrics, tracing
@@ -268,7 +268,8 @@ class PartitionedService:
                                       execution_id=eid, **{tracing.EVENT: events[-1]["name"]}):
                 # other executions' events first (a child's request, a parent's notice): if this
                 # service dies in between, the redelivered cause decides again and sends both
-                await self.bus.publish_all(foreign + outputs, commands, timers=timers)
+                await self.bus.publish_all(foreign + outputs, commands, timers=timers,
+                                           flat=eid if flat(state) else None)
                 await self.after(state, outputs, cancel_runs)
                 exemplar = metrics.exemplar()
             for out in outputs:
