@@ -13,6 +13,8 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy
 
+from noetl_mesh.contracts.subjects import control_filter
+from noetl_mesh.core.decide import CONSUMES
 from noetl_mesh.infra.bus import EVENTS, Bus
 from noetl_mesh.infra.pinned import GROUP, PinnedReader
 
@@ -282,8 +284,9 @@ def test_a_stopping_reader_gives_back_what_arrives_late_once_and_only_after_unpi
 
 
 def test_setup_gives_the_durables_of_an_earlier_version_the_classes_read_now(fresh_nats):
-    """A router durable made when the router read ``ctl`` only: setup adds ``flat`` before any writer of
-    this version sends it, keeping the durable's position, its ack floor and its pinned group."""
+    """A router durable made when the router read ``ctl`` only: setup adds ``flat`` (but the router's own)
+    before any writer of this version sends it, keeping the durable's position, its ack floor and its
+    pinned group."""
     async def main():
         bus = await Bus.connect(fresh_nats.url, "pinned")
         await bus.setup(1)
@@ -299,17 +302,18 @@ def test_setup_gives_the_durables_of_an_earlier_version_the_classes_read_now(fre
             await reader  # it acks what it handled as it stops
             await bus.setup(1)  # an upgrade's setup
             info = await bus.consumer_info(EVENTS, "router-all-p0")
-            assert sorted(info["config"]["filter_subjects"]) == ["noetl.pevt.0.ctl.*.*", "noetl.pevt.0.flat.*.*"]
+            assert info["config"]["filter_subjects"] == control_filter("router", 0, CONSUMES["router"])
             assert info["config"]["ack_policy"] == "all" and info["config"]["priority_groups"] == [GROUP]
             assert info["ack_floor"]["stream_seq"] == 2  # where it was
             assert await bus.consumer_info(EVENTS, "loop-coordinator-all-p0") is None  # none made that was not there
-            await bus.js.publish("noetl.evt.router.flat.x1", b"[]")
-            await bus.js.publish("noetl.evt.router.loop.x1", b"[]")  # not the router's
+            await bus.js.publish("noetl.evt.worker.flat.x1", b"[]")
+            await bus.js.publish("noetl.evt.worker.loop.x1", b"[]")  # not a class the router reads
+            await bus.js.publish("noetl.evt.router.flat.x1", b"[]")  # its own flat message: folded when made
             await bus.js.publish("noetl.evt.router.ctl.x1", b"[]")
             got = []
             stop = asyncio.Event()
             reader = asyncio.create_task(PinnedReader(bus, EVENTS, "router-all-p0", _collecting(got), stop).run())
-            await until(lambda: got == [3, 5], 5)
+            await until(lambda: got == [3, 6], 5)
             stop.set()
             await reader
         finally:

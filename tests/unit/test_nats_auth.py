@@ -341,6 +341,19 @@ def test_the_subject_names_the_writer_from_the_source():
     assert [[e["event_id"] for e in b] for b in batches(mixed)] == [["a", "b"], ["c"], ["d"]]  # one writer each
 
 
+def test_a_control_plane_durable_reads_its_classes_but_its_own_flat_messages():
+    from noetl_mesh.contracts.subjects import control_filter
+    from noetl_mesh.core.decide import CONSUMES
+
+    reads = {s: control_filter(s, 3, CONSUMES[s]) for s in CONSUMES}
+    assert reads["loop-coordinator"] == ["noetl.pevt.3.ctl.*.*", "noetl.pevt.3.loop.*.*"]
+    for service in ("admission", "router"):
+        assert reads[service][0] == "noetl.pevt.3.ctl.*.*"  # its own too: a child's request, a parent's notice
+        flat = {f.split(".")[5] for f in reads[service][1:]}
+        assert flat == {"gateway", "admission", "router", "loop-coordinator", "worker", "scheduler", "timer"} - {service}
+        assert all(f.startswith("noetl.pevt.3.flat.*.") for f in reads[service][1:])
+
+
 def test_admitted_keeps_what_the_subjects_writer_may_write(caplog):
     good, forged, lying = ev("step.done", "worker:a", event_id="g"), ev("workflow.finished", "worker:a", event_id="f"), \
         ev("step.done", "router", event_id="l")

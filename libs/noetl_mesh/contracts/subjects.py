@@ -111,6 +111,15 @@ def stored_subject(partition: int | str, cls: str, execution_id: str, writer: st
     return f"noetl.pevt.{partition}.{cls}.{execution_id}.{writer}"
 
 
+def control_filter(service: str, partition: int | str, classes: tuple[str, ...]) -> list[str]:
+    """What a control-plane service's durable of one partition reads: the stored messages of its classes,
+    but its own ``flat`` ones. A flat message is always of the execution its writer decided for (an
+    event for another execution, such as a child's request, is ``ctl``), and the writer folded it when it
+    made it: it would come back only to fold to nothing (a rebuild reads it from the stream)."""
+    return [f"noetl.pevt.{partition}.{c}.*.*" for c in classes if c != "flat"] + \
+        [f"noetl.pevt.{partition}.flat.*.{w}" for w in WRITERS if w != service and "flat" in classes]
+
+
 def credential_resolve_subject(pool: str) -> str:
     return CREDENTIAL_RESOLVE_PREFIX + pool
 
@@ -185,7 +194,8 @@ class Channel:
 
 
 _EXECUTION = {"execution_id": "the execution's id"}
-_WRITERS = ("gateway", "admission", "router", "loop-coordinator", "worker", "scheduler", "timer")
+# the writer token of noetl.evt.<writer>.<class>.<execution_id> (core/events.py MAY_WRITE)
+WRITERS = ("gateway", "admission", "router", "loop-coordinator", "worker", "scheduler", "timer")
 CONTROL_PLANE = ("admission", "router", "loop-coordinator")
 
 
@@ -267,7 +277,7 @@ CHANNELS: tuple[Channel, ...] = (
             "traceparent. Stored as noetl.pevt.<partition>.<class>.<execution_id>.<writer>.",
             "EventsMessage", senders=("gateway", *CONTROL_PLANE, "worker", "scheduler", "nats-server (timer)"),
             stream=EVENTS,
-            parameters={"writer": "who wrote the events: " + ", ".join(_WRITERS),
+            parameters={"writer": "who wrote the events: " + ", ".join(WRITERS),
                         "class": "the most demanding class of its events: ctl, loop, dispatch, info; flat for the ctl "
                                  "messages of an execution without loop steps (core/events.py)", **_EXECUTION}),
     Channel("events-stored", "noetl.pevt.{partition}.{class}.{execution_id}.{writer}", "jetstream",

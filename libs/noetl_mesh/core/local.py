@@ -1,12 +1,12 @@
 """An in-process run of the whole control plane over one ordered event log: the reference semantics.
 
-Each service (admission, router, loop-coordinator) keeps its own state, folded from the log in
-order, exactly as the NATS services do: the log is a list of *messages* (a decision's events for one
-execution, or one event a worker reported), and a service reads only the messages of the classes it
-consumes (``decide.CONSUMES``), folding every event of each. Commands go to a queue that a worker drains. The scheduler
-picks which service or worker moves next — in order, or at random (``seed``) to explore the
-interleavings that replicas and a network produce. Tests use it to check the semantics without I/O;
-the distributed stack must produce the same outcomes.
+Each service (admission, router, loop-coordinator) keeps its own state, folded from the log in order,
+exactly as the NATS services do: the log is a list of *messages* (a decision's events for one execution,
+or one event a worker reported), and a service reads only the messages of the classes it consumes
+(``decide.CONSUMES``; not its own ``flat`` ones), folding every event of each. Commands go to a queue that a
+worker drains. The scheduler picks which service or worker moves next — in order, or at random
+(``seed``) to explore the interleavings that replicas and a network produce. Tests use it to check the
+semantics without I/O; the distributed stack must produce the same outcomes.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from . import decide
-from .events import batch_class, make_event, new_execution_id, stable_id
+from .events import FLAT, batch_class, make_event, new_execution_id, stable_id, writer_of
 from .keychain import Resolver, dict_resolver
 from .state import ExecutionState, apply, fold
 from .worker import execute_command
@@ -227,8 +227,8 @@ async def _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tool
             continue
         message, cls = run.messages[run.cursors[who]], run.classes[run.cursors[who]]
         run.cursors[who] += 1
-        if cls not in decide.CONSUMES[who]:
-            continue  # not on this service's subjects
+        if cls not in decide.CONSUMES[who] or cls == FLAT and writer_of(message[0].get("source")) == who:
+            continue  # not on its subjects: another class, or its own flat message (subjects.control_filter)
         eid = message[0]["execution_id"]
         state = run.states[who].get(eid)
         if state is None:
@@ -236,7 +236,7 @@ async def _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tool
         foreign, own, timers = [], [], []
         for event in message:
             if not apply(state, event):
-                continue  # its own event coming back, already folded (D21)
+                continue  # a duplicate, already folded (D21)
             if who == "admission" and event["name"] == "playbook.execution.requested":
                 decision = decide.admission(state, event, resolve(event))
             else:

@@ -64,7 +64,7 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
     COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
-    Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject,
+    Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject, control_filter,
     command_subject, credential_resolve_subject, live_subject, pool_filter, timer_subject, timer_target)
 
 _SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an id that may stand in a subject as one token
@@ -330,17 +330,17 @@ class Bus:
         await self.js.update_stream(config)
 
     async def _refilter_durables(self) -> None:
-        """The control plane's durables of an earlier version read the classes it consumed then: each is
-        given the classes its service consumes now (``decide.CONSUMES``, e.g. ``flat``) before any
-        service of this version writes them, since a durable never goes back for messages stored before
-        its filter took them in. Its position and every other setting stay."""
+        """The control plane's durables of an earlier version read what it read then: each is given what
+        its service reads now (``subjects.control_filter`` of the classes of ``decide.CONSUMES``, e.g.
+        ``flat``) before any service of this version writes them, since a durable never goes back for
+        messages stored before its filter took them in. Its position and every other setting stay."""
         from ..core.decide import CONSUMES
         from .nats_auth import durable_prefix
 
         async def one(service: str, p: int) -> None:
             name = f"{durable_prefix(service)}-p{p}"
             info = await self.consumer_info(EVENTS, name)
-            wanted = [f"noetl.pevt.{p}.{c}.*.*" for c in CONSUMES[service]]
+            wanted = control_filter(service, p, CONSUMES[service])
             config = (info or {}).get("config") or {}
             if not info or sorted(config.get("filter_subjects") or [config.get("filter_subject")]) == sorted(wanted):
                 return

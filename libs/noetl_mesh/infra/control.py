@@ -39,6 +39,7 @@ from ..core.decide import Decision, flat
 from ..core.events import event_class
 from ..core.state import FINAL, ExecutionState, apply
 from . import logs, metrics, tracing
+from ..contracts.subjects import control_filter
 from .bus import CTL, EVENTS, UNHANDLEABLE, Bus, admitted, loads, partition_from_subject
 from .membership import Membership
 from .micro import Consumer
@@ -110,9 +111,10 @@ class PartitionedService:
         self.started = True
 
     async def _durable(self, p: int) -> None:
-        """Partition ``p``'s durable (any execution, any writer); the earlier version's hands over."""
+        """Partition ``p``'s durable (any execution; every writer but this service); the earlier
+        version's hands over."""
         start = await self.bus.handover_consumer(
-            EVENTS, f"{self.name}-p{p}", {f"{self.prefix}-p{p}": [f"noetl.pevt.{p}.{c}.*.*" for c in self.classes]},
+            EVENTS, f"{self.name}-p{p}", {f"{self.prefix}-p{p}": control_filter(self.name, p, self.classes)},
             pinned=True, ack_wait=self.ack_wait, max_deliver=50, ack_policy=AckPolicy.ALL)
         if start is not None:
             log.warning("%s-p%d, the durable of an earlier version, acknowledged each event: %s-p%d, which "
