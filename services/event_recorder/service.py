@@ -99,6 +99,7 @@ MAX_RESTARTS = 100  # an execution's restarts listed with it (D32), oldest first
 MAX_STATS_DAYS = 366  # the longest time range of the overview (noetl.q.execution.stats)
 MAX_STATS_ROWS = 20  # playbooks and error kinds listed by the overview
 _SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
+_SELECT_BRIEF = f"SELECT {', '.join(_EXECUTION_COLUMNS)}, event_count FROM execution WHERE execution_id = %s"
 # the username of who started an execution: its request event's, else (a child: started by its parent on
 # that user's behalf) its nearest ancestor's, up the parent chain (at most 64 levels, as the depth limit)
 _STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
@@ -615,13 +616,16 @@ class RecorderService:
     # ------------------------------------------------------------------ executions
     async def execution_get(self, req: dict[str, Any]) -> dict[str, Any]:
         xid = _execution_id(req)
+        if req.get("brief"):  # what a client polls: one row, one statement (its count is on the row)
+            async with self._connection() as conn:
+                proj = await (await conn.execute(_SELECT_BRIEF, (xid,))).fetchone()
+                if proj is None:
+                    raise BusError("not_found", f"execution {xid} is not known")
+                count = proj[-1] if proj[-1] is not None else await _event_count(conn, xid)  # recorded before it
+            return {**_execution_row(proj[:-1]), "event_count": count}
         async with self._snapshot() as conn:
             proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
             count = await _event_count(conn, xid)
-            if req.get("brief"):
-                if proj is None:
-                    raise BusError("not_found", f"execution {xid} is not known")
-                return {**_execution_row(proj), "event_count": count}
             # the summary is a fold of the ``ctl`` events alone (bus.event_class): task progress and loop
             # bookkeeping change no step's status or result (a loop's result is on its loop.done)
             cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"

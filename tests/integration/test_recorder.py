@@ -125,6 +125,19 @@ def test_events_are_recorded_once_in_log_order_and_fold_to_the_state(nats_url: s
             assert {k: state[k] for k in expected} == expected
             assert state["event_count"] == len(run.log) and state["error"] is None
             assert state["path"] == "tests/tiny" and state["finished_at"] and state["created_at"]
+            brief = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id, "brief": True})
+            assert {k: brief[k] for k in expected if k in brief} == {k: state[k] for k in expected if k in brief}
+            assert brief["status"] == "COMPLETED" and brief["path"] == "tests/tiny" and brief["finished_at"]
+            assert brief["event_count"] == len(run.log) and "steps" not in brief
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:  # recorded before the counter existed: counted
+                conn.execute("UPDATE execution SET event_count = NULL WHERE execution_id = %s", (run.execution_id,))
+                again = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id, "brief": True})
+                conn.execute("UPDATE execution SET event_count = %s WHERE execution_id = %s",
+                             (len(run.log), run.execution_id))
+            assert again == brief
+            with pytest.raises(BusError) as unknown:
+                await bus.request("noetl.q.execution.get", {"execution_id": "nope", "brief": True})
+            assert unknown.value.kind == "not_found"
 
             # paging
             xid = run.execution_id
