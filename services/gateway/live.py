@@ -189,9 +189,10 @@ class Topic:
         execution that ended meanwhile would otherwise never say so)."""
         finished = False
         while True:
-            try:
-                await asyncio.wait_for(self.dirty.wait(), None if finished else IDLE_REFRESH)
-            except asyncio.TimeoutError:
+            try:  # not asyncio.wait_for: on Python 3.11 it can swallow the cancel that ends this loop
+                async with asyncio.timeout(None if finished else IDLE_REFRESH):
+                    await self.dirty.wait()
+            except TimeoutError:
                 pass
             self.dirty.clear()
             started = time.monotonic()

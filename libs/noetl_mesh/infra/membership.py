@@ -100,7 +100,10 @@ class Membership:
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                await asyncio.wait_for(self.beat(), self.ttl / 3)
+                # not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes as the beat ends,
+                # and stop() then waited for this loop forever
+                async with asyncio.timeout(self.ttl / 3):
+                    await self.beat()
                 if failing_since is not None:
                     log.info("membership of %s: the group is readable again", self.me)
                 failing_since = None

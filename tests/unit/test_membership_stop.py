@@ -1,0 +1,27 @@
+"""A replica's membership heartbeat ends when it is stopped, whenever the stop comes: on Python 3.11
+``asyncio.wait_for`` swallows a cancel that lands as the awaited beat ends, and a service's stop then
+waited for the heartbeat forever (seen once: a test stack's teardown hung 120 s in ``Membership.stop``)."""
+from __future__ import annotations
+
+import asyncio
+
+from noetl_mesh.infra.membership import Membership
+
+
+def test_the_heartbeat_ends_when_the_cancel_lands_as_a_beat_ends():
+    async def main():
+        m = Membership(None, "svc", 4, lambda _: None, ttl=0.03)
+        beats = 0
+
+        async def beat():
+            nonlocal beats
+            beats += 1
+            asyncio.get_running_loop().call_soon(m.task.cancel)  # lands in the same turn the beat ends
+
+        m.beat = beat
+        m.task = asyncio.create_task(m._run())
+        done, _ = await asyncio.wait([m.task], timeout=2)
+        assert done and m.task.cancelled(), f"still beating after {beats} cancels"
+        assert beats == 1
+
+    asyncio.run(main())
