@@ -92,19 +92,21 @@ def test_replayed_state_equals_the_state_the_services_hold(stack):
 
 
 # ------------------------------------------------------------------------------ tracing
-def test_one_execution_is_one_trace(stack):
-    final, _ = stack.execute(BY_ID["fork_join"].doc("http://unused"))
-    eid = final["execution_id"]
-
-    async def headers():
-        bus = await Bus.connect(stack.nats_url, "trace-test", stack.admin)
+def stored(stack, eid: str) -> list:
+    """An execution's messages as the events stream holds them, in order."""
+    async def read():
+        bus = await Bus.connect(stack.nats_url, "stored-test", stack.admin)
         sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{eid}.*", stream=EVENTS, config=ConsumerConfig(
             ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=5.0))
-        msgs = await sub.fetch(500, timeout=2)
+        msgs = await sub.fetch(1000, timeout=2)
         await bus.close()
-        return [(dict(m.headers or {}), [e["name"] for e in loads(m.data)]) for m in msgs]
+        return msgs
+    return stack.run(read())
 
-    found = stack.run(headers())
+
+def test_one_execution_is_one_trace(stack):
+    final, _ = stack.execute(BY_ID["fork_join"].doc("http://unused"))
+    found = [(dict(m.headers or {}), [e["name"] for e in loads(m.data)]) for m in stored(stack, final["execution_id"])]
     assert found and all("traceparent" in h for h, _ in found), found
     trace_ids = {h["traceparent"].split("-")[1] for h, _ in found}
     assert len(trace_ids) == 1
@@ -116,16 +118,9 @@ def test_the_loop_coordinator_reads_two_messages_of_a_flat_execution(stack):
     """A playbook without loops: after its evaluation, admission, the router, the worker and their timers
     send its control messages as ``flat``, which only admission and the router read; a playbook with a
     loop keeps every one ``ctl`` (and ``loop``), for the loop-coordinator too."""
-    def classes(eid):
-        async def read():
-            bus = await Bus.connect(stack.nats_url, "flat-test", stack.admin)
-            sub = await bus.js.pull_subscribe(f"noetl.pevt.*.*.{eid}.*", stream=EVENTS, config=ConsumerConfig(
-                ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=5.0))
-            msgs = await sub.fetch(1000, timeout=2)
-            await bus.close()
-            return [(m.subject.split(".")[3], m.subject.split(".")[5], [e["name"] for e in loads(m.data)])
-                    for m in msgs]
-        return stack.run(read())
+    def classes(eid):  # (class, writer, event names) of each stored message
+        return [(m.subject.split(".")[3], m.subject.split(".")[5], [e["name"] for e in loads(m.data)])
+                for m in stored(stack, eid)]
 
     flat, _ = stack.execute(BY_ID["back_edge_before_join"].doc("http://unused"))
     assert flat["status"] == "COMPLETED"
