@@ -407,10 +407,9 @@ async def stream(hub: Hub, key: str, token: str, *, who: dict[str, Any], hello: 
                     yield sse("bye", {"reason": "revoked", "cause": cause, "message": why} if cause else
                               {"reason": "unauthorized", "message": why})
                     return
-            try:  # asyncio.timeout, not wait_for: a client's disconnect (a cancel) must end the stream
-                async with asyncio.timeout(min(HEARTBEAT, end - now, RECHECK)):
-                    await listener.wake.wait()
-            except TimeoutError:
+            try:
+                await asyncio.wait_for(listener.wake.wait(), min(HEARTBEAT, end - now, RECHECK))
+            except asyncio.TimeoutError:
                 count = _reconnects(hub.bus)
                 if count != reconnects:  # notices may have been lost while NATS was away
                     reconnects = count
