@@ -344,11 +344,8 @@ class Bus:
             config = (info or {}).get("config") or {}
             if not info or sorted(config.get("filter_subjects") or [config.get("filter_subject")]) == sorted(wanted):
                 return
-            config = {k: v for k, v in config.items() if k != "filter_subject"} | {"filter_subjects": wanted}
-            reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS}.{name}", dumps(
-                {"stream_name": EVENTS, "config": config}), timeout=5)).data)
-            if "error" in reply:
-                raise BusError("unavailable", f"consumer {name} of {EVENTS}: {reply['error'].get('description')}")
+            await self._put_durable(EVENTS, name, {k: v for k, v in config.items() if k != "filter_subject"}
+                                    | {"filter_subjects": wanted})
             log.info("setup: durable %s now reads %s", name, ", ".join(wanted))
 
         await asyncio.gather(*(one(s, p) for s in CONSUMES for p in range(self.partitions)))
@@ -586,9 +583,13 @@ class Bus:
             await self.js.add_consumer(stream, config)
             return
         from .pinned import MAX_ACK_PENDING, consumer_config  # nats-py's ConsumerConfig has no priority groups
+        await self._put_durable(stream, name, consumer_config(config.as_dict(), max_ack_pending or MAX_ACK_PENDING))
+
+    async def _put_durable(self, stream: str, name: str, config: dict[str, Any]) -> None:
+        """Create or update a durable from its configuration as JSON (what nats-py's ConsumerConfig
+        cannot say: priority groups)."""
         reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", dumps(
-            {"stream_name": stream, "config": consumer_config(config.as_dict(), max_ack_pending or MAX_ACK_PENDING)}),
-            timeout=5)).data)
+            {"stream_name": stream, "config": config}), timeout=5)).data)
         if "error" in reply:
             raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
 
