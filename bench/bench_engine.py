@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 
+import orjson
 import yaml
 
 from noetl_mesh.client import GatewayClient
@@ -100,6 +101,8 @@ def nats_counts(nats) -> dict[str, float]:
         name = c.get("name") or c.get("authorized_user") or "?"
         out[f"published by {name}"] = out.get(f"published by {name}", 0) + c.get("in_msgs", 0)
         out[f"received by {name}"] = out.get(f"received by {name}", 0) + c.get("out_msgs", 0)
+        out[f"bytes published by {name}"] = out.get(f"bytes published by {name}", 0) + c.get("in_bytes", 0)
+        out[f"bytes received by {name}"] = out.get(f"bytes received by {name}", 0) + c.get("out_bytes", 0)
     return out
 
 
@@ -118,12 +121,17 @@ def over(value: float, budget: float | None) -> str:
 def count_rows(scenario: str, before: dict, after: dict, steps: int, budget: bool = False) -> list[tuple]:
     used = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     pub = sum(v for k, v in used.items() if k.startswith("published"))
+    sent = sum(v for k, v in used.items() if k.startswith("bytes published"))
     rows = [(scenario, "NATS messages published per step, all connections"
              + over(pub / steps, BUDGET_MESSAGES if budget else None), f"{pub / steps:.1f}"),
+            (scenario, "NATS bytes published per step, all connections", f"{sent / steps:,.0f}"),
             (scenario, "JetStream API requests per step", f"{used.get('JetStream API requests', 0) / steps:.1f}")]
     for key, n in sorted(used.items(), key=lambda kv: -kv[1]):
-        if n and key != "JetStream API requests":
+        if n and key != "JetStream API requests" and not key.startswith("bytes"):
             rows.append((scenario, f"messages per step {key}", f"{n / steps:.1f}"))
+    for key, n in sorted(used.items(), key=lambda kv: -kv[1]):
+        if n >= steps and key.startswith("bytes"):  # at least a byte per step
+            rows.append((scenario, f"{key.replace('bytes ', 'bytes per step ')}", f"{n / steps:,.0f}"))
     return rows
 
 
@@ -169,23 +177,76 @@ async def run_one(client: GatewayClient, doc: dict, timeout: float = 600) -> tup
     return status, await client.all_events(eid)
 
 
-async def bench_chain(url: str, token: str, steps: int, rounds: int) -> list[tuple]:
-    per_step, hops = [], []
+async def bench_chain(url: str, token: str, steps: int, rounds: int, nats_url: str | None = None,
+                      creds: str | None = None) -> list[tuple]:
+    per_step, hops, ids = [], [], []
     async with GatewayClient(url, token=token) as client:
         await run_one(client, chain(3))  # warm-up
         for _ in range(rounds):
             status, events = await run_one(client, chain(steps))
             assert status["status"] == "COMPLETED", status
+            ids.append(events[0]["execution_id"])
             t = {(e["name"], e["step"]): e["timestamp"] for e in events}
             first = t[("step.admitted", "s0")]
             last = t[("step.done", f"s{steps - 1}")]
             per_step.append((last - first) / steps * 1000)
             for i in range(steps - 1):  # control-plane hop: step.done of one -> step.started of the next
                 hops.append((t[("step.started", f"s{i + 1}")] - t[("step.done", f"s{i}")]) * 1000)
-    return [("chain", f"{steps}-step noop chain x{rounds}: wall time per step p50", f"{statistics.median(per_step):.2f} ms"),
+    rows = [("chain", f"{steps}-step noop chain x{rounds}: wall time per step p50", f"{statistics.median(per_step):.2f} ms"),
             ("chain", "step-to-step overhead (done -> next started) p50", f"{pct(hops, 50):.2f} ms"),
             ("chain", "step-to-step overhead p99", f"{pct(hops, 99):.2f} ms"),
             ("chain", "steps/s in one execution", f"{1000 / statistics.median(per_step):.0f}")]
+    if nats_url:
+        rows += await hop_anatomy(nats_url, creds, ids[-5:], steps)
+    return rows
+
+
+# the hops of one noop step, in order: (writer of the cause, its event) -> (writer of the effect, its event)
+HOPS = [("worker", "step.done", "router", "token.enqueued"),
+        ("router", "next.evaluated", "admission", "step.admitted"),
+        ("admission", "step.scheduled", "worker", "step.started")]
+
+
+async def hop_anatomy(nats_url: str, creds: str | None, ids: list[str], steps: int) -> list[tuple]:
+    """Each hop of a chain step split in two, from the events stream: the cause's event created ->
+    its message stored (JetStream's timestamp), and stored -> the effect's event created (delivery,
+    the reader's work, and for the worker's hop the command's own publish after the events' PubAck)."""
+    import nats
+    from noetl_mesh.infra.nats_auth import connect_options
+
+    nc = await nats.connect(nats_url, **connect_options(creds))
+    js = nc.jetstream()
+    parts: dict[tuple, list[float]] = {}
+    try:
+        for eid in ids:
+            stored: dict[tuple, tuple[float, float]] = {}  # (event name, step) -> (created, stored)
+            sub = await js.subscribe(f"noetl.pevt.*.*.{eid}.*", ordered_consumer=True, stream="NOETL_EVENTS")
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except Exception:  # noqa: BLE001 - the end of the execution's messages
+                    break
+                at = msg.metadata.timestamp.timestamp()
+                for event in orjson.loads(msg.data):
+                    stored.setdefault((event["name"], event.get("step")), (event["timestamp"], at))
+            await sub.unsubscribe()
+            for i in range(1, steps - 1):
+                for cause_writer, cause, effect_writer, effect in HOPS:
+                    cause_step = f"s{i - 1}" if cause in ("step.done", "next.evaluated") else f"s{i}"  # of the step that ended
+                    a, b = stored.get((cause, cause_step)), stored.get((effect, f"s{i}"))
+                    if a and b:
+                        key = (cause_writer, cause, effect_writer, effect)
+                        parts.setdefault(key + ("stored",), []).append((a[1] - a[0]) * 1000)
+                        parts.setdefault(key + ("effect",), []).append((b[0] - a[1]) * 1000)
+    finally:
+        await nc.close()
+    rows = []
+    for cause_writer, cause, effect_writer, effect in HOPS:
+        key = (cause_writer, cause, effect_writer, effect)
+        if key + ("stored",) in parts:
+            rows.append(("chain", f"hop {cause} -> {effect}: created -> stored / stored -> {effect} created, p50",
+                         f"{pct(parts[key + ('stored',)], 50):.2f} / {pct(parts[key + ('effect',)], 50):.2f} ms"))
+    return rows
 
 
 async def bench_burst(url: str, token: str, executions: int, steps: int = 5, gateway_cpu=None) -> list[tuple]:
@@ -256,13 +317,44 @@ async def bench_child(url: str, token: str, calls: int, fanout: int) -> list[tup
         assert status["status"] == "COMPLETED", status
         started = {e["iteration"]: e["timestamp"] for e in events if e["name"] == "task.started"}
         trips = [(e["timestamp"] - started[e["iteration"]]) * 1000 for e in events if e["name"] == "task.processed"]
+        gaps = await child_anatomy(client, events, list(started)[calls // 2:][:20])
         t0 = time.perf_counter()
         status, _ = await run_one(client, fan)
         elapsed = time.perf_counter() - t0
         assert status["status"] == "COMPLETED" and len(status["steps"]["start"]["result"]) == fanout, status
     return [("child", f"playbook task round trip ({calls} sequential children) p50", f"{pct(trips, 50):.1f} ms"),
             ("child", "playbook task round trip p99", f"{pct(trips, 99):.1f} ms"),
+            *gaps,
             ("child", f"{fanout} children from a parallel loop (max_in_flight 64)", f"{fanout / elapsed:.0f} children/s")]
+
+
+async def child_anatomy(client: GatewayClient, events: list[dict], iterations: list) -> list[tuple]:
+    """Where a round trip's time goes: the parent's and the child's events of each sampled call merged in
+    time order, and the median gap before each event (the gaps of 0.3 ms and more; the rest is the
+    services' own work between two events of one decision)."""
+    gaps: dict[str, list[float]] = {}
+    for iteration in iterations:
+        mine = [e for e in events if e.get("iteration") == iteration and e["name"].startswith("task.")]
+        child = next((((e.get("data") or {}).get("child") or {}) for e in mine if e["name"] == "task.suspended"), {})
+        child_id = child.get("execution_id") if isinstance(child, dict) else child
+        if not isinstance(child_id, str):
+            continue
+        start = next(e["timestamp"] for e in mine if e["name"] == "task.started")
+        end = next(e["timestamp"] for e in mine if e["name"] == "task.processed")
+        notice = [e for e in events if e["name"] == "playbook.child.finished"
+                  and (e.get("data") or {}).get("child_execution_id") == child_id]
+        merged = sorted([("parent", e) for e in mine + notice] + [("child", e) for e in await client.all_events(child_id)],
+                        key=lambda we: we[1]["timestamp"])
+        previous = None
+        for who, e in merged:
+            if not start <= e["timestamp"] <= end:
+                continue
+            if previous is not None:
+                key = f"{previous[0]} {previous[1]['name']} -> {who} {e['name']} ({e['source']})"
+                gaps.setdefault(key, []).append((e["timestamp"] - previous[1]["timestamp"]) * 1000)
+            previous = (who, e)
+    return [("child", f"gap {key}, p50", f"{statistics.median(v):.2f} ms")
+            for key, v in gaps.items() if len(v) >= len(iterations) // 2 and statistics.median(v) >= 0.3]
 
 
 async def bench_recorder(nats, pg, pg_dsn: str, n: int, auth: NatsAuth, creds: str, recorders: int) -> list[tuple]:
@@ -367,7 +459,7 @@ async def main(args: argparse.Namespace) -> None:
             sampler.start()
             try:
                 if "chain" in which:
-                    rows += await bench_chain(stack.gateway_url, stack.token, 20, 3 if quick else 20)
+                    rows += await bench_chain(stack.gateway_url, stack.token, 20, 3 if quick else 20, nats.url, auth.admin)
                 if "burst" in which:
                     n = 50 if quick else 1000
                     before, counts = cpu_by_process(stack.procs, nats, pg), nats_counts(nats)
