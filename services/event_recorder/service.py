@@ -596,7 +596,7 @@ class RecorderService:
                 params, what = (path,), f"playbook {path}"
         else:
             raise BusError("bad_request", "give id, or path (and optionally version)")
-        async with self._connection() as conn:
+        async with self._autocommit() as conn:  # one statement: a child's admission waits on this answer
             row = await (await conn.execute(query, params)).fetchone()
         if row is None:
             raise BusError("not_found", f"{what} is not in the catalog")
