@@ -22,6 +22,10 @@ class AdmissionService(PartitionedService):
     name = "admission"
     classes = decide.CONSUMES[name]
 
+    def __init__(self, bus: Any, ack_wait: float | None = None):
+        super().__init__(bus, ack_wait)
+        self.resolving: dict[str, asyncio.Future] = {}  # a child's request's event id -> its playbook, being fetched
+
     async def start(self) -> None:
         await super().start()
         # Admission sent the command, so admission reports it lost: a command that ran out of
@@ -51,8 +55,22 @@ class AdmissionService(PartitionedService):
     async def decide(self, state: ExecutionState, event: dict[str, Any]) -> decide.Decision:
         playbook = None
         if event["name"] == "playbook.execution.requested" and state.playbook is None:
-            playbook = await self.resolve(event.get("data") or {})
+            fetching = self.resolving.pop(event["event_id"], None)
+            playbook = await (fetching if fetching is not None else self.resolve(event.get("data") or {}))
         return decide.admission(state, event, playbook)
+
+    def prepare(self, request: dict[str, Any]) -> None:
+        """A child's request names its playbook by catalog path: ask the catalog while the log is asked
+        whether the request comes first (control.py)."""
+        data = request.get("data") or {}
+        if data.get("playbook") is None and data.get("catalog") and request["event_id"] not in self.resolving:
+            self.resolving[request["event_id"]] = asyncio.ensure_future(self.resolve(data))
+
+    def unprepare(self, event: dict[str, Any]) -> None:
+        fetching = self.resolving.pop(event["event_id"], None)
+        if fetching is not None:  # not needed after all (the execution was cancelled first, or failed)
+            fetching.cancel()
+            fetching.add_done_callback(_quietly)
 
     async def resolve(self, request: dict[str, Any]) -> Any:
         """The playbook of a request: inline (a mapping or YAML text), else from the catalog.
@@ -72,6 +90,12 @@ class AdmissionService(PartitionedService):
                 raise  # transient: the message is retried later, nothing is decided
             return [f"catalog: {exc.message}"]
         return _document(entry["content"], "catalog: ")
+
+
+def _quietly(future: asyncio.Future) -> None:
+    """Retrieve an unused lookup's outcome, so that its failure is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _document(text: str, prefix: str = "") -> Any:

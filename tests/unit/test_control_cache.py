@@ -137,3 +137,73 @@ def test_a_finished_execution_leaves_the_cache_and_its_later_events_are_acknowle
     assert service.cache["e1"] is IDLE
     assert decided == ["playbook.execution.requested", "workflow.started", "workflow.finished"]  # not the late one
     assert [m.acked for m in msgs] == [0, 0, 0, 0]  # the reader acks what its handler returned from
+
+
+# ------------------------------------------------------------------ a child's request: two lookups at once
+CHILD_YAML = """apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: child, path: t/child}
+workflow:
+  - step: start
+    tool: {kind: noop, result: 1}
+"""
+
+
+class ChildBus(FlakyBus):
+    """The log lookup (``first_seq``) answers only once the catalog has been asked: a service that asks
+    one after the other never gets its answer."""
+
+    def __init__(self, first: int | None, log: list | None = None):
+        super().__init__(0, log)
+        self.first, self.asked, self.catalog_asked = first, asyncio.Event(), 0
+        self.commands: list[dict] = []
+
+    async def first_seq(self, execution_id, partition):
+        await asyncio.wait_for(self.asked.wait(), 10)
+        return self.first
+
+    async def request(self, subject, body, expand=False):
+        self.catalog_asked += 1
+        self.asked.set()
+        await asyncio.sleep(0)
+        return {"content": CHILD_YAML}
+
+    async def publish_all(self, events, commands=(), timers=(), flat=None):
+        await super().publish_all(events, commands, timers, flat)
+        self.commands += commands
+
+
+def child_request(eid: str = "c1") -> dict:
+    return make_event("playbook.execution.requested", eid, event_id="request", source="admission",
+                      data={"catalog": {"path": "t/child"}, "parent_execution_id": "p1", "depth": 1,
+                            "parent": {"execution_id": "p1", "step": "s", "step_run_id": "r"}})
+
+
+def test_admission_asks_the_catalog_while_the_log_says_whether_a_childs_request_comes_first():
+    from noetl_mesh.services.admission.service import AdmissionService
+
+    bus = ChildBus(first=7)
+    service = AdmissionService(bus)
+    asyncio.run(service._handle(Delivery(), 3, SimpleNamespace(stream=7), "c1", [child_request()]))
+    assert bus.catalog_asked == 1  # asked once, and its answer used
+    assert [c["step"] for c in bus.commands] == ["start"]  # the child started
+    assert service.resolving == {}
+
+
+def test_a_childs_request_after_its_cancellation_starts_nothing_and_drops_its_lookup():
+    """The log says the request is not first (its cancellation came before): the state is rebuilt, the
+    child starts nothing, and the catalog's answer, not needed, is let go."""
+    from noetl_mesh.services.admission.service import AdmissionService
+
+    from noetl_mesh.core import decide
+    from noetl_mesh.core.state import ExecutionState, apply
+
+    cancel = make_event("execution.cancelled", "c1", event_id="cancel", source="router", data={"reason": "parent ended"})
+    router = ExecutionState("c1")
+    apply(router, cancel)
+    finished = decide.router(router, cancel).events  # the child's router ends it at once
+    bus = ChildBus(first=5, log=[(5, cancel), *((6, e) for e in finished)])
+    service = AdmissionService(bus)
+    asyncio.run(service._handle(Delivery(), 3, SimpleNamespace(stream=7), "c1", [child_request()]))
+    assert bus.commands == [] and bus.published == []
+    assert service.resolving == {}

@@ -89,6 +89,13 @@ class PartitionedService:
     async def after(self, state: ExecutionState, outputs: list[dict[str, Any]], cancel_runs: list[str]) -> None:
         """Side effects beyond publishing (router: cancel broadcasts)."""
 
+    def prepare(self, request: dict[str, Any]) -> None:
+        """Start fetching what deciding a child's ``request`` will need from elsewhere, while the log is
+        asked whether the request is its execution's first message (admission: the playbook)."""
+
+    def unprepare(self, event: dict[str, Any]) -> None:
+        """Drop what :meth:`prepare` fetched for ``event`` and its decision did not use."""
+
     def idle(self, state: ExecutionState) -> bool:
         """Whether no later event of the execution can need a decision of this service: its events are
         then acknowledged without being folded, and its state is dropped from the cache (kept as
@@ -225,18 +232,17 @@ class PartitionedService:
             self.handled += 1
             return None
         first = events[0]
-        if state is None and first["name"] == "playbook.execution.requested" and (
-                not (first.get("data") or {}).get("parent")
-                or await self.bus.first_seq(eid, p) == seq.stream):
-            # a request is its execution's first event: nothing before it to fold. A child's request
-            # may follow its cancellation (the parent's router and admission race): one lookup says.
-            state = ExecutionState(eid)
-        elif state is None:
-            state = await self._rebuild(eid, p, seq.stream)
-        self.cache[eid] = state
-        self.partition_of[eid] = p
-        self.cache.move_to_end(eid)
         try:
+            if state is None and first["name"] == "playbook.execution.requested" and (
+                    not (first.get("data") or {}).get("parent") or await self._first(eid, p, seq.stream, first)):
+                # a request is its execution's first event: nothing before it to fold. A child's request
+                # may follow its cancellation (the parent's router and admission race): one lookup says.
+                state = ExecutionState(eid)
+            elif state is None:
+                state = await self._rebuild(eid, p, seq.stream)
+            self.cache[eid] = state
+            self.partition_of[eid] = p
+            self.cache.move_to_end(eid)
             exemplar = await self._decide_and_publish(msg, state, eid, events)
         except BaseException:
             # the state has folded events whose decision is not published: forget it, so that the
@@ -246,6 +252,8 @@ class PartitionedService:
             self.cache.pop(eid, None)
             self.partition_of.pop(eid, None)
             raise
+        finally:
+            self.unprepare(first)
         if self.idle(state):
             self.cache[eid] = IDLE
         self.handled += 1
@@ -281,6 +289,12 @@ class PartitionedService:
                     status = str((out.get("data") or {}).get("status") or "unknown")
                     metrics.EXECUTIONS_FINISHED.labels(self.name, status).inc()
         return exemplar
+
+    async def _first(self, eid: str, p: int, seq: int, request: dict[str, Any]) -> bool:
+        """Whether a child's request is its execution's first message in the log (one lookup); what
+        deciding it needs from elsewhere is fetched meanwhile (:meth:`prepare`): two round trips at once."""
+        self.prepare(request)
+        return await self.bus.first_seq(eid, p) == seq
 
     def _count(self, name: str) -> None:
         counter = self._m_handled.get(name)
