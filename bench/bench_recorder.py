@@ -1,9 +1,10 @@
 """The event-recorder alone: how fast it drains the events stream into Postgres, what one event row
-costs in Python, and how fast it answers an events page. Embedded NATS and Postgres; prints figures,
+costs in Python, how fast it answers an events page and an execution's status. Embedded NATS and Postgres; prints figures,
 asserts nothing.
 
     python bench/bench_recorder.py            # 50,000 events per drain, 3 runs each
     python bench/bench_recorder.py --quick    # 10,000 events, 1 run
+    python bench/bench_recorder.py status     # only the status requests (or: drain, page)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import psycopg
 
 from noetl_mesh.core.events import make_event, new_execution_id
+from noetl_mesh.core.local import run_local
 from noetl_mesh.infra.bus import EVENTS, Bus
 from noetl_mesh.infra.embedded import EmbeddedNats, provision_postgres
 from noetl_mesh.services.event_recorder import schema
@@ -87,22 +89,58 @@ async def page_rate(nats_url: str, pg_dsn: str, seconds: float = 3.0) -> tuple[f
     return rates[0], rates[1]
 
 
+async def status_rate(nats_url: str, pg_dsn: str, seconds: float = 3.0) -> list[tuple[str, float, float]]:
+    """An execution's status (a 5-step chain's log), full and brief, one request at a time: requests per
+    second, and this process's CPU per request (the recorder and its requester share it)."""
+    bus = await Bus.connect(nats_url, "bench-status")
+    recorder = RecorderService(bus, pg_dsn=pg_dsn)
+    await recorder.start()
+    steps = [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
+              **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < 4 else {})} for i in range(5)]
+    run = await run_local({"apiVersion": "noetl.io/v2", "kind": "Playbook",
+                           "metadata": {"name": "chain", "path": "bench/chain"}, "workflow": steps})
+    await recorder.store(list(enumerate(run.log, start=1)))
+    out = []
+    for label, req in (("full", {"execution_id": run.execution_id}),
+                       ("brief", {"execution_id": run.execution_id, "brief": True})):
+        done, t0, c0 = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            status = await bus.request("noetl.q.execution.get", req)
+            assert status["status"] == "COMPLETED"
+            done += 1
+        out.append((label, done / (time.perf_counter() - t0), (time.process_time() - c0) / done * 1e6))
+    await recorder.stop()
+    await bus.close()
+    return out
+
+
 async def main(args: argparse.Namespace) -> None:
     n, runs = (10_000, 1) if args.quick else (args.events, args.runs)
-    print(f"event_row: {row_cost():.2f} µs per event", flush=True)
+    which = set(args.which or ("drain", "page", "status"))
+    if "drain" in which:
+        print(f"event_row: {row_cost():.2f} µs per event", flush=True)
     nats = EmbeddedNats().start()
     pg = provision_postgres(fast=True)
     dsn = pg.create_database("bench_recorder")
     async with await psycopg.AsyncConnection.connect(dsn) as conn:
         await schema.migrate(conn)
     try:
-        for per_message in (1, 10):
+        if "drain" not in which:  # which makes the stream
+            bus = await Bus.connect(nats.url, "bench")
+            await bus.setup(partitions=4)
+            await bus.close()
+        for per_message in (1, 10) if "drain" in which else ():
             rates = [await drain(nats.url, dsn, n, per_message, run) for run in range(runs)]
             print(f"drain {n} events, {per_message} per message: "
                   f"{' / '.join(f'{r:,.0f}' for r in rates)} events/s (median {statistics.median(rates):,.0f})",
                   flush=True)
-        p100, p1000 = await page_rate(nats.url, dsn, seconds=1.0 if args.quick else 3.0)
-        print(f"events page: {p100:,.0f} pages/s of 100 events, {p1000:,.0f} pages/s of 1000 events")
+        if "page" in which:
+            p100, p1000 = await page_rate(nats.url, dsn, seconds=1.0 if args.quick else 3.0)
+            print(f"events page: {p100:,.0f} pages/s of 100 events, {p1000:,.0f} pages/s of 1000 events")
+        for label, rate, cpu in await status_rate(nats.url, dsn, seconds=1.0 if args.quick else 3.0) \
+                if "status" in which else ():
+            print(f"status ({label}) of a 5-step execution: {rate:,.0f} requests/s, {cpu:.0f} µs of CPU per request"
+                  " (recorder and requester)", flush=True)
     finally:
         pg.drop_database("bench_recorder")
         pg.stop()
@@ -111,6 +149,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", nargs="*", choices=["drain", "page", "status", []], default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--runs", type=int, default=3)

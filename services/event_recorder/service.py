@@ -98,8 +98,21 @@ _EXECUTION_COLUMNS = ("execution_id", "path", "version", "status", "parent_execu
 MAX_RESTARTS = 100  # an execution's restarts listed with it (D32), oldest first
 MAX_STATS_DAYS = 366  # the longest time range of the overview (noetl.q.execution.stats)
 MAX_STATS_ROWS = 20  # playbooks and error kinds listed by the overview
-_SELECT_EXECUTION = f"SELECT {', '.join(_EXECUTION_COLUMNS)} FROM execution"
 _SELECT_BRIEF = f"SELECT {', '.join(_EXECUTION_COLUMNS)}, event_count FROM execution WHERE execution_id = %s"
+_N_EXECUTION = len(_EXECUTION_COLUMNS)
+# an execution's status in one statement (so one snapshot of the log, and one round trip): its row (NULLs
+# when the projection lacks it), its event count, the executions restarted from it (D32), then on each row
+# one of its ``ctl`` events in log order (the summary is a fold of these alone: task progress and loop
+# bookkeeping change no step's status or result); a single row of NULL events when it has none
+_SELECT_STATUS = f"""SELECT {', '.join('p.' + c for c in _EXECUTION_COLUMNS)},
+    COALESCE(p.event_count, (SELECT count(*) FROM event WHERE execution_id = %(x)s)),
+    ARRAY(SELECT execution_id FROM execution WHERE restarted_from = %(x)s ORDER BY created_at, execution_id
+          LIMIT %(n)s),
+    e.*
+FROM (SELECT 1) AS one
+LEFT JOIN execution p ON p.execution_id = %(x)s
+LEFT JOIN LATERAL ({schema.SELECT_EVENT} WHERE execution_id = %(x)s AND {schema.STATE_EVENTS_SQL}) e ON true
+ORDER BY e.seq"""
 # the username of who started an execution: its request event's, else (a child: started by its parent on
 # that user's behalf) its nearest ancestor's, up the parent chain (at most 64 levels, as the depth limit)
 _STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
@@ -623,15 +636,12 @@ class RecorderService:
                     raise BusError("not_found", f"execution {xid} is not known")
                 count = proj[-1] if proj[-1] is not None else await _event_count(conn, xid)  # recorded before it
             return {**_execution_row(proj[:-1]), "event_count": count}
-        async with self._snapshot() as conn:
-            proj = await (await conn.execute(f"{_SELECT_EXECUTION} WHERE execution_id = %s", (xid,))).fetchone()
-            count = await _event_count(conn, xid)
-            # the summary is a fold of the ``ctl`` events alone (bus.event_class): task progress and loop
-            # bookkeeping change no step's status or result (a loop's result is on its loop.done)
-            cur = await conn.execute(f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
-                                     " ORDER BY seq", (xid,))
-            rows = await cur.fetchall()
-            restarts = await _restarts(conn, xid)
+        async with self._autocommit() as conn:  # one statement: one snapshot of the log (_SELECT_STATUS)
+            rows = await (await conn.execute(_SELECT_STATUS, {"x": xid, "n": MAX_RESTARTS})).fetchall()
+        first = rows[0]
+        proj, count, restarts = (first[:_N_EXECUTION] if first[0] is not None else None,
+                                 first[_N_EXECUTION], first[_N_EXECUTION + 1])
+        rows = [r[_N_EXECUTION + 2:] for r in rows if r[_N_EXECUTION + 2] is not None]
         if not rows:
             raise BusError("not_found", f"execution {xid} is not known")
         events = await self._readable([schema.row_event(r) for r in rows])

@@ -132,9 +132,18 @@ def test_events_are_recorded_once_in_log_order_and_fold_to_the_state(nats_url: s
             with psycopg.connect(pg_dsn, autocommit=True) as conn:  # recorded before the counter existed: counted
                 conn.execute("UPDATE execution SET event_count = NULL WHERE execution_id = %s", (run.execution_id,))
                 again = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id, "brief": True})
+                again_full = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
                 conn.execute("UPDATE execution SET event_count = %s WHERE execution_id = %s",
                              (len(run.log), run.execution_id))
-            assert again == brief
+                # an execution whose projection row is missing: its status is still the fold of its events
+                row = conn.execute("DELETE FROM execution WHERE execution_id = %s RETURNING *", (run.execution_id,))
+                saved, columns = row.fetchone(), [c.name for c in row.description]
+                bare = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
+                conn.execute(f"INSERT INTO execution ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))})",
+                             saved)
+            assert again == brief and again_full == state
+            assert {k: bare[k] for k in expected} == expected and bare["event_count"] == len(run.log)
+            assert bare["path"] is None and bare["created_at"] is None
             with pytest.raises(BusError) as unknown:
                 await bus.request("noetl.q.execution.get", {"execution_id": "nope", "brief": True})
             assert unknown.value.kind == "not_found"
