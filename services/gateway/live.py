@@ -407,7 +407,8 @@ async def stream(hub: Hub, key: str, token: str, *, who: dict[str, Any], hello: 
                     yield sse("bye", {"reason": "revoked", "cause": cause, "message": why} if cause else
                               {"reason": "unauthorized", "message": why})
                     return
-            try:
+            try:  # wait_for, not asyncio.timeout: under Starlette's task group a timeout scope left the
+                # stream open past its lifetime and its revocation; a client's disconnect still cancels both
                 await asyncio.wait_for(listener.wake.wait(), min(HEARTBEAT, end - now, RECHECK))
             except asyncio.TimeoutError:
                 count = _reconnects(hub.bus)
