@@ -113,6 +113,7 @@ class SessionsService:
             self.verifier = OidcVerifier(self.oidc_config)
         for subject, handler in self._handlers().items():
             self._subs.append(await self.bus.nc.subscribe(subject, queue=QUEUE, cb=self._on_request(subject, handler)))
+        await self.bus.nc.flush(timeout=5)  # started means answering: the server has the subscriptions
         log.info("sessions: answering %d subjects%s", len(self._subs),
                  f"; OIDC issuer {self.oidc_config.issuer}" if self.oidc_config else "")
 
