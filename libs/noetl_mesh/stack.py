@@ -537,6 +537,23 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
     raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
+# A service allocates a few dicts per event it handles. At CPython's default thresholds (700, 10, 10) the
+# collector ran every few messages and, often enough, walked every module, class and function the
+# process had loaded: a fifth of the recorder's CPU in a 100,000-item loop (docs/performance.md, "the
+# garbage collector").
+GC_THRESHOLDS = (10_000, 20, 20)
+
+
+def tune_gc() -> None:
+    """Once a long-running process has started its services: freeze what it holds (modules, classes,
+    the services' own objects; the collector never walks them again) and collect the young generation
+    every ``GC_THRESHOLDS[0]`` allocations."""
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def serve_forever(name: str, settings: Settings) -> None:
     """``noetl service NAME``: run one service until SIGTERM/SIGINT. Its dependencies are waited for
     (retried with a growing delay), never a reason to exit; that includes the streams, which it does
@@ -584,6 +601,7 @@ async def serve_forever(name: str, settings: Settings) -> None:
         if name == "gateway":
             print(f"gateway listening on {running.service.url}", flush=True)
         log.info("%s: started", name)
+        tune_gc()
         await stop.wait()
         log.info("%s: stopping (%s)", name, received[0] if received else "asked")
         began = time.monotonic()

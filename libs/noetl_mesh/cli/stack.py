@@ -247,7 +247,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace, home: str, servers: Servers, first: bool, lock: "HomeLock") -> None:
     import asyncio
 
-    from ..stack import shown_dsn, topology
+    from ..stack import shown_dsn, topology, tune_gc
 
     if args.in_process:
         from ..infra import logs
@@ -282,6 +282,7 @@ async def _up(args: argparse.Namespace, home: str, servers: Servers, first: bool
                      "nats_monitoring": monitoring, "metrics": metrics_urls, "postgres": shown_dsn(stack.settings.pg_dsn),
                      "replicas": replicas, "pids": {k: v for k, v in pids.items() if v}})
         stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first, home)
+        tune_gc()
         await asyncio.Event().wait()  # until a signal cancels this
     finally:
         print("stopping...", flush=True)
