@@ -372,57 +372,53 @@ class RecorderService:
     # ------------------------------------------------------------------ consuming
     async def _consume(self) -> None:
         """Record batches of what the feeds deliver, in their delivery order; when stopping, what keeps
-        arriving for up to ``drain_timeout``, until the feeds have been quiet for a moment. A batch is
-        taken and decoded while the one before it is written: one write at a time, so the log's order
-        and the acknowledgements' stay the batches' (docs/architecture.md §5)."""
+        arriving for up to ``drain_timeout``, until the feeds have been quiet for a moment."""
         drain_until: float | None = None
-        writing: asyncio.Task | None = None  # the batch before, being written and then acknowledged
-        try:
-            while True:
-                if self._stopping.is_set():
-                    drain_until = drain_until or time.monotonic() + self.drain_timeout
-                try:  # a throw-away stack's recorder does not drain: nobody reads its database afterwards
-                    first = await asyncio.wait_for(self._queue.get(),
-                                                   self.bus.grace(DRAIN_QUIET) if drain_until else 0.25)
-                except asyncio.TimeoutError:
-                    if drain_until:
-                        break  # drained
-                    for feed in list(self.feeds.values()):  # a request lost while NATS was away has expired
-                        await feed.request()
-                    continue
-                if first is None:  # stop() wakes the writer
-                    continue
-                batch = [first]
-                while len(batch) < self.batch and not self._queue.empty():
-                    item = self._queue.get_nowait()
-                    if item is not None:
-                        batch.append(item)
-                for feed in list(self.feeds.values()):  # the queue has room again
+        while True:
+            if self._stopping.is_set():
+                drain_until = drain_until or time.monotonic() + self.drain_timeout
+            try:  # a throw-away stack's recorder does not drain: nobody reads its database afterwards
+                first = await asyncio.wait_for(self._queue.get(), self.bus.grace(DRAIN_QUIET) if drain_until else 0.25)
+            except asyncio.TimeoutError:
+                if drain_until:
+                    break  # drained
+                for feed in list(self.feeds.values()):  # a request lost while NATS was away has expired
                     await feed.request()
-                started = time.perf_counter_ns()
-                decoded = await self._decode([msg for _, msg in batch])
-                if writing is not None and not await writing:  # stopping, the database down: it gave its own back
-                    writing = None
-                    await _give_back(batch)
-                    break
-                writing = asyncio.create_task(self._record(batch, decoded, started))
-                if drain_until and time.monotonic() > drain_until:
-                    break
-            if writing is not None:
-                await writing
-        except BaseException:
-            if writing is not None and not writing.done():
-                writing.cancel()
-                await asyncio.gather(writing, return_exceptions=True)
-            raise
+                continue
+            if first is None:  # stop() wakes the writer
+                continue
+            batch = [first]
+            while len(batch) < self.batch and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is not None:
+                    batch.append(item)
+            for feed in list(self.feeds.values()):  # the queue has room again
+                await feed.request()
+            by_feed = _by_feed(batch)
+            if not await self._record([msg for _, msg in batch]):  # stopping, the database down
+                await asyncio.gather(*(feed.give_back(msgs) for feed, msgs in by_feed.items()))
+                break
+            await asyncio.gather(*(feed.settle(msgs) for feed, msgs in by_feed.items()))
+            for feed in by_feed:
+                if self.feeds.get(feed.partition) is feed:
+                    self._measure_pending(feed)
+            if drain_until and time.monotonic() > drain_until:
+                break
 
-    async def _decode(self, msgs: list) -> tuple[list[tuple[int, dict[str, Any]]], int]:
-        """The ``(log_seq, event)`` records of a batch, and how many of its messages were malformed."""
+    def _measure_pending(self, feed: Feed) -> None:
+        gauge = self._m_pending.get(feed.partition)
+        if gauge is None:
+            gauge = self._m_pending[feed.partition] = metrics.PENDING.labels(self.name, feed.durable, str(feed.partition))
+        gauge.set(feed.num_pending)
+
+    async def _record(self, msgs: list) -> bool:
+        """Write one fetched batch (retrying while the database fails), then ack what is safe to ack.
+        False when the service is stopping and the batch was handed back instead."""
         records: list[tuple[int, dict[str, Any]]] = []
-        skipped = 0
+        started, rejected, skipped = time.perf_counter_ns(), self.rejected, 0
         for n, msg in enumerate(msgs):
             if n % YIELD_EVERY == YIELD_EVERY - 1:
-                await asyncio.sleep(0)  # queries are answered on this loop too (and the batch before is written)
+                await asyncio.sleep(0)  # queries are answered on this loop too: let them in between
             seq = msg.metadata.sequence.stream
             try:
                 events = schema.decode(msg.data)  # one message holds the events of one decision (bus.batches)
@@ -438,15 +434,6 @@ class RecorderService:
             with logs.bind(_execution_of(msg.subject)):  # a drop is logged with its execution
                 kept = {id(e) for e in admitted(msg.subject, events, "event-recorder", msg.headers)}
             records += [(log_seq(seq, i), event) for i, event in enumerate(events) if id(event) in kept]
-        return records, skipped
-
-    async def _record(self, batch: list[tuple[Feed, Any]],
-                      decoded: tuple[list[tuple[int, dict[str, Any]]], int], started: int) -> bool:
-        """Write one decoded batch (retrying while the database fails), then ack what is safe to ack.
-        False when the service is stopping and the batch was handed back instead."""
-        records, skipped = decoded
-        msgs = [msg for _, msg in batch]
-        rejected = self.rejected
         delay = 0.1
         while True:
             try:
@@ -455,7 +442,6 @@ class RecorderService:
             except Exception as exc:  # noqa: BLE001 - only the database's failures reach here: retry in place
                 if self._stopping.is_set():
                     log.error("stopping with %d unrecorded events (%s): handing them back", len(msgs), exc)
-                    await _give_back(batch)
                     return False
                 log.warning("recording %d events failed (%s: %s); retrying in %.1fs",
                             len(records), type(exc).__name__, exc, delay)
@@ -469,18 +455,7 @@ class RecorderService:
                            f"as rejected, {skipped} malformed messages skipped" if failed else None)
         self._measure(msgs, records)
         await self._announce(records)
-        by_feed = _by_feed(batch)
-        await asyncio.gather(*(feed.settle(msgs) for feed, msgs in by_feed.items()))
-        for feed in by_feed:
-            if self.feeds.get(feed.partition) is feed:
-                self._measure_pending(feed)
         return True
-
-    def _measure_pending(self, feed: Feed) -> None:
-        gauge = self._m_pending.get(feed.partition)
-        if gauge is None:
-            gauge = self._m_pending[feed.partition] = metrics.PENDING.labels(self.name, feed.durable, str(feed.partition))
-        gauge.set(feed.num_pending)
 
     async def _watching(self, msg: Any) -> None:
         """A gateway's announcement of what its console streams show (live.Interest)."""
@@ -1201,10 +1176,6 @@ class RecorderService:
         async with self._connection() as conn:
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             yield conn
-
-
-async def _give_back(batch: list[tuple[Feed, Any]]) -> None:
-    await asyncio.gather(*(feed.give_back(msgs) for feed, msgs in _by_feed(batch).items()))
 
 
 def _by_feed(batch: list[tuple[Feed, Any]]) -> dict[Feed, list[Any]]:

@@ -394,68 +394,6 @@ def test_restart_mid_stream_loses_and_duplicates_nothing(nats_url: str, pg_dsn: 
     assert count(pg_dsn, "SELECT max(seq) FROM event") == log_seq(len(events), 0)
 
 
-def test_the_next_batch_is_decoded_while_one_is_written_and_writes_go_one_at_a_time(nats_url: str,
-                                                                                   pg_dsn: str) -> None:
-    """While a batch is written, the recorder takes and decodes the next one; it writes that one only
-    once the first is written (never two writes at once, batches in delivery order), and acknowledges
-    nothing a write has not finished."""
-    events = small_events(300, executions=1)  # one partition: one feed, one delivery order
-
-    async def main() -> None:
-        bus = await fresh_bus(nats_url)
-        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=50)
-        gate = asyncio.Event()
-        decoded: list[int] = []
-        writes: list[list[int]] = []
-        now = peak = 0
-        store, decode = rec.store, rec._decode
-
-        async def counted(msgs):
-            out = await decode(msgs)
-            decoded.append(len(msgs))
-            return out
-
-        async def held(records):
-            nonlocal now, peak
-            now += 1
-            peak = max(peak, now)
-            try:
-                if not writes:
-                    await gate.wait()  # the first write is held open
-                writes.append([seq for seq, _ in records])
-                await store(records)
-            finally:
-                now -= 1
-
-        rec._decode, rec.store = counted, held
-        await rec.start()
-        try:
-            await publish_all(bus, events)
-            await eventually(lambda: _true(len(decoded) >= 2))  # the next batch, decoded meanwhile
-            assert writes == [] and count(pg_dsn) == 0
-            durable = feeds.durable(await _partition_of(bus, events[0]["execution_id"]))
-            assert (await bus.js.consumer_info(EVENTS, durable)).ack_floor.stream_seq == 0
-            gate.set()
-            await eventually(lambda: recorded(pg_dsn, len(events)))
-
-            async def all_acked() -> bool:
-                return (await bus.js.consumer_info(EVENTS, durable)).ack_floor.stream_seq == len(events)
-
-            await eventually(all_acked)
-        finally:
-            await rec.stop()
-            await bus.close()
-        assert peak == 1 and len(writes) >= 2
-        seqs = [seq for write in writes for seq in write]
-        assert seqs == sorted(seqs) and len(set(seqs)) == len(events)
-
-    asyncio.run(main())
-
-
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def _partition_of(bus: Bus, xid: str) -> int:
     """The partition the stream's transform gives an execution (the one message it has, read back)."""
     msg = await bus.js.get_last_msg(EVENTS, f"noetl.pevt.*.*.{xid}.*")
