@@ -125,6 +125,7 @@ _STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
   ORDER BY up.depth, e.seq LIMIT 1"""
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
 DRAIN_QUIET = 0.25  # seconds without a delivery that end a stopping recorder's drain
+BATCH_BYTES = 8 * 1024 * 1024  # a batch stops growing at this many bytes of messages
 YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
 
 
@@ -387,11 +388,12 @@ class RecorderService:
                 continue
             if first is None:  # stop() wakes the writer
                 continue
-            batch = [first]
-            while len(batch) < self.batch and not self._queue.empty():
+            batch, size = [first], len(first[1].data)
+            while len(batch) < self.batch and size < BATCH_BYTES and not self._queue.empty():
                 item = self._queue.get_nowait()
                 if item is not None:
                     batch.append(item)
+                    size += len(item[1].data)
             for feed in list(self.feeds.values()):  # the queue has room again
                 await feed.request()
             by_feed = _by_feed(batch)

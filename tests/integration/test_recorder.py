@@ -394,6 +394,48 @@ def test_restart_mid_stream_loses_and_duplicates_nothing(nats_url: str, pg_dsn: 
     assert count(pg_dsn, "SELECT max(seq) FROM event") == log_seq(len(events), 0)
 
 
+def test_a_batch_stops_growing_at_its_byte_limit(nats_url: str, pg_dsn: str) -> None:
+    """The writer's batch is bounded in bytes as well as in messages: a backlog of big messages is
+    written in several transactions, none much over ``BATCH_BYTES``, and all of it is recorded."""
+    from noetl_mesh.services.event_recorder import service
+
+    xid = new_execution_id()
+    events = [make_event("step.done", xid, event_id=stable_id("big", xid, i), source="worker:test", step="s",
+                         step_run_id="r", data={"result": "x" * 1000}) for i in range(40)]
+
+    async def main() -> list[int]:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn, batch=500)
+        gate, sizes = asyncio.Event(), []
+        store = rec.store
+
+        async def held(records):
+            sizes.append(len(records))
+            if len(sizes) == 1:
+                await gate.wait()  # the rest queues up behind the first write
+            await store(records)
+
+        rec.store = held
+        await rec.start()
+        try:
+            await publish_all(bus, events)
+            await eventually(lambda: _true(bool(sizes) and sizes[0] + rec._queue.qsize() == len(events)))
+            gate.set()
+            await eventually(lambda: recorded(pg_dsn, len(events)))
+        finally:
+            await rec.stop()
+            await bus.close()
+        return sizes
+
+    with patch.object(service, "BATCH_BYTES", 4096):  # about four of these messages
+        sizes = asyncio.run(main())
+    assert sum(sizes) == len(events) and max(sizes) <= 5 and len(sizes) >= 8, sizes
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def _partition_of(bus: Bus, xid: str) -> int:
     """The partition the stream's transform gives an execution (the one message it has, read back)."""
     msg = await bus.js.get_last_msg(EVENTS, f"noetl.pevt.*.*.{xid}.*")
