@@ -1,6 +1,7 @@
 """A replica's membership heartbeat ends when it is stopped, whenever the stop comes: on Python 3.11
-``asyncio.wait_for`` swallows a cancel that lands as the awaited beat ends, and a service's stop then
-waited for the heartbeat forever (seen once: a test stack's teardown hung 120 s in ``Membership.stop``)."""
+``asyncio.wait_for`` swallows a cancel that lands as the awaited reply comes (in the heartbeat's own
+wait, and inside nats-py's requests), and a service's stop then waited for the heartbeat forever (seen
+twice: a test stack's teardown hung 120 s in ``Membership.stop``)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,5 +24,32 @@ def test_the_heartbeat_ends_when_the_cancel_lands_as_a_beat_ends():
         done, _ = await asyncio.wait([m.task], timeout=2)
         assert done and m.task.cancelled(), f"still beating after {beats} cancels"
         assert beats == 1
+
+    asyncio.run(main())
+
+
+def test_stop_ends_the_heartbeat_even_when_the_beat_swallows_the_cancel():
+    """As nats-py's own ``wait_for`` does when the reply and the cancel come together: the beat returns
+    normally, the cancel lost."""
+    async def main():
+        m = Membership(None, "svc", 4, lambda _: None, ttl=0.03)
+        beats = 0
+
+        async def beat():
+            nonlocal beats
+            beats += 1
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                asyncio.current_task().uncancel()  # swallowed
+
+        m.beat = beat
+        m.task = asyncio.create_task(m._run())
+        while beats == 0:
+            await asyncio.sleep(0.005)
+        stopping = asyncio.create_task(m.stop())
+        done, _ = await asyncio.wait([stopping], timeout=5)
+        assert done and m.task.done(), f"still beating after {beats} beats"
+        stopping.cancel()
 
     asyncio.run(main())

@@ -53,6 +53,7 @@ class Membership:
         self.members: list[str] = []
         self.kv = None
         self.task: asyncio.Task | None = None
+        self.stopping = False
 
     async def start(self) -> None:
         """Join; a failure here only means reading every partition until a later beat succeeds."""
@@ -85,8 +86,14 @@ class Membership:
         return self.kv
 
     async def stop(self) -> None:
+        self.stopping = True
         if self.task is not None:
-            self.task.cancel()
+            # A cancel can still be swallowed inside the beat: nats-py waits for its replies with
+            # asyncio.wait_for, which on Python 3.11 loses a cancel that lands as the reply comes. The
+            # loop then ends at its next turn (``stopping``); the cancel is repeated meanwhile.
+            while not self.task.done():
+                self.task.cancel()
+                await asyncio.wait([self.task], timeout=0.5)
             await asyncio.gather(self.task, return_exceptions=True)
         if self.kv is None or self.js._nc.is_closed or not self.js._nc.is_connected:
             return  # the key expires
@@ -97,7 +104,7 @@ class Membership:
 
     async def _run(self) -> None:
         failing_since = None
-        while True:
+        while not self.stopping:
             await asyncio.sleep(self.ttl / 3)
             try:
                 # not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes as the beat ends,
