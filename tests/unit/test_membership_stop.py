@@ -9,9 +9,16 @@ import asyncio
 from noetl_mesh.infra.membership import Membership
 
 
+def beating(beat) -> Membership:
+    """A membership whose heartbeat is ``beat``, running every 10 ms."""
+    m = Membership(None, "svc", 4, lambda _: None, ttl=0.03)
+    m.beat = beat
+    m.task = asyncio.create_task(m._run())
+    return m
+
+
 def test_the_heartbeat_ends_when_the_cancel_lands_as_a_beat_ends():
     async def main():
-        m = Membership(None, "svc", 4, lambda _: None, ttl=0.03)
         beats = 0
 
         async def beat():
@@ -19,8 +26,7 @@ def test_the_heartbeat_ends_when_the_cancel_lands_as_a_beat_ends():
             beats += 1
             asyncio.get_running_loop().call_soon(m.task.cancel)  # lands in the same turn the beat ends
 
-        m.beat = beat
-        m.task = asyncio.create_task(m._run())
+        m = beating(beat)
         done, _ = await asyncio.wait([m.task], timeout=2)
         assert done and m.task.cancelled(), f"still beating after {beats} cancels"
         assert beats == 1
@@ -32,7 +38,6 @@ def test_stop_ends_the_heartbeat_even_when_the_beat_swallows_the_cancel():
     """As nats-py's own ``wait_for`` does when the reply and the cancel come together: the beat returns
     normally, the cancel lost."""
     async def main():
-        m = Membership(None, "svc", 4, lambda _: None, ttl=0.03)
         beats = 0
 
         async def beat():
@@ -43,8 +48,7 @@ def test_stop_ends_the_heartbeat_even_when_the_beat_swallows_the_cancel():
             except asyncio.CancelledError:
                 asyncio.current_task().uncancel()  # swallowed
 
-        m.beat = beat
-        m.task = asyncio.create_task(m._run())
+        m = beating(beat)
         while beats == 0:
             await asyncio.sleep(0.005)
         stopping = asyncio.create_task(m.stop())

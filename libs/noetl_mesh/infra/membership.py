@@ -90,10 +90,8 @@ class Membership:
         if self.task is not None:
             # A cancel can still be swallowed inside the beat: nats-py waits for its replies with
             # asyncio.wait_for, which on Python 3.11 loses a cancel that lands as the reply comes. The
-            # loop then ends at its next turn (``stopping``); the cancel is repeated meanwhile.
-            while not self.task.done():
-                self.task.cancel()
-                await asyncio.wait([self.task], timeout=0.5)
+            # loop then ends at its next turn (``stopping``).
+            self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         if self.kv is None or self.js._nc.is_closed or not self.js._nc.is_connected:
             return  # the key expires
