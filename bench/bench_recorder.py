@@ -4,7 +4,7 @@ asserts nothing.
 
     python bench/bench_recorder.py            # 50,000 events per drain, 3 runs each
     python bench/bench_recorder.py --quick    # 10,000 events, 1 run
-    python bench/bench_recorder.py status     # only the status requests (or: drain, page)
+    python bench/bench_recorder.py status     # only the status requests (or: drain, page, batches)
 """
 from __future__ import annotations
 
@@ -114,9 +114,43 @@ async def status_rate(nats_url: str, pg_dsn: str, seconds: float = 3.0) -> list[
     return out
 
 
+def _postgres_cpu(pg) -> float:
+    """CPU seconds so far of Postgres: the postmaster and its backends (bench_engine.py's measure)."""
+    from bench_engine import _children, _cpu
+    return _cpu(pg.pid) + sum(_cpu(c) for c in _children(pg.pid))
+
+
+async def batch_cost(nats_url: str, pg_dsn: str, pg, batches: int, per_batch: int = 2) -> tuple[int, float, float]:
+    """What the recorder's write of one batch shaped like the burst's costs: whole 5-step executions
+    (their events from the engine, the projection's updates included), ``per_batch`` of them per
+    transaction. Returns events per batch, and the CPU ms per batch of this process (the recorder's
+    Python) and of Postgres."""
+    bus = await Bus.connect(nats_url, "bench-batches")
+    recorder = RecorderService(bus, pg_dsn=pg_dsn)
+    await recorder.start()
+    steps = [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
+              **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < 4 else {})} for i in range(5)]
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "chain", "path": "bench/chain"},
+           "workflow": steps}
+    logs = [(await run_local(doc)).log for _ in range(batches * per_batch)]
+    seq, cpu, pg_cpu = 1, 0.0, _postgres_cpu(pg)
+    for b in range(batches):
+        records = []
+        for log in logs[b * per_batch:(b + 1) * per_batch]:
+            records += [(seq + i, e) for i, e in enumerate(log)]
+            seq += len(log)
+        c0 = time.process_time()
+        await recorder.store(records)
+        cpu += time.process_time() - c0
+    pg_cpu = _postgres_cpu(pg) - pg_cpu
+    await recorder.stop()
+    await bus.close()
+    return len(records), cpu / batches * 1000, pg_cpu / batches * 1000
+
+
 async def main(args: argparse.Namespace) -> None:
     n, runs = (10_000, 1) if args.quick else (args.events, args.runs)
-    which = set(args.which or ("drain", "page", "status"))
+    which = set(args.which or ("drain", "page", "status", "batches"))
     if "drain" in which:
         print(f"event_row: {row_cost():.2f} µs per event", flush=True)
     nats = EmbeddedNats().start()
@@ -141,6 +175,10 @@ async def main(args: argparse.Namespace) -> None:
                 if "status" in which else ():
             print(f"status ({label}) of a 5-step execution: {rate:,.0f} requests/s, {cpu:.0f} µs of CPU per request"
                   " (recorder and requester)", flush=True)
+        if "batches" in which:
+            size, cpu, pg_cpu = await batch_cost(nats.url, dsn, pg, 100 if args.quick else 1000)
+            print(f"batches of {size} events (two 5-step executions each): {cpu:.2f} ms of the recorder's CPU per"
+                  f" batch, {pg_cpu:.2f} ms of Postgres", flush=True)
     finally:
         pg.drop_database("bench_recorder")
         pg.stop()
@@ -149,7 +187,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", nargs="*", choices=["drain", "page", "status", []], default=None)
+    parser.add_argument("which", nargs="*", choices=["drain", "page", "status", "batches", []], default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--runs", type=int, default=3)

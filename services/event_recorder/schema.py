@@ -126,7 +126,7 @@ CREATE INDEX IF NOT EXISTS wait_execution ON wait (execution_id);
 """),
     # An execution's state is a fold of its few ctl events: without this index it reads every row of the
     # execution (400,000 for a 100,000-iteration loop). Partial, so only those rows pay for an entry. The
-    # counters are kept in the transaction that inserts the events (counters() below): an execution's number
+    # counters are kept by the statement that inserts the events (INSERT_EVENTS below): an execution's number
     # of events (NULL for one recorded before this migration: counted then) and each loop run's iterations;
     # the second index counts iterations up to a point of the log (time travel). On a big existing table
     # the indexes take a while to build, once.
@@ -279,56 +279,24 @@ CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS event_in (
 COPY_STAGE = f"COPY event_in ({', '.join(STAGE_COLUMNS)}) FROM STDIN"
 _EVENT_COLUMNS = ", ".join(c if c != "ts" else '"timestamp"' for c in STAGE_COLUMNS)
 _STAGE_SELECT = ", ".join(c if c != "ts" else "to_timestamp(ts)" for c in STAGE_COLUMNS)
-# Insert the staged rows; answer what was inserted (a duplicate, D21, is not), counted per execution and,
-# for loop iterations, per loop run and name: the counters (:func:`counters`) add exactly these.
-INSERT_FROM_STAGE = f"""WITH inserted AS (INSERT INTO event ({_EVENT_COLUMNS})
+_ITERATIONS_SQL = ", ".join(f"'{n}'" for n in ITERATION_EVENTS)
+# Insert the staged rows (a duplicate, D21, is not inserted) and add what was inserted to the counters, in
+# one statement: each execution's events, each loop run's iterations started, done and failed (first and
+# last: of the iterations that ended, for the rate). The execution rows are the projection's (written first).
+INSERT_EVENTS = f"""WITH inserted AS (INSERT INTO event ({_EVENT_COLUMNS})
     SELECT {_STAGE_SELECT} FROM event_in ORDER BY seq ON CONFLICT (event_id) DO NOTHING
-    RETURNING execution_id, name, step_run_id, "timestamp")
-SELECT execution_id, it, CASE WHEN it THEN name END, CASE WHEN it THEN step_run_id END, count(*),
-       extract(epoch FROM min("timestamp"))::float8, extract(epoch FROM max("timestamp"))::float8
-FROM (SELECT *, name IN ({", ".join(f"'{n}'" for n in ITERATION_EVENTS)}) AND step_run_id IS NOT NULL AS it
-      FROM inserted) x
-GROUP BY 1, 2, 3, 4"""
-# one statement each per batch, whatever the number of executions in it (arrays, unnested)
-ADD_EVENT_COUNT = """
-UPDATE execution AS x SET event_count = x.event_count + u.n
-FROM unnest(%(ids)s::text[], %(ns)s::bigint[]) AS u(id, n) WHERE x.execution_id = u.id"""
-ADD_LOOP_PROGRESS = """
+    RETURNING execution_id, name, step_run_id, "timestamp"),
+counted AS (UPDATE execution AS x SET event_count = x.event_count + c.n
+    FROM (SELECT execution_id, count(*) AS n FROM inserted GROUP BY 1) c WHERE x.execution_id = c.execution_id)
 INSERT INTO loop_progress AS p (execution_id, step_run_id, started, done, failed, first_at, last_at)
-SELECT id, run, started, done, failed, to_timestamp(first), to_timestamp(last)
-FROM unnest(%(ids)s::text[], %(runs)s::text[], %(started)s::bigint[], %(done)s::bigint[], %(failed)s::bigint[],
-            %(first)s::float8[], %(last)s::float8[]) AS u(id, run, started, done, failed, first, last)
+SELECT execution_id, step_run_id, count(*) FILTER (WHERE name = 'loop.iteration.started'),
+    count(*) FILTER (WHERE name = 'loop.iteration.done'), count(*) FILTER (WHERE name = 'loop.iteration.failed'),
+    min("timestamp") FILTER (WHERE name <> 'loop.iteration.started'),
+    max("timestamp") FILTER (WHERE name <> 'loop.iteration.started')
+FROM inserted WHERE name IN ({_ITERATIONS_SQL}) AND step_run_id IS NOT NULL GROUP BY 1, 2
 ON CONFLICT (execution_id, step_run_id) DO UPDATE SET
     started = p.started + excluded.started, done = p.done + excluded.done, failed = p.failed + excluded.failed,
     first_at = least(p.first_at, excluded.first_at), last_at = greatest(p.last_at, excluded.last_at)"""
-
-
-def counters(rows: Sequence[Sequence[Any]]) -> dict[str, dict[str, list[Any]]]:
-    """The counter updates of a batch from :data:`INSERT_FROM_STAGE`'s rows ``(execution id, is an
-    iteration, name, step run id, count, first, last)``: each execution's events, each loop run's
-    iterations started, done and failed (first and last: of the iterations that ended, for the rate).
-    Each statement's parameters are arrays (one statement per batch); a statement with nothing to add
-    is left out."""
-    events: dict[str, int] = {}
-    loops: dict[tuple[str, str], dict[str, Any]] = {}
-    for xid, iteration, name, run, n, first, last in rows:
-        events[xid] = events.get(xid, 0) + n
-        if iteration:
-            c = loops.setdefault((xid, run), {"id": xid, "run": run, "started": 0, "done": 0, "failed": 0,
-                                              "first": None, "last": None})
-            key = name.rsplit(".", 1)[-1]
-            c[key] += n
-            if key != "started":
-                c["first"] = first if c["first"] is None else min(c["first"], first)
-                c["last"] = last if c["last"] is None else max(c["last"], last)
-    out: dict[str, dict[str, list[Any]]] = {}
-    if events:
-        out[ADD_EVENT_COUNT] = {"ids": list(events), "ns": list(events.values())}
-    if loops:
-        out[ADD_LOOP_PROGRESS] = {key: [c[field] for c in loops.values()] for key, field in (
-            ("ids", "id"), ("runs", "run"), ("started", "started"), ("done", "done"), ("failed", "failed"),
-            ("first", "first"), ("last", "last"))}
-    return out
 
 SELECT_EVENT = f"""SELECT seq, {', '.join(_TEXT)}, extract(epoch FROM "timestamp")::float8,
     attempt, iteration, data, extra FROM event"""

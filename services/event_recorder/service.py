@@ -539,7 +539,8 @@ class RecorderService:
         self._m_rejected.inc()
 
     async def _write(self, records: list[tuple[int, dict[str, Any]]]) -> None:
-        """One transaction: COPY the rows into the staging table, insert them, update the projection."""
+        """One transaction: COPY the rows into the staging table; then, in one round trip, update the
+        projection and insert the events with their counters (schema.INSERT_EVENTS)."""
         if self._pool is None:
             raise psycopg.OperationalError("the event-recorder's connection pool is closed")
         rows = []
@@ -554,12 +555,10 @@ class RecorderService:
                             await copy.write_row(row)
                             if n % (16 * YIELD_EVERY) == 16 * YIELD_EVERY - 1:
                                 await asyncio.sleep(0)
-                    await cur.execute(schema.INSERT_FROM_STAGE)
-                    inserted = await cur.fetchall()
-                    for sql, params in schema.projection([event for _, event in records]).items():
-                        await cur.executemany(sql, params)
-                    for sql, params in schema.counters(inserted).items():  # after the projection made the rows
-                        await cur.execute(sql, params)
+                    async with conn.pipeline():  # one round trip: the projection, then the events and counters
+                        for sql, params in schema.projection([event for _, event in records]).items():
+                            await cur.executemany(sql, params)
+                        await cur.execute(schema.INSERT_EVENTS)
 
     # ------------------------------------------------------------------ catalog
     async def catalog_register(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -199,6 +199,45 @@ def test_recording_the_same_batch_twice_stores_it_once(nats_url: str, pg_dsn: st
     asyncio.run(main())
 
 
+def test_the_counters_add_what_each_batch_inserted(nats_url: str, pg_dsn: str) -> None:
+    """One statement inserts a batch's events and adds them to the counters: each execution's events, each
+    loop run's iterations started, done and failed, and the first and last end; a duplicate adds nothing."""
+    x, y, t0 = new_execution_id(), new_execution_id(), 1_700_000_000.0
+
+    def ev(xid: str, name: str, dt: float, iteration: int | None = None, run: str | None = "r"):
+        return make_event(name, xid, event_id=f"{xid}-{name}-{iteration}-{dt}", source=writers_of(name)[0],
+                          timestamp=t0 + dt, step="s", step_run_id=run, iteration=iteration)
+
+    first = [ev(x, "workflow.started", 0, run=None), ev(y, "workflow.started", 0, run=None),
+             *(ev(x, "loop.iteration.started", 1, i) for i in range(4)),
+             ev(x, "loop.iteration.done", 3, 0), ev(x, "loop.iteration.failed", 2, 1), ev(x, "loop.iteration.done", 5, 2),
+             ev(x, "loop.iteration.done", 4, 3, run=None)]  # no run: an event, not an iteration of a run
+    second = [first[7], first[8], ev(x, "loop.iteration.done", 9, 3), ev(y, "step.done", 1, run="q")]
+
+    def counters() -> tuple:
+        with psycopg.connect(pg_dsn) as conn:
+            counts = dict(conn.execute("SELECT execution_id, event_count FROM execution").fetchall())
+            loops = conn.execute("SELECT execution_id, step_run_id, started, done, failed, extract(epoch FROM first_at)"
+                                 "::float8 - %s, extract(epoch FROM last_at)::float8 - %s FROM loop_progress",
+                                 (t0, t0)).fetchall()
+        return counts, loops
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        rec = RecorderService(bus, pg_dsn=pg_dsn)
+        await rec.start()
+        try:
+            await rec.store(list(enumerate(first, start=1)))
+            assert counters() == ({x: 9, y: 1}, [(x, "r", 4, 2, 1, 2.0, 5.0)])
+            await rec.store(list(enumerate(second, start=20)))  # two of them again
+            assert counters() == ({x: 10, y: 2}, [(x, "r", 4, 3, 1, 2.0, 9.0)])
+        finally:
+            await rec.stop()
+            await bus.close()
+
+    asyncio.run(main())
+
+
 def test_projection_follows_the_request_lifecycle(nats_url: str, pg_dsn: str) -> None:
     ok, rejected, running, child = (new_execution_id() for _ in range(4))
     t0 = time.time()

@@ -175,17 +175,6 @@ def test_interest_keeps_announced_keys_for_their_ttl_and_ignores_what_is_not_a_k
     assert len(many.keys) == notices_mod.MAX_KEYS  # at most MAX_KEYS from one announcement
 
 
-def test_counters_add_what_was_inserted_per_execution_and_loop_run():
-    rows = [("x", False, None, None, 5, 1.0, 2.0), ("x", True, "loop.iteration.started", "r", 4, 1.0, 1.5),
-            ("x", True, "loop.iteration.done", "r", 3, 2.0, 4.0), ("y", False, None, None, 1, 3.0, 3.0),
-            ("x", True, "loop.iteration.failed", "r", 1, 1.5, 1.5)]
-    out = schema.counters(rows)
-    assert out[schema.ADD_EVENT_COUNT] == {"ids": ["x", "y"], "ns": [13, 1]}
-    assert out[schema.ADD_LOOP_PROGRESS] == {"ids": ["x"], "runs": ["r"], "started": [4], "done": [3], "failed": [1],
-                                             "first": [1.5], "last": [4.0]}
-    assert schema.counters([]) == {}
-
-
 def test_the_state_condition_is_the_partial_indexs_predicate():
     ddl = dict((v, d) for v, _, d in schema.MIGRATIONS)[5]
     assert f"WHERE {schema.STATE_EVENTS_SQL};" in ddl and schema.LOOP_EVENTS_SQL in ddl
