@@ -42,6 +42,19 @@ async def fresh_bus(nats_url: str) -> Bus:
     return bus
 
 
+@contextlib.asynccontextmanager
+async def recording(nats_url: str, pg_dsn: str):
+    """A fresh bus and a started recorder on it: ``(bus, recorder)``, stopped and closed after."""
+    bus = await fresh_bus(nats_url)
+    rec = RecorderService(bus, pg_dsn=pg_dsn)
+    await rec.start()
+    try:
+        yield bus, rec
+    finally:
+        await rec.stop()
+        await bus.close()
+
+
 async def eventually(check, timeout: float = 10.0, every: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -181,10 +194,7 @@ def test_recording_the_same_batch_twice_stores_it_once(nats_url: str, pg_dsn: st
     records = list(enumerate(run.log, start=1))
 
     async def main() -> None:
-        bus = await fresh_bus(nats_url)
-        rec = RecorderService(bus, pg_dsn=pg_dsn)
-        await rec.start()
-        try:
+        async with recording(nats_url, pg_dsn) as (bus, rec):
             await rec.store(records)
             before = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
             await rec.store(records)
@@ -192,9 +202,6 @@ def test_recording_the_same_batch_twice_stores_it_once(nats_url: str, pg_dsn: st
             after = await bus.request("noetl.q.execution.get", {"execution_id": run.execution_id})
             assert count(pg_dsn) == len(run.log)
             assert before == after and after["status"] == "COMPLETED"
-        finally:
-            await rec.stop()
-            await bus.close()
 
     asyncio.run(main())
 
@@ -223,17 +230,11 @@ def test_the_counters_add_what_each_batch_inserted(nats_url: str, pg_dsn: str) -
         return counts, loops
 
     async def main() -> None:
-        bus = await fresh_bus(nats_url)
-        rec = RecorderService(bus, pg_dsn=pg_dsn)
-        await rec.start()
-        try:
+        async with recording(nats_url, pg_dsn) as (bus, rec):
             await rec.store(list(enumerate(first, start=1)))
             assert counters() == ({x: 9, y: 1}, [(x, "r", 4, 2, 1, 2.0, 5.0)])
             await rec.store(list(enumerate(second, start=20)))  # two of them again
             assert counters() == ({x: 10, y: 2}, [(x, "r", 4, 3, 1, 2.0, 9.0)])
-        finally:
-            await rec.stop()
-            await bus.close()
 
     asyncio.run(main())
 
@@ -339,28 +340,19 @@ def test_the_ends_of_runs_and_iterations_end_their_waits(nats_url: str, pg_dsn: 
         return {w: (round(t, 3) if t is not None else None) for w, t in rows}
 
     async def main() -> None:
-        bus = await fresh_bus(nats_url)
-        rec = RecorderService(bus, pg_dsn=pg_dsn)
-        await rec.start()
-        try:
+        async with recording(nats_url, pg_dsn) as (bus, rec):
             await rec.store(list(enumerate(started, start=1)))
             await rec.store(list(enumerate(ends, start=10)))
             assert ended() == {"w1": 1.0, "w2": None, "w3": 3.0, "w4": None}
             await rec.store(list(enumerate(last, start=20)))
             assert ended() == {"w1": 1.0, "w2": 5.0, "w3": 3.0, "w4": 5.0}
-        finally:
-            await rec.stop()
-            await bus.close()
 
     asyncio.run(main())
 
 
 def test_catalog_register_get_list(nats_url: str, pg_dsn: str) -> None:
     async def main() -> None:
-        bus = await fresh_bus(nats_url)
-        rec = RecorderService(bus, pg_dsn=pg_dsn)
-        await rec.start()
-        try:
+        async with recording(nats_url, pg_dsn) as (bus, rec):
             one = await bus.request("noetl.q.catalog.register", {"content": VALID})
             two = await bus.request("noetl.q.catalog.register", {"content": VALID.replace("hi", "hello")})
             other = await bus.request("noetl.q.catalog.register",
@@ -400,9 +392,6 @@ def test_catalog_register_get_list(nats_url: str, pg_dsn: str) -> None:
             many = await asyncio.gather(*(bus.request("noetl.q.catalog.register", {"content": VALID})
                                           for _ in range(5)))
             assert sorted(r["version"] for r in many) == [3, 4, 5, 6, 7]
-        finally:
-            await rec.stop()
-            await bus.close()
 
     asyncio.run(main())
 
@@ -637,19 +626,13 @@ def test_odd_events_are_recorded_and_round_trip(nats_url: str, pg_dsn: str) -> N
                  custom={"x": 1}, attempt="first")
 
     async def main() -> None:
-        bus = await fresh_bus(nats_url)
-        rec = RecorderService(bus, pg_dsn=pg_dsn)
-        await rec.start()
-        try:
+        async with recording(nats_url, pg_dsn) as (bus, rec):
             await publish_all(bus, [nul, extra])
             await eventually(lambda: recorded(pg_dsn, 2))
             page = await bus.request("noetl.q.execution.events", {"execution_id": xid})
             got_nul, got_extra = page["events"]
             assert got_nul["data"] == {"patch": {"k": "a\\u0000b"}}
             same_envelope(got_extra, extra)
-        finally:
-            await rec.stop()
-            await bus.close()
 
     asyncio.run(main())
 
