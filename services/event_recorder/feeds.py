@@ -209,6 +209,13 @@ class Feed:
         for seq in [s for s in self.held if s <= top]:
             del self.held[seq]
 
+    async def tend(self) -> None:
+        """The writer is idle: acks still held are tried again, as its next batch would, so that a
+        partition gone quiet (or a consumer info NATS did not answer) still reads its gap and acks
+        within about ``GAP_READ_AFTER``, not at ``ack_wait``."""
+        if self.held and not self.closing and not self.closed:
+            await self._ack()
+
     async def _read_gap(self) -> None:
         """Once the acks have been held for ``GAP_READ_AFTER`` (and still are): read the partition's
         messages between the ack floor and the highest one this feed holds that it neither holds nor

@@ -385,6 +385,7 @@ class RecorderService:
                     break  # drained
                 for feed in list(self.feeds.values()):  # a request lost while NATS was away has expired
                     await feed.request()
+                    await feed.tend()  # acks held back by a gap below them: tried again while it is quiet
                 continue
             if first is None:  # stop() wakes the writer
                 continue

@@ -182,6 +182,36 @@ def test_acks_held_past_the_gap_read_time_read_what_is_missing_from_the_stream(m
     assert lost.metadata.sequence.stream not in c.pending
 
 
+def test_a_quiet_partition_reads_its_gap_while_the_writer_is_idle(monkeypatch):
+    """A delivery lost on the way (stream 1) while NATS did not answer the consumer's info: the batch's
+    settle cannot tell a gap, and no other batch comes (the partition went quiet, its execution over).
+    The writer's idle turn (``tend``) asks again, reads the gap from the stream, and once that is
+    recorded the ack covers it: the log is whole without waiting for the redelivery at ack_wait."""
+    monkeypatch.setattr(feeds, "GAP_READ_AFTER", 0.0)
+    c = FakeConsumer(set())
+    feed, nc = feed_with(c)
+    FakeMsg(c, 1, 1)  # delivered: pending at the server, never arrived
+    got = [FakeMsg(c, s, s) for s in range(2, 6)]
+    deliver(feed, got)
+    answering = nc.request
+
+    async def not_answered(*args, **kwargs):
+        raise TimeoutError("nats: timeout")
+    nc.request = not_answered
+    assert settle(feed, got) == [] and c.acked == [] and feed.gap_task is None and len(feed.held) == 4
+    nc.request = answering
+
+    async def idle() -> None:
+        await feed.tend()
+        await feed.gap_task
+    asyncio.run(idle())
+    read = [feed.out.get_nowait()[1] for _ in range(feed.out.qsize())]
+    assert [m.metadata.sequence.stream for m in read] == [1]
+    assert settle(feed, read) == [] and c.acked == [5] and not c.pending and not feed.held
+    asyncio.run(feed.tend())  # nothing held: nothing asked
+    assert c.acked == [5] and not c.ignored
+
+
 def test_a_redelivery_of_a_recorded_message_does_not_stop_the_ack():
     c = FakeConsumer(set())
     feed, _ = feed_with(c)
