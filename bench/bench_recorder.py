@@ -15,6 +15,7 @@ import time
 
 import psycopg
 
+from bench_engine import _children, _cpu, chain
 from noetl_mesh.core.events import make_event, new_execution_id
 from noetl_mesh.core.local import run_local
 from noetl_mesh.infra.bus import EVENTS, Bus
@@ -95,10 +96,7 @@ async def status_rate(nats_url: str, pg_dsn: str, seconds: float = 3.0) -> list[
     bus = await Bus.connect(nats_url, "bench-status")
     recorder = RecorderService(bus, pg_dsn=pg_dsn)
     await recorder.start()
-    steps = [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
-              **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < 4 else {})} for i in range(5)]
-    run = await run_local({"apiVersion": "noetl.io/v2", "kind": "Playbook",
-                           "metadata": {"name": "chain", "path": "bench/chain"}, "workflow": steps})
+    run = await run_local(chain(5))
     await recorder.store(list(enumerate(run.log, start=1)))
     out = []
     for label, req in (("full", {"execution_id": run.execution_id}),
@@ -116,7 +114,6 @@ async def status_rate(nats_url: str, pg_dsn: str, seconds: float = 3.0) -> list[
 
 def _postgres_cpu(pg) -> float:
     """CPU seconds so far of Postgres: the postmaster and its backends (bench_engine.py's measure)."""
-    from bench_engine import _children, _cpu
     return _cpu(pg.pid) + sum(_cpu(c) for c in _children(pg.pid))
 
 
@@ -128,11 +125,7 @@ async def batch_cost(nats_url: str, pg_dsn: str, pg, batches: int, per_batch: in
     bus = await Bus.connect(nats_url, "bench-batches")
     recorder = RecorderService(bus, pg_dsn=pg_dsn)
     await recorder.start()
-    steps = [{"step": f"s{i}", "tool": {"kind": "noop", "result": i},
-              **({"next": {"arcs": [{"step": f"s{i + 1}"}]}} if i < 4 else {})} for i in range(5)]
-    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "chain", "path": "bench/chain"},
-           "workflow": steps}
-    logs = [(await run_local(doc)).log for _ in range(batches * per_batch)]
+    logs = [(await run_local(chain(5))).log for _ in range(batches * per_batch)]
     seq, cpu, pg_cpu = 1, 0.0, _postgres_cpu(pg)
     for b in range(batches):
         records = []
