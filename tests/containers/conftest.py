@@ -24,14 +24,20 @@ if problem():
     collect_ignore = ["test_containers_cluster.py"]
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    if not TIMES:
-        return
-    terminalreporter.section("containers: what each phase took (seconds)")
-    for phase, seconds in TIMES.items():
-        terminalreporter.write_line(f"{phase:<52} {seconds:7.1f}")
-    for line in NOTES:
-        terminalreporter.write_line(line)
+def summary() -> list[str]:
+    return [f"{phase:<52} {seconds:7.1f}" for phase, seconds in TIMES.items()] + NOTES if TIMES else []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # in one process (pytest -n 0)
+    if lines := summary():
+        terminalreporter.section("containers: what each phase took (seconds)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session) -> None:  # in an xdist worker: tests/conftest.py prints them
+    if hasattr(session.config, "workeroutput") and (lines := summary()):
+        session.config.workeroutput["containers"] = lines
 
 
 @pytest.fixture(scope="session")

@@ -126,7 +126,14 @@ def test_a_service_whose_default_metrics_port_is_taken_runs_without_one(module_p
     holder = socket.socket()
     try:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+        deadline = time.monotonic() + 120
+        while True:  # a service another test (another worker) started may hold it for a while
+            try:
+                holder.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"port {DEFAULT_METRICS_PORT} stayed taken for 120 s"
+                time.sleep(0.5)
         holder.listen()
         log_path = tmp_path / "router.log"
         proc = service(handle, "router", log_path)
