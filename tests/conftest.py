@@ -12,15 +12,19 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# pytest-xdist (pyproject.toml: -n auto --dist loadgroup) hands out groups of tests whole: each module is one
-# (its module-scoped servers and stacks start once), the container tests together are one (one image build,
-# one Docker engine's worth of stacks at a time). First, before xdist reads the groups
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items) -> None:
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            group = "containers" if item.get_closest_marker("containers") else item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+# pytest-xdist (pyproject.toml: -n auto) hands out units of tests whole, the next one to the worker that is
+# nearly done: each module is one (its module-scoped servers and stacks start once), all the container tests
+# are one, and the first (one image build, one Docker engine's worth of stacks at a time)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/containers" if module.startswith("tests/containers/") else module
+
+    return ByModule(config, log)
 
 
 # what the container tests' worker measured (tests/containers/conftest.py), printed by the process that
