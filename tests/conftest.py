@@ -12,7 +12,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# pytest-xdist (pyproject.toml: -n auto) hands out units of tests whole, the next one to the worker that is
+# pytest-xdist (pyproject.toml: -n logical) hands out units of tests whole, the next one to the worker that is
 # nearly done: each module is one (its module-scoped servers and stacks start once), all the container tests
 # are one, and the first (one image build, one Docker engine's worth of stacks at a time)
 @pytest.hookimpl(optionalhook=True)
