@@ -807,7 +807,7 @@ class EmbeddedPostgres(_PgAdmin):
         owner = pwd.getpwnam(self.run_as).pw_uid if self.run_as else os.getuid()
         try:
             if not root.exists():
-                root.mkdir(mode=0o700)
+                root.mkdir(mode=0o700, exist_ok=True)  # two processes starting at once: both go on
                 self._chown(root)
             st = os.lstat(root)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != owner or st.st_mode & 0o077:
