@@ -129,15 +129,20 @@ class Following:
                 return out
 
     async def wait(self, execution_id: str, timeout: float = 600.0, poll: float = 0.02,
-                   on_event: Callable[[dict], None] | None = None) -> dict:
+                   on_event: Callable[[dict], None] | None = None, stop: Callable[[], bool] | None = None) -> dict:
         """Poll until the execution is final. The recorder stores a message's events and the projection
         in one transaction, so a final status means ``workflow.finished`` and the ``playbook.processed``
         published with it are recorded (events may still follow: a child's notice, a late report).
         Not recorded yet (404) polls on; unavailable (503) waits as its Retry-After asks (at most
-        30 s) and tries again, until ``timeout``."""
+        30 s) and tries again, until ``timeout``. ``stop()`` true before a poll: ``CancelledError``, as
+        if the task had been cancelled. A caller cancelled by a signal passes it, because a cancellation
+        can be lost on the way: on Python 3.11, ``asyncio.wait_for`` (nats-py's requests) returns the
+        reply instead of raising when the reply and the cancellation arrive together."""
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
+            if stop is not None and stop():
+                raise asyncio.CancelledError()
             delay = poll
             try:
                 status = await self.status(execution_id, brief=True)

@@ -225,7 +225,8 @@ class Run:
 
         self.started = time.monotonic()
         try:
-            final = await client.wait(self.execution_id, timeout=self.args.timeout, on_event=self.progress)
+            final = await client.wait(self.execution_id, timeout=self.args.timeout, on_event=self.progress,
+                                      stop=lambda: self.signals.received is not None)
             elapsed = time.monotonic() - self.started  # the execution's, not the stack's stop
         except (TimeoutError, asyncio.CancelledError) as exc:
             timed_out = isinstance(exc, TimeoutError)
