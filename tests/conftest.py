@@ -43,17 +43,13 @@ def pytest_xdist_make_scheduler(config, log):
 WORKER_LINES: list[str] = []
 
 
-def pytest_configure(config) -> None:
-    if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(_WorkerReports())
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("containers", ()))
 
 
-class _WorkerReports:
-    def pytest_testnodedown(self, node, error) -> None:
-        WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("containers", ()))
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        if WORKER_LINES:
-            terminalreporter.section("containers: what each phase took (seconds)")
-            for line in WORKER_LINES:
-                terminalreporter.write_line(line)
+def pytest_terminal_summary(terminalreporter) -> None:
+    if WORKER_LINES:
+        terminalreporter.section("containers: what each phase took (seconds)")
+        for line in WORKER_LINES:
+            terminalreporter.write_line(line)
