@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 import tracemalloc
 from typing import Any
 
@@ -117,8 +116,8 @@ def streams():
     srv.stop()
 
 
-def http(url: str) -> tuple[dict, float, int]:
-    """(outcome, seconds, peak bytes allocated by Python meanwhile)."""
+def http(url: str) -> tuple[dict, int]:
+    """(outcome, peak bytes allocated by Python meanwhile)."""
     tool = HttpTool(trust_env=False, policy=Policy(allow=parse_destinations(url.split("/")[2])))  # D33: this server
 
     async def main():
@@ -128,36 +127,35 @@ def http(url: str) -> tuple[dict, float, int]:
             await tool.close()
 
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         with limits.override(max_result_bytes=LIMIT):
             out = asyncio.run(main())
-        return out, time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+        return out, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
 
 
 def test_http_streamed_body_stops_at_the_limit(streams):
-    out, seconds, peak = http(f"{streams}/stream/{300 * MIB}")
+    out, peak = http(f"{streams}/stream/{300 * MIB}")
     assert_too_large(out)
     assert "more than 256 KiB" in out["error"]["message"]
     assert out["http"]["status"] == 200
-    assert seconds < 30  # reading everything would take far longer
     assert peak < 16 * MIB  # the 300 MiB were never held
     assert StreamServer.sent[f"/stream/{300 * MIB}"] < 100 * MIB
 
 
 def test_http_content_length_over_the_limit_is_refused_before_reading(streams):
-    out, seconds, peak = http(f"{streams}/announce/{300 * MIB}")
+    out, peak = http(f"{streams}/announce/{300 * MIB}")
     assert_too_large(out)
     assert "is 300 MiB" in out["error"]["message"]
-    assert peak < 16 * MIB and seconds < 30
+    assert peak < 16 * MIB
+    assert StreamServer.sent.get(f"/announce/{300 * MIB}", 0) < 100 * MIB  # what the sockets buffered, at most
 
 
 def test_http_body_under_the_limit_is_read_and_parsed(streams):
-    out, _, _ = http(f"{streams}/json/{LIMIT - 1000}")
+    out, _ = http(f"{streams}/json/{LIMIT - 1000}")
     assert out["status"] == "ok" and out["result"] == "j" * (LIMIT - 1000)
-    out, _, _ = http(f"{streams}/stream/{LIMIT - 10}")
+    out, _ = http(f"{streams}/stream/{LIMIT - 10}")
     assert out["status"] == "ok" and len(out["result"]) == LIMIT - 10
 
 
@@ -201,21 +199,18 @@ def test_duckdb_stops_fetching_rows_past_the_limit():
     async def main():
         try:
             with limits.override(max_result_bytes=LIMIT):
-                t0 = time.perf_counter()
-                # 100 GB if it were all fetched
+                # 100 GB if it were all fetched: a tool that fetched on would outlast the test's timeout
                 big = await tool.run({"command": "select repeat('x', 1000) as s from range(100000000)"}, {}, ctx())
-                seconds = time.perf_counter() - t0
                 under = await tool.run({"command": "select repeat('x', 100) as s from range(1000)"}, {}, ctx("u"))
                 dml = await tool.run({"command": "create table t as select range as i from range(100000);"
                                                  "insert into t select * from range(10) returning i"}, {}, ctx("d"))
-            return big, seconds, under, dml
+            return big, under, dml
         finally:
             await tool.close()
 
-    big, seconds, under, dml = asyncio.run(main())
+    big, under, dml = asyncio.run(main())
     assert_too_large(big)
     assert "more than 256 KiB" in big["error"]["message"]
-    assert seconds < 30
     assert under["status"] == "ok" and under["result"]["row_count"] == 1000
     assert dml["status"] == "ok" and dml["result"]["row_count"] == 10
 
