@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-import time
 from typing import Any
 
 import httpx
@@ -362,9 +361,7 @@ def test_a_recorder_started_without_postgres_waits_for_it(nats_url: str) -> None
     async def main() -> None:
         bus = await fresh_bus(nats_url)
         rec = RecorderService(bus, pg_dsn=dsn)
-        started = time.monotonic()
-        await rec.start()  # returns: the database is retried in the background
-        assert time.monotonic() - started < 20
+        await rec.start()  # returns (else the test's timeout): the database is retried in the background
         pg = None
         try:
             await bus.publish_event(requested(xid))
@@ -482,9 +479,8 @@ def test_a_hostile_request_leaves_the_next_execution_alone(stack, what: str) -> 
             await bus.close()
 
     stack.run(publish())
-    started = time.monotonic()
-    status, events = stack.execute(PLAYBOOK, timeout=30)
-    assert status["status"] == "COMPLETED" and time.monotonic() - started < 30
+    status, events = stack.execute(PLAYBOOK, timeout=30)  # a guard against a hang only
+    assert status["status"] == "COMPLETED"
     assert events[0]["name"] == "playbook.execution.requested"
 
     async def bad_events() -> dict[str, Any]:
