@@ -87,6 +87,7 @@ class Signals:
         self.task: asyncio.Task | None = None  # noqa: F821 - asyncio is imported when a coroutine runs
         self.loop: asyncio.AbstractEventLoop | None = None  # noqa: F821
         self._previous: dict[int, object] = {}
+        self._arrived: asyncio.Event | None = None  # noqa: F821
 
     def __enter__(self) -> "Signals":
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -98,6 +99,19 @@ class Signals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
+    async def wait(self) -> None:
+        """Until a signal arrives, then ``CancelledError``: at once when one arrived before. The
+        cancellation a signal causes can be lost on its way (Python 3.11's ``asyncio.wait_for``, under
+        the NATS client's requests, returns a reply that arrives with it instead of raising): a command
+        that waits for a signal, having started things, still stops."""
+        import asyncio
+
+        if self._arrived is None:
+            self._arrived = asyncio.Event()
+        if self.received is None:
+            await self._arrived.wait()
+        raise asyncio.CancelledError
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.received is not None:  # stopping already: the next one is the default's (death)
             signal.signal(signum, signal.SIG_DFL)
@@ -105,6 +119,8 @@ class Signals:
         self.received = signum
         if self.task is not None and self.loop is not None and not self.task.done():
             self.task.cancel()
+            if self._arrived is not None:
+                self.loop.call_soon_threadsafe(self._arrived.set)
             self.loop.call_soon_threadsafe(lambda: None)  # wake the loop up
             return
         if not defer(Interrupted(signum)):  # a server's launch under way raises it once it holds the process

@@ -231,7 +231,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             try:
                 first = not os.path.exists(os.path.join(home, "admin.token"))
                 servers = provision(home)
-                arun(_up(args, home, servers, first, lock), signals)
+                arun(_up(args, home, servers, first, lock, signals), signals)
             except Interrupted:
                 pass  # how a stack is stopped
             except InfraError as exc:
@@ -244,9 +244,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _up(args: argparse.Namespace, home: str, servers: Servers, first: bool, lock: "HomeLock") -> None:
-    import asyncio
-
+async def _up(args: argparse.Namespace, home: str, servers: Servers, first: bool, lock: "HomeLock",
+              signals: Signals) -> None:
     from ..stack import shown_dsn, topology, tune_gc
 
     if args.in_process:
@@ -283,7 +282,7 @@ async def _up(args: argparse.Namespace, home: str, servers: Servers, first: bool
                      "replicas": replicas, "pids": {k: v for k, v in pids.items() if v}})
         stored = _local_admin(url, stack.token, os.path.join(home, "admin.token"), first, home)
         tune_gc()
-        await asyncio.Event().wait()  # until a signal cancels this
+        await signals.wait()
     finally:
         print("stopping...", flush=True)
         await stack.stop()
