@@ -236,7 +236,7 @@ def test_the_admin_is_unrestricted_and_unknown_users_are_refused():
     with pytest.raises(ValueError, match="no NATS user for service 'sessionz'"):
         user_for("sessionz")
     for bad in ("a.b", "*", ">", "", "x" * 65, "a b"):
-        with pytest.raises(ValueError, match="NATS subject token"):
+        with pytest.raises(ValueError, match="a token of its NATS subjects"):
             check_pool(bad)
 
 

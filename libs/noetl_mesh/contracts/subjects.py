@@ -9,6 +9,7 @@ An address is a subject with ``{parameters}`` for its variable tokens.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 # ------------------------------------------------------------------------------ streams and stores
@@ -122,6 +123,17 @@ def control_filter(service: str, partition: int | str, classes: tuple[str, ...])
 
 def credential_resolve_subject(pool: str) -> str:
     return CREDENTIAL_RESOLVE_PREFIX + pool
+
+
+POOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # a worker pool's name: one subject token, part of durable names
+
+
+def pool_problem(pool: object) -> str | None:
+    """What is wrong with ``pool`` as a worker pool's name, or None."""
+    if isinstance(pool, str) and POOL_NAME.match(pool):
+        return None
+    return (f"pool {pool!r}: letters, digits, '-' and '_' only, 1 to 64 of them "
+            "(a pool's name is a token of its NATS subjects)")
 
 
 def command_subject(pool: str, execution_id: str) -> str:

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import orjson
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, command_subject
+from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, POOL_NAME, command_subject
 from .keychain import declarations_of, stored_name
 from .state import FINAL
 
@@ -42,7 +42,6 @@ KEY_ENV, OLD_KEY_ENV = "NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD"
 KEY_FILE = "credential.key"  # in the stack's home, when NOETL_CREDENTIAL_KEY is not set
 MAX_NAMES = 64  # credentials one resolution may ask for
 INBOX = "_INBOX."
-_POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
 
 class Invalid(ValueError):
@@ -127,7 +126,7 @@ def parse_resolve(subject: str, reply: str | None, req: Any) -> Resolve:
     """The request on ``noetl.q.credential.resolve.<pool>``: ``{execution_id, names, command: {seq,
     subject}}``, answered to ``reply``. :class:`Refused` (``bad_request``) when malformed."""
     pool = subject[len(CREDENTIAL_RESOLVE_PREFIX):] if subject.startswith(CREDENTIAL_RESOLVE_PREFIX) else ""
-    if not _POOL.match(pool):
+    if not POOL_NAME.match(pool):
         raise Refused("bad_request", f"{subject}: resolutions are asked on {CREDENTIAL_RESOLVE_PREFIX}<pool>")
     if not isinstance(reply, str) or not reply.startswith(INBOX) or len(reply) <= len(INBOX):
         raise Refused("bad_reply", f"the answer of a resolution goes to an inbox ({INBOX}...), never to "

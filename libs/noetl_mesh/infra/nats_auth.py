@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import struct
 from pathlib import Path
@@ -50,7 +49,7 @@ DEFAULT_PARTITIONS = 16
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
-                                  SESSIONS_AREAS)
+                                  SESSIONS_AREAS, pool_problem)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
@@ -64,14 +63,12 @@ LIVE = LIVE_PREFIX.rstrip(".")
 SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
 READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "credentials", "sessions")  # the gateway pings them
 
-_POOL = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
-
-
 # ------------------------------------------------------------------------------------- names
 def check_pool(pool: str) -> str:
     """A pool name is one subject token (``noetl.cmd.<pool>.<execution>``) and part of a durable name."""
-    if not isinstance(pool, str) or not _POOL.match(pool):
-        raise ValueError(f"pool {pool!r}: letters, digits, '-' and '_' only (1 to 64), it is a NATS subject token")
+    problem = pool_problem(pool)
+    if problem is not None:
+        raise ValueError(problem)
     return pool
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .. import limits
+from ..contracts.subjects import pool_problem
 from .durations import is_template, parse_duration, parse_instant
 from .paths import path_problem
 
@@ -45,9 +46,17 @@ def _catalog_path(value: str) -> str:
     return value
 
 
+def _pool(value: str) -> str:
+    problem = pool_problem(value)
+    if problem is not None:
+        raise ValueError(f"{problem} (D5)")
+    return value
+
+
 Duration = Annotated[Union[float, str], AfterValidator(_duration)]  # seconds, "5s", "2h", "PT5M" (D29)
 Instant = Annotated[str, AfterValidator(_instant)]  # ISO-8601 with a time zone
 CatalogPath = Annotated[str, AfterValidator(_catalog_path)]  # lang/paths.py: what names a catalog entry
+Pool = Annotated[str, AfterValidator(_pool)]  # a worker pool's name (spec.pool, D5)
 
 
 class Strict(BaseModel):
@@ -322,7 +331,7 @@ class StepSpec(Open):
     policy: StepPolicy | None = None
     join: Literal["all", "any"] = "all"
     max_steps: int = Field(10_000, ge=1)
-    pool: str | None = Field(None, description="worker pool that runs this step's commands")
+    pool: Pool | None = Field(None, description="worker pool that runs this step's commands")
 
 
 # ---------------------------------------------------------------- loop (D19)
@@ -330,6 +339,7 @@ class LoopSpec(Open):
     mode: Literal["sequential", "parallel"] = "sequential"
     max_in_flight: int = Field(16, ge=1)
     policy: dict[str, Any] | None = None
+    pool: Pool | None = Field(None, description="worker pool that runs the loop's commands")
 
 
 class Loop(Strict):
@@ -392,6 +402,7 @@ class ExecutorSpec(Open):
     entry_step: str | None = None
     policy: ExecutorPolicy | None = None
     max_steps: int | None = Field(None, ge=1)
+    pool: Pool | None = Field(None, description="worker pool of every step that names none")
 
 
 class Executor(Strict):
