@@ -13,7 +13,9 @@ HTTP status, a message that says what is wrong, and the location in the body (``
 - a NUL character (``\\u0000``) or an unpaired UTF-16 surrogate (``\\ud800``) in a string or a key → 422.
   They are refused, not stripped: Postgres text and ``jsonb`` cannot store NUL, a surrogate is not a
   character and cannot be encoded as UTF-8, and silently changing a value (an identifier, a
-  workload key) would run something other than what was sent.
+  workload key) would run something other than what was sent;
+- an object shaped like a payload reference (D23, ``contracts/refs.py``) anywhere → 422: only the
+  engine writes one, and the services would fetch whatever it names.
 
 The common case costs one parse (the standard library's C scanner) plus a few C-level scans of the
 text (numbers long enough to be out of range, ``\\u0000`` and surrogate escapes, brackets); the value
@@ -27,6 +29,7 @@ import re
 from typing import Any
 
 from noetl_mesh import limits
+from noetl_mesh.contracts import refs
 from noetl_mesh.limits import LimitExceeded
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -38,6 +41,7 @@ _NUMBER_SHAPES = bytes(ord("0") if chr(c).isdigit() and c < 128 else ord("e") if
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PREVIEW = 40  # characters of a refused number or key shown in a message
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_STORE = refs.STORE.encode()  # a payload reference (D23) in a body: only the engine writes one
 
 
 def value_count(raw: bytes) -> int:
@@ -130,6 +134,9 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
     if (refused or b"\\u0000" in raw or _SURROGATE_ESCAPE.search(raw)
             or raw.count(b"[") + raw.count(b"{") > max_depth):
         check(value, max_depth)  # maybe something to refuse: find it, and where
+    if (_STORE in raw or b"\\u" in raw) and (at := refs.forged(value)) is not None:  # an escape may spell it
+        where = location(at)
+        raise BodyError(422, "payload_reference", refs.refusal(where), where)
     return value
 
 

@@ -175,6 +175,40 @@ def test_a_300_mb_http_body_fails_its_task_alone(stack, streams):
     assert after["status"] == "COMPLETED" and after["steps"]["start"]["result"] == {"n": 1}
 
 
+FORGE = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: forge, path: t/limits/forge}
+workflow:
+  - step: start
+    tool: {kind: python, code: 'result = {"big": "A" * 300000}'}
+    next: {arcs: [{step: forge}]}
+  - step: forge
+    tool:
+      kind: python
+      code: |
+        import hashlib
+        body = ('"' + "A" * 300000 + '"').encode()
+        key = hashlib.sha256(body).hexdigest()
+        result = {"refs": [{"store": "nats-object:noetl_payloads", "key": key, "size": len(body),
+                            "checksum": "sha256:" + key}] * 2000}
+"""
+
+
+def test_a_task_cannot_make_the_engine_copy_a_stored_value_by_returning_references_to_it(stack):
+    """The first step's 300 KB result is stored in the object store (D23); the second returns 2,000
+    references to it, computed from its content (300 KB of JSON): before, every service fetched and
+    copied it (a 600 MB step result, a worker at 1 GB, the execution stuck). Now the task fails, alone."""
+    status, events = stack.execute(FORGE, timeout=120)
+    assert status["status"] == "FAILED", status
+    forge = next(e for e in events if e["name"] == "task.processed" and e["step"] == "forge")["data"]["outcome"]
+    assert forge["status"] == "error" and forge["result"] is None and forge["error"]["kind"] == "tool_error"
+    assert "its result.refs[1999]" in forge["error"]["message"] and "only the engine writes (D23)" in forge["error"]["message"]
+    assert len(json.dumps(events)) < 2 * MIB  # nothing was expanded: the log holds the first result once, at most
+    after, _ = stack.execute(SMALL, timeout=60)
+    assert after["status"] == "COMPLETED"
+
+
 SECRET = "tok/3n+s3cr3t é&x"
 
 LEAK = """

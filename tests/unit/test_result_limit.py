@@ -226,5 +226,12 @@ def test_a_result_that_cannot_be_json_is_an_error_not_a_crash():
     _, (out,) = pipeline([{"name": "loop", "kind": "circular"}], {"circular": Circular()})
     assert out["status"] == "error" and out["error"]["kind"] == "tool_error"
     assert "not JSON-serialisable" in out["error"]["message"]
-    _, (big_int,) = pipeline([{"name": "n", "kind": "returns", "value": 10 ** 4000}])
-    assert big_int["status"] == "ok"  # a big number is a few KiB at most
+    # the event log's JSON (orjson) holds integers of 64 bits: a bigger one is the task's error, at once,
+    # not a report that cannot be sent (its command was redelivered until the step failed as worker_lost)
+    for value in (10 ** 4000, 2 ** 64, -(2 ** 63) - 1, {"a": [2 ** 64]}):
+        _, (big_int,) = pipeline([{"name": "n", "kind": "returns", "value": value}])
+        assert big_int["status"] == "error" and big_int["error"]["kind"] == "tool_error", big_int
+        assert "not JSON-serialisable" in big_int["error"]["message"] and "64-bit" in big_int["error"]["message"]
+    for value in (2 ** 64 - 1, -(2 ** 63), {"a": [2 ** 63]}):
+        _, (fits,) = pipeline([{"name": "n", "kind": "returns", "value": value}])
+        assert fits["status"] == "ok" and fits["result"] == value

@@ -21,12 +21,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from .. import limits
+from ..contracts import refs
 from ..lang.durations import DurationError, parse_duration, parse_instant
 from ..lang.model import KIND_DEFAULTS
 from ..lang.normalize import effective_spec, normalize_workbook
 from ..lang.templates import TemplateError, render, shared_budget, truthy
-from ..tools.base import ToolContext, json_size, result_too_large
+from ..tools.base import ToolContext, result_too_large
 from ..tools.noop import NoopTool
 from .events import action_id as _action_id
 from .events import stable_id
@@ -50,6 +53,7 @@ _RESERVED = frozenset({"workload", "ctx", "iter", "args", "execution_id", "keych
 
 _SIGNAL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")  # D30: a signal's name is one URL path segment
 _SCALARS = frozenset({bool, int, float})  # results whose JSON is a few bytes (ints: at most 4,300 digits)
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers the bus's JSON encoder writes (orjson)
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
 _NO_MATCH_DIRECTIVE = {"do": "continue"}  # D9: a policy with no match and no else
@@ -350,7 +354,7 @@ class _Run:
                         outcome = await self._call_tool(task, kind, tool, name, attempt, aid)
                     if outcome.__class__ is _Suspend:
                         return self._suspended(outcome, pc, name, aid, attempt, policies)
-                    if outcome["result"] is not None:
+                    if outcome["result"] is not None or outcome.get("error") is not None:
                         outcome = self._bounded(outcome, name)
                     duration = time.perf_counter() - t0
                 outcome["meta"] = {
@@ -420,19 +424,29 @@ class _Run:
         return self.finish("ok", None)
 
     def _bounded(self, outcome: dict, name: str) -> dict:
-        """The outcome, or a ``result_too_large`` error in its place (the tool's own details kept) when
-        its result's JSON is over ``max_result_bytes``: for every kind, whatever the tool checked."""
-        result, limit = outcome["result"], limits.current().max_result_bytes
-        if result.__class__ in _SCALARS or (result.__class__ is str and 6 * len(result) + 2 <= limit):
+        """The outcome as it can be sent, for every kind, whatever the tool checked: a
+        ``result_too_large`` error in its place (the tool's own details kept) when its result's JSON is
+        over ``max_result_bytes``; a ``tool_error`` when its result or error is not JSON the bus can
+        encode (an integer past 64 bits, say) or holds a payload reference (D23: only the engine writes
+        one, contracts/refs.py)."""
+        result, error, limit = outcome["result"], outcome.get("error"), limits.current().max_result_bytes
+        if error is not None and (at := refs.forged(error)) is not None:
+            return {**outcome, "status": "error", "result": None,
+                    "error": _err("tool_error", refs.refusal(f"task {name!r}: its {refs.shown(('error', *at))}"))}
+        if result is None or (result.__class__ in _SCALARS and (result.__class__ is not int or _INT_MIN <= result <= _INT_MAX)) \
+                or (result.__class__ is str and 6 * len(result) + 2 <= limit):
             return outcome  # cannot be over (a character is at most 6 bytes of JSON)
         try:
-            size = json_size(result)
+            data = orjson.dumps(result, default=str, option=orjson.OPT_NON_STR_KEYS)  # as the bus encodes it
         except (TypeError, ValueError, RecursionError) as e:  # it could not be published either
             return {**outcome, "status": "error", "result": None,
                     "error": _err("tool_error", f"task {name!r}: the result is not JSON-serialisable: {e}")}
-        if size <= limit:
-            return outcome
-        return {**outcome, **result_too_large(self.step, name, size)}
+        if len(data) > limit:
+            return {**outcome, **result_too_large(self.step, name, len(data))}
+        if refs.MARKER in data and (at := refs.forged(result)) is not None:
+            return {**outcome, "status": "error", "result": None,
+                    "error": _err("tool_error", refs.refusal(f"task {name!r}: its {refs.shown(('result', *at))}"))}
+        return outcome
 
     def _suspended(self, suspend: _Suspend, pc: int, name: str, aid: str, attempt: int,
                    policies: Mapping[str, Any]) -> PipelineResult:

@@ -27,10 +27,9 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 from . import metrics
 from .wire import dumps, loads
 
+from ..contracts.refs import MARKER, STORE, is_ref  # noqa: E402,F401 - what a reference is, in one place
 from ..contracts.subjects import PAYLOADS_BUCKET as BUCKET  # noqa: E402
-STORE = f"nats-object:{BUCKET}"
 DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
-MARKER = f'"store":"{STORE}"'.encode()  # cheap test on raw message bytes
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 # nats-py reads an object through an ordered consumer with no deadline: a consumer that stalls (its
 # stream's leader lost in a cluster) would hold the reading handler, and its partition, for ever.
@@ -43,10 +42,6 @@ class PayloadMissing(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "payload missing"
-
-
-def is_ref(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("store") == STORE and set(value) == {"store", "key", "size", "checksum"}
 
 
 class PayloadStore:

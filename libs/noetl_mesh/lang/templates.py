@@ -63,6 +63,7 @@ from jinja2.utils import Namespace, missing, object_type_repr, pass_environment
 from markupsafe import EscapeFormatter, Markup
 
 from .. import limits
+from ..contracts import refs
 from ..limits import LimitExceeded
 
 __all__ = [
@@ -1324,6 +1325,8 @@ def _run(compiled: _Compiled, source: str, context: Mapping[str, Any] | None, wh
             u = _find_undefined(rv)
             if u is not None:
                 u._fail_with_undefined_error()
+        if isinstance(rv, (list, tuple, dict)) and (at := refs.forged(rv)) is not None:
+            raise TemplateError(source, where, refs.refusal(f"the value it gives{' at ' + refs.shown(at) if at else ''}"))
         if type(rv) is not str and isinstance(rv, str):  # Markup from tojson & co.
             rv = str(rv)
         return rv

@@ -26,6 +26,7 @@ import orjson
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model
 
 from .. import limits
+from ..contracts import refs
 from . import model as m
 from .diagnostics import Diagnostic, Path, did_you_mean, locate
 from .documents import Parsed, check_value, load_document, parse, position, read_document
@@ -265,6 +266,9 @@ class _Validator:
         if not isinstance(doc, Mapping):
             self.error((), f"a playbook is a YAML mapping, got {_describe(doc)}")
             return
+        at = refs.forged(doc)
+        if at is not None:  # literal values (workload, results, loop items, args) travel as the user wrote them
+            self.error(at, refs.refusal("this value"))
         shape = dict(doc)
         if "vars" in shape:
             self.error(("vars",), "root 'vars' is not part of the language: use workload, ctx or iter (D1)")

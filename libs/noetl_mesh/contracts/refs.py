@@ -1,0 +1,52 @@
+"""A payload reference (D23): the object ``{store, key, size, checksum}`` that stands in a message for a
+value kept in the payload object store.
+
+Only the engine writes references. Its services replace every reference they receive by the value it
+stands for, so one written by a user (in a task's result, in what a template builds, in a playbook or a
+request) would make them fetch and copy whatever it names, as many times as it is repeated. Values of
+that shape are therefore refused where user data enters the engine (:func:`forged`): a task's outcome
+(core/pipeline.py), a template's value (lang/templates.py), a playbook (lang/documents.py) and a
+request's workload or payload (the gateway).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .subjects import PAYLOADS_BUCKET
+
+STORE = f"nats-object:{PAYLOADS_BUCKET}"
+MARKER = f'"store":"{STORE}"'.encode()  # in the compact JSON of every reference: a cheap test on bytes
+_KEYS = frozenset({"store", "key", "size", "checksum"})
+
+
+def is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("store") == STORE and value.keys() == _KEYS
+
+
+def forged(value: Any) -> tuple[Any, ...] | None:
+    """The path (keys and indexes) to the first object in ``value`` shaped like a payload reference, or
+    None. An explicit stack: user data may nest deeper than Python's recursion."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            if is_ref(item):
+                return path
+            stack.extend((v, (*path, k)) for k, v in item.items() if isinstance(v, (dict, list, tuple)))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, (*path, i)) for i, v in enumerate(item) if isinstance(v, (dict, list, tuple)))
+    return None
+
+
+def shown(path: tuple[Any, ...]) -> str:
+    """``path`` as ``a.b[2].c``."""
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def refusal(where: str) -> str:
+    """Why a value at ``where`` is refused."""
+    return (f"{where}: an object whose keys are exactly store, key, size and checksum, with store "
+            f"{STORE!r}, is a payload reference, which only the engine writes (D23)")

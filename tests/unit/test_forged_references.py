@@ -1,0 +1,110 @@
+"""Payload references (D23) are the engine's own: a value of their shape written by a user (a task's
+result or error, what a template builds, a playbook's literal, a request body) is refused where it
+enters, with where it stands; the services never fetch and copy what a user's reference names (one
+reference repeated 2,000 times in a 300 KB result became a 600 MB step result)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from noetl_mesh.contracts.refs import STORE, forged, is_ref
+from noetl_mesh.core.pipeline import run_pipeline
+from noetl_mesh.lang.templates import TemplateError, render
+from noetl_mesh.lang.validate import validate
+from noetl_mesh.services.gateway.body import BodyError, parse_json
+from noetl_mesh.tools.noop import NoopTool
+
+REF = {"store": STORE, "key": "ab" * 32, "size": 300_002, "checksum": "sha256:" + "ab" * 32}
+D23 = "payload reference, which only the engine writes (D23)"
+
+
+class Returns:
+    """A tool that returns what the task says: its result, or an error outcome."""
+
+    async def run(self, task, spec, ctx):
+        if "error" in task:
+            return {"status": "error", "result": None, "error": task["error"]}
+        return {"status": "ok", "result": task["value"]}
+
+
+def outcomes(tasks: list[dict]) -> list[dict]:
+    events: list[tuple[str, dict]] = []
+
+    async def emit(name, fields):
+        events.append((name, fields))
+
+    command = {"execution_id": "e1", "step": "s", "step_run_id": "r1", "iteration": None, "tasks": tasks,
+               "spec_layers": {}, "workload": {}, "ctx": {}, "args": {}, "iter": None, "steps": {}, "keychain": {}}
+    asyncio.run(run_pipeline(command, {"returns": Returns(), "noop": NoopTool()}, emit))
+    return [f["outcome"] for n, f in events if n == "task.processed"]
+
+
+def test_the_shape_is_exact() -> None:
+    assert is_ref(REF)
+    for near in ({**REF, "extra": 1}, {k: v for k, v in REF.items() if k != "size"}, {**REF, "store": "elsewhere"}):
+        assert not is_ref(near) and forged({"a": [near]}) is None
+    assert forged({"a": [1, {"b": REF}]}) == ("a", 1, "b")
+    deep: object = REF
+    for _ in range(5_000):  # deeper than Python's recursion
+        deep = [deep]
+    assert forged(deep) == (0,) * 5_000
+
+
+@pytest.mark.parametrize("value, where", [
+    ({"refs": [REF] * 2_000}, "result.refs[1999]"),
+    ([1, 2, REF], "result[2]"),
+    (REF, "result"),
+])
+def test_a_tool_result_holding_a_reference_is_the_tasks_error(value, where: str) -> None:
+    (out,) = outcomes([{"name": "forge", "kind": "returns", "value": value}])
+    assert out["status"] == "error" and out["result"] is None
+    assert out["error"]["kind"] == "tool_error" and out["error"]["retryable"] is False
+    assert f"task 'forge': its {where}" in out["error"]["message"] and D23 in out["error"]["message"]
+
+
+def test_a_tool_error_holding_a_reference_is_refused_too() -> None:
+    (out,) = outcomes([{"name": "forge", "kind": "returns", "error": {"kind": "http_error", "message": "x",
+                                                                          "body": {"r": REF}}}])
+    assert out["status"] == "error" and "its error.body.r" in out["error"]["message"] and D23 in out["error"]["message"]
+
+
+def test_values_near_the_shape_pass() -> None:
+    near = {"store": STORE, "key": "k", "size": 1}
+    (out,) = outcomes([{"name": "t", "kind": "returns", "value": {"a": [near]}}])
+    assert out["status"] == "ok" and out["result"] == {"a": [near]}
+
+
+def test_a_template_that_builds_a_reference_fails_where_it_is_rendered() -> None:
+    source = ("{{ {'refs': [{'store': 'nats-object:noetl_payloads', 'key': 'k', 'size': 1, 'checksum': 'c'}]} }}")
+    with pytest.raises(TemplateError) as info:
+        render(source, {}, "step=s.set_ctx.x")
+    assert "step=s.set_ctx.x" in str(info.value) and "at refs[0]" in str(info.value) and D23 in str(info.value)
+    # one made of parts the user holds (a workload, a previous result) is refused alike
+    with pytest.raises(TemplateError):
+        render("{{ [dict(store=s, key='k', size=1, checksum='c')] }}", {"s": STORE}, "x")
+    # the same in a task: a noop's result template is the task's template_error
+    (out,) = outcomes([{"name": "t", "kind": "noop",
+                        "result": "{{ [dict(store='nats-object:' ~ 'noetl_payloads', key='k', size=1, checksum='c')] }}"}])
+    assert out["status"] == "error" and out["error"]["kind"] == "template_error" and D23 in out["error"]["message"]
+
+
+def test_a_playbook_with_a_literal_reference_is_invalid_where_it_stands() -> None:
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "t", "path": "tests/t"},
+           "workflow": [{"step": "start", "loop": {"in": [1, REF], "iterator": "i"}, "tool": {"kind": "noop"}}]}
+    found = [(e.location, e.message) for e in validate(doc).errors]
+    assert any(loc == "workflow[0].step=start.loop.in[1]" and D23 in msg for loc, msg in found), found
+
+
+@pytest.mark.parametrize("raw, where", [
+    (b'{"workload": {"r": [{"store": "nats-object:noetl_payloads", "key": "k", "size": 1, "checksum": "c"}]}}',
+     "body.workload.r[0]"),
+    # spelled with escapes, it is the same value
+    (b'{"payload": {"\\u0073tore": "nats\\u002dobject:noetl_payloads", "key": "k", "size": 1, "checksum": "c"}}',
+     "body.payload"),
+])
+def test_a_request_body_holding_a_reference_is_422_where_it_stands(raw: bytes, where: str) -> None:
+    with pytest.raises(BodyError) as info:
+        parse_json(raw, 64)
+    assert info.value.status == 422 and info.value.location == where and D23 in info.value.message
+    assert parse_json(b'{"w": {"store": "nats-object:noetl_payloads", "key": "k"}}', 64)["w"]["key"] == "k"
