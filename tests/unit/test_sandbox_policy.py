@@ -11,6 +11,12 @@ def test_defaults_close_loopback_link_local_and_metadata():
     assert "loopback" in p.refusal("127.3.4.5", 4222)
     assert "loopback" in p.refusal("::1", 80)
     assert "loopback" in p.refusal("::ffff:127.0.0.1", 80)  # v4-mapped is the v4 address
+    # so is every other IPv6 spelling of one: v4-compatible, v4-translated, NAT64, 6to4
+    for spelled in ("::127.0.0.1", "::ffff:0:7f00:1", "64:ff9b::7f00:1", "2002:7f00:1::1"):
+        assert "loopback" in p.refusal(spelled, 80), spelled
+    assert "metadata" in p.refusal("::169.254.169.254", 80) and "metadata" in p.refusal("64:ff9b::a9fe:a9fe", 80)
+    assert "unspecified" in p.refusal("::", 80) and "loopback" in p.refusal("::1", 80)
+    assert p.refusal("64:ff9b::5db8:d822", 443) is None  # 93.184.216.34 through NAT64: a public address
     assert "metadata" in p.refusal("169.254.169.254", 80)
     assert "metadata" in p.refusal("fd00:ec2::254", 80)
     assert "link-local" in p.refusal("169.254.1.1", 80)
