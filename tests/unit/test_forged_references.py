@@ -89,6 +89,18 @@ def test_a_template_that_builds_a_reference_fails_where_it_is_rendered() -> None
     assert out["status"] == "error" and out["error"]["kind"] == "template_error" and D23 in out["error"]["message"]
 
 
+def test_a_template_that_only_reads_its_context_is_not_walked() -> None:
+    """What a template is given (workload, results, ctx, iter) was checked where it entered the engine;
+    only what the template makes (a mapping literal, a call, from_json) is looked at, so that reading a
+    100,000-item result costs what it did. A reference reaching the context some other way is kept as
+    it is, not expanded by the template."""
+    given = {"rows": [{"id": i} for i in range(3)], "r": REF}
+    assert render("{{ given }}", {"given": given}, "x") is given
+    assert render("{{ given.rows + [given.r] }}", {"given": given}, "x")[-1] is REF
+    with pytest.raises(TemplateError):
+        render("{{ dict(given.r) }}", {"given": given}, "x")  # a copy the template made
+
+
 def test_a_playbook_with_a_literal_reference_is_invalid_where_it_stands() -> None:
     doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "t", "path": "tests/t"},
            "workflow": [{"step": "start", "loop": {"in": [1, REF], "iterator": "i"}, "tool": {"kind": "noop"}}]}

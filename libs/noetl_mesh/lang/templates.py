@@ -1184,15 +1184,20 @@ _ENV = _make_env()
 _FORBIDDEN = {nodes.Extends: "extends", nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from"}
 # Expression nodes that can build a container holding an undefined value ({{ [a, 1] }}).
 _MAY_NEST = (nodes.List, nodes.Tuple, nodes.Dict, nodes.Call, nodes.Filter)
+# Expression nodes that can make a new mapping ({'a': 1}, dict(a=1), '{}' | from_json): only a value such
+# an expression gives can hold a payload reference the template made (D23). The values of its context
+# were each checked where they entered the engine, so a template that only reads them is not walked.
+_MAKES_MAPPING = (nodes.Dict, nodes.Call)
+_MAPPING_FILTERS = frozenset({"from_json"})
 
 
 # -------------------------------------------------------------------------------------------- compile
 
 
 class _Compiled:
-    __slots__ = ("template", "render_func", "blocks", "globals", "native", "check_nested")
+    __slots__ = ("template", "render_func", "blocks", "globals", "native", "check_nested", "makes_mapping")
 
-    def __init__(self, template: Any, native: bool, check_nested: bool = False) -> None:
+    def __init__(self, template: Any, native: bool, check_nested: bool = False, makes_mapping: bool = False) -> None:
         self.template = template
         self.render_func = template.root_render_func
         # The budget's hooks, looked up by the generated code as globals of its module.
@@ -1202,6 +1207,7 @@ class _Compiled:
         self.globals = dict(template.globals)
         self.native = native
         self.check_nested = check_nested
+        self.makes_mapping = makes_mapping
 
 
 def _single_expression(source: str, ast: nodes.Template) -> nodes.Expr | None:
@@ -1227,7 +1233,9 @@ def _native_template(expr: nodes.Expr) -> _Compiled:
     body = nodes.Template([nodes.Assign(nodes.Name("result", "store"), expr, lineno=1)], lineno=1)
     body.set_environment(_ENV)
     check = isinstance(expr, _MAY_NEST) or any(True for _ in expr.find_all(_MAY_NEST))
-    return _Compiled(_ENV.from_string(body), native=True, check_nested=check)
+    makes = isinstance(expr, _MAKES_MAPPING) or any(True for _ in expr.find_all(_MAKES_MAPPING)) or any(
+        f.name in _MAPPING_FILTERS for f in (expr, *expr.find_all(nodes.Filter)) if isinstance(f, nodes.Filter))
+    return _Compiled(_ENV.from_string(body), native=True, check_nested=check, makes_mapping=makes)
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -1325,7 +1333,7 @@ def _run(compiled: _Compiled, source: str, context: Mapping[str, Any] | None, wh
             u = _find_undefined(rv)
             if u is not None:
                 u._fail_with_undefined_error()
-        if isinstance(rv, (list, tuple, dict)) and (at := refs.forged(rv)) is not None:
+        if compiled.makes_mapping and isinstance(rv, (list, tuple, dict)) and (at := refs.forged(rv)) is not None:
             raise TemplateError(source, where, refs.refusal(f"the value it gives{' at ' + refs.shown(at) if at else ''}"))
         if type(rv) is not str and isinstance(rv, str):  # Markup from tojson & co.
             rv = str(rv)
