@@ -29,6 +29,7 @@ from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
+from noetl_mesh.contracts.subjects import Q_USERS_STANDING
 from noetl_mesh.infra.bus import COMMANDS, Bus, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -47,12 +48,17 @@ def payload_limit(command: dict) -> int | None:
     return ((executor.get("policy") or {}).get("limits") or {}).get("max_payload_bytes")
 
 
-def sandbox_policy(nc: Any, allow_net: str | None = None) -> sandbox.Policy:
+def sandbox_policy(nc: Any, allow_net: str | None = None, roles: str | None = None) -> sandbox.Policy:
     """D33: the pool's policy from the environment (``allow_net``, when given, over
-    NOETL_SANDBOX_ALLOW_NET: the stack runners' ``--allow-net``), with the address and port of every
-    NATS server the client ``nc`` is connected to or knows of (its own and the discovered ones) closed
-    whatever the policy allows. :class:`sandbox.PolicyError` (naming the variable) on a bad setting."""
-    env = os.environ if allow_net is None else {**os.environ, sandbox.ENV["allow"]: allow_net}
+    NOETL_SANDBOX_ALLOW_NET: the stack runners' ``--allow-net``; ``roles`` over NOETL_POOL_ROLES), with
+    the address and port of every NATS server the client ``nc`` is connected to or knows of (its own
+    and the discovered ones) closed whatever the policy allows. :class:`sandbox.PolicyError` (naming
+    the variable) on a bad setting."""
+    env = dict(os.environ)
+    if allow_net is not None:
+        env[sandbox.ENV["allow"]] = allow_net
+    if roles is not None:
+        env[sandbox.ENV["roles"]] = roles
     policy = sandbox.from_env(env)
     urls = [u for u in (nc.connected_url, *nc.servers) if u is not None and u.hostname]
     return policy.with_engine_endpoints(resolve_endpoints((u.hostname, u.port or 4222) for u in urls))
@@ -105,6 +111,7 @@ class EventBatcher:
         await asyncio.wait_for(asyncio.gather(*self.acks), 30)
 
 
+STANDING_TTL = 10.0  # seconds a pool keeps a starter's roles (D33): a role taken away counts within this
 TERMINALS = {"step.done": ("run", "success"), "step.failed": ("run", "error"),
              "loop.iteration.done": ("iteration", "success"), "loop.iteration.failed": ("iteration", "error"),
              "task.suspended": (None, "suspended")}
@@ -219,9 +226,10 @@ class WorkerService:
 
     def __init__(self, bus: Bus, *, pool: str = "default", concurrency: int = 8, ack_wait: float = 30.0,
                  tools: dict[str, Any] | None = None, grace: float | None = None, allow_net: str | None = None,
-                 warm: str | None = None):
+                 warm: str | None = None, roles: str | None = None):
         self.bus, self.pool, self.concurrency, self.ack_wait = bus, pool, concurrency, ack_wait
         self.allow_net = allow_net  # D33: over NOETL_SANDBOX_ALLOW_NET when given (see sandbox_policy)
+        self.roles = roles  # D33: over NOETL_POOL_ROLES when given
         self.warm = warm  # over NOETL_SANDBOX_WARM when given (see _start_sandbox)
         self.policy: sandbox.Policy | None = None
         # seconds a stopping worker lets its running commands finish before handing them back
@@ -242,7 +250,8 @@ class WorkerService:
         self._m_in_flight = metrics.IN_FLIGHT.labels(self.name, pool)
         self._m_pending = metrics.PENDING.labels(self.name, f"pool-{pool}", "-")
         self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
-                           for o in ("acked", "retried", "dropped", "payload_missing", "cancelled")}
+                           for o in ("acked", "retried", "dropped", "payload_missing", "cancelled", "forbidden")}
+        self._standing: dict[str, tuple[float, dict]] = {}  # user id -> (until, the sessions service's word)
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=",".join(pool_filter(pool)),
                                  durable=f"pool-{pool}")
@@ -253,7 +262,7 @@ class WorkerService:
         dropped = forget_libpq_env()  # a task's postgres connection must not take the worker's PG* settings
         if dropped:
             log.info("worker %s: libpq's %s left out of its environment (D33)", self.pool, ", ".join(sorted(dropped)))
-        self.policy = await asyncio.to_thread(sandbox_policy, self.bus.nc, self.allow_net)  # names resolve
+        self.policy = await asyncio.to_thread(sandbox_policy, self.bus.nc, self.allow_net, self.roles)  # names resolve
         log.info("worker %s: %s; closed whatever it allows: NATS %s", self.pool, self.policy.describe(),
                  ", ".join(f"{a}:{p}" for a, p, _ in self.policy.engine) or "none known")
         if self.tools is None:
@@ -391,6 +400,13 @@ class WorkerService:
         batcher: EventBatcher | None = None
         observer: RunObserver | None = None
         try:
+            if (refusal := await self._refusal(command)) is not None:  # D33: not this pool's to run
+                log.warning("command %s: %s", command.get("command_id"), refusal)
+                self.commands.record(started_ns, error=f"forbidden: {refusal}")
+                await self._fail(command, {"kind": "forbidden", "message": refusal, "retryable": False})
+                await msg.ack()
+                self._m_outcome["forbidden"].inc()
+                return
             step = command["step"]
             attributes = {tracing.STEP: step, tracing.POOL: self.pool, tracing.STEP_RUN_ID: command.get("step_run_id")}
             if command.get("iteration") is not None:
@@ -445,6 +461,32 @@ class WorkerService:
                 batcher.abandon()
             if observer is not None:
                 observer.close()
+
+    async def _refusal(self, command: dict) -> str | None:
+        """Why this pool does not run the command (D33: whoever started its execution, a child's root,
+        has none of the pool's roles, ``NOETL_POOL_ROLES``), or None. The starter's roles are the
+        sessions service's word now, kept for :data:`STANDING_TTL` seconds."""
+        roles = self.policy.roles if self.policy is not None else None
+        if roles is None:
+            return None
+        who = command.get("requested_by") if isinstance(command.get("requested_by"), dict) else {}
+        uid = who.get("user_id")
+        need = f"pool {self.pool!r} runs only executions started by a user with the role {' or '.join(sorted(roles))} " \
+               f"(NOETL_POOL_ROLES on its workers, D33)"
+        if not isinstance(uid, str):
+            return f"{need}; this one was started by no user"
+        now = time.monotonic()
+        until, standing = self._standing.get(uid, (0.0, {}))
+        if until < now:
+            standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
+            if len(self._standing) > 10_000:
+                self._standing.clear()
+            self._standing[uid] = (now + STANDING_TTL, standing)
+        if standing.get("active") and self.policy.admits(standing.get("roles") or ()):
+            return None
+        has = ", ".join(standing.get("roles") or ()) or "no role"
+        return f"{need}; this one was started by {who.get('username') or uid}, " + (
+            f"who has {has}" if standing.get("active") else "who is disabled or removed")
 
     async def _fail(self, command: dict, error: dict) -> None:
         """End the command's step run or iterations failed without running them."""

@@ -97,6 +97,8 @@ class Command(_Exact):
     loop_mode: Optional[str] = None
     resume: Optional[Resume] | PayloadRef = None
     flat: bool = Field(False, description="the execution has no loop step: the run's ctl events travel as flat")
+    requested_by: Optional[dict[str, str]] = Field(None, description="who started the execution (a child: its root): "
+                                                                      "{user_id, username}; a pool's roles are checked against it")
 
 
 class CancelNotice(_Exact):

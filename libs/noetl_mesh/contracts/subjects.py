@@ -90,7 +90,7 @@ Q_USERS_DISABLE = "noetl.q.users.disable"
 Q_USERS_ENABLE = "noetl.q.users.enable"
 Q_USERS_ROLES = "noetl.q.users.roles"
 Q_USERS_PASSWORD = "noetl.q.users.password"
-Q_USERS_STANDING = "noetl.q.users.standing"  # services (the scheduler): may this user still act? no token
+Q_USERS_STANDING = "noetl.q.users.standing"  # services (the scheduler, workers): may this user still act? no token
 Q_TOKENS_CREATE = "noetl.q.tokens.create"
 Q_TOKENS_LIST = "noetl.q.tokens.list"
 Q_TOKENS_REVOKE = "noetl.q.tokens.revoke"
@@ -266,8 +266,9 @@ _SESSIONS_Q = (
     (Q_USERS_ROLES, "SessionsRequest", "UserReply", "set a user's roles", ("gateway",)),
     (Q_USERS_PASSWORD, "SessionsRequest", "UserReply", "change a password", ("gateway",)),
     (Q_USERS_STANDING, "UserStandingRequest", "UserStanding",
-     "whether a user exists, is active and which roles it has (a schedule's creator, at each firing)",
-     ("scheduler",)),
+     "whether a user exists, is active and which roles it has (a schedule's creator, at each firing; "
+     "who started a command's execution, on a pool that names its roles)",
+     ("scheduler", "worker")),
     (Q_TOKENS_CREATE, "SessionsRequest", "TokenCreated", "a new API token", ("gateway",)),
     (Q_TOKENS_LIST, "SessionsRequest", "TokenList", "live API tokens", ("gateway",)),
     (Q_TOKENS_REVOKE, "SessionsRequest", "Revoked", "revoke an API token", ("gateway",)),

@@ -439,6 +439,7 @@ def _start_child(out: _Out, event: dict) -> None:
         "args": child.get("args") or {},
         "iter_parent": child.get("iter_parent"),  # D19
         "parent_execution_id": state.execution_id,
+        "requested_by": requester(state),  # the root's requester: what its pools check (D33)
         "parent": {"execution_id": state.execution_id, "step": wait.step, "step_run_id": wait.step_run_id,
                    "iteration": wait.iteration, "task": wait.task},
         "depth": depth,
@@ -860,7 +861,17 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         if isinstance(state.keychain, list) else [],  # declarations (D24): the worker resolves them
         "loop_mode": loop_mode,
         "flat": flat(state),
+        "requested_by": requester(state),
     }
+
+
+def requester(state: ExecutionState) -> dict[str, Any] | None:
+    """Who started the execution (a child: who started its root), ids and name only: a pool that names
+    the roles it serves checks them (D33)."""
+    who = state.request.get("requested_by")
+    if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
+        return None
+    return {k: who[k] for k in ("user_id", "username") if isinstance(who.get(k), str)}
 
 
 __all__ = ["Decision", "admission", "router", "loops", "build_command", "lost_command", "step_spec", "graph_of",

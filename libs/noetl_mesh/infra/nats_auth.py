@@ -272,6 +272,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pool = check_pool(user[len(WORKER_PREFIX):])
         pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), CREDENTIAL_RESOLVE_PREFIX + pool,
                 *_payloads(write=True)]
+        pub.append("noetl.q.users.standing")  # the roles of who started a command's execution (NOETL_POOL_ROLES)
         sub.append("noetl.cancel.*")
         purges.add(PAYLOADS)
     else:
@@ -300,8 +301,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [f"noetl.audit.{area}.>" for area in SESSIONS_AUDIT_AREAS]
         deny.append("noetl.q.sessions.bootstrap")  # the admin's only
         deny.append("noetl.sessions.revoked")
-    if user != "scheduler":
-        deny.append("noetl.q.users.standing")  # answered without a token: the scheduler's only
+    if user != "scheduler" and not user.startswith(WORKER_PREFIX):
+        deny.append("noetl.q.users.standing")  # answered without a token: the scheduler's and the workers' only
     if user != "credentials":  # its records of workers' resolutions: nobody else writes them
         deny += [f"noetl.audit.{action}.>" for action in CREDENTIALS_AUDIT]
     if not user.startswith(WORKER_PREFIX):  # a worker asks on its own pool's subject only (allowed above)

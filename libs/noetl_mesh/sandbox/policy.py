@@ -9,6 +9,7 @@ defaults are the safe ones:
 | ``NOETL_SANDBOX_ALLOW_NET`` | empty | destinations opened beyond the default, comma-separated: an address or network (``10.0.0.0/8``, ``::1``) or a host name, each with an optional ``:port`` (``127.0.0.1:8765``, ``[::1]:8080``, ``db.internal:5432``) |
 | ``NOETL_SANDBOX_PYTHON_NET`` | ``0`` | ``1``: python, duckdb and shell tasks may open network sockets (to any address: the kernel filter cannot look at addresses) |
 | ``NOETL_SANDBOX_DATA_DIRS`` | empty | directories user code may read and write besides its scratch directory, separated by ``:`` (``/data:/warehouse``) |
+| ``NOETL_POOL_ROLES`` | ``*`` (anyone); ``admin`` on a trusted pool | the roles, comma-separated, of whoever started an execution (a child: its root) whose commands the pool runs; ``*`` anyone. Another's commands fail with ``error.kind: forbidden`` before any task runs |
 
 Destinations of ``http``, ``postgres`` and ``nats`` tasks are checked with :meth:`Policy.refusal` on the address a
 connection is really made to (after name resolution): loopback, link-local (cloud metadata services live
@@ -30,7 +31,9 @@ ENV = {
     "allow": "NOETL_SANDBOX_ALLOW_NET",
     "python_network": "NOETL_SANDBOX_PYTHON_NET",
     "data_dirs": "NOETL_SANDBOX_DATA_DIRS",
+    "roles": "NOETL_POOL_ROLES",
 }
+ANYONE = "*"
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -163,6 +166,7 @@ class Policy:
     allow: tuple[Destination, ...] = ()
     python_network: bool = False
     data_dirs: tuple[str, ...] = ()
+    roles: frozenset[str] | None = None  # whose executions the pool runs (their starter's roles); None: anyone
     # closed whatever the allow-list says: the engine's own endpoints (its NATS servers), as
     # (address, port) with the words an error uses
     engine: tuple[tuple[IPAddress, int, str], ...] = field(default=())
@@ -192,13 +196,19 @@ class Policy:
                 return f"{ip} is {why}"
         return None
 
+    def admits(self, roles: Iterable[str]) -> bool:
+        """Whether the pool runs the commands of an execution started by someone with ``roles``."""
+        return self.roles is None or not self.roles.isdisjoint(roles)
+
     def describe(self) -> str:
         """One line for a worker's start-up log."""
+        served = "anyone's executions" if self.roles is None else "executions started by " + ", ".join(sorted(self.roles))
         if not self.enabled:
-            return "sandbox OFF (trusted pool): user code runs with the worker's own rights"
+            return f"sandbox OFF (trusted pool): user code runs with the worker's own rights; runs {served}"
         parts = ["sandbox on", f"python network {'open' if self.python_network else 'closed'}"]
         parts.append("allow-net " + (", ".join(map(str, self.allow)) if self.allow else "none"))
         parts.append("data dirs " + (":".join(self.data_dirs) if self.data_dirs else "none"))
+        parts.append("runs " + served)
         return "; ".join(parts)
 
 
@@ -216,8 +226,18 @@ def from_env(environ: Mapping[str, str] | None = None) -> Policy:
         if not os.path.isabs(d):
             raise PolicyError(f"{ENV['data_dirs']}: {d!r} is not an absolute path")
         dirs.append(os.path.normpath(d))
+    enabled = mode in ("on", "1", "true")
+    roles_text = (env.get(ENV["roles"]) or "").strip() or (ANYONE if enabled else "admin")
+    roles = frozenset(r.strip() for r in roles_text.split(",") if r.strip())
+    from ..core.access import ROLES  # here: it imports the password hasher, which most readers never need
+
+    unknown = sorted(roles - set(ROLES) - {ANYONE})
+    if not roles or unknown or (ANYONE in roles and len(roles) > 1):
+        raise PolicyError(f"{ENV['roles']}={env.get(ENV['roles'])!r}: write roles among {', '.join(ROLES)} separated by "
+                          f"commas, or * for anyone" + (f" ({', '.join(unknown)} is none of them)" if unknown else ""))
     return Policy(
-        enabled=mode in ("on", "1", "true"),
+        enabled=enabled,
+        roles=None if ANYONE in roles else roles,
         allow=parse_destinations(env.get(ENV["allow"]) or ""),
         python_network=_flag(env.get(ENV["python_network"]), ENV["python_network"], False),
         data_dirs=tuple(dirs),

@@ -1,0 +1,120 @@
+"""A worker pool that names the roles it serves (``NOETL_POOL_ROLES``, D33) runs only the commands of
+executions started by a user with one of them (a child execution: by whoever started its root), on a
+whole stack with real NATS and Postgres: another's commands fail with ``forbidden`` before any task runs."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from conftest import StackHandle, start_stack, stop_stack
+from noetl_mesh.client import GatewayClient
+from noetl_mesh.infra.bus import Bus
+from noetl_mesh.infra.nats_auth import NatsAuth
+from noetl_mesh.services.worker.service import WorkerService
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "pool roles pw 1"
+
+ON_VAULT = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: on-vault, path: tests/pools/on-vault}
+workflow:
+  - step: start
+    spec: {pool: vault}
+    tool: {kind: noop, result: ran on vault}
+"""
+
+PARENT = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: parent, path: tests/pools/parent}
+workflow:
+  - step: start
+    tool: {kind: playbook, path: tests/pools/on-vault}
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(module_pg) -> Iterator[StackHandle]:
+    nats, loop, handle = start_stack(module_pg, pools=("default", "vault"))
+    settings = handle.stack.settings
+
+    async def vault() -> tuple[Bus, WorkerService]:
+        creds = NatsAuth(settings.nats_creds).for_service("worker", "vault")
+        bus = await Bus.connect(settings.nats_url, "worker-vault", creds)
+        worker = WorkerService(bus, pool="vault", roles="admin,operator")
+        await worker.start()
+        return bus, worker
+
+    bus, worker = handle.run(vault())
+    try:
+        yield handle
+    finally:
+        async def stop() -> None:
+            await worker.stop()
+            await bus.close()
+
+        handle.run(stop())
+        stop_stack(nats, loop, handle)
+
+
+@pytest.fixture(scope="module")
+def tokens(stack) -> dict[str, str]:
+    """An API token of the admin, of a developer, and of a developer who is also an operator."""
+    async def make() -> dict[str, str]:
+        out = {"admin": stack.token}
+        async with stack.client() as admin:
+            await admin.register(ON_VAULT)
+            for name, roles in (("dev", ["developer"]), ("vaulter", ["developer", "operator"])):
+                await admin.add_user(name, roles, password=PASSWORD)
+                async with GatewayClient(stack.url, token="") as c:
+                    c.use(None)
+                    await c.login(name, PASSWORD)
+                    out[name] = (await c.create_token("pool roles"))["token"]
+        return out
+
+    return stack.run(make())
+
+
+def run_as(stack, token: str, playbook: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    async def go():
+        async with stack.client(token=token) as client:
+            eid = await client.start(yaml.safe_load(playbook))
+            status = await client.wait(eid, timeout=60)
+            return status, await client.all_events(eid)
+
+    return stack.run(go(), 90)
+
+
+@pytest.mark.parametrize("who", ["admin", "vaulter"])
+def test_a_user_with_one_of_the_pools_roles_runs_on_it(stack, tokens, who: str) -> None:
+    status, _ = run_as(stack, tokens[who], ON_VAULT)
+    assert status["status"] == "COMPLETED", status
+    assert status["steps"]["start"]["result"] == "ran on vault"
+
+
+def test_another_users_step_fails_forbidden_before_any_task_runs(stack, tokens) -> None:
+    status, events = run_as(stack, tokens["dev"], ON_VAULT)
+    assert status["status"] == "FAILED", status
+    failed = next(e for e in events if e["name"] == "step.failed")
+    error = failed["data"]["error"]
+    assert error["kind"] == "forbidden" and error["retryable"] is False
+    assert "pool 'vault' runs only executions started by a user with the role admin or operator" in error["message"]
+    assert "this one was started by dev, who has developer" in error["message"]
+    assert not [e for e in events if e["name"] == "task.started"]  # nothing of the user's ran
+
+
+def test_a_child_on_the_pool_is_checked_against_whoever_started_its_root(stack, tokens) -> None:
+    """The developer's own execution runs on the default pool; the child it starts from the catalog
+    (registered by the admin) is still the developer's, and the vault pool refuses it."""
+    status, events = run_as(stack, tokens["dev"], PARENT)
+    assert status["status"] == "FAILED", status
+    outcome = next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]
+    assert outcome["error"]["kind"] == "child_failed", outcome
+    assert outcome["error"]["cause"]["kind"] == "forbidden", outcome
+    ok, _ = run_as(stack, tokens["vaulter"], PARENT)
+    assert ok["status"] == "COMPLETED", ok
