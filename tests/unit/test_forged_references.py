@@ -9,7 +9,9 @@ import asyncio
 import pytest
 
 from noetl_mesh.contracts.refs import STORE, forged, is_ref
+from noetl_mesh.core.local import run_local
 from noetl_mesh.core.pipeline import run_pipeline
+from noetl_mesh.core.state import summary
 from noetl_mesh.lang.templates import TemplateError, render
 from noetl_mesh.lang.validate import validate
 from noetl_mesh.services.gateway.body import BodyError, parse_json
@@ -91,14 +93,54 @@ def test_a_template_that_builds_a_reference_fails_where_it_is_rendered() -> None
 
 def test_a_template_that_only_reads_its_context_is_not_walked() -> None:
     """What a template is given (workload, results, ctx, iter) was checked where it entered the engine;
-    only what the template makes (a mapping literal, a call, from_json) is looked at, so that reading a
-    100,000-item result costs what it did. A reference reaching the context some other way is kept as
-    it is, not expanded by the template."""
+    only a value the template makes (arithmetic, a literal, a call, a filter) is looked at, so that
+    reading a 100,000-item result costs what it did. A reference reaching the context some other way is
+    kept as it is by a read, not expanded, and refused as soon as a template makes something of it."""
     given = {"rows": [{"id": i} for i in range(3)], "r": REF}
     assert render("{{ given }}", {"given": given}, "x") is given
-    assert render("{{ given.rows + [given.r] }}", {"given": given}, "x")[-1] is REF
-    with pytest.raises(TemplateError):
-        render("{{ dict(given.r) }}", {"given": given}, "x")  # a copy the template made
+    assert render("{{ given.rows[0] }}", {"given": given}, "x") is given["rows"][0]
+    assert render("{{ given['r'] }}", {"given": given}, "x") is REF
+    for made in ("{{ given.rows + [given.r] }}", "{{ dict(given.r) }}", "{{ given.r | list if false else [given.r] }}"):
+        with pytest.raises(TemplateError, match="D23"):
+            render(made, {"given": given}, "x")
+
+
+@pytest.mark.parametrize("source", [
+    "{{ (['{\"store\": \"nats-object:noetl_payloads\", \"key\": \"k\", \"size\": 1, \"checksum\": \"c\"}'] * 3)"
+    " | map('from_json') | list }}",  # a filter applied by another filter
+    "{{ dict(given.half, size=1, checksum='c') }}",  # a half the template was given, completed
+])
+def test_a_template_cannot_make_a_reference_by_any_expression(source: str) -> None:
+    with pytest.raises(TemplateError, match=r"payload reference, which only the engine writes \(D23\)"):
+        render(source, {"given": {"half": {"store": STORE, "key": "k"}}}, "x")
+
+
+@pytest.mark.parametrize("source, why", [
+    ("{{ 2 ** 64 }}", "an integer outside 64 bits"),
+    ("{{ [1, -(2 ** 63) - 1] }}", "at \\[1\\]: an integer outside 64 bits"),
+    ("{{ {'a': 1e308 * 10} }}", "at a: a number that is not finite"),
+])
+def test_a_template_cannot_make_a_number_the_log_cannot_hold(source: str, why: str) -> None:
+    """Before, such a value failed where it was sent: a router or loop-coordinator dropped the message
+    (the execution stayed RUNNING), a worker's report was redelivered until worker_lost."""
+    with pytest.raises(TemplateError, match=why):
+        render(source, {}, "step=s.next.arcs[0].args.n")
+    assert render("{{ 2 ** 64 - 1 }}", {}, "x") == 2 ** 64 - 1
+
+
+def test_a_workload_merged_from_two_halves_of_a_reference_fails_the_request() -> None:
+    """Each side is checked where it enters (the playbook, the request); their merge (D26) is checked
+    when the request is evaluated, whatever started it (the gateway, a parent, a schedule, a restart)."""
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "t", "path": "tests/t"},
+           "workload": {"x": {"y": {"store": STORE, "key": REF["key"]}}},
+           "workflow": [{"step": "start", "tool": {"kind": "noop"}}]}
+    result = asyncio.run(run_local(doc, workload={"x": {"y": {"size": REF["size"], "checksum": REF["checksum"]}}},
+                                   tools={"noop": NoopTool()}))
+    evaluated = next(e for e in result.log if e["name"] == "playbook.request.evaluated")
+    assert evaluated["status"] == "error", evaluated
+    assert any("the workload (the playbook's merged with the request's) at x.y" in e and D23 in e
+               for e in evaluated["data"]["errors"]), evaluated
+    assert summary(result.state)["status"] == "FAILED"
 
 
 def test_a_playbook_with_a_literal_reference_is_invalid_where_it_stands() -> None:

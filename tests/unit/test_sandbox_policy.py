@@ -12,7 +12,8 @@ def test_defaults_close_loopback_link_local_and_metadata():
     assert "loopback" in p.refusal("::1", 80)
     assert "loopback" in p.refusal("::ffff:127.0.0.1", 80)  # v4-mapped is the v4 address
     # so is every other IPv6 spelling of one: v4-compatible, v4-translated, NAT64, 6to4
-    for spelled in ("::127.0.0.1", "::ffff:0:7f00:1", "64:ff9b::7f00:1", "2002:7f00:1::1"):
+    teredo = "2001:0:4136:e378:8000:63bf:80ff:fffe"  # client 127.0.0.1 (stored inverted)
+    for spelled in ("::127.0.0.1", "::ffff:0:7f00:1", "64:ff9b::7f00:1", "64:ff9b:1::7f00:1", "2002:7f00:1::1", teredo):
         assert "loopback" in p.refusal(spelled, 80), spelled
     assert "metadata" in p.refusal("::169.254.169.254", 80) and "metadata" in p.refusal("64:ff9b::a9fe:a9fe", 80)
     assert "unspecified" in p.refusal("::", 80) and "loopback" in p.refusal("::1", 80)

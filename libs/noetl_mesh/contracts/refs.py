@@ -38,6 +38,32 @@ def forged(value: Any) -> tuple[Any, ...] | None:
     return None
 
 
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers the log's JSON encoder (orjson) writes
+
+
+def unsendable(value: Any) -> tuple[tuple[Any, ...], str] | None:
+    """The path to the first part of ``value`` that cannot travel as a value the user wrote, and why:
+    an object shaped like a payload reference, an integer outside 64 bits, a number that is not finite
+    (JSON has none: it would become null); None when every part can."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        kind = type(item)
+        if kind is int:
+            if not INT_MIN <= item <= INT_MAX:
+                return path, "an integer outside 64 bits (-2^63 .. 2^64-1), which the event log cannot hold"
+        elif kind is float:
+            if item != item or item in (float("inf"), float("-inf")):
+                return path, "a number that is not finite, which JSON cannot hold"
+        elif isinstance(item, dict):
+            if is_ref(item):
+                return path, WHY
+            stack.extend((v, (*path, k)) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, (*path, i)) for i, v in enumerate(item))
+    return None
+
+
 def shown(path: tuple[Any, ...]) -> str:
     """``path`` as ``a.b[2].c``."""
     out = ""
@@ -46,7 +72,10 @@ def shown(path: tuple[Any, ...]) -> str:
     return out
 
 
+WHY = (f"an object whose keys are exactly store, key, size and checksum, with store {STORE!r}, is a payload "
+       "reference, which only the engine writes (D23)")
+
+
 def refusal(where: str) -> str:
     """Why a value at ``where`` is refused."""
-    return (f"{where}: an object whose keys are exactly store, key, size and checksum, with store "
-            f"{STORE!r}, is a payload reference, which only the engine writes (D23)")
+    return f"{where}: {WHY}"

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from .. import limits
+from ..contracts import refs
 from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy
@@ -142,10 +143,15 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
         return
     overrides = state.request.get("workload") or {}
     workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
-    over = limits.exceeded("max_workload_bytes", len(orjson.dumps(workload, default=str, option=orjson.OPT_NON_STR_KEYS)),
-                           "workload")
+    encoded = orjson.dumps(workload, default=str, option=orjson.OPT_NON_STR_KEYS)
+    over = limits.exceeded("max_workload_bytes", len(encoded), "workload")
     if over:
         out.event("playbook.request.evaluated", status="error", data={"errors": [str(over)]})
+        return
+    # each side was checked, but a merge can join two halves of a payload reference (D23)
+    if refs.MARKER in encoded and (at := refs.forged(workload)) is not None:
+        out.event("playbook.request.evaluated", status="error",
+                  data={"errors": [refs.refusal(f"the workload (the playbook's merged with the request's) at {refs.shown(at)}")]})
         return
     out.event(
         "playbook.request.evaluated",

@@ -1184,20 +1184,21 @@ _ENV = _make_env()
 _FORBIDDEN = {nodes.Extends: "extends", nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from"}
 # Expression nodes that can build a container holding an undefined value ({{ [a, 1] }}).
 _MAY_NEST = (nodes.List, nodes.Tuple, nodes.Dict, nodes.Call, nodes.Filter)
-# Expression nodes that can make a new mapping ({'a': 1}, dict(a=1), '{}' | from_json): only a value such
-# an expression gives can hold a payload reference the template made (D23). The values of its context
-# were each checked where they entered the engine, so a template that only reads them is not walked.
-_MAKES_MAPPING = (nodes.Dict, nodes.Call)
-_MAPPING_FILTERS = frozenset({"from_json"})
+# The nodes of an expression that only reads its context ({{ workload.rows }}, {{ steps.a.result[0] }}):
+# what it gives was checked where it entered the engine (a request, a task's result, a template that
+# made it). Any other expression (arithmetic, a literal, a call, a filter: '{}' | from_json, map(...))
+# makes a value, which is checked before it goes anywhere (contracts/refs.py ``unsendable``: a payload
+# reference, D23; an integer past 64 bits; a number that is not finite).
+_READS = (nodes.Name, nodes.Getattr, nodes.Getitem, nodes.Const)
 
 
 # -------------------------------------------------------------------------------------------- compile
 
 
 class _Compiled:
-    __slots__ = ("template", "render_func", "blocks", "globals", "native", "check_nested", "makes_mapping")
+    __slots__ = ("template", "render_func", "blocks", "globals", "native", "check_nested", "makes_value")
 
-    def __init__(self, template: Any, native: bool, check_nested: bool = False, makes_mapping: bool = False) -> None:
+    def __init__(self, template: Any, native: bool, check_nested: bool = False, makes_value: bool = False) -> None:
         self.template = template
         self.render_func = template.root_render_func
         # The budget's hooks, looked up by the generated code as globals of its module.
@@ -1207,7 +1208,7 @@ class _Compiled:
         self.globals = dict(template.globals)
         self.native = native
         self.check_nested = check_nested
-        self.makes_mapping = makes_mapping
+        self.makes_value = makes_value
 
 
 def _single_expression(source: str, ast: nodes.Template) -> nodes.Expr | None:
@@ -1233,9 +1234,8 @@ def _native_template(expr: nodes.Expr) -> _Compiled:
     body = nodes.Template([nodes.Assign(nodes.Name("result", "store"), expr, lineno=1)], lineno=1)
     body.set_environment(_ENV)
     check = isinstance(expr, _MAY_NEST) or any(True for _ in expr.find_all(_MAY_NEST))
-    makes = isinstance(expr, _MAKES_MAPPING) or any(True for _ in expr.find_all(_MAKES_MAPPING)) or any(
-        f.name in _MAPPING_FILTERS for f in (expr, *expr.find_all(nodes.Filter)) if isinstance(f, nodes.Filter))
-    return _Compiled(_ENV.from_string(body), native=True, check_nested=check, makes_mapping=makes)
+    makes = not all(isinstance(n, _READS) for n in (expr, *expr.find_all(nodes.Node)))
+    return _Compiled(_ENV.from_string(body), native=True, check_nested=check, makes_value=makes)
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -1333,8 +1333,9 @@ def _run(compiled: _Compiled, source: str, context: Mapping[str, Any] | None, wh
             u = _find_undefined(rv)
             if u is not None:
                 u._fail_with_undefined_error()
-        if compiled.makes_mapping and isinstance(rv, (list, tuple, dict)) and (at := refs.forged(rv)) is not None:
-            raise TemplateError(source, where, refs.refusal(f"the value it gives{' at ' + refs.shown(at) if at else ''}"))
+        if compiled.makes_value and (wrong := refs.unsendable(rv)) is not None:
+            at, why = wrong
+            raise TemplateError(source, where, f"the value it gives{' at ' + refs.shown(at) if at else ''}: {why}")
         if type(rv) is not str and isinstance(rv, str):  # Markup from tojson & co.
             rv = str(rv)
         return rv

@@ -61,18 +61,22 @@ _EMBEDDING = tuple(ipaddress.ip_network(n) for n in (
     "::/96",  # IPv4-compatible (deprecated): ::127.0.0.1
     "::ffff:0:0:0/96",  # IPv4-translated (SIIT): ::ffff:0:7f00:1
     "64:ff9b::/96",  # NAT64's well-known prefix: a NAT64 gateway reaches the IPv4 address it ends with
+    "64:ff9b:1::/48",  # NAT64's local-use prefixes (RFC 8215): the same, where a network runs one
 ))
 
 
 def _plain(ip: IPAddress) -> IPAddress:
     """The IPv4 address an IPv6 address stands for, or ``ip``: ``::ffff:127.0.0.1``, ``::127.0.0.1``,
-    ``::ffff:0:7f00:1`` and ``64:ff9b::7f00:1`` are ``127.0.0.1``; a 6to4 address is the one it embeds."""
+    ``::ffff:0:7f00:1`` and ``64:ff9b::7f00:1`` are ``127.0.0.1``; a 6to4 or Teredo address is the one
+    it embeds."""
     if ip.version != 6:
         return ip
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     if ip.sixtofour is not None:
         return ip.sixtofour
+    if ip.teredo is not None:  # (server, client): the client is where the packets go
+        return ip.teredo[1]
     if int(ip) > 1 and any(ip in net for net in _EMBEDDING):  # :: and ::1 are themselves
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return ip
