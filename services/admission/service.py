@@ -57,6 +57,8 @@ class AdmissionService(PartitionedService):
         if event["name"] == "playbook.execution.requested" and state.playbook is None:
             fetching = self.resolving.pop(event["event_id"], None)
             playbook = await (fetching if fetching is not None else self.resolve(event.get("data") or {}))
+        if isinstance(playbook, decide.Written):
+            return decide.admission(state, event, playbook.doc, author=playbook.author)
         return decide.admission(state, event, playbook)
 
     def prepare(self, request: dict[str, Any]) -> None:
@@ -89,7 +91,8 @@ class AdmissionService(PartitionedService):
             if exc.kind in ("unavailable", "timeout"):
                 raise  # transient: the message is retried later, nothing is decided
             return [f"catalog: {exc.message}"]
-        return _document(entry["content"], "catalog: ")
+        doc = _document(entry["content"], "catalog: ")
+        return doc if isinstance(doc, list) else decide.Written(doc, entry.get("registered_by"))
 
 
 def _quietly(future: asyncio.Future) -> None:

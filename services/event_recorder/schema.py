@@ -153,6 +153,11 @@ CREATE TABLE IF NOT EXISTS loop_progress (
 ALTER TABLE execution ADD COLUMN IF NOT EXISTS restarted_from text;
 CREATE INDEX IF NOT EXISTS execution_restarts ON execution (restarted_from, created_at) WHERE restarted_from IS NOT NULL;
 """),
+    # D33: who registered each version ({user_id, username}): a pool that names its roles checks the
+    # author of the code it runs as well as whoever started it; null for versions registered before
+    (7, "who registered each catalog version", """
+ALTER TABLE catalog ADD COLUMN IF NOT EXISTS registered_by jsonb;
+"""),
 ]
 
 _LOCK = 0x6E6F65746C  # "noetl": serialises migrations across replicas

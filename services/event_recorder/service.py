@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 import psycopg
 from nats.js.api import AckPolicy
-from psycopg.types.json import set_json_loads
+from psycopg.types.json import Jsonb, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
@@ -131,6 +131,13 @@ YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two cha
 
 def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+def _registrant(who: Any) -> dict[str, str] | None:
+    """Who registers a catalog version, as the gateway says ({user_id, username}); None when unknown."""
+    if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
+        return None
+    return {k: schema.text(who[k]) for k in ("user_id", "username") if isinstance(who.get(k), str)}
 
 
 def _execution_row(row: tuple) -> dict[str, Any]:
@@ -579,11 +586,12 @@ class RecorderService:
             try:
                 async with self._connection() as conn:
                     cur = await conn.execute(
-                        """INSERT INTO catalog (path, version, name, content)
-                           SELECT %(path)s, coalesce(max(version), 0) + 1, %(name)s, %(content)s
+                        """INSERT INTO catalog (path, version, name, content, registered_by)
+                           SELECT %(path)s, coalesce(max(version), 0) + 1, %(name)s, %(content)s, %(by)s
                            FROM catalog WHERE path = %(path)s
                            RETURNING id, path, version, name, created_at""",
-                        {"path": meta["path"], "name": meta.get("name"), "content": content})
+                        {"path": meta["path"], "name": meta.get("name"), "content": content,
+                         "by": Jsonb(_registrant(req.get("registered_by")))})
                     row = await cur.fetchone()
                 break
             except psycopg.errors.UniqueViolation:
@@ -594,7 +602,7 @@ class RecorderService:
                 "warnings": [_diagnostic(d) for d in result.warnings]}
 
     async def catalog_get(self, req: dict[str, Any]) -> dict[str, Any]:
-        select = "SELECT id, path, version, name, content, created_at FROM catalog"
+        select = "SELECT id, path, version, name, content, created_at, registered_by FROM catalog"
         if req.get("id") is not None:
             if _int(req["id"]) is None:
                 raise BusError("bad_request", "id must be an integer")
@@ -615,7 +623,7 @@ class RecorderService:
             row = await (await conn.execute(query, params)).fetchone()
         if row is None:
             raise BusError("not_found", f"{what} is not in the catalog")
-        return dict(zip(("id", "path", "version", "name", "content", "created_at"), map(_iso, row)))
+        return dict(zip(("id", "path", "version", "name", "content", "created_at", "registered_by"), map(_iso, row)))
 
     async def catalog_list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         limit = min(max(_int(req.get("limit")) or 1000, 1), 10_000)

@@ -463,18 +463,29 @@ class WorkerService:
                 observer.close()
 
     async def _refusal(self, command: dict) -> str | None:
-        """Why this pool does not run the command (D33: whoever started its execution, a child's root,
-        has none of the pool's roles, ``NOETL_POOL_ROLES``), or None. The starter's roles are the
-        sessions service's word now, kept for :data:`STANDING_TTL` seconds."""
+        """Why this pool does not run the command, or None (D33, ``NOETL_POOL_ROLES``): whoever started
+        its execution (a child: its root's starter) and whoever wrote the playbook it runs (registered
+        that catalog version, or sent it inline) must each hold one of the pool's roles. Their roles are
+        the sessions service's word now, kept for :data:`STANDING_TTL` seconds."""
         roles = self.policy.roles if self.policy is not None else None
         if roles is None:
             return None
-        who = command.get("requested_by") if isinstance(command.get("requested_by"), dict) else {}
-        uid = who.get("user_id")
-        need = f"pool {self.pool!r} runs only executions started by a user with the role {' or '.join(sorted(roles))} " \
-               f"(NOETL_POOL_ROLES on its workers, D33)"
-        if not isinstance(uid, str):
-            return f"{need}; this one was started by no user"
+        need = f"pool {self.pool!r} runs only playbooks started and written by users with the role " \
+               f"{' or '.join(sorted(roles))} (NOETL_POOL_ROLES on its workers, D33)"
+        for did, who in (("started", command.get("requested_by")), ("written", command.get("authored_by"))):
+            uid = who.get("user_id") if isinstance(who, dict) else None
+            if not isinstance(uid, str):
+                return f"{need}; this one was {did} by no user known" + (
+                    " (a catalog version registered before authors were recorded: register it again)"
+                    if did == "written" else "")
+            standing = await self._standing_of(uid)
+            if not (standing.get("active") and self.policy.admits(standing.get("roles") or ())):
+                has = ", ".join(standing.get("roles") or ()) or "no role"
+                return f"{need}; this one was {did} by {who.get('username') or uid}, " + (
+                    f"who has {has}" if standing.get("active") else "who is disabled or removed")
+        return None
+
+    async def _standing_of(self, uid: str) -> dict:
         now = time.monotonic()
         until, standing = self._standing.get(uid, (0.0, {}))
         if until < now:
@@ -482,11 +493,7 @@ class WorkerService:
             if len(self._standing) > 10_000:
                 self._standing.clear()
             self._standing[uid] = (now + STANDING_TTL, standing)
-        if standing.get("active") and self.policy.admits(standing.get("roles") or ()):
-            return None
-        has = ", ".join(standing.get("roles") or ()) or "no role"
-        return f"{need}; this one was started by {who.get('username') or uid}, " + (
-            f"who has {has}" if standing.get("active") else "who is disabled or removed")
+        return standing
 
     async def _fail(self, command: dict, error: dict) -> None:
         """End the command's step run or iterations failed without running them."""

@@ -103,7 +103,7 @@ def test_another_users_step_fails_forbidden_before_any_task_runs(stack, tokens) 
     failed = next(e for e in events if e["name"] == "step.failed")
     error = failed["data"]["error"]
     assert error["kind"] == "forbidden" and error["retryable"] is False
-    assert "pool 'vault' runs only executions started by a user with the role admin or operator" in error["message"]
+    assert "pool 'vault' runs only playbooks started and written by users with the role admin or operator" in error["message"]
     assert "this one was started by dev, who has developer" in error["message"]
     assert not [e for e in events if e["name"] == "task.started"]  # nothing of the user's ran
 
@@ -117,4 +117,25 @@ def test_a_child_on_the_pool_is_checked_against_whoever_started_its_root(stack, 
     assert outcome["error"]["kind"] == "child_failed", outcome
     assert outcome["error"]["cause"]["kind"] == "forbidden", outcome
     ok, _ = run_as(stack, tokens["vaulter"], PARENT)
+    assert ok["status"] == "COMPLETED", ok
+
+
+def test_an_admins_call_of_a_version_a_developer_registered_is_refused(stack, tokens) -> None:
+    """The author of the code is checked as well as the starter: a developer who registers a new
+    version of a path an admin's playbook calls without pinning a version does not get that code run
+    with the admin's standing on the pool."""
+    async def register_as(who: str, content: str) -> dict:
+        async with stack.client(token=tokens[who]) as client:
+            return await client.register(content)
+
+    own = ON_VAULT.replace("tests/pools/on-vault", "tests/pools/shared").replace("ran on vault", "the admin's")
+    stack.run(register_as("admin", own))
+    stack.run(register_as("dev", own.replace("the admin's", "the developer's")))  # version 2, the latest
+    status, events = run_as(stack, tokens["admin"], PARENT.replace("tests/pools/on-vault", "tests/pools/shared"))
+    assert status["status"] == "FAILED", status
+    outcome = next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]
+    assert outcome["error"]["cause"]["kind"] == "forbidden", outcome
+    assert "this one was written by dev, who has developer" in outcome["error"]["cause"]["message"]
+    pinned = PARENT.replace("path: tests/pools/on-vault", "path: tests/pools/shared, version: 1")
+    ok, events = run_as(stack, tokens["admin"], pinned)
     assert ok["status"] == "COMPLETED", ok

@@ -99,6 +99,8 @@ class Command(_Exact):
     flat: bool = Field(False, description="the execution has no loop step: the run's ctl events travel as flat")
     requested_by: Optional[dict[str, str]] = Field(None, description="who started the execution (a child: its root): "
                                                                       "{user_id, username}; a pool's roles are checked against it")
+    authored_by: Optional[dict[str, str]] = Field(None, description="who wrote the playbook it runs (who registered "
+                                                                     "its catalog version, or who sent it inline); checked as well")
 
 
 class CancelNotice(_Exact):
@@ -137,6 +139,7 @@ class Empty(_Exact):
 # ---- the event-recorder's requests and replies
 class CatalogRegisterRequest(_Exact):
     content: str = Field(description="the playbook's YAML text")
+    registered_by: Optional[dict[str, Any]] = Field(None, description="who registers it (the gateway's caller)")
 
 
 class CatalogGetRequest(_Exact):
@@ -157,6 +160,7 @@ class CatalogEntry(_Open):
     name: Optional[str] = None
     created_at: Any = None
     content: str | PayloadRef | None = None
+    registered_by: Optional[dict[str, Any]] = None
 
 
 class CatalogList(RootModel[list[CatalogEntry]]):

@@ -104,13 +104,21 @@ class _Out:
 
 
 # =============================================================== admission
-def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None) -> Decision:
+@dataclass(frozen=True)
+class Written:
+    """A catalog playbook as the shell fetched it: the document and who registered that version."""
+    doc: Any
+    author: Any = None
+
+
+def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None, author: Any = None) -> Decision:
     """``playbook``: for ``playbook.execution.requested``, the resolved document (the shell fetched
-    it from the catalog or took it inline) or a list of error strings when it could not."""
+    it from the catalog or took it inline) or a list of error strings when it could not; ``author``:
+    who registered the catalog version (an inline playbook's author is its requester)."""
     out = _Out(state, event, "admission")
     name = event["name"]
     if name == "playbook.execution.requested":
-        _evaluate_request(out, playbook)
+        _evaluate_request(out, playbook, author)
     elif name == "task.suspended" and event.get("iteration") is None:  # an iteration's: the loop-coordinator's
         _suspended(out, event)
     elif name == "playbook.child.finished":
@@ -122,7 +130,7 @@ def admission(state: ExecutionState, event: dict[str, Any], playbook: Any = None
     return out.decision
 
 
-def _evaluate_request(out: _Out, resolved: Any) -> None:
+def _evaluate_request(out: _Out, resolved: Any, author: Any = None) -> None:
     from ..lang.validate import entry_step
 
     state = out.state
@@ -157,7 +165,9 @@ def _evaluate_request(out: _Out, resolved: Any) -> None:
         "playbook.request.evaluated",
         data={"playbook": doc, "digest": digest, "workload": workload, "keychain": _keychain_declarations(doc),
               "path": doc["metadata"]["path"], "version": (state.request.get("catalog") or {}).get("version"),
-              "parent_execution_id": state.request.get("parent_execution_id")},
+              "parent_execution_id": state.request.get("parent_execution_id"),
+              # D33: who wrote it: the requester of an inline playbook, the registrant of a catalog version
+              "authored_by": requester(state) if state.request.get("playbook") is not None else _who(author)},
     )
     if restart is not None:
         out.event("workflow.started", data={"entry_step": entry_step(doc), "restarted_from": restart})
@@ -868,17 +878,21 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         "loop_mode": loop_mode,
         "flat": flat(state),
         "requested_by": requester(state),
+        "authored_by": state.author,
     }
 
 
 def requester(state: ExecutionState) -> dict[str, Any] | None:
     """Who started the execution (a child: who started its root), ids and name only: a pool that names
     the roles it serves checks them (D33)."""
-    who = state.request.get("requested_by")
+    return _who(state.request.get("requested_by"))
+
+
+def _who(who: Any) -> dict[str, Any] | None:
     if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
         return None
     return {k: who[k] for k in ("user_id", "username") if isinstance(who.get(k), str)}
 
 
-__all__ = ["Decision", "admission", "router", "loops", "build_command", "lost_command", "step_spec", "graph_of",
+__all__ = ["Decision", "Written", "admission", "router", "loops", "build_command", "lost_command", "step_spec", "graph_of",
            "EventName", "child_outcome", "depth_limit", "DEFAULT_MAX_DEPTH"]

@@ -143,6 +143,7 @@ class ExecutionState:
     graph: WorkflowGraph | None = None
     workload: dict[str, Any] = field(default_factory=dict)
     keychain: list[dict[str, Any]] = field(default_factory=list)  # the playbook's declarations (D24)
+    author: dict[str, Any] | None = None  # who wrote the playbook (D33: a pool's roles are checked on it too)
     ctx: dict[str, Any] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)  # pending tokens by id
     runs: dict[str, StepRun] = field(default_factory=dict)
@@ -250,6 +251,7 @@ def _evaluated(s: ExecutionState, e: dict, d: dict) -> None:
     s.playbook = d["playbook"]
     s.workload = d.get("workload") or {}
     s.keychain = d.get("keychain") if isinstance(d.get("keychain"), list) else []
+    s.author = d.get("authored_by") if isinstance(d.get("authored_by"), dict) else None
     s.graph = graph_of(s.playbook, d.get("digest"))
     if s.request.get("restarted_from") is not None:
         _restore(s, s.request.get("seed"))
