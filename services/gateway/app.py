@@ -89,6 +89,7 @@ from noetl_mesh.infra.bus import (
     BusError,
     dumps,
 )
+from noetl_mesh.contracts import refs
 from noetl_mesh.contracts.subjects import STATUS_OF_KIND
 from noetl_mesh.lang.validate import parse_and_validate, parse_yaml
 from noetl_mesh.limits import LimitExceeded
@@ -720,7 +721,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=execution_id):
                 await shell.publish(execution_requested(execution_id, {
                     "playbook": doc, "catalog": catalog, "workload": workload,
-                    "parent_execution_id": body.parent_execution_id, "requested_by": auth.requested_by(who)}),
+                    "parent_execution_id": body.parent_execution_id, "requested_by": auth.requested_by(who),
+                    # D33: a catalog version's author is whoever registered it, not whoever starts it
+                    **({"authored_by": entry.get("registered_by")} if catalog is not None else {})}),
                     "body.playbook")
         return {"execution_id": execution_id, "status": "PENDING"}
 
@@ -839,9 +842,13 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                 except PayloadMissing as exc:
                     raise problem(410, f"execution {execution_id}'s workload: {exc}") from None
             data = restart.request(start, workload=body.workload, requested_by=auth.requested_by(who))
-            if body.workload and not is_ref(data["workload"]) and \
-                    (over := limits.exceeded("max_workload_bytes", len(dumps(data["workload"])), "the merged workload")):
-                raise problem(413, str(over), "body.workload")
+            if body.workload and not is_ref(data["workload"]):
+                merged = dumps(data["workload"])
+                if over := limits.exceeded("max_workload_bytes", len(merged), "the merged workload"):
+                    raise problem(413, str(over), "body.workload")
+                if refs.MARKER in merged and (at := refs.forged(data["workload"])) is not None:  # two halves (D23)
+                    where = f"body.workload.{refs.shown(at)}"
+                    raise problem(422, refs.refusal(f"the merged workload at {refs.shown(at)}"), where)
             new_id = new_execution_id()
             span.set_attribute(tracing.EXECUTION_ID, new_id)
             with tracing.span("gateway playbook.execution.requested", service="gateway", execution_id=new_id):

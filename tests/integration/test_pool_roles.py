@@ -139,3 +139,50 @@ def test_an_admins_call_of_a_version_a_developer_registered_is_refused(stack, to
     pinned = PARENT.replace("path: tests/pools/on-vault", "path: tests/pools/shared, version: 1")
     ok, events = run_as(stack, tokens["admin"], pinned)
     assert ok["status"] == "COMPLETED", ok
+
+
+def test_starting_a_developers_version_by_path_or_id_keeps_its_author(stack, tokens) -> None:
+    """The gateway resolves a catalog start itself: the request names the version's registrant as its
+    author, not the admin who starts it."""
+    async def go() -> list[tuple[dict, list]]:
+        async with stack.client(token=tokens["dev"]) as dev:
+            entry = await dev.register(ON_VAULT.replace("tests/pools/on-vault", "tests/pools/direct"))
+        out = []
+        async with stack.client(token=tokens["admin"]) as admin:
+            for ref in ({"path": "tests/pools/direct"}, {"catalog_id": entry["id"]}):
+                eid = await admin.start(**ref)
+                out.append((await admin.wait(eid, timeout=60), await admin.all_events(eid)))
+        return out
+
+    for status, events in stack.run(go(), 150):
+        assert status["status"] == "FAILED", status
+        error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
+        assert error["kind"] == "forbidden" and "this one was written by dev, who has developer" in error["message"]
+
+
+def test_a_restart_keeps_the_author_of_what_it_runs_again(stack, tokens) -> None:
+    """An admin restarting a developer's execution runs the developer's playbook again: its author is
+    still the developer."""
+    two = ON_VAULT.replace("""  - step: start
+    spec: {pool: vault}""", """  - step: start
+    tool: {kind: noop}
+    next: {arcs: [{step: mid}]}
+  - step: mid
+    tool: {kind: noop}
+    next: {arcs: [{step: onvault}]}
+  - step: onvault
+    spec: {pool: vault}""")
+    status, _ = run_as(stack, tokens["dev"], two)
+    assert status["status"] == "FAILED", status
+
+    async def restart() -> tuple[dict, list]:
+        async with stack.client(token=tokens["admin"]) as admin:
+            resp = await admin.http.post(f"/api/executions/{status['execution_id']}/restart", json={"from_step": "mid"})
+            assert resp.status_code == 202, resp.text
+            eid = resp.json()["execution_id"]
+            return await admin.wait(eid, timeout=60), await admin.all_events(eid)
+
+    again, events = stack.run(restart(), 90)
+    assert again["status"] == "FAILED", again
+    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
+    assert error["kind"] == "forbidden" and "this one was written by dev" in error["message"]

@@ -319,3 +319,15 @@ def test_noetl_restart_follows_the_new_execution_and_says_it_in_its_exit_status(
     assert refused.returncode == 1 and "gateway answered 422" in refused.stderr and "no step 'nope'" in refused.stderr
     bad = noetl("restart", old["execution_id"], "--from", "c", "--workload", "[1]")
     assert bad.returncode == 2 and "--workload must be a JSON object" in bad.stderr
+
+
+def test_a_restart_workload_that_completes_a_reference_with_the_old_one_is_422(stack):
+    """The old execution's workload holds half of a payload reference (D23), the restart's body the
+    other half: each passes alone, their merge would be a reference the services expand."""
+    half = CHAIN.replace("workload: {broken: true, day: mon}",
+                         "workload: {broken: true, day: mon, x: {store: 'nats-object:noetl_payloads', key: k}}")
+    old, _ = run(stack, half)
+    status, detail = refusal(stack, old["execution_id"], {"from_step": "c", "workload": {
+        "broken": False, "x": {"size": 1, "checksum": "sha256:" + "0" * 64}}})
+    assert status == 422 and detail["location"] == "body.workload.x", detail
+    assert "only the engine writes (D23)" in detail["message"]

@@ -166,8 +166,7 @@ def _evaluate_request(out: _Out, resolved: Any, author: Any = None) -> None:
         data={"playbook": doc, "digest": digest, "workload": workload, "keychain": _keychain_declarations(doc),
               "path": doc["metadata"]["path"], "version": (state.request.get("catalog") or {}).get("version"),
               "parent_execution_id": state.request.get("parent_execution_id"),
-              # D33: who wrote it: the requester of an inline playbook, the registrant of a catalog version
-              "authored_by": requester(state) if state.request.get("playbook") is not None else _who(author)},
+              "authored_by": _author(state, author)},
     )
     if restart is not None:
         out.event("workflow.started", data={"entry_step": entry_step(doc), "restarted_from": restart})
@@ -886,6 +885,18 @@ def requester(state: ExecutionState) -> dict[str, Any] | None:
     """Who started the execution (a child: who started its root), ids and name only: a pool that names
     the roles it serves checks them (D33)."""
     return _who(state.request.get("requested_by"))
+
+
+def _author(state: ExecutionState, fetched: Any) -> dict[str, Any] | None:
+    """D33: who wrote the playbook a request runs: the registrant of the catalog version the shell
+    fetched (``fetched``); the one the request names when the gateway resolved the catalog or a restart
+    runs an earlier execution's playbook (``authored_by``, null when unknown); else, for a playbook sent
+    inline, its requester."""
+    if state.request.get("playbook") is None:
+        return _who(fetched)
+    if "authored_by" in state.request:
+        return _who(state.request.get("authored_by"))
+    return requester(state)
 
 
 def _who(who: Any) -> dict[str, Any] | None:

@@ -99,6 +99,7 @@ def seed(events: Iterable[dict[str, Any]], from_step: str, *, status: str | None
         "execution_id": state.execution_id, "step": from_step, "upto_event": cut["event_id"],
         "playbook": state.playbook, "catalog": catalog, "workload": state.workload,
         "iter_parent": state.request.get("iter_parent"),
+        "authored_by": state.author,  # D33: the restart runs the same playbook, written by the same author
         "state": _reduced(state, run.id, arrived, consumed),
     }
 
@@ -160,6 +161,7 @@ def request(seed: dict[str, Any], *, workload: dict[str, Any] | None = None,
         "workload": deep_merge(seed.get("workload") or {}, workload) if workload else seed.get("workload") or {},
         "restarted_from": {"execution": seed["execution_id"], "step": seed["step"], "upto_event": seed["upto_event"]},
         "seed": seed["state"],
+        "authored_by": seed.get("authored_by"),  # not whoever restarts it (D33)
     }
     if requested_by is not None:
         out["requested_by"] = requested_by

@@ -1234,7 +1234,8 @@ def _native_template(expr: nodes.Expr) -> _Compiled:
     body = nodes.Template([nodes.Assign(nodes.Name("result", "store"), expr, lineno=1)], lineno=1)
     body.set_environment(_ENV)
     check = isinstance(expr, _MAY_NEST) or any(True for _ in expr.find_all(_MAY_NEST))
-    makes = not all(isinstance(n, _READS) for n in (expr, *expr.find_all(nodes.Node)))
+    makes = not all(isinstance(n, _READS) and (not isinstance(n, nodes.Const) or refs.unsendable(n.value) is None)
+                    for n in (expr, *expr.find_all(nodes.Node)))  # a literal may be a number the log cannot hold
     return _Compiled(_ENV.from_string(body), native=True, check_nested=check, makes_value=makes)
 
 
