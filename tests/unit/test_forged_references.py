@@ -118,6 +118,8 @@ def test_a_template_cannot_make_a_reference_by_any_expression(source: str) -> No
 @pytest.mark.parametrize("source, why", [
     ("{{ 2 ** 64 }}", "an integer outside 64 bits"),
     ("{{ 18446744073709551616 }}", "an integer outside 64 bits"),  # a literal is made by the template too
+    ("{{ {18446744073709551616: 1} }}", "a key JSON cannot hold"),
+    ("{{ {(1, 2): 1} }}", "a key JSON cannot hold"),
     ("{{ [1, -(2 ** 63) - 1] }}", "at \\[1\\]: an integer outside 64 bits"),
     ("{{ {'a': 1e308 * 10} }}", "at a: a number that is not finite"),
 ])

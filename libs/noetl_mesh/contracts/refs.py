@@ -44,7 +44,8 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers the log's JSON enco
 def unsendable(value: Any) -> tuple[tuple[Any, ...], str] | None:
     """The path to the first part of ``value`` that cannot travel as a value the user wrote, and why:
     an object shaped like a payload reference, an integer outside 64 bits, a number that is not finite
-    (JSON has none: it would become null); None when every part can."""
+    (JSON has none: it would become null), a key that is none of text, a finite number or an integer of
+    64 bits; None when every part can."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
@@ -58,7 +59,11 @@ def unsendable(value: Any) -> tuple[tuple[Any, ...], str] | None:
         elif isinstance(item, dict):
             if is_ref(item):
                 return path, WHY
-            stack.extend((v, (*path, k)) for k, v in item.items())
+            for k, v in item.items():
+                if type(k) is not str and not (type(k) in (bool, type(None)) or (type(k) is int and INT_MIN <= k <= INT_MAX)
+                                               or (type(k) is float and k == k and k not in (float("inf"), float("-inf")))):
+                    return (*path, k), "a key JSON cannot hold (a text, a finite number, an integer of 64 bits)"
+                stack.append((v, (*path, k)))
         elif isinstance(item, (list, tuple)):
             stack.extend((v, (*path, i)) for i, v in enumerate(item))
     return None
