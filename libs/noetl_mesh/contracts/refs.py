@@ -5,8 +5,9 @@ Only the engine writes references. Its services replace every reference they rec
 stands for, so one written by a user (in a task's result, in what a template builds, in a playbook or a
 request) would make them fetch and copy whatever it names, as many times as it is repeated. Values of
 that shape are therefore refused where user data enters the engine (:func:`forged`): a task's outcome
-(core/pipeline.py), a template's value (lang/templates.py), a playbook (lang/documents.py) and a
-request's workload or payload (the gateway).
+(core/pipeline.py), a playbook (lang/validate.py), a request body (the gateway's body.py), a workload
+merged from two (core/decide.py, the gateway's restart). What a template makes is checked with the
+other values the log cannot hold (:func:`unsendable`, lang/templates.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from .subjects import PAYLOADS_BUCKET
 STORE = f"nats-object:{PAYLOADS_BUCKET}"
 MARKER = f'"store":"{STORE}"'.encode()  # in the compact JSON of every reference: a cheap test on bytes
 _KEYS = frozenset({"store", "key", "size", "checksum"})
+WHY = (f"an object whose keys are exactly store, key, size and checksum, with store {STORE!r}, is a payload "
+       "reference, which only the engine writes (D23)")
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers the log's JSON encoder (orjson) writes
+_INFINITE = (float("inf"), float("-inf"))
 
 
 def is_ref(value: Any) -> bool:
@@ -38,7 +43,13 @@ def forged(value: Any) -> tuple[Any, ...] | None:
     return None
 
 
-INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers the log's JSON encoder (orjson) writes
+def _number_problem(value: Any) -> str | None:
+    kind = type(value)
+    if kind is int and not INT_MIN <= value <= INT_MAX:
+        return "an integer outside 64 bits (-2^63 .. 2^64-1), which the event log cannot hold"
+    if kind is float and (value != value or value in _INFINITE):
+        return "a number that is not finite, which JSON cannot hold"
+    return None
 
 
 def unsendable(value: Any) -> tuple[tuple[Any, ...], str] | None:
@@ -49,19 +60,13 @@ def unsendable(value: Any) -> tuple[tuple[Any, ...], str] | None:
     stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
-        kind = type(item)
-        if kind is int:
-            if not INT_MIN <= item <= INT_MAX:
-                return path, "an integer outside 64 bits (-2^63 .. 2^64-1), which the event log cannot hold"
-        elif kind is float:
-            if item != item or item in (float("inf"), float("-inf")):
-                return path, "a number that is not finite, which JSON cannot hold"
-        elif isinstance(item, dict):
+        if (problem := _number_problem(item)) is not None:
+            return path, problem
+        if isinstance(item, dict):
             if is_ref(item):
                 return path, WHY
             for k, v in item.items():
-                if type(k) is not str and not (type(k) in (bool, type(None)) or (type(k) is int and INT_MIN <= k <= INT_MAX)
-                                               or (type(k) is float and k == k and k not in (float("inf"), float("-inf")))):
+                if type(k) not in (str, int, float, bool, type(None)) or _number_problem(k) is not None:
                     return (*path, k), "a key JSON cannot hold (a text, a finite number, an integer of 64 bits)"
                 stack.append((v, (*path, k)))
         elif isinstance(item, (list, tuple)):
@@ -75,10 +80,6 @@ def shown(path: tuple[Any, ...]) -> str:
     for key in path:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out
-
-
-WHY = (f"an object whose keys are exactly store, key, size and checksum, with store {STORE!r}, is a payload "
-       "reference, which only the engine writes (D23)")
 
 
 def refusal(where: str) -> str:

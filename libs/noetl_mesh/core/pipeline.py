@@ -53,7 +53,6 @@ _RESERVED = frozenset({"workload", "ctx", "iter", "args", "execution_id", "keych
 
 _SIGNAL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\Z")  # D30: a signal's name is one URL path segment
 _SCALARS = frozenset({bool, int, float})  # results whose JSON is a few bytes (ints: at most 4,300 digits)
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # the integers the bus's JSON encoder writes (orjson)
 _OK_DIRECTIVE = {"do": "continue"}  # D9: no policy, ok outcome
 _ERROR_DIRECTIVE = {"do": "fail"}  # D9: no policy, error outcome
 _NO_MATCH_DIRECTIVE = {"do": "continue"}  # D9: a policy with no match and no else
@@ -433,7 +432,7 @@ class _Run:
         if error is not None and (at := refs.forged(error)) is not None:
             return {**outcome, "status": "error", "result": None,
                     "error": _err("tool_error", refs.refusal(f"task {name!r}: its {refs.shown(('error', *at))}"))}
-        if result is None or (result.__class__ in _SCALARS and (result.__class__ is not int or _INT_MIN <= result <= _INT_MAX)) \
+        if result is None or (result.__class__ in _SCALARS and (result.__class__ is not int or refs.INT_MIN <= result <= refs.INT_MAX)) \
                 or (result.__class__ is str and 6 * len(result) + 2 <= limit):
             return outcome  # cannot be over (a character is at most 6 bytes of JSON)
         try:
