@@ -21,6 +21,9 @@ the low-level tests that use them exercise one adapter at a time, as the admin w
 one user per service (``EmbeddedNats(auth=NatsAuth(dir).ensure())``, infra/nats_auth.py) and fail on
 any permission violation the server logs.
 
+It also keeps a failure whose traceback has an entry without a line number from ending the run
+(``pytest_runtest_makereport`` below).
+
 Applying migrations to every test database (e.g. in ``tests/conftest.py``)::
 
     @pytest.fixture(scope="session")
@@ -31,6 +34,7 @@ Applying migrations to every test database (e.g. in ``tests/conftest.py``)::
 from __future__ import annotations
 
 import uuid
+from types import TracebackType
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -116,3 +120,45 @@ def fresh_nats() -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------ failures as themselves
+#
+# CPython gives a traceback entry no line number (``tb_lineno`` None) when the exception arose at an
+# instruction it has none for: where an asynchronous exception lands (the template watchdog raises
+# one), in a handler's clean-up. pytest 9 then fails formatting the test's failure, and that internal
+# error ends the whole run, every test after it unrun. Such an entry is given its function's first
+# line, so the test fails alone and shows what was raised.
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # noqa: ARG001
+    if call.excinfo is not None and _mend_line_numbers(call.excinfo.value):
+        call.excinfo = pytest.ExceptionInfo.from_exception(call.excinfo.value)
+    return (yield)
+
+
+def _mend_line_numbers(exc: BaseException) -> bool:
+    """Rebuild the tracebacks of ``exc`` and the exceptions chained to it where an entry has no line
+    number; True when one was mended."""
+    mended, seen = False, set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+        entries, tb = [], e.__traceback__
+        while tb is not None:
+            entries.append(tb)
+            tb = tb.tb_next
+        if all(t.tb_lineno is not None for t in entries):
+            continue
+        rebuilt = None
+        for t in reversed(entries):
+            line = t.tb_lineno if t.tb_lineno is not None else t.tb_frame.f_code.co_firstlineno
+            rebuilt = TracebackType(rebuilt, t.tb_frame, t.tb_lasti, line)
+        e.__traceback__ = rebuilt
+        mended = True
+    return mended
