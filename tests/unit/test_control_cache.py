@@ -101,6 +101,8 @@ def test_an_event_that_cannot_be_folded_is_dropped_alone_live_and_on_rebuild():
     outcomes = asyncio.run(main())
     assert [bool(error) for error, _ in outcomes] == [False, True, False, False]
     assert [(m.acked, m.dropped) for _, m in outcomes] == [(0, 0), (0, 1), (0, 0), (0, 0)]  # the reader acks
+    # and the execution, which cannot go on, is stopped once (dsl.md D18, "When the engine cannot go on")
+    assert [names for names, _ in bus.published].count(["execution.cancelled"]) == 1
 
 
 def test_a_finished_execution_leaves_the_cache_and_its_later_events_are_acknowledged_unfolded():
@@ -207,3 +209,32 @@ def test_a_childs_request_after_its_cancellation_starts_nothing_and_drops_its_lo
     asyncio.run(service._handle(Delivery(), 3, SimpleNamespace(stream=7), "c1", [child_request()]))
     assert bus.commands == [] and bus.published == []
     assert service.resolving == {}
+
+
+class Retried(Delivery):
+    def __init__(self):
+        super().__init__()
+        self.naks = 0
+        self.metadata = SimpleNamespace(num_delivered=1)
+
+    async def nak(self, delay=None):
+        self.naks += 1
+
+
+def test_what_no_retry_cures_is_dropped_and_what_may_pass_is_retried():
+    """The same on every delivery (a value that cannot be encoded, a recursion, an overflow): dropped at
+    once, not retried for the minutes of its deliveries while its partition waits behind it."""
+    async def outcome(exc):
+        msg = Retried()
+
+        async def handle(_):
+            raise exc
+
+        error = await handle_one(msg, handle)
+        return error.split(" ")[0], msg.dropped, msg.naks
+
+    for exc in (TypeError("Integer exceeds 64-bit range"), RecursionError("maximum recursion depth exceeded"),
+                OverflowError("int too large"), KeyError("step"), ValueError("bad JSON")):
+        assert asyncio.run(outcome(exc)) == ("dropped", 1, 0), exc
+    for exc in (ConnectionError("no responders"), asyncio.TimeoutError(), RuntimeError("stream without a leader")):
+        assert asyncio.run(outcome(exc)) == ("retrying", 0, 1), exc

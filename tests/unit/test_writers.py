@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from noetl_mesh.core import decide, schedules
-from noetl_mesh.core.events import MAY_WRITE, make_event, refused, split_by_writer, writer_of, writers_of
+from noetl_mesh.core.events import CONTROL_PLANE, MAY_WRITE, engine_stopped, make_event, refused, split_by_writer, writer_of, writers_of
 from noetl_mesh.core.local import run_local
 from noetl_mesh.core.state import ExecutionState, apply
 from noetl_mesh.testing.fixture_api import FixtureApi
@@ -157,6 +157,12 @@ def written():
                     bad.append((source, e["name"], why))
                 seen[(writer_of(source), e["name"])] += 1
     seen[("gateway", "execution.cancelled")] += 1  # POST /api/executions/{id}/cancel (services/gateway)
+    for source in CONTROL_PLANE:  # an execution a control-plane service cannot go on with (infra/control.py)
+        e = engine_stopped("x", source, "TypeError: ...")
+        why = refused(writer_of(source), e)
+        if why:
+            bad.append((source, e["name"], why))
+        seen[(writer_of(source), e["name"])] += 1
     # a schedule's firing (services/scheduler, core/schedules.py)
     record = schedules.definition(schedules.check({"path": "t/child", "every": 5}, now=0, max_bytes=1 << 20),
                                   schedule_id="s1", generation="g", created_by={"user_id": "u"}, now=0)
@@ -199,7 +205,7 @@ def test_every_permission_in_the_table_is_used(written):
 def test_the_runs_cover_the_shared_names():
     """The names several writers share are the ones docs/architecture.md §1 lists."""
     assert set(writers_of("playbook.execution.requested")) == {"gateway", "admission", "loop-coordinator", "scheduler"}
-    assert set(writers_of("execution.cancelled")) == {"gateway", "router", "loop-coordinator"}
+    assert set(writers_of("execution.cancelled")) == {"gateway", "admission", "router", "loop-coordinator"}
     assert set(writers_of("playbook.child.finished")) == {"router", "admission", "loop-coordinator"}
     assert set(writers_of("step.failed")) == {"worker", "admission", "loop-coordinator", "router"}  # router: timeouts
     assert set(writers_of("timer.scheduled")) == {"admission", "router", "loop-coordinator"}

@@ -34,7 +34,7 @@ from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy
 from . import restart as restart_seed
-from .events import ALIASES, CTL, FLAT, LOOP, TERMINAL_STEP_EVENTS, make_event, stable_id
+from .events import ALIASES, CTL, ENGINE_ERROR, FLAT, LOOP, TERMINAL_STEP_EVENTS, engine_error, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
                     graph_of, open_wait, playbook_digest)
 
@@ -536,7 +536,11 @@ def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
         _finish(out, FAILED, error={"kind": "invalid_playbook", "message": "; ".join(state.errors)})
         return out.decision
     if name == "execution.cancelled":
-        _finish(out, CANCELLED, error={"kind": "cancelled", "message": (event.get("data") or {}).get("reason") or "cancelled"})
+        stopped = engine_error(event)  # a service could not go on with it: FAILED, not CANCELLED (D18)
+        if stopped is not None:
+            _finish(out, FAILED, error=stopped)
+        else:
+            _finish(out, CANCELLED, error={"kind": "cancelled", "message": (event.get("data") or {}).get("reason") or "cancelled"})
         return out.decision
     if name in TERMINAL_STEP_EVENTS:
         run = state.runs.get(event["step_run_id"])
@@ -662,7 +666,9 @@ def _finish(out: _Out, status: str, error: Any = None) -> None:
                     status="success" if status == COMPLETED else "error", step=parent.get("step"),
                     step_run_id=parent.get("step_run_id"), iteration=parent.get("iteration"),
                     data={"child_execution_id": state.execution_id, "status": status, "error": error,
-                          "result": _child_result(state)})
+                          # the engine could not go on with it: its values may be what could not be sent
+                          "result": None if isinstance(error, dict) and error.get("kind") == ENGINE_ERROR
+                          else _child_result(state)})
 
 
 class EventName(str):

@@ -97,6 +97,7 @@ MAY_WRITE: dict[str, frozenset[str]] = {
         "step.started", "step.done", "step.failed",  # tool-less steps; an admit rule that cannot be evaluated
         "loop.iteration.failed",  # with step.failed: the runs of a lost command
         "playbook.execution.requested", "playbook.child.finished",  # a child's request; past the depth limit
+        "execution.cancelled",  # an execution it cannot go on with (engine_stopped)
     }),
     "router": frozenset({
         "timer.scheduled", "step.failed",  # delayed arcs; a step run's timeout
@@ -190,6 +191,28 @@ def cancel_requested(execution_id: str, reason: str | None, requested_by: Any, s
     """The event that asks for an execution's cancellation; one per execution."""
     return make_event("execution.cancelled", execution_id, event_id=stable_id("cancel", execution_id),
                       source=source, data={"reason": reason, "requested_by": requested_by})
+
+
+ENGINE_ERROR = "engine_error"
+CONTROL_PLANE = ("admission", "router", "loop-coordinator")
+
+
+def engine_stopped(execution_id: str, source: str, message: str) -> dict[str, Any]:
+    """How a control-plane service ends an execution it cannot go on with, instead of leaving it
+    RUNNING for ever: an event of it that the service cannot fold or decide on, or a decision it cannot
+    publish (D18). A cancellation carrying an ``engine_error`` (so every service stops the execution's
+    work as for any cancellation), which the router finishes ``FAILED``. One per execution."""
+    error = {"kind": ENGINE_ERROR, "message": message}
+    return make_event("execution.cancelled", execution_id, event_id=stable_id("engine-stop", execution_id),
+                      source=source, status="error", data={"reason": message, "error": error})
+
+
+def engine_error(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``engine_error`` an ``execution.cancelled`` carries: only a control-plane service's may."""
+    error = (event.get("data") or {}).get("error")
+    if event.get("source") in CONTROL_PLANE and isinstance(error, dict) and error.get("kind") == ENGINE_ERROR:
+        return error
+    return None
 
 
 def action_id(execution_id: str, step_run_id: str, iteration: int | None, task: str, visit: int) -> str:

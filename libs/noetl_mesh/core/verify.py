@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .events import TERMINAL_STEP_EVENTS
+from .events import TERMINAL_STEP_EVENTS, engine_error
 from .state import FINAL, fold
 
 
@@ -101,6 +101,8 @@ def _expected_status(log: list[dict]) -> tuple[str, str]:
             break
         before.append(e)
         if e["name"] == "execution.cancelled":
+            if engine_error(e) is not None:
+                return "FAILED", "the engine could not go on with it"
             return "CANCELLED", "a cancellation"
         if e["name"] == "playbook.request.evaluated" and e.get("status") == "error":
             return "FAILED", "the request was refused"

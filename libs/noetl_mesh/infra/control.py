@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy
 
 from ..core.decide import Decision, flat
-from ..core.events import event_class
+from ..core.events import engine_stopped, event_class
 from ..core.state import FINAL, ExecutionState, apply
 from . import logs, metrics, tracing
 from ..contracts.subjects import control_filter
@@ -244,13 +244,16 @@ class PartitionedService:
             self.partition_of[eid] = p
             self.cache.move_to_end(eid)
             exemplar = await self._decide_and_publish(msg, state, eid, events)
-        except BaseException:
+        except BaseException as exc:
             # the state has folded events whose decision is not published: forget it, so that the
             # redelivery rebuilds it and decides again (were it kept, it would fold to nothing). A
-            # message that cannot be folded is dropped (wire.handle_one): the next event's rebuild
-            # skips it, as every rebuild does, so that live and rebuilt states agree.
+            # message that cannot be folded or decided on, or whose decision cannot be published, is
+            # dropped (wire.handle_one): the next event's rebuild skips it, as every rebuild does, so
+            # that live and rebuilt states agree; and its execution, which cannot go on, is stopped.
             self.cache.pop(eid, None)
             self.partition_of.pop(eid, None)
+            if isinstance(exc, UNHANDLEABLE) and not (state is not None and state.status in FINAL):
+                await self._stop(eid, events, exc)
             raise
         finally:
             self.unprepare(first)
@@ -289,6 +292,21 @@ class PartitionedService:
                     status = str((out.get("data") or {}).get("status") or "unknown")
                     metrics.EXECUTIONS_FINISHED.labels(self.name, status).inc()
         return exemplar
+
+    async def _stop(self, eid: str, events: list[dict[str, Any]], exc: BaseException) -> None:
+        """End execution ``eid`` FAILED with an ``engine_error`` naming what this service could not do
+        (D18), instead of leaving it RUNNING for ever. A failure to say so is a transient one: the
+        message is then retried (wire.handle_one), and says it again."""
+        names = ", ".join(dict.fromkeys(repr(e.get("name")) for e in events))
+        steps = ", ".join(dict.fromkeys(repr(e["step"]) for e in events if e.get("step")))
+        message = (f"the engine could not go on with this execution: the {self.name} could not handle "
+                   f"{names}{f' of step {steps}' if steps else ''}: {type(exc).__name__}: {exc}")[:2000]
+        message = message.encode("utf-8", "backslashreplace").decode()  # lone surrogates cannot be sent
+        log.error("%s: stopping execution %s: %s", self.name, eid, message)
+        try:
+            await self.bus.publish_all([engine_stopped(eid, self.name, message)])
+        except UNHANDLEABLE as again:  # not the message's fault: retry it
+            raise RuntimeError(f"could not stop execution {eid}: {again}") from again
 
     async def _first(self, eid: str, p: int, seq: int, request: dict[str, Any]) -> bool:
         """Whether a child's request is its execution's first message in the log (one lookup); what

@@ -24,14 +24,16 @@ def loads(data: bytes) -> Any:
     return orjson.loads(data)
 
 
-# errors no retry can cure: the message cannot be decoded or folded (handle_one drops it)
-UNHANDLEABLE = (ValueError, KeyError, TypeError, AttributeError)
+# errors no retry can cure: the message cannot be decoded or folded, its decision made or encoded
+# (handle_one drops it). A RecursionError or an ArithmeticError is the same again on every delivery:
+# retried, it would hold up its partition for the minutes of its 50 deliveries.
+UNHANDLEABLE = (ValueError, KeyError, TypeError, AttributeError, RecursionError, ArithmeticError)
 
 
 async def handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> str | None:
     """``handle(msg)``, and what its failure means: None when it was handled; ``"dropped ..."`` when it
-    raised an error that no retry can cure (ValueError, KeyError, TypeError, AttributeError: it cannot
-    be decoded or folded), the message terminated, loudly, so that it does not hold up what follows;
+    raised an error that no retry can cure (:data:`UNHANDLEABLE`: it cannot be decoded or folded, its
+    decision made or encoded), the message terminated, loudly, so that it does not hold up what follows;
     ``"retrying ..."`` for any other error (NATS, a service not answering), the message nak'ed with a
     delay that grows with its deliveries (never in a tight loop). Cancelled mid-message, it is handed
     back at once, not after ``ack_wait``."""
