@@ -372,3 +372,16 @@ def test_the_console_view_marks_what_was_carried_over_and_where_from():
     assert shown["runs"]["a"]["shown"][0]["restored"] and shown["runs"]["a"]["shown"][0]["result"] == {"rows": 3}
     assert "restored" not in shown["steps"]["c"] and shown["steps"]["c"]["runs"] == 1
     assert "restarted_from" not in view.execution_view(old.state)
+
+
+def test_a_step_that_failed_before_it_started_is_restarted_from_its_failure():
+    """A worker that refuses a command (D33: the pool does not serve its user) ends the run with
+    ``step.failed`` and no ``step.started``: the cut is that failure, the same state as at a start."""
+    old = run(CHAIN)
+    unstarted = [e for e in old.log if not (e.get("step") == "c" and e["name"] in ("step.started", "task.started",
+                                                                                  "task.processed"))]
+    failure = next(e for e in unstarted if e["name"] == "step.failed" and e["step"] == "c")
+    seed = restart.seed(unstarted, "c", status="FAILED")
+    assert seed["upto_event"] == failure["event_id"]
+    started = restart.seed(old.log, "c", status="FAILED")
+    assert {**seed, "upto_event": None} == {**started, "upto_event": None}

@@ -64,8 +64,8 @@ def seed(events: Iterable[dict[str, Any]], from_step: str, *, status: str | None
         if state is None:
             state = ExecutionState(execution_id or event["execution_id"])
         name = event.get("name")
-        if name == "step.started" and event.get("step") == from_step:
-            cut = event
+        if event.get("step") == from_step and (name == "step.started" or (name == "step.failed" and _unstarted(state, event))):
+            cut = event  # its first run's start; or its end, if it failed unstarted (a worker refused it)
             break
         folded += 1
         if folded > bound:
@@ -111,6 +111,13 @@ def finished(execution_id: str | None, status: str | None) -> None:
         which = f"execution {execution_id}" if execution_id else "the execution"
         raise Refused(NOT_FINISHED, f"{which} is {status}: only a finished execution (COMPLETED, FAILED or "
                                     "CANCELLED) can be restarted; wait for it, or cancel it first")
+
+
+def _unstarted(state: ExecutionState, event: dict[str, Any]) -> bool:
+    """Whether ``event`` ends a run that never started: a worker refused its command (D33), could not
+    read it (D23), or none finished it."""
+    run = state.runs.get(event.get("step_run_id") or "")
+    return run is not None and not run.started
 
 
 def _never_started(state: ExecutionState, step: str) -> str:
