@@ -885,7 +885,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             event_id = signals.signal_id(execution_id, name, summary)
             by = auth.requested_by(who)
             at = datetime.now(timezone.utc).isoformat()
-            data = {"signal": name, "payload": payload, "by": by, "at": at}
+            # the roles the request carried (a token's may be fewer than its owner's): a wait with
+            # roles that begins later checks them (D30)
+            data = {"signal": name, "payload": payload, "by": by, "at": at, "roles": sorted(who["roles"])}
             if wait is not None:  # the wait it was checked for: only that wait takes it unchecked (D30)
                 data["wait_id"] = wait.get("wait_id")
             event = make_event("signal.received", execution_id, event_id=event_id, source="gateway", data=data)

@@ -13,7 +13,7 @@ from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.infra.nats_auth import connect_options
 from noetl_mesh.stack import start_service, stop_service
 
-from conftest import start_stack, stop_stack
+from conftest import developer, start_stack, stop_stack
 
 DELAYED = """
 apiVersion: noetl.io/v2
@@ -185,6 +185,34 @@ def test_an_early_signal_the_schema_refuses_is_not_delivered_and_the_wait_goes_o
     assert final["steps"]["start"]["result"]["payload"] == {"ok": True}
     assert [e["data"]["outcome"]["result"]["payload"] for e in events
             if e["name"] == "wait.ended" and (e["data"]["outcome"].get("result") or {}).get("signal")] == [{"ok": True}]
+
+
+def test_the_starter_cannot_approve_their_own_gate_by_signalling_before_it_begins(timed):
+    """A developer starts the approval (operators and admins only) and signals it during the nap: the
+    signal is kept (only the cancellation rule, which the starter passes, could be checked), then
+    refused when the wait begins, for the roles its sender had; the wait goes on, and an admin's
+    approval is the one delivered."""
+    token = developer(timed)
+
+    async def go():
+        async with timed.client(token=token) as dev, timed.client() as admin:
+            eid = await dev.start(APPROVAL, {"nap": "2s"})
+            await _until(dev, eid, "wait.started")  # the nap's wait, not the approval's
+            assert (await dev.signal(eid, "approve", {"ok": True}))["status"] == "KEPT"
+            events = await _until(dev, eid, "signal.checked")
+            [checked] = [e for e in events if e["name"] == "signal.checked"]
+            assert checked["data"]["accepted"] is False
+            assert "roles operator, admin only, and its sender had developer" in checked["data"]["error"]
+            status = await dev.status(eid)
+            assert status["status"] == "RUNNING"
+            with pytest.raises(GatewayError) as again:  # sent to the open wait: the gateway refuses it
+                await dev.signal(eid, "approve", {"ok": True})
+            assert again.value.status == 403
+            assert (await admin.signal(eid, "approve", {"ok": False}))["status"] == "DELIVERED"
+            return await admin.wait(eid, timeout=30)
+
+    final = timed.run(go(), 60)
+    assert final["status"] == "COMPLETED" and final["steps"]["end"]["result"] is False
 
 
 def test_cancel_clears_pending_timers(timed):

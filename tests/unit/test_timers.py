@@ -402,3 +402,23 @@ def test_no_schema_check_fetches_a_reference_from_elsewhere():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_early_signal_from_outside_the_waits_roles_is_not_delivered():
+    """A signal sent before its wait began was checked only against who may cancel the execution: when
+    the wait begins, the roles its request carried are checked against the wait's, and a sender outside
+    them is refused like a payload the schema refuses (the starter cannot approve their own gate)."""
+    gate = APPROVAL.replace("      timeout: 1h\n", "      timeout: 1h\n      roles: [approver]\n")
+    r = run(book(gate), signals=[(1, "approve", {"ok": True}, ["developer"])])
+    s = summary(r.state)
+    assert timed_out(r)  # never delivered: it waited on until its timeout
+    checked = [e for e in r.log if e["name"] == "signal.checked"]
+    assert [e["data"]["accepted"] for e in checked] == [False]
+    assert "takes it from the roles approver only, and its sender had developer" in s["refused_signals"][0]["error"]
+    for roles in (["approver"], ["admin"], ["developer", "approver"]):
+        ok = run(book(gate), signals=[(1, "approve", {"ok": True}, roles)])
+        assert summary(ok.state)["status"] == "COMPLETED", roles
+    # without a schema the roles are checked all the same
+    bare = gate.replace("      schema: {type: object, required: [ok], properties: {ok: {type: boolean}}}\n", "")
+    assert timed_out(run(book(bare), signals=[(1, "approve", {"ok": True}, ["developer"])]))
+    assert summary(run(book(bare), signals=[(1, "approve", {}, ["approver"])]).state)["status"] == "COMPLETED"

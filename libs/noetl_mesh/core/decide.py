@@ -338,12 +338,13 @@ def _start_wait(out: _Out, event: dict) -> None:
 
 
 def _check_kept_signals(out: _Out, *, iterations: bool) -> None:
-    """D30: a kept signal that meets an open wait with a schema it was not checked against (it came
-    before the wait began, or while the gateway saw no open wait) is checked here, within
+    """D30: a kept signal that meets an open wait with roles or a schema it was not checked against (it
+    came before the wait began, or while the gateway saw no open wait) is checked here: its sender's
+    roles when it was sent (the signal records them) against the wait's, then its payload,
     ``signal_check_steps`` and without running a regular expression (signals.early_refusal), and the
     verdict recorded: ``signal.checked`` (the fold delivers an accepted signal, drops a refused one; the
     wait goes on waiting)."""
-    from .signals import early_refusal
+    from .signals import early_refusal, roles_refusal
 
     state = out.state
     for name, signal in list(state.kept.items()):
@@ -353,8 +354,10 @@ def _check_kept_signals(out: _Out, *, iterations: bool) -> None:
         run = state.runs.get(wait.step_run_id)
         if run is None or run.ended:
             continue
-        refusal = early_refusal(name, wait.spec.get("schema"), signal.get("payload"),
-                                limits.current().signal_check_steps)
+        refusal = roles_refusal(name, wait.step, wait.spec, signal)
+        if refusal is None and wait.spec.get("schema") is not None:
+            refusal = early_refusal(name, wait.spec.get("schema"), signal.get("payload"),
+                                    limits.current().signal_check_steps)
         data = {"signal": name, "wait_id": wait.id, "accepted": refusal is None}
         if refusal is not None:
             data.update(error=refusal.message, location=refusal.location)

@@ -89,7 +89,8 @@ async def run_local(
 
     Time (D29, D30) runs on a fake clock: when nothing else can move, the earliest timer fires (its
     ``timer.fired`` enters the log as the NATS scheduler would write it), or the earliest of
-    ``signals`` — ``(seconds after the start, name, payload)`` — is sent to the root execution; no
+    ``signals`` — ``(seconds after the start, name, payload[, the sender's roles: admin])`` — is sent
+    to the root execution (as sent before its wait began: the control plane checks it); no
     test waits for real time. ``request``: the data of the root's ``playbook.execution.requested``
     (default ``{workload}``), e.g. a restart's (:func:`restart_local`)."""
     from ..tools import default_tools
@@ -143,11 +144,12 @@ async def run_local(
     t0 = fake.time()
     # (due, order, what, event, flat): timers and signals; flat: the execution of a flat execution's timer
     clock: list[tuple[float, int, str, dict[str, Any], str | None]] = []
-    for k, (after, name, payload) in enumerate(signals):
+    for k, (after, name, payload, *roles) in enumerate(signals):
         heapq.heappush(clock, (t0 + after, k, f"signal {name}", make_event(
             "signal.received", run.execution_id, event_id=stable_id("signal", run.execution_id, name, k),
             source="gateway", timestamp=t0 + after,
-            data={"signal": name, "payload": payload, "by": "local", "at": t0 + after}), None))
+            data={"signal": name, "payload": payload, "by": "local", "at": t0 + after,
+                  "roles": roles[0] if roles else ["admin"]}), None))
 
     with fake:
         await _moves(run, max_moves, rng, seed, clock, fake, t0, send, resolve, tools, publish, sleep or no_sleep,

@@ -182,6 +182,19 @@ def may_answer(wait: dict[str, Any] | None, started_by: str | None, *, user_id: 
     return started_by == user_id or allowed(roles, "execution.cancel.any")
 
 
+def roles_refusal(name: str, step: str, wait: dict[str, Any], signal: dict[str, Any]) -> Refusal | None:
+    """D30: a kept signal meeting a wait with ``roles``: refused unless the roles its sender's request
+    carried when it was sent (``signal.received``'s ``roles``) include one of them, or ``admin``."""
+    if not wait.get("roles"):
+        return None
+    sent = signal.get("roles")
+    if isinstance(sent, list) and all(isinstance(r, str) for r in sent) and may_answer(wait, None, user_id=None, roles=sent):
+        return None
+    return Refusal(403, f"signal {name!r}: the wait at step {step!r} takes it from the roles "
+                        f"{', '.join(map(str, wait['roles']))} only, and its sender had "
+                        f"{', '.join(map(str, sent)) if isinstance(sent, list) and sent else 'none of them'}")
+
+
 def signal_id(execution_id: str, name: str, summary: dict[str, Any]) -> str:
     """The event id of the next signal of ``name``: two requests that saw the same state make the same
     id, so JetStream stores only the first (``Nats-Msg-Id``) and the second is refused."""

@@ -127,10 +127,11 @@ class TaskWait:
         return self.spec.get("signal") if self.kind == "signal" else None
 
     def takes(self, signal: dict[str, Any]) -> bool:
-        """D30: whether a signal (``signal.received``'s data) may be its outcome as it is: the wait has
-        no schema, or the gateway checked the payload against this wait (``wait_id``). Any other signal
-        is checked in the control plane first (decide: ``signal.checked``)."""
-        return self.spec.get("schema") is None or signal.get("wait_id") == self.id
+        """D30: whether a signal (``signal.received``'s data) may be its outcome as it is: the gateway
+        checked its sender and payload against this wait (``wait_id``), or the wait has neither a schema
+        nor roles. Any other signal is checked in the control plane first (decide: ``signal.checked``):
+        one sent before the wait began was checked against no wait's roles."""
+        return signal.get("wait_id") == self.id or (self.spec.get("schema") is None and not self.spec.get("roles"))
 
 
 @dataclass
