@@ -91,10 +91,12 @@ def bearer(header: str | None) -> str:
 
 
 def requested_by(principal: dict[str, Any]) -> dict[str, Any]:
-    """Who started an execution, as its request records it: ids and names, never a secret."""
+    """Who started an execution, as its request records it: ids and names, never a secret; and the
+    roles the request carried (an API token's may be fewer than its owner's: a pool checks these, D33)."""
     out = {k: principal.get(k) for k in ("user_id", "username", "kind")}
     key = "session_id" if principal.get("kind") == "session" else "token_id"
     out[key] = principal.get(key)
+    out["roles"] = sorted(r for r in principal.get("roles") or () if isinstance(r, str))
     return out
 
 

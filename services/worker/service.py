@@ -30,7 +30,7 @@ from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.contracts.subjects import Q_USERS_STANDING
-from noetl_mesh.infra.bus import COMMANDS, Bus, loads, pool_filter, release
+from noetl_mesh.infra.bus import COMMANDS, Bus, BusError, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.sandbox import policy as sandbox
@@ -463,26 +463,50 @@ class WorkerService:
                 observer.close()
 
     async def _refusal(self, command: dict) -> str | None:
-        """Why this pool does not run the command, or None (D33, ``NOETL_POOL_ROLES``): whoever started
-        its execution (a child: its root's starter) and whoever wrote the playbook it runs (registered
-        that catalog version, or sent it inline) must each hold one of the pool's roles. Their roles are
-        the sessions service's word now, kept for :data:`STANDING_TTL` seconds."""
+        """Why this worker does not run the command, or None (D33). Whoever started its execution (a
+        child: its root's starter) and whoever wrote the playbook it runs (registered that catalog
+        version, or sent it inline) must each still be an active user: a disabled or removed user's
+        executions run no further task. On a pool that names the roles it serves
+        (``NOETL_POOL_ROLES``), each must also hold one of them, the starter within the roles its
+        request carried (an API token's may be fewer than its owner's). Their standing is the sessions
+        service's word now, kept for :data:`STANDING_TTL` seconds; a pool that names no roles runs the
+        command when that service does not answer (logged), one that does hands it back to be retried."""
         roles = self.policy.roles if self.policy is not None else None
-        if roles is None:
-            return None
-        need = f"pool {self.pool!r} runs only playbooks started and written by users with the role " \
-               f"{' or '.join(sorted(roles))} (NOETL_POOL_ROLES on its workers, D33)"
+        need = None if roles is None else (
+            f"pool {self.pool!r} runs only playbooks started and written by users with the role "
+            f"{' or '.join(sorted(roles))} (NOETL_POOL_ROLES on its workers, D33)")
         for did, who in (("started", command.get("requested_by")), ("written", command.get("authored_by"))):
             uid = who.get("user_id") if isinstance(who, dict) else None
             if not isinstance(uid, str):
+                if need is None:
+                    continue  # no user to check (a stack without users: noetl run)
                 return f"{need}; this one was {did} by no user known" + (
                     " (a catalog version registered before authors were recorded: register it again)"
                     if did == "written" else "")
-            standing = await self._standing_of(uid)
-            if not (standing.get("active") and self.policy.admits(standing.get("roles") or ())):
-                has = ", ".join(standing.get("roles") or ()) or "no role"
-                return f"{need}; this one was {did} by {who.get('username') or uid}, " + (
-                    f"who has {has}" if standing.get("active") else "who is disabled or removed")
+            try:
+                standing = await self._standing_of(uid)
+            except BusError as exc:
+                if exc.kind not in ("unavailable", "timeout"):
+                    return f"the standing of the user who {did} this execution cannot be checked: {exc}"
+                if need is not None:
+                    raise  # handed back, retried
+                log.warning("command %s: the standing of %s is unknown (%s): run, as the pool names no roles",
+                            command.get("command_id"), uid, exc)
+                continue
+            name = who.get("username") or uid
+            if not standing.get("active"):
+                return f"this execution was {did} by {name}, who is disabled or removed: it runs no further task (D33)"
+            if need is None:
+                continue
+            held = standing.get("roles") or ()
+            carried = who.get("roles") if did == "started" else None
+            if isinstance(carried, list):  # the request's roles: no more than the user holds now
+                held = [r for r in held if r in carried]
+            if not self.policy.admits(held):
+                has = ", ".join(held) or "no role"
+                return f"{need}; this one was {did} by {name}, " + (
+                    f"whose request carried {', '.join(carried) or 'no role'} of the roles {', '.join(standing.get('roles') or ()) or 'none'} it holds"
+                    if isinstance(carried, list) and set(carried) != set(standing.get("roles") or ()) else f"who has {has}")
         return None
 
     async def _standing_of(self, uid: str) -> dict:

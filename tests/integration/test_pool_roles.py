@@ -3,13 +3,14 @@ executions started by a user with one of them (a child execution: by whoever sta
 whole stack with real NATS and Postgres: another's commands fail with ``forbidden`` before any task runs."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Iterator
 
 import pytest
 import yaml
 
 from conftest import StackHandle, start_stack, stop_stack
-from noetl_mesh.client import GatewayClient
+from noetl_mesh.client import GatewayClient, GatewayError
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.nats_auth import NatsAuth
 from noetl_mesh.services.worker.service import WorkerService
@@ -186,3 +187,68 @@ def test_a_restart_keeps_the_author_of_what_it_runs_again(stack, tokens) -> None
     assert again["status"] == "FAILED", again
     error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
     assert error["kind"] == "forbidden" and "this one was written by dev" in error["message"]
+
+
+def test_a_token_with_fewer_roles_than_its_owner_gets_no_more_on_a_pool(stack, tokens) -> None:
+    """An admin's API token narrowed to ``developer`` is a developer's on the pool: the roles the
+    request carried count, not all its owner holds."""
+    async def narrowed() -> str:
+        async with stack.client() as admin:
+            return (await admin.create_token("ci", roles=["developer"]))["token"]
+
+    status, events = run_as(stack, stack.run(narrowed()), ON_VAULT)
+    assert status["status"] == "FAILED", status
+    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
+    assert error["kind"] == "forbidden", error
+    assert "whose request carried developer of the roles admin it holds" in error["message"], error
+    assert not [e for e in events if e["name"] == "task.started"]
+
+
+WAITS = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: waits, path: tests/pools/waits}
+workflow:
+  - step: start
+    tool: {kind: wait, duration: 5s}
+    next: {arcs: [{step: after}]}
+  - step: after
+    tool: {kind: noop, result: ran}
+"""
+
+
+def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monkeypatch) -> None:
+    """Disabled while its execution waits, on the default pool (which names no roles): the next step's
+    command is refused, and the execution fails saying why."""
+    from noetl_mesh.services.worker import service as worker
+
+    monkeypatch.setattr(worker, "STANDING_TTL", 0.2)  # the standing the worker keeps: 10 s otherwise
+
+    async def go():
+        async with stack.client() as admin:
+            await admin.add_user("leaver", ["developer"], password=PASSWORD)
+            async with GatewayClient(stack.url, token="") as c:
+                c.use(None)
+                await c.login("leaver", PASSWORD)
+                token = (await c.create_token("leaving"))["token"]
+            async with stack.client(token=token) as leaver:
+                eid = await leaver.start(yaml.safe_load(WAITS))
+                for _ in range(600):
+                    try:
+                        if any(e["name"] == "wait.started" for e in await admin.all_events(eid)):
+                            break
+                    except GatewayError as exc:  # not recorded yet
+                        if exc.status != 404:
+                            raise
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the wait never started")
+            await admin.disable_user("leaver")
+            return await admin.wait(eid, timeout=60), await admin.all_events(eid)
+
+    status, events = stack.run(go(), 90)
+    assert status["status"] == "FAILED", status
+    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
+    assert error["kind"] == "forbidden", error
+    assert "started by leaver, who is disabled or removed: it runs no further task" in error["message"], error
+    assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]

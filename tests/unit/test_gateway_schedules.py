@@ -108,7 +108,8 @@ def test_adding_asks_the_catalog_then_the_scheduler(gw):
     assert made.status_code == 201 and made.json()["id"] == "s1"
     subject, payload = gw.bus.asked[-1]
     assert subject == Q_PREFIX + "add" and payload["schedule"] == {"path": "p", "every": "5m", "version": 2}
-    assert payload["created_by"] == {"user_id": f"{2:032x}", "username": "developer", "kind": "token", "token_id": "t"}
+    assert payload["created_by"] == {"user_id": f"{2:032x}", "username": "developer", "kind": "token", "token_id": "t",
+                                     "roles": ["developer"]}
     assert gw.audit.records == ["schedule.created"]
     gw.bus.answers[Q_PREFIX + "add"] = BusError("invalid_schedule", "NATS refused",
                                                 [{"location": "cron", "message": "pattern is invalid"}])

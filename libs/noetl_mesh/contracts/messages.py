@@ -8,7 +8,7 @@ fields of events and commands accept one anywhere.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
@@ -97,8 +97,11 @@ class Command(_Exact):
     loop_mode: Optional[str] = None
     resume: Optional[Resume] | PayloadRef = None
     flat: bool = Field(False, description="the execution has no loop step: the run's ctl events travel as flat")
-    requested_by: Optional[dict[str, str]] = Field(None, description="who started the execution (a child: its root): "
-                                                                      "{user_id, username}; a pool's roles are checked against it")
+    requested_by: Optional[dict[str, Union[str, list[str]]]] = Field(
+        None, description="who started the execution (a child: its root): {user_id, username, roles?}; roles: "
+                          "those the request carried (an API token's may be fewer than its owner's). The worker "
+                          "runs nothing for a disabled user; a pool's roles are checked against these and the "
+                          "user's roles now")
     authored_by: Optional[dict[str, str]] = Field(None, description="who wrote the playbook it runs (who registered "
                                                                      "its catalog version, or who sent it inline); checked as well")
 

@@ -891,8 +891,9 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
 
 
 def requester(state: ExecutionState) -> dict[str, Any] | None:
-    """Who started the execution (a child: who started its root), ids and name only: a pool that names
-    the roles it serves checks them (D33)."""
+    """Who started the execution (a child: who started its root): ids, name, and the roles the request
+    carried; the worker checks that user's standing now, and a pool that names the roles it serves
+    checks them (D33)."""
     return _who(state.request.get("requested_by"))
 
 
@@ -911,7 +912,11 @@ def _author(state: ExecutionState, fetched: Any) -> dict[str, Any] | None:
 def _who(who: Any) -> dict[str, Any] | None:
     if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
         return None
-    return {k: who[k] for k in ("user_id", "username") if isinstance(who.get(k), str)}
+    out: dict[str, Any] = {k: who[k] for k in ("user_id", "username") if isinstance(who.get(k), str)}
+    roles = who.get("roles")
+    if isinstance(roles, list) and all(isinstance(r, str) for r in roles):
+        out["roles"] = roles  # what the starter's request carried: a pool admits no more than these (D33)
+    return out
 
 
 __all__ = ["Decision", "Written", "admission", "router", "loops", "build_command", "lost_command", "step_spec", "graph_of",
