@@ -94,6 +94,9 @@ LIMITS: tuple[Limit, ...] = (
     # ---- task results
     Limit("max_result_bytes", 32 * MIB, "bytes", "a task's result",
           "worker: the task ends with error kind result_too_large"),
+    Limit("max_value_depth", 64, "levels", "the nesting of a value a task returns or a template makes",
+          "worker (the task's tool_error), templates (template_error); at most 200: the event log's "
+          "encoder stops at 254 levels, its envelope included"),
 
     # ---- sandboxed tasks (D33): python and duckdb task processes, set by the worker
     Limit("task_max_memory_bytes", 2048 * MIB, "bytes", "the memory a task process allocates",

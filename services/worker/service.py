@@ -30,7 +30,7 @@ from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.contracts.subjects import Q_USERS_STANDING
-from noetl_mesh.infra.bus import COMMANDS, Bus, BusError, loads, pool_filter, release
+from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.sandbox import policy as sandbox
@@ -448,6 +448,13 @@ class WorkerService:
                 except BaseException:  # noqa: BLE001 - then it is redelivered after ack_wait
                     pass
                 raise
+        except UNHANDLEABLE as exc:  # its report cannot be encoded: running it again would only repeat it
+            log.exception("command %s: its report cannot be sent", command.get("command_id"))
+            self.commands.record(started_ns, error=f"engine_error: {type(exc).__name__}: {exc}")
+            await self._fail(command, {"kind": "engine_error", "retryable": False, "message": (
+                f"the worker could not send this step's report: {type(exc).__name__}: {exc}")[:2000]})
+            await msg.ack()
+            self._m_outcome["dropped"].inc()
         except Exception as exc:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered
             log.exception("command %s failed", command.get("command_id"))
             self.commands.record(started_ns, error=f"retrying command {command.get('command_id')}: "

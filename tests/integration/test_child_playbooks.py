@@ -138,12 +138,42 @@ def nested(module_pg) -> Iterator[StackHandle]:
 
     async def register():
         async with GatewayClient(handle.url, token=handle.token) as client:
-            for text in (GRANDCHILD, CHILD, PARENT, FAILING, HANDLES_FAILURE, LOOP_PARENT, LOOPED, RECURSIVE):
+            for text in (GRANDCHILD, CHILD, PARENT, FAILING, HANDLES_FAILURE, LOOP_PARENT, LOOPED, RECURSIVE, DEEP_CHILD,
+                         DEEP_PARENT):
                 await client.register(text)
 
     handle.run(register())
     yield handle
     stop_stack(nats, loop, handle)
+
+
+DEEP_CHILD = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: deep-child, path: nested/deep_child}
+workload: {n: 1}
+workflow:
+  - step: start
+    tool:
+      kind: python
+      args: {n: "{{ workload.n }}"}
+      code: |
+        def main(n):
+            x = 1
+            for _ in range(n):
+                x = [x]
+            return {"deep": x}
+"""
+
+DEEP_PARENT = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: deep-parent, path: nested/deep_parent}
+workload: {n: 1}
+workflow:
+  - step: start
+    tool: {name: call, kind: playbook, path: nested/deep_child, workload: {n: "{{ workload.n }}"}}
+"""
 
 
 async def _run(handle: StackHandle, path: str, workload: dict | None = None, timeout: float = 60) -> tuple[dict, GatewayClient]:
@@ -218,6 +248,25 @@ def test_recursion_depth_limit_is_reported(nested):
     assert error["kind"] == "child_failed"
     text = str(error)
     assert "recursion_limit" in text and "would nest child executions 3 deep; the limit is 2" in text
+
+
+def test_a_result_nested_too_deep_fails_where_it_is_made_and_nothing_is_left_running(nested):
+    """Deeper than max_value_depth (64): the child's task fails at once (before, its report could not be
+    sent and the task ran again until worker_lost); a child result within it that its parent's view
+    nests deeper fails the parent's task (before, the child's end could not be sent: both stayed
+    RUNNING, and could not be cancelled)."""
+    async def children(client, final):
+        return [await client.status(c) for c in final.get("children") or ()]
+
+    final, (child,) = run(nested, "nested/deep_parent", {"n": 250}, inspect=children)
+    assert final["status"] == "FAILED" and child["status"] == "FAILED", (final, child)
+    assert child["error"]["kind"] == "tool_error" and "deeper than 64 levels" in child["error"]["message"], child
+    final, (child,) = run(nested, "nested/deep_parent", {"n": 62}, inspect=children)
+    assert child["status"] == "COMPLETED", child
+    assert final["status"] == "FAILED", final
+    assert "deeper than 64 levels" in str(final["error"]), final["error"]
+    ok, _ = run(nested, "nested/deep_parent", {"n": 40})
+    assert ok["status"] == "COMPLETED" and ok["steps"]["start"]["result"]["status"] == "COMPLETED"
 
 
 def test_cancelling_the_parent_cancels_the_running_child(nested):

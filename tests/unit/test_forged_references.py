@@ -122,6 +122,7 @@ def test_a_template_cannot_make_a_reference_by_any_expression(source: str) -> No
     ("{{ {(1, 2): 1} }}", "a key JSON cannot hold"),
     ("{{ [1, -(2 ** 63) - 1] }}", "at \\[1\\]: an integer outside 64 bits"),
     ("{{ {'a': 1e308 * 10} }}", "at a: a number that is not finite"),
+    ("{{ ('[' * 70 ~ ']' * 70) | from_json }}", "nested deeper than 64 levels \\(the limit max_value_depth\\)"),
 ])
 def test_a_template_cannot_make_a_number_the_log_cannot_hold(source: str, why: str) -> None:
     """Before, such a value failed where it was sent: a router or loop-coordinator dropped the message

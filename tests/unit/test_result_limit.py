@@ -225,7 +225,7 @@ class Circular:
 def test_a_result_that_cannot_be_json_is_an_error_not_a_crash():
     _, (out,) = pipeline([{"name": "loop", "kind": "circular"}], {"circular": Circular()})
     assert out["status"] == "error" and out["error"]["kind"] == "tool_error"
-    assert "not JSON-serialisable" in out["error"]["message"]
+    assert "deeper than 64 levels (the limit max_value_depth)" in out["error"]["message"]  # it has no end
     # the event log's JSON (orjson) holds integers of 64 bits: a bigger one is the task's error, at once,
     # not a report that cannot be sent (its command was redelivered until the step failed as worker_lost)
     for value in (10 ** 4000, 2 ** 64, -(2 ** 63) - 1, {"a": [2 ** 64]}):
@@ -235,3 +235,25 @@ def test_a_result_that_cannot_be_json_is_an_error_not_a_crash():
     for value in (2 ** 64 - 1, -(2 ** 63), {"a": [2 ** 63]}):
         _, (fits,) = pipeline([{"name": "n", "kind": "returns", "value": value}])
         assert fits["status"] == "ok" and fits["result"] == value
+
+
+def nested(levels: int, leaf=1):
+    value = leaf
+    for i in range(levels):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_a_result_nested_deeper_than_max_value_depth_is_the_tasks_error():
+    """Wrapped in the events' envelope (and a parent's view of a child's result) a value nested near
+    the encoder's 254 levels could not be sent: its report was retried until the step failed as
+    worker_lost, its task run again each time. It is refused where it is made, saying why."""
+    _, (fits,) = pipeline([{"name": "n", "kind": "returns", "value": nested(64)}])
+    assert fits["status"] == "ok" and fits["result"] == nested(64)
+    for value in (nested(65), nested(250), {"rows": [1, 2, nested(64)]}):
+        _, (deep,) = pipeline([{"name": "n", "kind": "returns", "value": value}])
+        assert deep["status"] == "error" and deep["error"]["kind"] == "tool_error", deep
+        assert "deeper than 64 levels (the limit max_value_depth)" in deep["error"]["message"]
+    with limits.override(max_value_depth=100):
+        _, (fits,) = pipeline([{"name": "n", "kind": "returns", "value": nested(100)}])
+        assert fits["status"] == "ok"

@@ -52,16 +52,19 @@ def _number_problem(value: Any) -> str | None:
     return None
 
 
-def unsendable(value: Any) -> tuple[tuple[Any, ...], str] | None:
+def unsendable(value: Any, max_depth: int = 64) -> tuple[tuple[Any, ...], str] | None:
     """The path to the first part of ``value`` that cannot travel as a value the user wrote, and why:
     an object shaped like a payload reference, an integer outside 64 bits, a number that is not finite
     (JSON has none: it would become null), a key that is none of text, a finite number or an integer of
-    64 bits; None when every part can."""
+    64 bits, a list or mapping nested deeper than ``max_depth`` levels (``max_value_depth``: the event
+    log's encoder stops at 254, its envelope included); None when every part can."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
         if (problem := _number_problem(item)) is not None:
             return path, problem
+        if isinstance(item, (dict, list, tuple)) and len(path) >= max_depth:
+            return path, f"lists and mappings nested deeper than {max_depth} levels (the limit max_value_depth)"
         if isinstance(item, dict):
             if is_ref(item):
                 return path, WHY

@@ -1334,7 +1334,7 @@ def _run(compiled: _Compiled, source: str, context: Mapping[str, Any] | None, wh
             u = _find_undefined(rv)
             if u is not None:
                 u._fail_with_undefined_error()
-        if compiled.makes_value and (wrong := refs.unsendable(rv)) is not None:
+        if compiled.makes_value and (wrong := refs.unsendable(rv, b.lim.max_value_depth)) is not None:
             at, why = wrong
             raise TemplateError(source, where, f"the value it gives{' at ' + refs.shown(at) if at else ''}: {why}")
         if type(rv) is not str and isinstance(rv, str):  # Markup from tojson & co.
