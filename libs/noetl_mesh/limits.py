@@ -161,6 +161,8 @@ LIMITS: tuple[Limit, ...] = (
     # ---- schedules (D31): read by the scheduler (and the gateway, which checks first)
     Limit("max_schedules", 1_000, "schedules", "the schedules of the stack",
           "scheduler: adding one more is refused (409)"),
+    Limit("max_schedules_per_user", 100, "schedules", "the schedules one user creates",
+          "scheduler: adding one more is refused (409), so that one user cannot take the stack's max_schedules"),
     Limit("max_schedule_bytes", 256 * KIB, "bytes", "a schedule's definition (JSON, workload included)",
           "gateway (413) and scheduler (refused)"),
     Limit("schedule_fire_ttl", 3600, "seconds", "how long a firing waits for the scheduler",

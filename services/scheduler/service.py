@@ -92,8 +92,8 @@ class SchedulerService:
         if decision.start is not None:
             record, revision = found
             # the schedule acts for its creator: not once the creator could not start it (no answer: retried)
-            creator = (record.get("created_by") or {}).get("user_id")
-            standing = await self.bus.request(Q_USERS_STANDING, {"user_id": creator}) if creator else None
+            ask = schedules.standing_request(record)
+            standing = await self.bus.request(Q_USERS_STANDING, ask) if ask else None
             refusal = schedules.creator_refusal(record, standing)
             if refusal is not None:
                 log.warning("scheduler: schedule %s paused: %s", record["id"], refusal)
@@ -141,9 +141,17 @@ class SchedulerService:
             raise BusError("conflict", f"there are {lim.max_schedules} schedules already, the limit max_schedules "
                                        "(NOETL_LIMIT_MAX_SCHEDULES): delete one first")
         who = req.get("created_by") if isinstance(req.get("created_by"), dict) else {}
+        created_by: dict[str, Any] = {k: str(who[k])[:256] for k in PRINCIPAL_KEYS if who.get(k) is not None}
+        if isinstance(who.get("roles"), list):  # the roles the request carried: its firings carry them (D33)
+            created_by["roles"] = [str(r)[:64] for r in who["roles"][:16]]
+        uid = created_by.get("user_id")
+        if uid is not None and sum((r.get("created_by") or {}).get("user_id") == uid
+                                   for r in (await self.store.records()).values()) >= lim.max_schedules_per_user:
+            raise BusError("conflict", f"{created_by.get('username') or uid} has {lim.max_schedules_per_user} schedules "
+                                       "already, the limit max_schedules_per_user (NOETL_LIMIT_MAX_SCHEDULES_PER_USER): "
+                                       "delete one first")
         record = schedules.definition(
-            fields, schedule_id=secrets.token_hex(8), generation=secrets.token_hex(8), now=now,
-            created_by={k: str(who[k])[:256] for k in PRINCIPAL_KEYS if who.get(k) is not None})
+            fields, schedule_id=secrets.token_hex(8), generation=secrets.token_hex(8), now=now, created_by=created_by)
         await self.store.create(record)
         try:
             await self.store.arm(record, lim.schedule_fire_ttl)

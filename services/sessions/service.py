@@ -29,6 +29,7 @@ again (it must still be live) and checks the permission itself. Times are ISO 86
 | ``noetl.q.tokens.create`` | ``{principal, name, roles?, expires_in?}`` (seconds) | ``{token, token_id, name, roles, expires_at}``; roles a subset of the caller's, ending no later than the caller (without ``expires_in``: when it ends) | ``token.own`` |
 | ``noetl.q.tokens.list`` | ``{principal, user_id?}`` | ``{tokens: [token record]}`` | ``token.own`` / ``token.any`` |
 | ``noetl.q.tokens.revoke`` | ``{principal, token_id}`` | ``{revoked: [{token_id}]}`` | ``token.own`` / ``token.any`` |
+| ``noetl.q.users.standing`` | ``{user_id, token_id?}`` (no principal: services only, by their NATS permissions) | ``{exists, active, roles, token_active?}``: ``token_active`` when ``token_id`` is asked (that API token of the user is neither revoked nor expired) | — |
 | ``noetl.q.audit.list`` | ``{principal, user?, action?, since?, limit?: 100}`` | ``{records: [record]}`` newest first (``limit`` ≤ 1000) | ``audit.read`` |
 
 A principal: ``{user_id, username, email, display_name, roles, kind: "session" | "token", session_id |
@@ -691,13 +692,20 @@ class SessionsService:
 
     async def users_standing(self, req: dict) -> dict:
         """Whether a user still exists and is enabled, and its roles: what a service acting for the user
-        later (the scheduler, for a schedule's creator) checks. Asked with no token: only services whose
-        NATS user may publish this subject ask it (infra/nats_auth.py)."""
-        got = await self._user(access.an_id(req.get("user_id"), "user_id"))
-        if got is None:
-            return {"exists": False, "active": False, "roles": []}
-        user = got[0]
-        return {"exists": True, "active": not user.get("disabled"), "roles": list(user.get("roles") or [])}
+        later (the scheduler, for a schedule's creator; a worker, for an execution's starter and author)
+        checks. With ``token_id``: also whether that API token of the user is still live
+        (``token_active``: not revoked, not expired). Asked with no token: only services whose NATS user
+        may publish this subject ask it (infra/nats_auth.py)."""
+        uid = access.an_id(req.get("user_id"), "user_id")
+        got = await self._user(uid)
+        out: dict[str, Any] = {"exists": False, "active": False, "roles": []} if got is None else {
+            "exists": True, "active": not got[0].get("disabled"), "roles": list(got[0].get("roles") or [])}
+        if req.get("token_id") is not None:
+            tid = access.an_id(req.get("token_id"), "token_id")
+            token = await self.users.get(token_key(tid), fresh=True)
+            ends = access.epoch(token[0].get("expires_at")) if token is not None and token[0].get("expires_at") else None
+            out["token_active"] = token is not None and token[0].get("user_id") == uid and (ends is None or ends > time.time())
+        return out
 
     async def users_disable(self, req: dict) -> dict:
         caller = await self._caller(req)

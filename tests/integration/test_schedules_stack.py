@@ -14,6 +14,7 @@ from typing import Any
 import nats
 import pytest
 
+from noetl_mesh import limits
 from noetl_mesh.cli import main as cli
 from noetl_mesh.client import GatewayClient, GatewayError
 from noetl_mesh.core import schedules
@@ -215,6 +216,18 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
                 await asyncio.sleep(0.2)
             assert got["status"] == "paused" and got["paused_reason"] == "its creator s-developer is disabled", got
             await admin.schedule_delete(ticking["id"])
+            # made with an API token: the token revoked, the schedule pauses at its next firing
+            ci = await admin.create_token("ci", roles=["developer"])
+            async with GatewayClient(stack.url, token=ci["token"]) as automation:
+                by_token = await automation.schedule_add("tests/tick", every="1s")
+            # its firings carry the roles the token had, not all its owner's (a pool checks them, D33)
+            assert (await admin.schedule(by_token["id"]))["created_by"]["roles"] == ["developer"]
+            await admin.revoke_token(ci["token_id"])
+            deadline = time.time() + 20
+            while (got := await admin.schedule(by_token["id"]))["status"] != "paused" and time.time() < deadline:
+                await asyncio.sleep(0.2)
+            assert got["status"] == "paused" and got["paused_reason"] == "the API token admin created it with is revoked or expired", got
+            await admin.schedule_delete(by_token["id"])
             async with GatewayClient(stack.url, token=tokens["operator"]) as op:
                 assert (await op.schedule_pause("hourly"))["status"] == "paused"  # execution.cancel.any
                 await refused(op.schedule_resume("hourly"), 403)  # resuming starts executions
@@ -244,6 +257,29 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
         assert cli(["schedule", verb, "noon", *gw]) == 0
     assert cli(["schedule", "delete", "noon", *gw]) == 0
     assert cli(["schedule", "get", "noon", *gw]) == 1
+
+
+def test_one_user_cannot_take_every_schedule_of_the_stack(stack):
+    async def go():
+        async with stack.client() as admin:
+            await admin.add_user("s-many", ["developer"], password=PASSWORD)
+            async with GatewayClient(stack.url, token="") as c:
+                c.use(None)
+                await c.login("s-many", PASSWORD)
+                token = (await c.create_token("many"))["token"]
+            made = []
+            with limits.override(max_schedules_per_user=2):
+                async with GatewayClient(stack.url, token=token) as many:
+                    for _ in range(2):
+                        made.append((await many.schedule_add("tests/tick", every="1h"))["id"])
+                    with pytest.raises(GatewayError) as exc:
+                        await many.schedule_add("tests/tick", every="1h")
+                    assert exc.value.status == 409 and "s-many has 2 schedules already" in exc.value.message
+                made.append((await admin.schedule_add("tests/tick", every="1h"))["id"])  # another user may
+            for sid in made:
+                await admin.schedule_delete(sid)
+
+    stack.run(go(), 60)
 
 
 def test_a_schedule_path_is_a_catalog_path_at_the_gateway_and_at_the_scheduler(stack):

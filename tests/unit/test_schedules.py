@@ -355,6 +355,13 @@ def test_a_firing_acts_for_the_creator_only_while_the_creator_could_start_it():
     assert "no longer has a role" in S.creator_refusal(record, {**ok, "roles": ["viewer"]})
     assert "no longer exists" in S.creator_refusal(record, {"exists": False, "active": False, "roles": []})
     assert "no longer exists" in S.creator_refusal({}, None)
+    # made with an API token: no longer than the token lives; made in a session: the user's own
+    by_token = {"created_by": {"user_id": "u1", "username": "ann", "kind": "token", "token_id": "t1"}}
+    assert S.standing_request(by_token) == {"user_id": "u1", "token_id": "t1"}
+    assert S.standing_request({"created_by": {"user_id": "u1", "kind": "session", "session_id": "s1"}}) == {"user_id": "u1"}
+    assert S.standing_request({}) is None
+    assert S.creator_refusal(by_token, {**ok, "token_active": True}) is None
+    assert S.creator_refusal(by_token, {**ok, "token_active": False}) == "the API token ann created it with is revoked or expired"
     paused = S.with_paused({"id": "x", "paused": False}, True, 0, "its creator ann is disabled")
     assert paused["paused_reason"] == "its creator ann is disabled"
     assert "paused_reason" not in S.with_paused(paused, False, 1)  # resumed: the reason goes

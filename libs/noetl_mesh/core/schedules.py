@@ -445,7 +445,8 @@ def creator_refusal(record: dict[str, Any], standing: Any) -> str | None:
     """Why a firing may not start an execution for the schedule's creator any more (None: it may).
     ``standing``: the sessions service's answer for the creator (``{exists, active, roles}``). A
     schedule acts for its creator at every firing, so it stops when the creator could not start the
-    execution itself: deleted, disabled, or without a role that may start executions."""
+    execution itself: deleted, disabled, or without a role that may start executions; and, made with
+    an API token (:func:`standing_request`), once that token is revoked or expired."""
     who = record.get("created_by") or {}
     name = who.get("username") or who.get("user_id") or "?"
     if not isinstance(standing, dict) or not standing.get("exists"):
@@ -454,7 +455,22 @@ def creator_refusal(record: dict[str, Any], standing: Any) -> str | None:
         return f"its creator {name} is disabled"
     if not allowed(standing.get("roles") or [], "execution.start"):
         return f"its creator {name} no longer has a role that may start executions"
+    if "token_active" in standing and not standing["token_active"]:
+        return f"the API token {name} created it with is revoked or expired"
     return None
+
+
+def standing_request(record: dict[str, Any]) -> dict[str, Any] | None:
+    """What to ask the sessions service (``users.standing``) before a firing: the creator, and the API
+    token it used, if any (a schedule made with a token acts no longer than the token lives: a revoked
+    token's automation stops; one made in a session is the user's own, and outlives the session)."""
+    who = record.get("created_by") or {}
+    if not isinstance(who.get("user_id"), str):
+        return None
+    ask: dict[str, Any] = {"user_id": who["user_id"]}
+    if who.get("kind") == "token" and isinstance(who.get("token_id"), str):
+        ask["token_id"] = who["token_id"]
+    return ask
 
 
 def kind(record: dict[str, Any]) -> str:
