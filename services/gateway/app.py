@@ -715,6 +715,18 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                               else parse_yaml(content))
                 if diags:  # registered under other limits, say: not startable as it is
                     raise problem(422, "invalid playbook", "catalog", _diagnostics(diags))
+            if body.parent_execution_id is not None:  # a link shown on the parent: only to one's own
+                try:
+                    parent = await shell.ask(Q_EXECUTION_GET, {"execution_id": body.parent_execution_id, "brief": True})
+                except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
+                    parent = await bus.pending_request(body.parent_execution_id) if exc.status_code == 404 else None
+                    if parent is None:
+                        if exc.status_code != 404:
+                            raise
+                        raise problem(422, f"no execution {body.parent_execution_id}", "body.parent_execution_id") from None
+                if parent.get("requested_by") != who["user_id"] and not access.allowed(who["roles"], "execution.cancel.any"):
+                    raise auth.deny(request, who, "execution.cancel.any",
+                                    " to list an execution under one another user started", {"execution_id": body.parent_execution_id})
             execution_id = new_execution_id()
             span.set_attribute(tracing.EXECUTION_ID, execution_id)
             # the request travels in the execution's own trace (its id is the trace id), linked to this one

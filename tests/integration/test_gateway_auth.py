@@ -209,6 +209,15 @@ def test_cancel_own_or_any_and_who_started_what(stack, people):
                 with pytest.raises(GatewayError) as bad:
                     await admin.list_executions(user="someone")
                 assert bad.value.status == 422
+                # an execution listed under another: only under one's own (or any, for who may cancel any)
+                with pytest.raises(GatewayError) as linked:
+                    await dev.start(SLOW, parent_execution_id=theirs)
+                assert linked.value.status == 403 and "under one another user started" in linked.value.message
+                with pytest.raises(GatewayError) as nowhere:
+                    await dev.start(SLOW, parent_execution_id="0" * 32)
+                assert nowhere.value.status == 422 and nowhere.value.body["detail"]["location"] == "body.parent_execution_id"
+                under_mine = await dev.start(SLOW, parent_execution_id=mine)
+                await dev.cancel(under_mine)
 
             # a child execution is its parent's caller's: listed with it, cancellable by them
             await admin.register(CHILD)
