@@ -251,7 +251,7 @@ class WorkerService:
         self._m_pending = metrics.PENDING.labels(self.name, f"pool-{pool}", "-")
         self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
                            for o in ("acked", "retried", "dropped", "payload_missing", "cancelled", "forbidden")}
-        self._standing: dict[str, tuple[float, dict]] = {}  # user id -> (until, the sessions service's word)
+        self._standing: dict[str, tuple[float, dict | BusError]] = {}  # user id -> (until, the sessions service's word)
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=",".join(pool_filter(pool)),
                                  durable=f"pool-{pool}")
@@ -505,25 +505,31 @@ class WorkerService:
                 return f"this execution was {did} by {name}, who is disabled or removed: it runs no further task (D33)"
             if need is None:
                 continue
-            held = standing.get("roles") or ()
+            holds = list(standing.get("roles") or ())
             carried = who.get("roles") if did == "started" else None
-            if isinstance(carried, list):  # the request's roles: no more than the user holds now
-                held = [r for r in held if r in carried]
+            held = [r for r in holds if r in carried] if isinstance(carried, list) else holds  # no more than both
             if not self.policy.admits(held):
-                has = ", ".join(held) or "no role"
-                return f"{need}; this one was {did} by {name}, " + (
-                    f"whose request carried {', '.join(carried) or 'no role'} of the roles {', '.join(standing.get('roles') or ()) or 'none'} it holds"
-                    if isinstance(carried, list) and set(carried) != set(standing.get("roles") or ()) else f"who has {has}")
+                if held != holds:
+                    return (f"{need}; this one was {did} by {name}, whose request carried "
+                            f"{', '.join(carried) or 'no role'} of the roles {', '.join(holds) or 'none'} it holds")
+                return f"{need}; this one was {did} by {name}, who has {', '.join(holds) or 'no role'}"
         return None
 
     async def _standing_of(self, uid: str) -> dict:
+        """The user's standing, kept :data:`STANDING_TTL` seconds; a :class:`BusError` when the sessions
+        service does not answer, kept a second (each command would otherwise wait out the request)."""
         now = time.monotonic()
         until, standing = self._standing.get(uid, (0.0, {}))
         if until < now:
-            standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
+            try:
+                standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
+            except BusError as exc:
+                standing = exc
             if len(self._standing) > 10_000:
                 self._standing.clear()
-            self._standing[uid] = (now + STANDING_TTL, standing)
+            self._standing[uid] = (now + (1.0 if isinstance(standing, BusError) else STANDING_TTL), standing)
+        if isinstance(standing, BusError):
+            raise standing
         return standing
 
     async def _fail(self, command: dict, error: dict) -> None:

@@ -1,0 +1,61 @@
+"""Whom a worker runs commands for (D33), against a sessions service that answers what the test says:
+an active user on any pool; nobody disabled, on any pool; on a pool that names roles, the starter
+within the roles its request carried. When that service does not answer, a pool that names no roles
+runs the command; one that names roles hands it back (the error reaches the command's retry)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from noetl_mesh.infra.bus import BusError
+from noetl_mesh.sandbox import policy as sandbox
+from noetl_mesh.services.worker.service import WorkerService
+
+
+class Sessions:
+    def __init__(self, answer):
+        self.answer, self.asked = answer, 0
+
+    async def request(self, subject, payload, timeout=10.0, expand=False):
+        self.asked += 1
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def refusal(answer, command, roles=None):
+    worker = WorkerService(Sessions(answer), pool="vault" if roles else "default")
+    worker.policy = sandbox.from_env({sandbox.ENV["roles"]: roles} if roles else {})  # what start() reads
+    return asyncio.run(worker._refusal(command)), worker.bus.asked
+
+
+ANN = {"requested_by": {"user_id": "u1", "username": "ann", "roles": ["developer"]},
+       "authored_by": {"user_id": "u1", "username": "ann"}}
+ACTIVE = {"exists": True, "active": True, "roles": ["admin", "developer"]}
+
+
+def test_an_active_user_runs_and_a_disabled_one_runs_nothing_on_any_pool():
+    assert refusal(ACTIVE, ANN) == (None, 1)  # asked once for both: kept
+    why, _ = refusal({**ACTIVE, "active": False}, ANN)
+    assert why == "this execution was started by ann, who is disabled or removed: it runs no further task (D33)"
+    assert refusal({"exists": False, "active": False, "roles": []}, ANN)[0].endswith("it runs no further task (D33)")
+    assert refusal(ACTIVE, {}) == (None, 0)  # no user to check: a stack without users
+
+
+def test_on_a_pool_with_roles_the_starter_counts_with_the_roles_its_request_carried():
+    why, _ = refusal(ACTIVE, ANN, roles="admin")
+    assert "whose request carried developer of the roles admin, developer it holds" in why
+    full = {**ANN, "requested_by": {**ANN["requested_by"], "roles": ["admin", "developer"]}}
+    assert refusal(ACTIVE, full, roles="admin")[0] is None
+    old = {**ANN, "requested_by": {"user_id": "u1", "username": "ann"}}  # recorded before requests carried roles
+    assert refusal(ACTIVE, old, roles="admin")[0] is None
+
+
+def test_without_the_sessions_service_only_a_pool_with_roles_waits():
+    away = BusError("unavailable", "no service answers noetl.q.users.standing")
+    assert refusal(away, ANN)[0] is None
+    with pytest.raises(BusError):
+        refusal(away, ANN, roles="admin")
+    why, _ = refusal(BusError("bad_request", "user_id: not an id"), ANN)
+    assert why.startswith("the standing of the user who started this execution cannot be checked")
