@@ -168,18 +168,19 @@ def fixture_api() -> Iterator[FixtureApi]:
     api.stop()
 
 
+async def new_user(handle: "StackHandle", name: str, roles: list[str], password: str = "a long password") -> str:
+    """A new user with ``roles`` (added by the stack's admin), logged in: an API token of theirs."""
+    async with handle.client() as admin:
+        await admin.add_user(name, roles, password=password)
+    async with GatewayClient(handle.url, token="") as c:
+        c.use(None)
+        await c.login(name, password)
+        return (await c.create_token(f"{name} tests"))["token"]
+
+
 def developer(handle: "StackHandle") -> str:
     """An API token of a new user with the role ``developer`` (who writes and runs playbooks)."""
-
-    async def make() -> str:
-        async with handle.client() as admin:
-            await admin.add_user("a-developer", ["developer"], password="a long password")
-        async with GatewayClient(handle.url, token="") as c:
-            c.use(None)
-            await c.login("a-developer", "a long password")
-            return (await c.create_token("sandbox tests"))["token"]
-
-    return handle.run(make())
+    return handle.run(new_user(handle, "a-developer", ["developer"]))
 
 
 # an execution that runs until it is cancelled (its one task sleeps for an hour)

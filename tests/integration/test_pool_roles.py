@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from conftest import StackHandle, start_stack, stop_stack
+from conftest import StackHandle, new_user, start_stack, stop_stack
 from noetl_mesh.client import GatewayClient, GatewayError
 from noetl_mesh.infra.bus import Bus
 from noetl_mesh.infra.nats_auth import NatsAuth
@@ -225,12 +225,8 @@ def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monk
     monkeypatch.setattr(worker, "STANDING_TTL", 0.2)  # the standing the worker keeps: 10 s otherwise
 
     async def go():
+        token = await new_user(stack, "leaver", ["developer"])
         async with stack.client() as admin:
-            await admin.add_user("leaver", ["developer"], password=PASSWORD)
-            async with GatewayClient(stack.url, token="") as c:
-                c.use(None)
-                await c.login("leaver", PASSWORD)
-                token = (await c.create_token("leaving"))["token"]
             async with stack.client(token=token) as leaver:
                 eid = await leaver.start(yaml.safe_load(WAITS))
                 for _ in range(600):

@@ -24,7 +24,7 @@ from noetl_mesh.infra.nats_auth import NatsAuth, connect_options
 from noetl_mesh.services.scheduler.store import ScheduleStore
 from noetl_mesh.stack import free_port, start_service, stop_service
 
-from conftest import start_stack, stop_stack
+from conftest import new_user, start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
 
@@ -261,12 +261,8 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
 
 def test_one_user_cannot_take_every_schedule_of_the_stack(stack):
     async def go():
+        token = await new_user(stack, "s-many", ["developer"])
         async with stack.client() as admin:
-            await admin.add_user("s-many", ["developer"], password=PASSWORD)
-            async with GatewayClient(stack.url, token="") as c:
-                c.use(None)
-                await c.login("s-many", PASSWORD)
-                token = (await c.create_token("many"))["token"]
             made = []
             with limits.override(max_schedules_per_user=2):
                 async with GatewayClient(stack.url, token=token) as many:
