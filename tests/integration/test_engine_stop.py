@@ -77,3 +77,25 @@ def test_an_event_admission_cannot_decide_on_fails_its_execution(stack, monkeypa
     assert not verify(events).findings, verify(events).findings
     other, _ = stack.execute(HELLO, timeout=60)
     assert other["status"] == "COMPLETED"
+
+
+def test_a_finish_that_cannot_be_published_fails_its_execution(stack, monkeypatch) -> None:
+    """The router's own decision folds into its state at once: a finish it could not publish left the
+    state it held finished, and the execution RUNNING for ever, a cancellation dropped the same way."""
+    real = decide.router
+
+    def router(state, event):
+        d = real(state, event)
+        if (state.playbook or {}).get("metadata", {}).get("name") == "last":
+            for e in d.events:
+                if e["name"] == "workflow.finished" and e["data"]["status"] == "COMPLETED":
+                    e["data"]["n"] = 2 ** 70
+        return d
+
+    monkeypatch.setattr(decide, "router", router)
+    status, events = stack.execute(book("last", "- step: start\n  tool: {kind: noop}\n"), timeout=60)
+    assert status["status"] == "FAILED", status
+    error = finished(events)["error"]
+    assert error["kind"] == "engine_error" and "router" in error["message"], error
+    assert [e["data"]["status"] for e in events if e["name"] == "workflow.finished"] == ["FAILED"]
+    assert not verify(events).findings, verify(events).findings

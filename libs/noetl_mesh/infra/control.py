@@ -232,6 +232,7 @@ class PartitionedService:
             self.handled += 1
             return None
         first = events[0]
+        ended = False  # the execution had finished before this message: nothing of it to stop
         try:
             if state is None and first["name"] == "playbook.execution.requested" and (
                     not (first.get("data") or {}).get("parent") or await self._first(eid, p, seq.stream, first)):
@@ -243,6 +244,7 @@ class PartitionedService:
             self.cache[eid] = state
             self.partition_of[eid] = p
             self.cache.move_to_end(eid)
+            ended = state.status in FINAL  # before this message: the decision folds into the state at once
             exemplar = await self._decide_and_publish(msg, state, eid, events)
         except BaseException as exc:
             # the state has folded events whose decision is not published: forget it, so that the
@@ -252,7 +254,7 @@ class PartitionedService:
             # that live and rebuilt states agree; and its execution, which cannot go on, is stopped.
             self.cache.pop(eid, None)
             self.partition_of.pop(eid, None)
-            if isinstance(exc, UNHANDLEABLE) and not (state is not None and state.status in FINAL):
+            if isinstance(exc, UNHANDLEABLE) and not ended:
                 await self._stop(eid, events, exc)
             raise
         finally:
