@@ -533,10 +533,14 @@ class WorkerService:
         return standing
 
     async def _fail(self, command: dict, error: dict) -> None:
-        """End the command's step run or iterations failed without running them."""
+        """End the command's step run or iterations failed without running them. A chunk of iterations
+        sent by reference (D23) is read first: each of its iterations fails."""
         if is_ref(command.get("chunk")):
-            log.error("command %s: its iterations are unreadable too; nothing reported", command.get("command_id"))
-            return
+            try:
+                command = {**command, "chunk": await self.bus.payloads.expand(command["chunk"])}
+            except PayloadMissing:
+                log.error("command %s: its iterations are unreadable too; nothing reported", command.get("command_id"))
+                return
         await self.bus.publish_all(lost_command(command, 0, error=error, source=f"worker:{self.pool}"))
 
     async def _keep_lease(self, msg: Msg) -> None:

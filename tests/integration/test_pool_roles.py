@@ -248,3 +248,32 @@ def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monk
     assert error["kind"] == "forbidden", error
     assert "started by leaver, who is disabled or removed: it runs no further task" in error["message"], error
     assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]
+
+
+BIG_LOOP = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: big-loop, path: tests/pools/big-loop}
+workload: {items: []}
+workflow:
+  - step: start
+    spec: {pool: vault}
+    loop: {in: "{{ workload.items }}", iterator: it, spec: {mode: parallel, max_in_flight: 256}}
+    tool: {kind: noop, result: "{{ iter.index }}"}
+"""
+
+
+def test_a_refused_chunk_of_iterations_sent_by_reference_fails_each_iteration(stack, tokens) -> None:
+    """32 iterations of 10 KB each go in one chunk, over max_payload_bytes: the command carries the
+    chunk by reference (D23). Refused, each of its iterations fails forbidden (before, the worker gave
+    up on a chunk it had not read, and the loop stayed RUNNING)."""
+    async def go():
+        async with stack.client(token=tokens["dev"]) as dev:
+            eid = await dev.start(yaml.safe_load(BIG_LOOP), {"items": ["x" * 10_000] * 32})
+            return await dev.wait(eid, timeout=60), await dev.all_events(eid)
+
+    status, events = stack.run(go(), 90)
+    assert status["status"] == "FAILED", status
+    failed = [e for e in events if e["name"] == "loop.iteration.failed"]
+    assert failed and all(e["data"]["error"]["kind"] == "forbidden" for e in failed), failed[:1]
+    assert not [e for e in events if e["name"] == "task.started"]
