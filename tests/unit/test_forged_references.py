@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import yaml
 
 from noetl_mesh.contracts.refs import STORE, forged, is_ref
 from noetl_mesh.core.local import run_local
@@ -166,3 +167,44 @@ def test_a_request_body_holding_a_reference_is_422_where_it_stands(raw: bytes, w
         parse_json(raw, 64)
     assert info.value.status == 422 and info.value.location == where and D23 in info.value.message
     assert parse_json(b'{"w": {"store": "nats-object:noetl_payloads", "key": "k"}}', 64)["w"]["key"] == "k"
+
+
+GROWS_CTX = """
+- step: start
+  tool:
+    - {name: init, kind: noop, spec: {policy: {rules: [{else: {then: {do: continue, set_ctx: {v: 1, n: 0}}}}]}}}
+    - name: grow
+      kind: noop
+      spec:
+        policy:
+          rules:
+            - when: "{{ ctx.n < 100 }}"
+              then: {do: jump, to: grow, set_ctx: {n: "{{ ctx.n + 1 }}", v: {a: "{{ ctx.v }}"}}}
+            - else: {then: {do: continue}}
+"""
+GROWS_ARGS = """
+- step: start
+  tool: {kind: noop}
+  next: {arcs: [{step: again, args: {v: 1, n: 0}}]}
+- step: again
+  tool: {kind: noop}
+  next:
+    arcs:
+      - {step: again, when: "{{ args.n < 100 }}", args: {n: "{{ args.n + 1 }}", v: {a: {b: "{{ args.v }}"}}}}
+"""
+
+
+@pytest.mark.parametrize("workflow, where", [(GROWS_CTX, "start.grow.spec.policy.rules.set_ctx"),
+                                             (GROWS_ARGS, "step=again.next.arcs[0].args")])
+def test_a_playbook_cannot_nest_what_it_reads_past_max_value_depth(workflow: str, where: str) -> None:
+    """No single template makes these values: the playbook's own mappings around a read grow them a level
+    or two on every pass of a back-edge, until no event could hold them (the execution stopped with an
+    engine_error, or stayed RUNNING). They fail where they are built, as a template_error."""
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "t", "path": "tests/t"},
+           "workflow": yaml.safe_load(workflow)}
+    result = asyncio.run(run_local(doc, tools={"noop": NoopTool()}))
+    s = summary(result.state)
+    assert s["status"] == "FAILED", s
+    error = next(e for e in result.log if e["name"] == "workflow.finished")["data"]["error"]
+    assert error["kind"] == "template_error", error
+    assert error["message"] == f"{where}: it builds lists and mappings nested deeper than 64 levels (the limit max_value_depth)"

@@ -592,7 +592,10 @@ def _route(out: _Out, run: StepRun, event: dict) -> None:
                 else:
                     matches = truthy(arc["when"], context, f"{where}.when")
                 if matches:
-                    fired.append((i, render(arc.get("args") or {}, context, f"{where}.args")))
+                    args = render(arc.get("args") or {}, context, f"{where}.args")
+                    if refs.too_deep(args, depth := limits.current().max_value_depth):  # D23: what it reads, nested
+                        raise TemplateError("", f"{where}.args", f"it builds {refs.TOO_DEEP.format(depth)}")
+                    fired.append((i, args))
             except TemplateError as exc:
                 error = {"kind": "template_error", "message": str(exc), "retryable": False}
                 fired = []

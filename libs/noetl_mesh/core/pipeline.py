@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -110,34 +109,13 @@ class _Cancelled(Exception):
 # ------------------------------------------------------------------------------------------- helpers
 
 
-_ENCODER_DEPTH = 254  # the lists and mappings orjson nests at most
-
-
-_pads = threading.local()  # per thread: (levels, the outer list, the innermost list) of lists to encode in
-
-
-def _encoded_within(value: Any, depth: int) -> bytes:
-    """``value``'s JSON as the bus writes it; a ``TypeError`` ("Recursion limit reached") when it nests
-    more than ``depth`` levels: orjson's own bound counts that as it encodes, with the value placed
-    under ``254 - depth`` levels of lists (built once per thread), which are then cut off the text: one
-    encode, no walk of the value in Python (about 1.4 µs more than a plain encode at depth 64)."""
-    pad = max(0, _ENCODER_DEPTH - depth)
-    if not pad:
-        return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
-    levels = getattr(_pads, "levels", None)
-    if levels is None or levels[0] != pad:
-        inner: list[Any] = [None]
-        outer = inner
-        for _ in range(pad - 1):
-            outer = [outer]
-        levels = _pads.levels = (pad, outer, inner)
-    _, outer, inner = levels
-    inner[0] = value
-    try:
-        data = orjson.dumps(outer, default=str, option=orjson.OPT_NON_STR_KEYS)
-    finally:
-        inner[0] = None
-    return data[pad:len(data) - pad]
+def _within(value: Any, where: str) -> Any:
+    """A rendered ``set_ctx``/``set_iter`` patch, or a :class:`TemplateError` when its mappings nest the
+    values it reads deeper than ``max_value_depth`` (D23)."""
+    depth = limits.current().max_value_depth
+    if refs.too_deep(value, depth):
+        raise TemplateError("", where, f"it builds {refs.TOO_DEEP.format(depth)}")
+    return value
 
 
 def _err(kind: str, message: str, retryable: bool = False) -> dict:
@@ -473,7 +451,7 @@ class _Run:
             return outcome  # cannot be over (a character is at most 6 bytes of JSON)
         depth = limits.current().max_value_depth
         try:
-            data = _encoded_within(result, depth)  # as the bus encodes it
+            data = refs.encoded_within(result, depth)  # as the bus encodes it
         except (TypeError, ValueError, RecursionError) as e:  # it could not be published either
             why = f"it nests lists and mappings deeper than {depth} levels (the limit max_value_depth)" \
                 if "Recursion limit" in str(e) else f"it is not JSON-serialisable: {e}"
@@ -621,10 +599,10 @@ class _Run:
                 then = else_then if else_then is not None else _NO_MATCH_DIRECTIVE
             set_iter = then.get("set_iter")
             if set_iter:
-                self.iter.update(render(set_iter, scope, f"{where}.set_iter"))
+                self.iter.update(_within(render(set_iter, scope, f"{where}.set_iter"), f"{where}.set_iter"))
             set_ctx = then.get("set_ctx")
             if set_ctx:
-                patch = render(set_ctx, scope, f"{where}.set_ctx")
+                patch = _within(render(set_ctx, scope, f"{where}.set_ctx"), f"{where}.set_ctx")
         except TemplateError as e:
             raise _PolicyError("template_error", str(e)) from None
         finally:

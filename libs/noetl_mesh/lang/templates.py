@@ -101,8 +101,10 @@ class TemplateError(Exception):
 
     @property
     def detail(self) -> str:
-        """The message without the location: reason and the quoted template."""
+        """The message without the location: reason and the quoted template (if one is to blame)."""
         src = self.template
+        if not src:
+            return self.reason
         if len(src) > _QUOTE_LIMIT:
             src = src[:_QUOTE_LIMIT] + "…"
         quoted = json.dumps(src, ensure_ascii=False)
