@@ -879,7 +879,12 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         such a wait begins. 403 for a sender the wait's ``roles`` (default: who may cancel the
         execution) do not allow; 422 for a payload its ``schema`` refuses; 409 for a second signal."""
         with tracing.span("gateway POST /api/executions/{id}/signals/{name}", service="gateway"):
-            summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
+            try:
+                summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
+            except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
+                summary = await bus.pending_request(execution_id) if exc.status_code == 404 else None
+                if summary is None:
+                    raise
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
             if refusal is None and wait is not None and wait.get("schema") is not None:

@@ -106,6 +106,10 @@ def test_an_execution_cancelled_before_it_is_recorded_is_cancelled_not_unknown(m
                         assert exc.value.status in (404, 422), exc.value  # the gateway's path checks first
                 pending = await own.bus.pending_request(xid)
                 assert pending == {"execution_id": xid, "status": "PENDING", "requested_by": None}
+                # a signal and a child link to an execution accepted and not recorded yet: the log says
+                xid = await http.start(SLOW)
+                assert (await http.signal(xid, "go", {}))["status"] == "KEPT"
+                assert await http.start(SLOW, parent_execution_id=xid)
             gate.set()
 
         loop.run(go(), timeout=120)
