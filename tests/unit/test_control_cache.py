@@ -238,3 +238,32 @@ def test_what_no_retry_cures_is_dropped_and_what_may_pass_is_retried():
         assert asyncio.run(outcome(exc)) == ("dropped", 1, 0), exc
     for exc in (ConnectionError("no responders"), asyncio.TimeoutError(), RuntimeError("stream without a leader")):
         assert asyncio.run(outcome(exc)) == ("retrying", 0, 1), exc
+
+
+def test_an_event_that_fails_on_its_last_delivery_stops_its_execution():
+    """Retried ~10 minutes (a service it needs away all along), the event is then delivered no more:
+    its execution is stopped saying so, not left RUNNING. Before the last delivery it is only retried."""
+    request = make_event("playbook.execution.requested", "e1", event_id="r1", source="gateway", data={})
+
+    async def deliver(n):
+        bus = FlakyBus(failures=1)
+        service = Scheduler(bus)
+        msg = Delivery()
+        msg.metadata = SimpleNamespace(num_delivered=n)
+        with_stop = bus.publish_all
+
+        async def publish_all(events, commands=(), timers=(), flat=None):
+            if events and events[0]["name"] == "execution.cancelled":
+                bus.failures = 0
+            await with_stop(events, commands, timers, flat)
+
+        bus.publish_all = publish_all
+        try:
+            await service._handle(msg, 0, SimpleNamespace(stream=1), "e1", [request])
+        except ConnectionError:
+            pass
+        return bus.published
+
+    assert asyncio.run(deliver(49)) == []
+    [(names, _)] = asyncio.run(deliver(50))
+    assert names == ["execution.cancelled"]

@@ -50,6 +50,7 @@ log = logging.getLogger("noetl.control")
 FETCH_TIMEOUT = 1.0  # a reader's long poll; a stopped reader is gone within it (plus a linger)
 READER_RESTART = 0.5  # seconds before a failed reader is replaced
 FAILING_FOR = 5.0  # seconds a reader's failure keeps the replica not ready (one failing over and over, always)
+MAX_DELIVER = 50  # deliveries of an event before the server gives up on it (retried after min(30, n/2) s: ~10 min)
 IDLE = ExecutionState("")  # in the cache, for an execution this service will decide nothing more for
 
 
@@ -122,7 +123,7 @@ class PartitionedService:
         version's hands over."""
         start = await self.bus.handover_consumer(
             EVENTS, f"{self.name}-p{p}", {f"{self.prefix}-p{p}": control_filter(self.name, p, self.classes)},
-            pinned=True, ack_wait=self.ack_wait, max_deliver=50, ack_policy=AckPolicy.ALL)
+            pinned=True, ack_wait=self.ack_wait, max_deliver=MAX_DELIVER, ack_policy=AckPolicy.ALL)
         if start is not None:
             log.warning("%s-p%d, the durable of an earlier version, acknowledged each event: %s-p%d, which "
                         "acknowledges cumulatively, starts after its ack floor (seq %d); it is deleted",
@@ -254,8 +255,10 @@ class PartitionedService:
             # that live and rebuilt states agree; and its execution, which cannot go on, is stopped.
             self.cache.pop(eid, None)
             self.partition_of.pop(eid, None)
-            if isinstance(exc, UNHANDLEABLE) and not ended:
-                await self._stop(eid, events, exc)
+            # no retry can cure it, or this was its last: the server delivers it no more after this
+            last = isinstance(exc, Exception) and getattr(getattr(msg, "metadata", None), "num_delivered", 0) >= MAX_DELIVER
+            if (isinstance(exc, UNHANDLEABLE) or last) and not ended:
+                await self._stop(eid, events, exc, last=last and not isinstance(exc, UNHANDLEABLE))
             raise
         finally:
             self.unprepare(first)
@@ -295,14 +298,16 @@ class PartitionedService:
                     metrics.EXECUTIONS_FINISHED.labels(self.name, status).inc()
         return exemplar
 
-    async def _stop(self, eid: str, events: list[dict[str, Any]], exc: BaseException) -> None:
+    async def _stop(self, eid: str, events: list[dict[str, Any]], exc: BaseException, last: bool = False) -> None:
         """End execution ``eid`` FAILED with an ``engine_error`` naming what this service could not do
-        (D18), instead of leaving it RUNNING for ever. A failure to say so is a transient one: the
-        message is then retried (wire.handle_one), and says it again."""
+        (D18), instead of leaving it RUNNING for ever: an error no retry cures, or (``last``) any error
+        on the event's last delivery. A failure to say so is a transient one: the message is then
+        retried (wire.handle_one), and says it again."""
         names = ", ".join(dict.fromkeys(repr(e.get("name")) for e in events))
         steps = ", ".join(dict.fromkeys(repr(e["step"]) for e in events if e.get("step")))
+        tried = f" in {MAX_DELIVER} deliveries" if last else ""
         message = (f"the engine could not go on with this execution: the {self.name} could not handle "
-                   f"{names}{f' of step {steps}' if steps else ''}: {type(exc).__name__}: {exc}")[:2000]
+                   f"{names}{f' of step {steps}' if steps else ''}{tried}: {type(exc).__name__}: {exc}")[:2000]
         message = message.encode("utf-8", "backslashreplace").decode()  # lone surrogates cannot be sent
         log.error("%s: stopping execution %s: %s", self.name, eid, message)
         try:
