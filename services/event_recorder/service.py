@@ -140,6 +140,18 @@ def _registrant(who: Any) -> dict[str, str] | None:
     return {k: schema.text(who[k]) for k in ("user_id", "username") if isinstance(who.get(k), str)}
 
 
+async def _owned(conn: Any, path: str) -> str:
+    """Why a new version of ``path`` is refused: whose the path is."""
+    cur = await conn.execute("SELECT registered_by FROM catalog WHERE path = %s ORDER BY version LIMIT 1", (path,))
+    first = await cur.fetchone()
+    owner = first[0] if first else None
+    if not isinstance(owner, dict) or not owner.get("user_id"):
+        return (f"catalog path {path!r} was registered before registrants were recorded: only a user with "
+                "catalog.any (an admin) may register versions of it")
+    return (f"catalog path {path!r} is {owner.get('username') or owner['user_id']}'s (who registered its first "
+            "version): only they, or a user with catalog.any (an admin), may register versions of it")
+
+
 def _execution_row(row: tuple) -> dict[str, Any]:
     return {k: _iso(v) for k, v in zip(_EXECUTION_COLUMNS, row)}
 
@@ -582,6 +594,10 @@ class RecorderService:
         for key in ("path", "name"):  # YAML escapes ("\0", "\ud800") make them without one in the text
             if isinstance(meta.get(key), str):
                 _storable(f"metadata.{key}", meta[key])
+        by = _registrant(req.get("registered_by"))
+        # a path is its first version's registrant's: others add versions with catalog.any (the gateway
+        # says so); a request with no registrant comes from a stack without users (noetl run)
+        any_path = by is None or req.get("any_path") is True
         for _ in range(20):
             try:
                 async with self._connection() as conn:
@@ -589,10 +605,14 @@ class RecorderService:
                         """INSERT INTO catalog (path, version, name, content, registered_by)
                            SELECT %(path)s, coalesce(max(version), 0) + 1, %(name)s, %(content)s, %(by)s
                            FROM catalog WHERE path = %(path)s
+                           HAVING %(any)s OR count(*) = 0 OR %(uid)s = (SELECT registered_by->>'user_id' FROM catalog
+                                                                      WHERE path = %(path)s ORDER BY version LIMIT 1)
                            RETURNING id, path, version, name, created_at""",
-                        {"path": meta["path"], "name": meta.get("name"), "content": content,
-                         "by": Jsonb(_registrant(req.get("registered_by")))})
+                        {"path": meta["path"], "name": meta.get("name"), "content": content, "by": Jsonb(by),
+                         "any": any_path, "uid": (by or {}).get("user_id")})
                     row = await cur.fetchone()
+                    if row is None:
+                        raise BusError("forbidden", await _owned(conn, meta["path"]))
                 break
             except psycopg.errors.UniqueViolation:
                 await asyncio.sleep(0.01)  # a concurrent registration took this version: next one

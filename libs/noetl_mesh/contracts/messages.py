@@ -143,6 +143,8 @@ class Empty(_Exact):
 class CatalogRegisterRequest(_Exact):
     content: str = Field(description="the playbook's YAML text")
     registered_by: Optional[dict[str, Any]] = Field(None, description="who registers it (the gateway's caller)")
+    any_path: bool = Field(False, description="the caller may register versions of any path (catalog.any); "
+                                              "otherwise only of a new path or one whose first version it registered")
 
 
 class CatalogGetRequest(_Exact):

@@ -33,7 +33,8 @@ DEFAULT_ROLE = "viewer"
 
 PERMISSIONS: dict[str, str] = {
     "catalog.read": "read playbooks in the catalog",
-    "catalog.write": "register playbooks",
+    "catalog.write": "register playbooks: new paths, and new versions of the paths one owns",
+    "catalog.any": "register new versions of any catalog path, whoever owns it",
     "execution.read": "read executions: status, events, lists",
     "execution.start": "start executions",
     "execution.cancel.own": "cancel executions the caller started",
