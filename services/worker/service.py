@@ -471,9 +471,9 @@ class WorkerService:
 
     async def _refusal(self, command: dict) -> str | None:
         """Why this worker does not run the command, or None (D33). Whoever started its execution (a
-        child: its root's starter) and whoever wrote the playbook it runs (registered that catalog
-        version, or sent it inline) must each still be an active user: a disabled or removed user's
-        executions run no further task. On a pool that names the roles it serves
+        child: its root's starter), whoever wrote the playbook it runs (registered that catalog
+        version, or sent it inline) and, for a child, whoever wrote each playbook above it must each
+        still be an active user: a disabled or removed user's executions run no further task. On a pool that names the roles it serves
         (``NOETL_POOL_ROLES``), each must also hold one of them, the starter within the roles its
         request carried (an API token's may be fewer than its owner's). Their standing is the sessions
         service's word now, kept for :data:`STANDING_TTL` seconds; a pool that names no roles runs the
@@ -482,7 +482,9 @@ class WorkerService:
         need = None if roles is None else (
             f"pool {self.pool!r} runs only playbooks started and written by users with the role "
             f"{' or '.join(sorted(roles))} (NOETL_POOL_ROLES on its workers, D33)")
-        for did, who in (("started", command.get("requested_by")), ("written", command.get("authored_by"))):
+        called = command.get("called_by") if isinstance(command.get("called_by"), list) else []
+        for did, who in (("started", command.get("requested_by")), ("written", command.get("authored_by")),
+                         *(("called by a playbook written", c) for c in called)):
             uid = who.get("user_id") if isinstance(who, dict) else None
             if not isinstance(uid, str):
                 if need is None:

@@ -290,3 +290,25 @@ def test_a_refused_chunk_of_iterations_sent_by_reference_fails_each_iteration(st
     failed = [e for e in events if e["name"] == "loop.iteration.failed"]
     assert failed and all(e["data"]["error"]["kind"] == "forbidden" for e in failed), failed[:1]
     assert not [e for e in events if e["name"] == "task.started"]
+
+
+def test_a_playbook_above_a_child_is_checked_as_its_author_is(stack, tokens) -> None:
+    """An admin's playbook calls a developer's, which calls the admin's own playbook on the pool, with
+    arguments of the developer's choosing: starter and author of that last child are the admin, but a
+    playbook above it was written by the developer, and the pool refuses it."""
+    dev_caller = PARENT.replace("name: parent", "name: dev-caller").replace("tests/pools/parent", "tests/pools/dev-caller")
+    admin_top = PARENT.replace("name: parent", "name: admin-top").replace("tests/pools/parent", "tests/pools/admin-top") \
+        .replace("path: tests/pools/on-vault", "path: tests/pools/dev-caller")
+
+    async def register() -> None:
+        async with stack.client(token=tokens["dev"]) as dev:
+            await dev.register(dev_caller)
+        async with stack.client() as admin:
+            await admin.register(admin_top)
+
+    stack.run(register())
+    status, events = run_as(stack, tokens["admin"], admin_top)
+    assert status["status"] == "FAILED", status
+    cause = next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"]["cause"]
+    assert cause["kind"] == "child_failed" and cause["cause"]["kind"] == "forbidden", cause
+    assert "this one was called by a playbook written by dev, who has developer" in cause["cause"]["message"]

@@ -102,8 +102,12 @@ class Command(_Exact):
                           "those the request carried (an API token's may be fewer than its owner's). The worker "
                           "runs nothing for a disabled user; a pool's roles are checked against these and the "
                           "user's roles now")
-    authored_by: Optional[dict[str, str]] = Field(None, description="who wrote the playbook it runs (who registered "
-                                                                     "its catalog version, or who sent it inline); checked as well")
+    authored_by: Optional[dict[str, Union[str, list[str]]]] = Field(
+        None, description="who wrote the playbook it runs (who registered its catalog version, or who sent it "
+                          "inline); checked as well")
+    called_by: list[dict[str, Union[str, list[str]]]] = Field(
+        default_factory=list, description="a child execution's: who wrote each playbook above it, root first; "
+                                          "each checked as its author is")
 
 
 class CancelNotice(_Exact):

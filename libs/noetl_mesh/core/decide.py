@@ -458,6 +458,7 @@ def _start_child(out: _Out, event: dict) -> None:
         "iter_parent": child.get("iter_parent"),  # D19
         "parent_execution_id": state.execution_id,
         "requested_by": requester(state),  # the root's requester: what its pools check (D33)
+        "called_by": callers(state) + ([state.author] if isinstance(state.author, dict) else []),  # and the authors above
         "parent": {"execution_id": state.execution_id, "step": wait.step, "step_run_id": wait.step_run_id,
                    "iteration": wait.iteration, "task": wait.task},
         "depth": depth,
@@ -890,6 +891,7 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         "flat": flat(state),
         "requested_by": requester(state),
         "authored_by": state.author,
+        "called_by": callers(state),
     }
 
 
@@ -898,6 +900,18 @@ def requester(state: ExecutionState) -> dict[str, Any] | None:
     carried; the worker checks that user's standing now, and a pool that names the roles it serves
     checks them (D33)."""
     return _who(state.request.get("requested_by"))
+
+
+MAX_CALLERS = 32  # authors kept above a child (the depth limit is far below)
+
+
+def callers(state: ExecutionState) -> list[dict[str, Any]]:
+    """D33: who wrote the playbooks above this child execution, root first (each parent's author): a
+    pool checks them as it checks the child's own author, so that a playbook cannot have another's
+    playbook called, with arguments of its choosing, under a starter and author its pool would refuse
+    it."""
+    got = state.request.get("called_by")
+    return [w for w in map(_who, got[:MAX_CALLERS]) if w is not None] if isinstance(got, list) else []
 
 
 def _author(state: ExecutionState, fetched: Any) -> dict[str, Any] | None:
