@@ -16,6 +16,7 @@ import logging
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -99,10 +100,31 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # igno
 
 
 def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now, chosen below the kernel's ephemeral range: one
+    the kernel gave out itself (bind to 0) is the next outgoing connection's as well, and a busy machine
+    took it between this choice and the server's bind (a NATS route port: "address already in use")."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        first = max(1024, low // 2)
+        port = first + secrets.randbelow(low - first)  # not random's: a test may have seeded it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(2048, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _terminate(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> None:
