@@ -1163,6 +1163,37 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
 
 
 # --------------------------------------------------------------------------------- the service
+def _with_header_deadline(base: type) -> type:
+    """uvicorn's HTTP protocol, closing a connection on which no request has begun within
+    ``http_header_seconds`` of its opening or of its last response: uvicorn bounds the idle time between
+    requests (keep-alive) but not the time a request's line and headers take, so clients that send a
+    header line every few seconds held connections (and file descriptors) until the gateway could take
+    no more."""
+
+    class Protocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def _arm_header_deadline(self) -> None:
+            self._header_deadline = self.loop.call_later(limits.current().http_header_seconds, self._headers_late)
+
+        def _headers_late(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._header_deadline.cancel()
+            self._arm_header_deadline()  # the next request's headers get as long
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._header_deadline.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn inside a process that owns its signals: no handler installed, stopped by ``exit()``
     at once (uvicorn's own loop looks at ``should_exit`` every 0.1 s)."""
@@ -1212,8 +1243,11 @@ class GatewayService:
         self.app = create_app(self.bus)
         # proxy_headers off: uvicorn would believe X-Forwarded-For from 127.0.0.1 by default; the client's
         # address is the gateway's decision (NOETL_TRUSTED_PROXIES, auth.client_address)
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off",
-                                proxy_headers=False, **self.tls)
+                                proxy_headers=False, http=_with_header_deadline(AutoHTTPProtocol),
+                                limit_concurrency=limits.current().max_http_connections, **self.tls)
         server = _EmbeddedServer(config)
         self._task = asyncio.create_task(server.serve(), name="gateway http")
         while not server.started:

@@ -7,6 +7,8 @@ import time
 from typing import Any
 
 import httpx
+
+from noetl_mesh import limits
 import pytest
 import yaml
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -349,5 +351,37 @@ def test_through_a_real_http_server(nats_url: str, pg_dsn: str) -> None:
         with pytest.raises(httpx.ConnectError):
             async with httpx.AsyncClient(trust_env=False) as http:
                 await http.get(f"{url}/health")
+
+    asyncio.run(main())
+
+
+def test_connections_past_max_http_connections_are_503_at_once(nats_url: str) -> None:
+    """Past the limit, a new request is answered 503 and its connection closed, instead of the gateway
+    holding connections until it runs out of file descriptors; the ones within it are answered."""
+    import socket
+
+    async def main() -> None:
+        bus = await fresh_bus(nats_url)
+        with limits.override(max_http_connections=3):
+            gateway = GatewayService(bus, host="127.0.0.1", port=0)
+            await gateway.start()
+        held = [socket.create_connection(("127.0.0.1", gateway.port), timeout=30) for _ in range(3)]
+        try:
+            while len(gateway._server.server_state.connections) < 3:  # until the server has taken them
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=gateway.url, trust_env=False) as http:
+                over = await http.get("/health")
+            assert over.status_code == 503, over.text
+            for conn in held:
+                conn.close()
+            while gateway._server.server_state.connections:  # until the server has seen them go
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=gateway.url, trust_env=False) as http:
+                assert (await http.get("/health")).status_code == 200
+        finally:
+            for conn in held:
+                conn.close()
+            await gateway.stop()
+            await bus.close()
 
     asyncio.run(main())

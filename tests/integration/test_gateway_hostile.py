@@ -66,6 +66,32 @@ def post_json_text(http: httpx.Client, url: str, text: str) -> httpx.Response:
 
 
 # ------------------------------------------------------------------------------ size
+def test_a_client_that_sends_its_headers_slowly_is_cut_off(stack, http):
+    """A request line and a header every while, never the end of the headers (slowloris): the gateway
+    closes the connection once http_header_seconds have passed, as it closes one that sends nothing;
+    a connection that finished a request gets as long again for the next one."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(stack.url)
+    with limits.override(http_header_seconds=1):
+        slow, idle, used = (socket.create_connection((url.hostname, url.port), timeout=30) for _ in range(3))
+        with slow, idle, used:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            used.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answered = used.recv(65536)
+            assert answered.startswith(b"HTTP/1.1 200"), answered[:100]
+            for _ in range(6):  # a header line every 0.5 s: each arrives within the deadline, the whole never
+                try:
+                    slow.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    break
+                time.sleep(0.5)
+            for conn in (slow, idle, used):
+                assert conn.recv(65536) == b"", conn  # closed by the gateway (a recv that waited 30 s: not)
+    still_normal(stack)
+
+
 def test_a_body_over_max_body_bytes_is_413_before_it_is_read(stack, http):
     sent = 0
 
