@@ -41,6 +41,8 @@ LIMITS: tuple[Limit, ...] = (
           "last response (slow clients holding connections open)"),
     Limit("max_http_connections", 4096, "connections", "the gateway's open connections and requests in progress",
           "gateway: past it, a new request is answered 503 at once and its connection closed"),
+    Limit("max_view_bytes", 64 * MIB, "bytes", "the values one answer reads back from the payload store",
+          "gateway, GET /api/executions/{id} and a run's result (413, before anything is read)"),
     Limit("max_body_bytes", 16 * MIB, "bytes", "the request body",
           "gateway, every request with a body (413)"),
     Limit("max_json_depth", 64, "levels", "the nesting of a JSON request body",

@@ -38,7 +38,7 @@ from noetl_mesh.infra import tracing
 from noetl_mesh.contracts.subjects import Q_EXECUTION_STATS, Q_EXECUTION_TIMELINE
 from noetl_mesh.core import timeline
 from noetl_mesh.infra.bus import Q_CATALOG_GET, Q_EXECUTION_RESULT, Q_EXECUTION_STATE, dumps
-from noetl_mesh.infra.payloads import MARKER, PayloadMissing
+
 from noetl_mesh.services.gateway import auth, headers, live
 from noetl_mesh.services.gateway.app import _Shell, problem
 from noetl_mesh.services.gateway.auth import need
@@ -125,11 +125,8 @@ def install(app: FastAPI) -> None:
         the console's previews link to. Values stored by reference (D23) are read back."""
         with tracing.span("gateway GET /api/executions/{id}/runs/{run_id}/result", service="gateway", execution_id=execution_id):
             reply = await shell.ask(Q_EXECUTION_RESULT, {"execution_id": execution_id, "run_id": run_id})
-            try:
-                if MARKER in dumps(reply):
-                    reply = await app.state.bus.payloads.expand(reply)
-            except PayloadMissing as exc:
-                raise problem(410, f"execution {execution_id} run {run_id}: {exc}") from None
+            reply = await app.state.views.expand(reply, f"execution {execution_id} run {run_id}",
+                                                 "read its result in the run's events instead")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{reply.get('step') or 'step'}-{run_id}")[:120]
         return Response(dumps(reply), media_type="application/json",
                         headers={"Content-Disposition": f'attachment; filename="{name}.json"'})

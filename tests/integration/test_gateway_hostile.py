@@ -544,3 +544,26 @@ def test_arbitrary_bodies_to_every_write_endpoint_never_get_a_5xx(stack):
         one()
     assert {400, 415, 422} <= set(seen), seen  # the strict paths were reached
     still_normal(stack)
+
+
+BY_REFERENCE = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: by-reference, path: tests/by-reference}
+executor: {spec: {policy: {limits: {max_payload_bytes: 1024}}}}
+workflow:
+  - step: start
+    tool: {kind: noop, result: "{{ 'x' * 5000 }}"}
+"""
+
+
+def test_a_view_of_values_over_max_view_bytes_is_413_before_they_are_read(stack, http):
+    """The values a view would read back from the payload store (D23) are bounded before any is read:
+    413 saying what to ask instead; within the bound, the view has the values themselves."""
+    status, _ = stack.execute(BY_REFERENCE, timeout=USUAL)
+    assert status["status"] == "COMPLETED" and status["steps"]["start"]["result"] == "x" * 5000
+    with limits.override(max_view_bytes=4000):
+        over = http.get(f"/api/executions/{status['execution_id']}")
+        assert over.status_code == 413, over.text
+        assert "max_view_bytes" in detail(over)["message"] and "?brief=true" in detail(over)["message"]
+        assert http.get(f"/api/executions/{status['execution_id']}?brief=true").status_code == 200
