@@ -774,7 +774,13 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
         with tracing.span("gateway GET /api/executions/{id}", service="gateway"):
-            reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+            try:
+                reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+            except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
+                pending = await bus.pending_request(execution_id) if exc.status_code == 404 else None
+                if pending is None:
+                    raise
+                return pending
             return await app.state.views.expand(reply, f"execution {execution_id}", (
                 "ask for ?brief=true, or read one step run's result: "
                 f"GET /api/executions/{execution_id}/runs/{{run_id}}/result"))

@@ -108,6 +108,7 @@ def test_an_execution_cancelled_before_it_is_recorded_is_cancelled_not_unknown(m
                 assert pending == {"execution_id": xid, "status": "PENDING", "requested_by": None}
                 # a signal and a child link to an execution accepted and not recorded yet: the log says
                 xid = await http.start(SLOW)
+                assert (await http.status(xid))["status"] == "PENDING"  # not 404
                 assert (await http.signal(xid, "go", {}))["status"] == "KEPT"
                 assert await http.start(SLOW, parent_execution_id=xid)
             gate.set()
