@@ -36,9 +36,9 @@ class Limit:
 # The table. Grouped by boundary; keep docs/limits.md in step (a test checks every entry is there).
 LIMITS: tuple[Limit, ...] = (
     # ---- HTTP (gateway)
-    Limit("http_header_seconds", 10, "seconds", "the time a client has to send a request's line and headers",
-          "gateway, every connection: closed when no request has begun within it of the connection or of the "
-          "last response (slow clients holding connections open)"),
+    Limit("http_request_seconds", 30, "seconds", "the time a client has to send a request (line, headers and body)",
+          "gateway, every connection: closed when no request has arrived whole within it of the connection or "
+          "of the last response (slow clients holding connections open)"),
     Limit("max_http_connections", 4096, "connections", "the gateway's open connections and requests in progress",
           "gateway: past it, a new request is answered 503 at once and its connection closed"),
     Limit("max_view_bytes", 64 * MIB, "bytes", "the values one answer reads back from the payload store",

@@ -1169,12 +1169,13 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
 
 
 # --------------------------------------------------------------------------------- the service
-def _with_header_deadline(base: type) -> type:
-    """uvicorn's HTTP protocol, closing a connection on which no request has begun within
-    ``http_header_seconds`` of its opening or of its last response: uvicorn bounds the idle time between
-    requests (keep-alive) but not the time a request's line and headers take, so clients that send a
-    header line every few seconds held connections (and file descriptors) until the gateway could take
-    no more."""
+def _with_request_deadline(base: type) -> type:
+    """uvicorn's HTTP protocol, closing a connection on which no request has arrived whole (line,
+    headers and body) within ``http_request_seconds`` of its opening or of its last response: uvicorn
+    bounds the idle time between requests (keep-alive) but not the time a request takes to arrive, so
+    clients that sent a header line, or a byte of a body, every few seconds held connections (and file
+    descriptors) until the gateway could take no more. A request that has arrived is never cut off
+    while it is answered (a live stream lasts as long as it lasts)."""
 
     class Protocol(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
@@ -1182,16 +1183,17 @@ def _with_header_deadline(base: type) -> type:
             self._arm_header_deadline()
 
         def _arm_header_deadline(self) -> None:
-            self._header_deadline = self.loop.call_later(limits.current().http_header_seconds, self._headers_late)
+            self._header_deadline = self.loop.call_later(limits.current().http_request_seconds, self._headers_late)
 
         def _headers_late(self) -> None:
-            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            cycle = self.cycle
+            if (cycle is None or cycle.response_complete or cycle.more_body) and not self.transport.is_closing():
                 self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._header_deadline.cancel()
-            self._arm_header_deadline()  # the next request's headers get as long
+            self._arm_header_deadline()  # the next request gets as long
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._header_deadline.cancel()
@@ -1304,7 +1306,7 @@ class GatewayService:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off",
-                                proxy_headers=False, http=_with_header_deadline(AutoHTTPProtocol),
+                                proxy_headers=False, http=_with_request_deadline(AutoHTTPProtocol),
                                 limit_concurrency=limits.current().max_http_connections, **self.tls)
         server = _EmbeddedServer(config)
         self._task = asyncio.create_task(server.serve(), name="gateway http")

@@ -66,28 +66,32 @@ def post_json_text(http: httpx.Client, url: str, text: str) -> httpx.Response:
 
 
 # ------------------------------------------------------------------------------ size
-def test_a_client_that_sends_its_headers_slowly_is_cut_off(stack, http):
-    """A request line and a header every while, never the end of the headers (slowloris): the gateway
-    closes the connection once http_header_seconds have passed, as it closes one that sends nothing;
-    a connection that finished a request gets as long again for the next one."""
+def test_a_client_that_sends_its_request_slowly_is_cut_off(stack, http):
+    """A request line and a header every while, never the end of the headers (slowloris), or whole
+    headers and then a body a byte at a time: the gateway closes the connection once
+    http_request_seconds have passed, as it closes one that sends nothing; a connection that finished a
+    request gets as long again for the next one."""
     import socket
     from urllib.parse import urlsplit
 
     url = urlsplit(stack.url)
-    with limits.override(http_header_seconds=1):
-        slow, idle, used = (socket.create_connection((url.hostname, url.port), timeout=30) for _ in range(3))
-        with slow, idle, used:
+    with limits.override(http_request_seconds=1):
+        slow, idle, used, body = (socket.create_connection((url.hostname, url.port), timeout=30) for _ in range(4))
+        with slow, idle, used, body:
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            body.sendall(b"POST /api/auth/login HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
             used.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             answered = used.recv(65536)
             assert answered.startswith(b"HTTP/1.1 200"), answered[:100]
-            for _ in range(6):  # a header line every 0.5 s: each arrives within the deadline, the whole never
-                try:
-                    slow.sendall(b"X-Slow: 1\r\n")
-                except OSError:
-                    break
+            for _ in range(6):  # a header line (a body byte) every 0.5 s: each within the deadline, the whole never
+                for conn, piece in ((slow, b"X-Slow: 1\r\n"), (body, b" ")):
+                    try:
+                        conn.sendall(piece)
+                    except OSError:
+                        pass
                 time.sleep(0.5)
-            for conn in (slow, idle, used):
+            for conn in (slow, idle, used, body):
                 assert conn.recv(65536) == b"", conn  # closed by the gateway (a recv that waited 30 s: not)
     still_normal(stack)
 
