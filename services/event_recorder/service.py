@@ -133,11 +133,16 @@ def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
 
 
-def _registrant(who: Any) -> dict[str, str] | None:
-    """Who registers a catalog version, as the gateway says ({user_id, username}); None when unknown."""
+def _registrant(who: Any) -> dict[str, Any] | None:
+    """Who registers a catalog version, as the gateway says ({user_id, username, roles}: the roles the
+    request carried, which a pool checks as it checks a starter's, D33); None when unknown."""
     if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
         return None
-    return {k: schema.text(who[k]) for k in ("user_id", "username") if isinstance(who.get(k), str)}
+    out: dict[str, Any] = {k: schema.text(who[k]) for k in ("user_id", "username") if isinstance(who.get(k), str)}
+    roles = who.get("roles")
+    if isinstance(roles, list) and all(isinstance(r, str) for r in roles):
+        out["roles"] = [schema.text(r)[:64] for r in roles[:16]]
+    return out
 
 
 async def _owned(conn: Any, path: str) -> str:

@@ -475,7 +475,8 @@ class WorkerService:
         version, or sent it inline) and, for a child, whoever wrote each playbook above it must each
         still be an active user: a disabled or removed user's executions run no further task. On a pool that names the roles it serves
         (``NOETL_POOL_ROLES``), each must also hold one of them, the starter within the roles its
-        request carried (an API token's may be fewer than its owner's). Their standing is the sessions
+        request carried, an author within the roles its registration carried (an API token's may be fewer
+        than its owner's). Their standing is the sessions
         service's word now, kept for :data:`STANDING_TTL` seconds; a pool that names no roles runs the
         command when that service does not answer (logged), one that does hands it back to be retried."""
         roles = self.policy.roles if self.policy is not None else None
@@ -508,7 +509,7 @@ class WorkerService:
             if need is None:
                 continue
             holds = list(standing.get("roles") or ())
-            carried = who.get("roles") if did == "started" else None
+            carried = who.get("roles")  # the roles the request that started it, or registered it, carried
             held = [r for r in holds if r in carried] if isinstance(carried, list) else holds  # no more than both
             if not self.policy.admits(held):
                 if held != holds:

@@ -312,3 +312,22 @@ def test_a_playbook_above_a_child_is_checked_as_its_author_is(stack, tokens) -> 
     cause = next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"]["cause"]
     assert cause["kind"] == "child_failed" and cause["cause"]["kind"] == "forbidden", cause
     assert "this one was called by a playbook written by dev, who has developer" in cause["cause"]["message"]
+
+
+def test_a_version_registered_with_a_narrowed_token_counts_with_the_tokens_roles(stack, tokens) -> None:
+    """An admin's API token narrowed to developer registers a playbook: on the pool its author counts
+    with the roles that registration carried, as a starter does, not with all the admin holds."""
+    async def go():
+        async with stack.client() as admin:
+            narrowed = (await admin.create_token("ci-register", roles=["developer"]))["token"]
+        async with stack.client(token=narrowed) as ci:
+            await ci.register(ON_VAULT.replace("tests/pools/on-vault", "tests/pools/by-ci"))
+        async with stack.client() as admin:
+            eid = await admin.start(path="tests/pools/by-ci")
+            return await admin.wait(eid, timeout=60), await admin.all_events(eid)
+
+    status, events = stack.run(go(), 90)
+    assert status["status"] == "FAILED", status
+    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
+    assert error["kind"] == "forbidden", error
+    assert "written by admin, whose request carried developer of the roles admin it holds" in error["message"], error

@@ -458,7 +458,7 @@ def _start_child(out: _Out, event: dict) -> None:
         "iter_parent": child.get("iter_parent"),  # D19
         "parent_execution_id": state.execution_id,
         "requested_by": requester(state),  # the root's requester: what its pools check (D33)
-        "called_by": callers(state) + ([state.author] if isinstance(state.author, dict) else []),  # and the authors above
+        "called_by": (callers(state) + [state.author or {}])[-MAX_CALLERS:],  # and the authors above ({}: unknown)
         "parent": {"execution_id": state.execution_id, "step": wait.step, "step_run_id": wait.step_run_id,
                    "iteration": wait.iteration, "task": wait.task},
         "depth": depth,
@@ -902,7 +902,7 @@ def requester(state: ExecutionState) -> dict[str, Any] | None:
     return _who(state.request.get("requested_by"))
 
 
-MAX_CALLERS = 32  # authors kept above a child (the depth limit is far below)
+MAX_CALLERS = 32  # authors kept above a child, the nearest (a playbook may set max_depth higher)
 
 
 def callers(state: ExecutionState) -> list[dict[str, Any]]:
@@ -910,8 +910,8 @@ def callers(state: ExecutionState) -> list[dict[str, Any]]:
     pool checks them as it checks the child's own author, so that a playbook cannot have another's
     playbook called, with arguments of its choosing, under a starter and author its pool would refuse
     it."""
-    got = state.request.get("called_by")
-    return [w for w in map(_who, got[:MAX_CALLERS]) if w is not None] if isinstance(got, list) else []
+    got = state.request.get("called_by")  # an author not known ({}) stays: a pool with roles refuses it
+    return [_who(w) or {} for w in got[-MAX_CALLERS:]] if isinstance(got, list) else []
 
 
 def _author(state: ExecutionState, fetched: Any) -> dict[str, Any] | None:
