@@ -64,6 +64,10 @@ def sandbox_policy(nc: Any, allow_net: str | None = None, roles: str | None = No
     return policy.with_engine_endpoints(resolve_endpoints((u.hostname, u.port or 4222) for u in urls))
 
 
+class Unsendable(RuntimeError):
+    """A run's report that cannot be encoded: running the command again would only repeat it."""
+
+
 class EventBatcher:
     """A run's events leave in a few messages: everything reported within ``linger`` seconds travels
     together (a quick step is one message), and the PubAcks are awaited once, at the end."""
@@ -91,7 +95,10 @@ class EventBatcher:
         if events:
             if self.acks:  # in order: a step's end must not be stored while what it reported before is lost
                 await asyncio.wait_for(asyncio.gather(*self.acks), 30)
-            self.acks.append(await self.bus.send_events(events, self.limit, flat=self.flat))
+            try:
+                self.acks.append(await self.bus.send_events(events, self.limit, flat=self.flat))
+            except UNHANDLEABLE as exc:  # it cannot be encoded: sending it again would fail again
+                raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
 
     def abandon(self) -> None:
         """Stop a cancelled run's pending flush (nothing more of it is published)."""
@@ -448,11 +455,11 @@ class WorkerService:
                 except BaseException:  # noqa: BLE001 - then it is redelivered after ack_wait
                     pass
                 raise
-        except UNHANDLEABLE as exc:  # its report cannot be encoded: running it again would only repeat it
+        except Unsendable as exc:  # its report cannot be encoded: running it again would only repeat it
             log.exception("command %s: its report cannot be sent", command.get("command_id"))
-            self.commands.record(started_ns, error=f"engine_error: {type(exc).__name__}: {exc}")
+            self.commands.record(started_ns, error=f"engine_error: {exc}")
             await self._fail(command, {"kind": "engine_error", "retryable": False, "message": (
-                f"the worker could not send this step's report: {type(exc).__name__}: {exc}")[:2000]})
+                f"the worker could not send this step's report: {exc}")[:2000]})
             await msg.ack()
             self._m_outcome["dropped"].inc()
         except Exception as exc:  # noqa: BLE001 - e.g. NATS down while publishing: let it be redelivered

@@ -59,3 +59,26 @@ def test_without_the_sessions_service_only_a_pool_with_roles_waits():
         refusal(away, ANN, roles="admin")
     why, _ = refusal(BusError("bad_request", "user_id: not an id"), ANN)
     assert why.startswith("the standing of the user who started this execution cannot be checked")
+
+
+def test_a_report_that_cannot_be_encoded_is_unsendable_not_a_retry():
+    """The worker fails the step engine_error on Unsendable (running the command again would send the
+    same report again); any other error of the bus stays a retry."""
+    from noetl_mesh.services.worker.service import EventBatcher, Unsendable
+
+    class Bus:
+        def __init__(self, error):
+            self.error = error
+
+        async def send_events(self, events, limit=None, flat=False):
+            raise self.error
+
+    async def report(error):
+        batcher = EventBatcher(Bus(error))
+        await batcher.add({"name": "step.done"})
+        await batcher.close()
+
+    with pytest.raises(Unsendable, match="TypeError: Integer exceeds 64-bit range"):
+        asyncio.run(report(TypeError("Integer exceeds 64-bit range")))
+    with pytest.raises(ConnectionError):
+        asyncio.run(report(ConnectionError("no responders")))
