@@ -1220,23 +1220,50 @@ class Views:
     async def expand(self, reply: Any, what: str, instead: str) -> Any:
         if MARKER not in dumps(reply):
             return reply
+        limit = limits.current().max_view_bytes
+
+        def too_many(total: int) -> HTTPException:
+            return problem(413, f"{limits.LimitExceeded('max_view_bytes', total, what)}: the values it holds by "
+                                f"reference are too many to send at once; {instead}")
+
         total = sum(int(r.get("size") or 0) for r in _refs_in(reply))
-        if over := limits.exceeded("max_view_bytes", total, what):
-            raise problem(413, f"{over}: the values it holds by reference are too many to send at once; {instead}")
+        if total > limit:  # before anything is read, in the common case
+            raise too_many(total)
         try:
             await asyncio.wait_for(self.slots.acquire(), self.VIEW_WAIT)
         except asyncio.TimeoutError:
             raise problem(503, f"{what}: the gateway is reading back other answers' values; try again",
                           headers=RETRY_AFTER) from None
+        spent = [0]
         try:
-            return await self.bus.payloads.expand(reply)
+            return await self._read_back(reply, spent, limit)
+        except _OverView:
+            raise too_many(spent[0]) from None
         except PayloadMissing as exc:  # the object outlived its retention
             raise problem(410, f"{what}: {exc}") from None
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            raise problem(503, f"{what}: its values could not be read back now ({type(exc).__name__}); try again",
-                          headers=RETRY_AFTER) from None
+        except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:  # ValueError: a checksum mismatch
+            raise problem(503, f"{what}: its values could not be read back now ({type(exc).__name__}: {exc}); "
+                               "try again", headers=RETRY_AFTER) from None
         finally:
             self.slots.release()
+
+    async def _read_back(self, value: Any, spent: list[int], limit: int) -> Any:
+        """``value`` with its references read back, counting what each stands for, the references in
+        what they stand for included (a value stored whole may hold the log's own references)."""
+        if is_ref(value):
+            spent[0] += int(value.get("size") or 0)
+            if spent[0] > limit:
+                raise _OverView
+            return await self._read_back(await self.bus.payloads.get(value), spent, limit)
+        if isinstance(value, dict):
+            return {k: await self._read_back(v, spent, limit) for k, v in value.items()}
+        if isinstance(value, list):
+            return [await self._read_back(v, spent, limit) for v in value]
+        return value
+
+
+class _OverView(Exception):
+    """Reading back a view's values passed max_view_bytes."""
 
 
 def _refs_in(value: Any) -> list[dict[str, Any]]:
