@@ -61,6 +61,7 @@ def unsendable(value: Any, max_depth: int = 64) -> tuple[tuple[Any, ...], str] |
     (JSON has none: it would become null), a key that is none of text, a finite number or an integer of
     64 bits, a list or mapping nested deeper than ``max_depth`` levels (``max_value_depth``: the event
     log's encoder stops at 254, its envelope included); None when every part can."""
+    max_depth = min(max_depth, MAX_DEPTH)
     stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
@@ -81,6 +82,7 @@ def unsendable(value: Any, max_depth: int = 64) -> tuple[tuple[Any, ...], str] |
 
 
 _ENCODER_DEPTH = 254  # the lists and mappings orjson nests at most
+MAX_DEPTH = 200  # max_value_depth at most: the rest is the envelope's (events, a parent's view of a child)
 _pads = threading.local()  # per thread: (levels, the outer list, the innermost list) of lists to encode in
 TOO_DEEP = "lists and mappings nested deeper than {} levels (the limit max_value_depth)"
 
@@ -90,7 +92,7 @@ def encoded_within(value: Any, depth: int) -> bytes:
     more than ``depth`` levels: orjson's own bound counts that as it encodes, with the value placed
     under ``254 - depth`` levels of lists (built once per thread), which are then cut off the text: one
     encode, no walk of the value in Python (about 1.4 µs more than a plain encode at depth 64)."""
-    pad = max(0, _ENCODER_DEPTH - depth)
+    pad = _ENCODER_DEPTH - min(depth, MAX_DEPTH)
     if not pad:
         return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
     levels = getattr(_pads, "levels", None)

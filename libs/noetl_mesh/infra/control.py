@@ -40,7 +40,7 @@ from ..core.events import engine_stopped, event_class
 from ..core.state import FINAL, ExecutionState, apply
 from . import logs, metrics, tracing
 from ..contracts.subjects import control_filter
-from .bus import CTL, EVENTS, UNHANDLEABLE, Bus, admitted, loads, partition_from_subject
+from .bus import CTL, EVENTS, Q_EXECUTION_STATUS, UNHANDLEABLE, Bus, admitted, loads, partition_from_subject
 from .membership import Membership
 from .micro import Consumer
 from .nats_auth import durable_prefix
@@ -233,7 +233,7 @@ class PartitionedService:
             self.handled += 1
             return None
         first = events[0]
-        ended = False  # the execution had finished before this message: nothing of it to stop
+        ended: bool | None = None  # the execution had finished before this message (None: not known)
         try:
             if state is None and first["name"] == "playbook.execution.requested" and (
                     not (first.get("data") or {}).get("parent") or await self._first(eid, p, seq.stream, first)):
@@ -257,7 +257,7 @@ class PartitionedService:
             self.partition_of.pop(eid, None)
             # no retry can cure it, or this was its last: the server delivers it no more after this
             last = isinstance(exc, Exception) and getattr(getattr(msg, "metadata", None), "num_delivered", 0) >= MAX_DELIVER
-            if (isinstance(exc, UNHANDLEABLE) or last) and not ended:
+            if (isinstance(exc, UNHANDLEABLE) or last) and not ended and (ended is False or not await self._recorded_final(eid)):
                 await self._stop(eid, events, exc, last=last and not isinstance(exc, UNHANDLEABLE))
             raise
         finally:
@@ -310,10 +310,25 @@ class PartitionedService:
                    f"{names}{f' of step {steps}' if steps else ''}{tried}: {type(exc).__name__}: {exc}")[:2000]
         message = message.encode("utf-8", "backslashreplace").decode()  # lone surrogates cannot be sent
         log.error("%s: stopping execution %s: %s", self.name, eid, message)
+        for attempt in range(3 if last else 1):  # the last delivery: no other chance comes
+            try:
+                await self.bus.publish_all([engine_stopped(eid, self.name, message)])
+                return
+            except UNHANDLEABLE as again:  # not the message's fault: retry it
+                raise RuntimeError(f"could not stop execution {eid}: {again}") from again
+            except Exception:  # noqa: BLE001 - NATS away for a moment
+                if attempt == (2 if last else 0):
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def _recorded_final(self, eid: str) -> bool:
+        """Whether the recorder has execution ``eid`` finished: asked when its state could not be rebuilt
+        here, so that a finished execution gets no stray stop (False when the recorder does not say)."""
         try:
-            await self.bus.publish_all([engine_stopped(eid, self.name, message)])
-        except UNHANDLEABLE as again:  # not the message's fault: retry it
-            raise RuntimeError(f"could not stop execution {eid}: {again}") from again
+            got = await self.bus.request(Q_EXECUTION_STATUS, {"execution_id": eid}, timeout=5)
+        except Exception:  # noqa: BLE001 - not known: stop it (a finished execution ignores a stop)
+            return False
+        return isinstance(got, dict) and got.get("status") in FINAL
 
     async def _first(self, eid: str, p: int, seq: int, request: dict[str, Any]) -> bool:
         """Whether a child's request is its execution's first message in the log (one lookup); what

@@ -223,6 +223,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
                 _js("CONSUMER", "MSG", "NEXT", EVENTS, "*"), _js("CONSUMER", "DELETE", EVENTS, "*")]
         pub += _payloads(write=True) + _membership(user)
         pub.append("noetl.sched.*.*")  # D29: timers (schedules of the events stream); see admitted() in bus.py
+        pub.append("noetl.q.execution.status")  # whether an execution it cannot rebuild has finished (control.py)
         purges |= {PAYLOADS, MEMBERS}
         if user == "admission":
             pub += ["noetl.cmd.*.*", "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
