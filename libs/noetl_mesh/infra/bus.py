@@ -60,6 +60,22 @@ from .payloads import DEFAULT_LIMIT, MARKER, PayloadMissing, PayloadStore
 
 log = logging.getLogger("noetl.bus")
 
+
+async def _process_pong(self: Client) -> None:
+    """nats-py's handling of a PONG, keeping a flush that timed out from breaking the read loop: the
+    flush cancels its future but leaves it queued, so the PONG that answers it later set the result of
+    a cancelled future (``InvalidStateError``), logged with a traceback as the connection's error
+    under load. Each PONG still answers the oldest PING, whether or not its waiter is still there."""
+    if self._pongs:
+        future = self._pongs.pop(0)
+        if not future.done():
+            future.set_result(True)
+        self._pongs_received += 1
+        self._pings_outstanding = 0
+
+
+Client._process_pong = _process_pong  # type: ignore[method-assign]
+
 from ..contracts.subjects import (  # noqa: F401 - the names of every stream and subject: contracts/subjects.py
     COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
