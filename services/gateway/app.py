@@ -687,6 +687,17 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             return await shell.ask(Q_CATALOG_GET, {"id": catalog_id}, expand=True)
 
     # ------------------------------------------------------------------ executions
+    async def execution_summary(execution_id: str, brief: bool = False) -> dict[str, Any]:
+        """The recorder's summary of an execution; for one accepted a moment ago and not recorded yet,
+        what the log says of it (``{execution_id, status: PENDING, requested_by}``) instead of 404."""
+        try:
+            return await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+        except HTTPException as exc:
+            pending = await bus.pending_request(execution_id) if exc.status_code == 404 else None
+            if pending is None:
+                raise
+            return pending
+
     @app.post("/api/executions", status_code=202, response_model=Accepted, tags=["executions"],
               openapi_extra=_json_request(ExecutionRequest))
     async def start_execution(request: Request, who: dict = need("execution.start"),
@@ -719,13 +730,11 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                     raise problem(422, "invalid playbook", "catalog", _diagnostics(diags))
             if body.parent_execution_id is not None:  # a link shown on the parent: only to one's own
                 try:
-                    parent = await shell.ask(Q_EXECUTION_GET, {"execution_id": body.parent_execution_id, "brief": True})
-                except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
-                    parent = await bus.pending_request(body.parent_execution_id) if exc.status_code == 404 else None
-                    if parent is None:
-                        if exc.status_code != 404:
-                            raise
-                        raise problem(422, f"no execution {body.parent_execution_id}", "body.parent_execution_id") from None
+                    parent = await execution_summary(body.parent_execution_id, brief=True)
+                except HTTPException as exc:
+                    if exc.status_code != 404:
+                        raise
+                    raise problem(422, f"no execution {body.parent_execution_id}", "body.parent_execution_id") from None
                 if parent.get("requested_by") != who["user_id"] and not access.allowed(who["roles"], "execution.cancel.any"):
                     raise auth.deny(request, who, "execution.cancel.any",
                                     " to list an execution under one another user started", {"execution_id": body.parent_execution_id})
@@ -774,13 +783,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
         with tracing.span("gateway GET /api/executions/{id}", service="gateway"):
-            try:
-                reply = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
-            except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
-                pending = await bus.pending_request(execution_id) if exc.status_code == 404 else None
-                if pending is None:
-                    raise
-                return pending
+            reply = await execution_summary(execution_id, brief=brief)
             return await app.state.views.expand(reply, f"execution {execution_id}", (
                 "ask for ?brief=true, or read one step run's result: "
                 f"GET /api/executions/{execution_id}/runs/{{run_id}}/result"))
@@ -817,12 +820,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         """Ask for cancellation (409 when the execution has already finished). One's own executions
         with ``execution.cancel.own``; another user's need ``execution.cancel.any``."""
         with tracing.span("gateway POST /api/executions/{id}/cancel", service="gateway"):
-            try:
-                current = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": True})
-            except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
-                current = await bus.pending_request(execution_id) if exc.status_code == 404 else None
-                if current is None:
-                    raise
+            current = await execution_summary(execution_id, brief=True)
             if current.get("requested_by") != who["user_id"] and \
                     not access.allowed(who["roles"], "execution.cancel.any"):
                 raise auth.deny(request, who, "execution.cancel.any", " to cancel an execution another user started",
@@ -886,12 +884,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         such a wait begins. 403 for a sender the wait's ``roles`` (default: who may cancel the
         execution) do not allow; 422 for a payload its ``schema`` refuses; 409 for a second signal."""
         with tracing.span("gateway POST /api/executions/{id}/signals/{name}", service="gateway"):
-            try:
-                summary = await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id})
-            except HTTPException as exc:  # accepted a moment ago, not recorded yet: the log knows it
-                summary = await bus.pending_request(execution_id) if exc.status_code == 404 else None
-                if summary is None:
-                    raise
+            summary = await execution_summary(execution_id)
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
             if refusal is None and wait is not None and wait.get("schema") is not None:

@@ -91,6 +91,13 @@ def run_as(stack, token: str, playbook: str) -> tuple[dict[str, Any], list[dict[
     return stack.run(go(), 90)
 
 
+def forbidden(events: list[dict[str, Any]]) -> str:
+    """The message of the step run's failure, which must be ``forbidden``."""
+    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
+    assert error["kind"] == "forbidden", error
+    return error["message"]
+
+
 @pytest.mark.parametrize("who", ["admin", "vaulter"])
 def test_a_user_with_one_of_the_pools_roles_runs_on_it(stack, tokens, who: str) -> None:
     status, _ = run_as(stack, tokens[who], ON_VAULT)
@@ -170,8 +177,7 @@ def test_starting_a_developers_version_by_path_or_id_keeps_its_author(stack, tok
 
     for status, events in stack.run(go(), 150):
         assert status["status"] == "FAILED", status
-        error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
-        assert error["kind"] == "forbidden" and "this one was written by dev, who has developer" in error["message"]
+        assert "this one was written by dev, who has developer" in forbidden(events)
 
 
 def test_a_restart_keeps_the_author_of_what_it_runs_again(stack, tokens) -> None:
@@ -198,8 +204,7 @@ def test_a_restart_keeps_the_author_of_what_it_runs_again(stack, tokens) -> None
 
     again, events = stack.run(restart(), 90)
     assert again["status"] == "FAILED", again
-    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
-    assert error["kind"] == "forbidden" and "this one was written by dev" in error["message"]
+    assert "this one was written by dev" in forbidden(events)
 
 
 def test_a_token_with_fewer_roles_than_its_owner_gets_no_more_on_a_pool(stack, tokens) -> None:
@@ -211,9 +216,7 @@ def test_a_token_with_fewer_roles_than_its_owner_gets_no_more_on_a_pool(stack, t
 
     status, events = run_as(stack, stack.run(narrowed()), ON_VAULT)
     assert status["status"] == "FAILED", status
-    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
-    assert error["kind"] == "forbidden", error
-    assert "whose request carried developer of the roles admin it holds" in error["message"], error
+    assert "whose request carried developer of the roles admin it holds" in forbidden(events)
     assert not [e for e in events if e["name"] == "task.started"]
 
 
@@ -257,9 +260,7 @@ def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monk
 
     status, events = stack.run(go(), 90)
     assert status["status"] == "FAILED", status
-    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
-    assert error["kind"] == "forbidden", error
-    assert "started by leaver, who is disabled or removed: it runs no further task" in error["message"], error
+    assert "started by leaver, who is disabled or removed: it runs no further task" in forbidden(events)
     assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]
 
 
@@ -328,6 +329,4 @@ def test_a_version_registered_with_a_narrowed_token_counts_with_the_tokens_roles
 
     status, events = stack.run(go(), 90)
     assert status["status"] == "FAILED", status
-    error = next(e for e in events if e["name"] == "step.failed")["data"]["error"]
-    assert error["kind"] == "forbidden", error
-    assert "written by admin, whose request carried developer of the roles admin it holds" in error["message"], error
+    assert "written by admin, whose request carried developer of the roles admin it holds" in forbidden(events)

@@ -32,7 +32,7 @@ from .. import limits
 from ..contracts import refs
 from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
-from ..lang.templates import TemplateError, render, shared_budget, truthy
+from ..lang.templates import TemplateError, render, shared_budget, truthy, within_depth
 from . import restart as restart_seed
 from .events import ALIASES, CTL, ENGINE_ERROR, FLAT, LOOP, TERMINAL_STEP_EVENTS, engine_error, make_event, stable_id
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
@@ -593,10 +593,8 @@ def _route(out: _Out, run: StepRun, event: dict) -> None:
                 else:
                     matches = truthy(arc["when"], context, f"{where}.when")
                 if matches:
-                    args = render(arc.get("args") or {}, context, f"{where}.args")
-                    if refs.too_deep(args, depth := limits.current().max_value_depth):  # D23: what it reads, nested
-                        raise TemplateError("", f"{where}.args", f"it builds {refs.TOO_DEEP.format(depth)}")
-                    fired.append((i, args))
+                    fired.append((i, within_depth(render(arc.get("args") or {}, context, f"{where}.args"),
+                                                  f"{where}.args")))
             except TemplateError as exc:
                 error = {"kind": "template_error", "message": str(exc), "retryable": False}
                 fired = []

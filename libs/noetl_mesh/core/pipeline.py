@@ -28,7 +28,7 @@ from ..contracts import refs
 from ..lang.durations import DurationError, parse_duration, parse_instant
 from ..lang.model import KIND_DEFAULTS
 from ..lang.normalize import effective_spec, normalize_workbook
-from ..lang.templates import TemplateError, render, shared_budget, truthy
+from ..lang.templates import TemplateError, render, shared_budget, truthy, within_depth
 from ..tools.base import ToolContext, result_too_large
 from ..tools.noop import NoopTool
 from .events import action_id as _action_id
@@ -107,15 +107,6 @@ class _Cancelled(Exception):
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-
-def _within(value: Any, where: str) -> Any:
-    """A rendered ``set_ctx``/``set_iter`` patch, or a :class:`TemplateError` when its mappings nest the
-    values it reads deeper than ``max_value_depth`` (D23)."""
-    depth = limits.current().max_value_depth
-    if refs.too_deep(value, depth):
-        raise TemplateError("", where, f"it builds {refs.TOO_DEEP.format(depth)}")
-    return value
 
 
 def _err(kind: str, message: str, retryable: bool = False) -> dict:
@@ -599,10 +590,10 @@ class _Run:
                 then = else_then if else_then is not None else _NO_MATCH_DIRECTIVE
             set_iter = then.get("set_iter")
             if set_iter:
-                self.iter.update(_within(render(set_iter, scope, f"{where}.set_iter"), f"{where}.set_iter"))
+                self.iter.update(within_depth(render(set_iter, scope, f"{where}.set_iter"), f"{where}.set_iter"))
             set_ctx = then.get("set_ctx")
             if set_ctx:
-                patch = _within(render(set_ctx, scope, f"{where}.set_ctx"), f"{where}.set_ctx")
+                patch = within_depth(render(set_ctx, scope, f"{where}.set_ctx"), f"{where}.set_ctx")
         except TemplateError as e:
             raise _PolicyError("template_error", str(e)) from None
         finally:

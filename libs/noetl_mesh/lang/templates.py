@@ -1403,6 +1403,16 @@ def _budgeted(func: Any, value: Any, context: Any, where: str) -> Any:
 # ------------------------------------------------------------------------------------------------ API
 
 
+def within_depth(value: Any, where: str) -> Any:
+    """``value`` (a rendered ``set_ctx``/``set_iter`` patch, an arc's ``args``), or a
+    :class:`TemplateError` when the mappings a playbook wrote around the values it reads nest deeper
+    than ``max_value_depth`` (D23): no single template made that value, so no render checked it."""
+    depth = limits.current().max_value_depth
+    if refs.too_deep(value, depth):
+        raise TemplateError("", where, f"it builds {refs.TOO_DEEP.format(min(depth, refs.MAX_DEPTH))}")
+    return value
+
+
 def is_template(value: str) -> bool:
     """True when ``value`` is a string holding ``{{``, ``{%`` or ``{#``."""
     return isinstance(value, str) and ("{{" in value or "{%" in value or "{#" in value)
