@@ -29,7 +29,7 @@ from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
-from noetl_mesh.contracts.subjects import Q_USERS_STANDING
+from noetl_mesh.contracts.subjects import LANES, Q_USERS_STANDING, lane_durable, lane_filter
 from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, loads, pool_filter, release
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -39,7 +39,11 @@ from noetl_mesh.sandbox.supervisor import Supervisor
 from noetl_mesh.tools import close_tools, default_tools
 from noetl_mesh.tools.postgres import forget_libpq_env
 
+from .lanes import Slots
+
 log = logging.getLogger("noetl.worker")
+LANE_WAIT = 5.0  # seconds a lane's fetch waits for a command while this worker has a slot free
+LANE_LOOK = 0.1  # ... and while every slot is taken: a look whether the lane holds one, after a slot frees
 
 
 def payload_limit(command: dict) -> int | None:
@@ -255,14 +259,20 @@ class WorkerService:
         self.cancel_sub = None
         self.done = 0
         self._m_in_flight = metrics.IN_FLIGHT.labels(self.name, pool)
-        self._m_pending = metrics.PENDING.labels(self.name, f"pool-{pool}", "-")
+        # the lag of each lane (consumer lane-<pool>-p<N>, partition N), and of pool-<pool> ("-")
+        self._m_pending = {**{str(n): metrics.PENDING.labels(self.name, f"{lane_durable(pool)}-p{n}", str(n))
+                              for n in range(LANES)}, "-": metrics.PENDING.labels(self.name, f"pool-{pool}", "-")}
         self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
                            for o in ("acked", "retried", "dropped", "payload_missing", "cancelled", "forbidden")}
         self._standing: dict[str, tuple[float, dict | BusError]] = {}  # user id -> (until, the sessions service's word)
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
-        self.commands = Consumer(name="commands", stream=COMMANDS, subject=",".join(pool_filter(pool)),
-                                 durable=f"pool-{pool}")
-        self.consumers = [self.commands]
+        self.commands = Consumer(name="commands", stream=COMMANDS, subject=lane_filter(pool, "*"),  # type: ignore[arg-type]
+                                 durable=lane_durable(pool), partitions=list(range(LANES)))
+        self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=",".join(pool_filter(pool)),
+                                durable=f"pool-{pool}")  # what earlier versions sent, one more lane
+        self.consumers = [self.commands, self.unlaned]
+        self.slots = Slots(concurrency, LANES + 1)
+        self.subs: list = []
 
     async def start(self) -> None:
         await self.bus.attach()
@@ -277,8 +287,11 @@ class WorkerService:
             self.sandbox = Supervisor(self.policy, secret_paths=self._secret_paths())
             self._sandbox_start = asyncio.create_task(self._start_sandbox(), name="sandbox-start")
             self.tools = default_tools(sandbox=self.sandbox)
-        self.sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
-                                          max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
+        self.subs = [await self.bus.durable(COMMANDS, f"{lane_durable(self.pool)}-p{lane}", lane_filter(self.pool, lane),
+                                            max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
+                     for lane in range(LANES)]
+        self.subs.append(await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
+                                                max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10))
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
 
@@ -337,8 +350,8 @@ class WorkerService:
         for task in list(self.running):  # still running: _run naks its command
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
-        if getattr(self, "sub", None) is not None:  # a fetch cancelled mid-way may still deliver: nak it
-            await release(self.sub, linger=self.bus.grace(1.2))
+        # a fetch cancelled mid-way may still deliver: nak it
+        await asyncio.gather(*(release(sub, linger=self.bus.grace(1.2)) for sub in self.subs))
         if self.cancel_sub is not None:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})
@@ -349,14 +362,23 @@ class WorkerService:
             await self.sandbox.close()
 
     async def _pull(self) -> None:
+        """Read every lane of the pool's queue (and the earlier versions' consumer, one lane more)."""
+        await asyncio.gather(*(self._lane(lane, sub) for lane, sub in enumerate(self.subs)))
+
+    async def _lane(self, lane: int, sub: Any) -> None:
+        """Fetch the lane's commands one at a time and start each in the lane's turn for a slot
+        (:class:`Slots`): a lane holds at most one command it has not started. While a slot is free a
+        fetch waits for a command; while every slot is taken, the lane looks (briefly) after each slot
+        that frees, unless its last fetch found one: so a lane that fills while the worker is busy gets
+        its turn at the next slot but one."""
+        found = False
         while not self.stop_event.is_set():
-            free = self.concurrency - len(self.running)
-            if free <= 0:
-                await asyncio.wait(list(self.running), return_when=asyncio.FIRST_COMPLETED)
-                continue
+            if self.slots.free <= 0 and not found:
+                await self.slots.released()
             try:
-                msgs = await self.sub.fetch(free, timeout=1.0)
+                msgs = await sub.fetch(1, timeout=LANE_WAIT if self.slots.free > 0 else LANE_LOOK)
             except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
+                found = False
                 continue
             except Exception as exc:  # noqa: BLE001 - NATS away or restarting: keep pulling
                 if self.stop_event.is_set():
@@ -364,23 +386,42 @@ class WorkerService:
                 log.warning("fetching commands failed (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
+            found = True
             for msg in msgs:
-                task = asyncio.create_task(self._run(msg))
-                self.running[task] = ""
-                task.add_done_callback(self._forget)
+                await self._admit(lane, msg)
+
+    async def _admit(self, lane: int, msg: Msg) -> None:
+        """Start the command once its lane's turn gives it a slot; until then keep its lease. Stopped
+        meanwhile: hand it back (nak) for another worker at once."""
+        if not self.slots.try_take():
+            lease = asyncio.create_task(self._keep_lease(msg))
+            try:
+                await self.slots.take(lane)
+            except asyncio.CancelledError:
+                try:
+                    await msg.nak()
+                except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
+                    pass
+                raise
+            finally:
+                lease.cancel()
+        task = asyncio.create_task(self._run(msg))
+        self.running[task] = ""
+        task.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task) -> None:
         self.running.pop(task, None)
         self.run_of.pop(task, None)
+        self.slots.release()
 
     async def _run(self, msg: Msg) -> None:
         started = time.perf_counter()
         self._m_in_flight.inc()
-        parts = msg.subject.split(".")  # noetl.cmd.<pool>.<execution_id>: this task's log records name it
-        if len(parts) == 4:
+        parts = msg.subject.split(".")  # noetl.cmd.<pool>.<execution_id>[.<lane>]: its log records name it
+        if len(parts) >= 4:
             logs.set_execution(parts[3])
         try:
-            self._m_pending.set(msg.metadata.num_pending)
+            self._m_pending[parts[4] if len(parts) == 5 else "-"].set(msg.metadata.num_pending)
             await self._run_command(msg, started)
         finally:
             self._m_in_flight.dec()

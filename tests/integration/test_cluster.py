@@ -38,7 +38,7 @@ async def wait_or_explain(client: GatewayClient, bus: Bus, execution_id: str) ->
         streams = {}
         for stream in (EVENTS, COMMANDS):
             try:
-                info = await bus.js.stream_info(stream, subjects_filter=f"noetl.cmd.*.{execution_id}"
+                info = await bus.js.stream_info(stream, subjects_filter=f"noetl.cmd.*.{execution_id}.*"
                                                 if stream == COMMANDS else f"noetl.pevt.*.*.{execution_id}.*")
                 streams[stream] = (f"messages {info.state.messages} first {info.state.first_seq} "
                                    f"last {info.state.last_seq} leader {info.cluster.leader if info.cluster else None} "

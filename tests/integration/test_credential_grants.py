@@ -16,7 +16,8 @@ import pytest
 from nats.js.api import ConsumerConfig
 
 from conftest import pg_endpoint, start_stack, stop_stack
-from noetl_mesh.infra.bus import COMMANDS, Bus, BusError, credential_resolve_subject, pool_filter
+from noetl_mesh.contracts.subjects import LANES, lane_filter
+from noetl_mesh.infra.bus import COMMANDS, Bus, BusError, credential_resolve_subject
 from noetl_mesh.infra.payloads import is_ref
 
 pytestmark = pytest.mark.integration
@@ -83,19 +84,20 @@ class Worker:
         await self.bus.close()
 
     async def hold(self, execution_id: str, timeout: float = 30) -> Any:
-        """Fetch (and never acknowledge) the execution's command from the pool's durable, as a worker does."""
-        sub = await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool), max_ack_pending=10_000,
-                                     max_deliver=10)
+        """Fetch (and never acknowledge) the execution's command from the pool's lanes, as a worker does."""
+        subs = [await self.bus.durable(COMMANDS, f"lane-{self.pool}-p{lane}", lane_filter(self.pool, lane),
+                                       max_ack_pending=10_000, max_deliver=10) for lane in range(LANES)]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                for msg in await sub.fetch(1, timeout=1):
-                    if msg.subject.endswith(f".{execution_id}"):
-                        return msg
-                    await msg.nak()
-            except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - an empty fetch
-                if "timeout" not in type(exc).__name__.lower():
-                    raise
+            for sub in subs:
+                try:
+                    for msg in await sub.fetch(1, timeout=0.2):
+                        if msg.subject.split(".")[3] == execution_id:
+                            return msg
+                        await msg.nak()
+                except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - an empty fetch
+                    if "timeout" not in type(exc).__name__.lower():
+                        raise
         raise AssertionError(f"no command of {execution_id} for pool {self.pool}")
 
     async def resolve(self, names: list[str], execution_id: str, command: dict | None, pool: str | None = None) -> Any:
@@ -190,7 +192,7 @@ def test_a_workers_seed_resolves_only_for_a_command_it_holds(grants):
     assert pool["actor"]["username"] == "worker-default" and pool["target"]["execution_id"] == eid
     finished = next(r for r in refusals if r["details"]["reason"] == "finished")
     assert finished["target"] == {"execution_id": eid, "credentials": ["grant_db"]}
-    assert finished["details"]["command"]["subject"] == f"noetl.cmd.other.{eid}"
+    assert finished["details"]["command"]["subject"].startswith(f"noetl.cmd.other.{eid}.")  # its lane last
     ok = [r for r in grants_ if r["target"]["execution_id"] in (eid, cancelled)]
     assert all(r["outcome"] == "ok" and r["target"]["credentials"] == ["grant_db"] for r in ok)
     assert all(r["details"]["found"] == ["grant_db"] for r in ok)

@@ -223,6 +223,8 @@ def test_a_worker_cannot_delete_or_purge_streams_or_read_another_pools_commands(
             await worker.refused(worker.js.purge_stream(EVENTS), f"$JS.API.STREAM.PURGE.{EVENTS}")
             await worker.refused(worker.js.add_consumer(COMMANDS, ConsumerConfig(
                 durable_name="pool-other", filter_subject="noetl.cmd.other.*")), "pool-other")
+            await worker.refused(worker.js.add_consumer(COMMANDS, ConsumerConfig(  # nor a lane of it
+                durable_name="lane-other-p0", filter_subject="noetl.cmd.other.*.0")), "lane-other-p0")
             await worker.refused(worker.js.add_consumer(COMMANDS, ConsumerConfig(filter_subject="noetl.cmd.>")),
                                  f"$JS.API.CONSUMER.CREATE.{COMMANDS}")
             await worker.refused(worker.js.delete_consumer(EVENTS, "event-recorder"), "CONSUMER.DELETE")

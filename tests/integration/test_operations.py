@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from conftest import start_stack, stop_stack
+from noetl_mesh.contracts.subjects import LANES
 from noetl_mesh.infra import micro
 from noetl_mesh.infra.nats_auth import connect_options
 from noetl_mesh.services.gateway.auth import CACHE_SECONDS
@@ -88,7 +89,8 @@ def test_info_lists_request_endpoints_consumers_and_partitions(ops):
     assert "recorder" in recorder["description"] or "event log" in recorder["description"]
     worker = info["noetl-worker-default"][0]
     assert worker["metadata"]["pool"] == "default" and worker["metadata"]["concurrency"]
-    assert worker["endpoints"][0]["metadata"]["durables"] == "pool-default"
+    lanes = ",".join(f"lane-default-p{lane}" for lane in range(LANES))  # a durable per lane of the pool's queue
+    assert [e["metadata"]["durables"] for e in worker["endpoints"]] == [lanes, "pool-default"]
     assert info["noetl-gateway"][0]["metadata"]["url"] == ops.url
     assert any(e["subject"] == "noetl.q.sessions.validate" for e in info["noetl-sessions"][0]["endpoints"])
     credentials = {e["subject"]: e for e in info["noetl-credentials"][0]["endpoints"]}  # the store left the recorder
@@ -178,7 +180,8 @@ def test_ps_lists_every_replica_with_its_partitions_work_and_lag(ops, capsys):
     assert all(c["durable"] == f"router-all-p{p}" for r in routers for c, p in zip(r["consumers"], r["partitions"]))
     assert all(r["uptime"] is not None and r["version"] == micro.version() for r in rows)
     workers = [r for r in rows if r["service"] == "worker"]
-    assert all(r["pool"] == "default" and r["consumers"][0]["durable"] == "pool-default" for r in workers)
+    assert all(r["pool"] == "default" and [c["durable"] for c in r["consumers"]]
+               == [*(f"lane-default-p{lane}" for lane in range(LANES)), "pool-default"] for r in workers)
 
     # a running command is a worker pool's pending acknowledgement: ps shows it while it runs
     slow = {**PLAYBOOK, "metadata": {"name": "slow", "path": "tests/slow"}, "workflow": [
@@ -223,6 +226,8 @@ def test_inspect_shows_streams_consumers_buckets_and_object_stores(ops, capsys):
     assert [r["filter"] for r in recorder] == [[f"noetl.pevt.{p}.>"] for p in range(16)]
     assert sum(r["delivered"] for r in recorder) and all(r["ack_floor"] <= r["delivered"] for r in recorder)
     assert consumers[("NOETL_COMMANDS", "pool-default")]["durable"] is True
+    assert [consumers[("NOETL_COMMANDS", f"lane-default-p{lane}")]["filter"] for lane in range(LANES)] == \
+        [[f"noetl.cmd.default.*.{lane}"] for lane in range(LANES)]
     only = noetl_json(ops, capsys, "inspect", "consumers", "NOETL_COMMANDS")
     assert {r["stream"] for r in only} == {"NOETL_COMMANDS"}
     kv = {r["bucket"]: r for r in noetl_json(ops, capsys, "inspect", "kv")}

@@ -10,7 +10,7 @@ import pytest
 from nats import connect as nats_connect
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus
+from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus, lane_of
 from noetl_mesh.infra.embedded import EmbeddedNats
 from noetl_mesh.infra.payloads import STORE, PayloadMissing, PayloadStore, is_ref
 
@@ -115,22 +115,23 @@ def test_a_command_whose_payload_expired_fails_its_run_clearly(fresh_nats):
         try:
             sub = await bus.js.subscribe("noetl.pevt.>", stream=EVENTS, ordered_consumer=True)
             missing = {"store": STORE, "key": "0" * 64, "size": 999, "checksum": "sha256:" + "0" * 64}
-            await bus.send_command({"command_id": "c1", "pool": "default", "execution_id": "x1", "step": "s",
-                                    "step_run_id": "r1", "iteration": None, "tasks": [{"name": "t", "kind": "noop"}],
-                                    "args": missing})
+            command = {"command_id": "c1", "pool": "default", "execution_id": "x1", "step": "s",
+                       "step_run_id": "r1", "iteration": None, "tasks": [{"name": "t", "kind": "noop"}], "args": missing}
+            await bus.send_command(command)
             msg = await sub.next_msg(timeout=10)
             [event] = orjson.loads(msg.data)
             assert (event["name"], event["step_run_id"], event["source"]) == ("step.failed", "r1", "worker:default")
             error = event["data"]["error"]
             assert error["kind"] == "payload_missing" and not error["retryable"]
             assert f"payload {'0' * 64} (999 bytes) is no longer in noetl_payloads" in error["message"]
-            info = await bus.js.consumer_info(COMMANDS, "pool-default")
+            lane = f"lane-default-p{lane_of(command)}"
+            info = await bus.js.consumer_info(COMMANDS, lane)
             for _ in range(50):  # acknowledged: not redelivered
                 if info.num_ack_pending == 0 and info.num_pending == 0:
                     break
                 await asyncio.sleep(0.1)
-                info = await bus.js.consumer_info(COMMANDS, "pool-default")
-            assert info.num_ack_pending == 0 and info.num_pending == 0
+                info = await bus.js.consumer_info(COMMANDS, lane)
+            assert info.num_ack_pending == 0 and info.num_pending == 0 and info.delivered.stream_seq
         finally:
             await worker.stop()
             await bus.close()

@@ -176,8 +176,9 @@ def test_cancel_purges_queued_commands_so_a_later_worker_runs_none(pg_dsn):
                     other = await client.start(doc)  # not cancelled: its commands stay queued
 
                     async def queued():  # commands in the queue, by execution
-                        info = await bus.js.stream_info(COMMANDS, subjects_filter="noetl.cmd.*.*")
-                        return {x: (info.state.subjects or {}).get(f"noetl.cmd.default.{x}", 0) for x in (eid, other)}
+                        info = await bus.js.stream_info(COMMANDS, subjects_filter="noetl.cmd.*.*.*")
+                        return {x: sum(n for subject, n in (info.state.subjects or {}).items()
+                                       if subject.startswith(f"noetl.cmd.default.{x}.")) for x in (eid, other)}
 
                     for _ in range(200):  # max_in_flight 8: eight one-iteration commands each
                         before = await queued()
@@ -303,9 +304,9 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
         async def go():
             bus = await Bus.connect(stack.nats_url, "black-hole", stack.admin)
             await bus.js.add_consumer(COMMANDS, ConsumerConfig(
-                durable_name="pool-default", filter_subject="noetl.cmd.default.*", ack_policy=Ack.EXPLICIT,
+                durable_name="black-hole", filter_subject="noetl.cmd.default.>", ack_policy=Ack.EXPLICIT,
                 ack_wait=1.0, max_deliver=2, max_ack_pending=100))
-            sub = await bus.js.pull_subscribe_bind("pool-default", stream=COMMANDS)
+            sub = await bus.js.pull_subscribe_bind("black-hole", stream=COMMANDS)
             taken = asyncio.Event()
 
             async def swallow():

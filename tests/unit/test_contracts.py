@@ -66,7 +66,7 @@ def test_every_stream_bucket_and_store_is_described(doc):
     assert set(nats_auth.ALL_STREAMS) <= names  # every stream the services' permissions name
     channels = {c["address"] for c in doc["channels"].values() if c["address"]}
     assert {"$KV.noetl_members.{service}.{replica}", "$O.noetl_payloads.{part}.{id}",
-            "noetl.evt.{writer}.{class}.{execution_id}", "noetl.cmd.{pool}.{execution_id}"} <= channels
+            "noetl.evt.{writer}.{class}.{execution_id}", "noetl.cmd.{pool}.{execution_id}.{lane}"} <= channels
     requests = [c for c in subjects.CHANNELS if c.kind == "request"]
     by_queue = {q: sum(1 for c in requests if c.queue == q)
                 for q in ("event-recorder", "credentials", "sessions", "scheduler", None)}
@@ -151,7 +151,11 @@ def test_the_subject_helpers_fill_their_channels():
     def matches(subject: str, channel: str) -> bool:
         return subjects.overlaps(subject, by_id[channel]) and "*" not in subject
 
-    assert matches(subjects.command_subject("p", "e1"), "commands")
+    assert matches(subjects.command_subject("p", "e1", 3), "commands")
+    assert subjects.overlaps(subjects.command_subject("p", "e1", 3), subjects.lane_filter("p", 3))
+    assert not subjects.overlaps(subjects.command_subject("p", "e1", 3), subjects.lane_filter("p", 4))
+    for earlier in subjects.pool_filter("p"):  # the consumer of earlier versions' subjects reads no lane
+        assert not subjects.overlaps(subjects.command_subject("p", "e1", 3), earlier)
     assert matches(subjects.cancel_subject("e1"), "cancel")
     assert matches(subjects.timer_subject("e1", "t1"), "timers")
     assert matches(subjects.timer_target("e1"), "events")
@@ -160,6 +164,19 @@ def test_the_subject_helpers_fill_their_channels():
     assert matches(subjects.audit_subject("user.added", "-"), "audit")
     assert matches(subjects.schedule_fire_subject("s1"), "schedule-fire")
     assert not subjects.overlaps("noetl.cmd.p.e1", by_id["cancel"])
+
+
+def test_a_command_waits_in_the_lane_of_whoever_started_its_execution():
+    alice = {"execution_id": "e1", "requested_by": {"user_id": "u-alice", "roles": ["developer"]}}
+    lane = subjects.lane_of(alice)
+    assert 0 <= lane < subjects.LANES
+    # every execution alice starts, and its children (which carry her as their root's starter), share it
+    assert subjects.lane_of({**alice, "execution_id": "e2"}) == lane
+    # users spread over the lanes; an execution no user started (noetl run) goes by its own id
+    assert len({subjects.lane_of({"requested_by": {"user_id": f"u{i}"}}) for i in range(200)}) == subjects.LANES
+    assert len({subjects.lane_of({"execution_id": f"e{i}"}) for i in range(200)}) == subjects.LANES
+    for odd in (None, "x", {"user_id": 7}, {"user_id": ""}):
+        assert subjects.lane_of({"execution_id": "e1", "requested_by": odd}) == subjects.lane_of({"execution_id": "e1"})
 
 
 # ------------------------------------------------------------------------------ real messages

@@ -43,7 +43,9 @@ def refused(fn, *args) -> Refused:
 
 # ------------------------------------------------------------------------------------------ grants
 def test_a_command_held_grants_the_names_its_keychain_declares():
-    assert authorize(ask(("pg_main", "api")), "noetl.cmd.default.e1", COMMAND) == ["pg_main", "api"]
+    assert authorize(ask(("pg_main", "api")), "noetl.cmd.default.e1", COMMAND) == ["pg_main", "api"]  # earlier versions'
+    laned = "noetl.cmd.default.e1.5"  # in a lane of the pool's queue
+    assert authorize(ask(("pg_main",), subject=laned), laned, COMMAND) == ["pg_main"]
     check_running(ask(), "RUNNING")
     check_running(ask(), None)  # not recorded yet: its command exists, so admission admitted it
 
@@ -64,6 +66,11 @@ def test_every_forged_or_replayed_resolution_is_refused_with_its_reason():
         "wrong_execution"
     assert refused(authorize, ask(), "noetl.cmd.default.e1", {**COMMAND, "pool": "gpu"}).reason == "wrong_execution"
     assert refused(authorize, ask(subject="noetl.cmd.default"), "noetl.cmd.default", COMMAND).reason == "no_command"
+    for odd in ("noetl.cmd.default.e1.8", "noetl.cmd.default.e1.05", "noetl.cmd.default.e1.x", "noetl.cmd.default.e1.3.4",
+                "noetl.evt.default.e1.3"):  # no lane of a pool's queue, or no command subject
+        assert refused(authorize, ask(subject=odd), odd, COMMAND).reason == "no_command", odd
+    assert refused(authorize, ask(pool="gpu", subject="noetl.cmd.default.e1.5"), "noetl.cmd.default.e1.5",
+                   COMMAND).reason == "wrong_pool"
     # an env or static entry's name is no credential of the keychain
     assert refused(authorize, ask(("home",)), "noetl.cmd.default.e1", COMMAND).reason == "undeclared"
     assert refused(authorize, ask(("k",)), "noetl.cmd.default.e1", COMMAND).reason == "undeclared"

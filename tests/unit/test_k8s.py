@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from noetl_mesh.cli import DEFAULT_METRICS_PORT, build_parser
-from noetl_mesh.contracts.subjects import COMMANDS
+from noetl_mesh.contracts.subjects import COMMANDS, LANES
 from noetl_mesh.infra import certs
 from noetl_mesh.infra.nats_auth import user_for
 from noetl_mesh.stack import ALL_SERVICES, SCALABLE
@@ -171,11 +171,14 @@ def test_the_keda_scaled_object_has_keda_s_structure_and_reads_the_worker_pool_s
     target = DEPLOYMENTS[spec["scaleTargetRef"]["name"]]
     args = args_of(target)
     assert args.name == "worker"
-    triggers = {t["type"]: t for t in spec["triggers"]}
-    js = triggers["nats-jetstream"]["metadata"]
-    jsonschema.validate(js, NATS_JETSTREAM)
-    # the pool's durable consumer (services/worker: pool-<pool>) of the commands stream
-    assert (js["stream"], js["consumer"]) == (COMMANDS, f"pool-{args.pool}")
+    lanes = [t["metadata"] for t in spec["triggers"] if t["type"] == "nats-jetstream"]
+    assert [t["type"] for t in spec["triggers"] if t["type"] != "nats-jetstream"] == ["cpu"]
+    for js in lanes:
+        jsonschema.validate(js, NATS_JETSTREAM)
+        assert {k: v for k, v in js.items() if k != "consumer"} == {k: v for k, v in lanes[0].items() if k != "consumer"}
+    # the durable consumers of the pool's lanes (services/worker: lane-<pool>-p<N>) of the commands stream
+    assert [(js["stream"], js["consumer"]) for js in lanes] == [(COMMANDS, f"lane-{args.pool}-p{n}") for n in range(LANES)]
+    js = lanes[0]
     assert js["account"] == "$G"  # nats-auth.conf's users live in the global account (no accounts block)
     assert "accounts" not in NATS_CONF
     host, port = js["natsServerMonitoringEndpoint"].split(":")
@@ -187,8 +190,9 @@ def test_the_keda_scaled_object_has_keda_s_structure_and_reads_the_worker_pool_s
     # names are the pods' names, which the headless Service resolves
     assert env(NATS)["NATS_SERVER_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert nats_service["spec"]["clusterIP"] == "None"
-    jsonschema.validate(triggers["cpu"]["metadata"], CPU_TRIGGER)
-    assert triggers["cpu"]["metricType"] == "Utilization"
+    cpu = next(t for t in spec["triggers"] if t["type"] == "cpu")
+    jsonschema.validate(cpu["metadata"], CPU_TRIGGER)
+    assert cpu["metricType"] == "Utilization"
     assert int(js["lagThreshold"]) >= args.concurrency  # a worker's own commands in flight are lag too
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
 

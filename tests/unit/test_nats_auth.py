@@ -10,6 +10,7 @@ import struct
 
 import pytest
 
+from noetl_mesh.contracts.subjects import LANES
 from noetl_mesh.cli import main
 from noetl_mesh.core.events import make_event
 from noetl_mesh.infra.bus import admitted, batch_subject, batches, writer_from_subject
@@ -60,9 +61,10 @@ def test_each_writer_publishes_events_as_itself_only(user, writer):
 
 def test_who_publishes_commands_purges_and_broadcasts():
     for user in ("admission", "loop-coordinator"):
-        assert may_publish(user, "noetl.cmd.default.x1")
+        assert may_publish(user, "noetl.cmd.default.x1.3")
+        assert not may_publish(user, "noetl.cmd.default.x1")  # the unlaned subject of earlier versions
     for user in ("gateway", "router", "event-recorder", "worker-default", "sessions"):
-        assert not may_publish(user, "noetl.cmd.default.x1"), user
+        assert not may_publish(user, "noetl.cmd.default.x1.3"), user
     assert may_publish("router", "$JS.API.STREAM.PURGE.NOETL_COMMANDS")
     assert may_publish("router", "noetl.cancel.x1") and not may_publish("admission", "noetl.cancel.x1")
     for user in ("gateway", "admission", "worker-default", "event-recorder"):
@@ -118,11 +120,14 @@ def test_a_control_plane_service_reads_where_its_earlier_durables_stopped_and_de
 
 
 def test_a_worker_reads_its_pools_commands_only():
-    assert may_publish("worker-gpu", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.pool-gpu")
-    assert may_publish("worker-gpu", "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.pool-gpu")
-    assert may_publish("worker-gpu", "$JS.ACK.NOETL_COMMANDS.pool-gpu.1.2.3.4.5.6")
+    for durable in ("pool-gpu", *(f"lane-gpu-p{lane}" for lane in range(LANES))):  # earlier versions', its lanes
+        assert may_publish("worker-gpu", f"$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.{durable}")
+        assert may_publish("worker-gpu", f"$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.{durable}")
+        assert may_publish("worker-gpu", f"$JS.ACK.NOETL_COMMANDS.{durable}.1.2.3.4.5.6")
     for subject in ("$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.pool-default",
                     "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.pool-default",
+                    "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.lane-default-p0",
+                    f"$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.lane-gpu-p{LANES}",
                     "$JS.API.CONSUMER.CREATE.NOETL_COMMANDS", "$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.x.noetl.cmd.>",
                     "$JS.API.STREAM.MSG.GET.NOETL_COMMANDS", "$JS.API.CONSUMER.MSG.NEXT.NOETL_EVENTS.event-recorder",
                     "$KV.noetl_members.admission.x", "$JS.API.STREAM.INFO.KV_noetl_sessions",

@@ -9,6 +9,7 @@ An address is a subject with ``{parameters}`` for its variable tokens.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -29,7 +30,8 @@ EVENT_SUBJECTS = "noetl.evt.*.*.*"  # writer, class, execution
 TIMER_SUBJECTS = "noetl.sched.*.*"  # execution, timer: D29 timers, message schedules of the events stream
 LEGACY_EVENT_SUBJECTS = "noetl.evt.*.*"  # class, execution: the layout of earlier versions (setup migrates it)
 STORED_EVENTS = "noetl.pevt.>"  # the events stream's transform: noetl.pevt.<partition>.<class>.<execution>.<writer>
-COMMAND_SUBJECTS = ("noetl.cmd.*.*", "noetl.cmd.*")  # by pool and execution; by pool (earlier versions)
+# by pool, execution and lane; by pool and execution, and by pool (earlier versions, still read)
+COMMAND_SUBJECTS = ("noetl.cmd.*.*.*", "noetl.cmd.*.*", "noetl.cmd.*")
 MAX_DELIVERIES = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.*"
 CANCEL_PREFIX = "noetl.cancel."
 AUDIT_PREFIX = "noetl.audit."
@@ -136,14 +138,40 @@ def pool_problem(pool: object) -> str | None:
             "(a pool's name is a token of its NATS subjects)")
 
 
-def command_subject(pool: str, execution_id: str) -> str:
-    """A command's subject: by pool (the workers' filter) and execution (so the queued commands of a
-    finished execution can be purged)."""
-    return f"noetl.cmd.{pool}.{execution_id}"
+LANES = 8  # a pool's queue is this many lanes, read in turn (the pool's fairness between users)
+
+
+def lane_of(command: dict) -> int:
+    """The lane of a pool's queue a command waits in: one per user who started the execution (a
+    child's: its root's starter), by a hash of the user's id; an execution no user started (``noetl
+    run``) by its own id. A pool's workers take commands from the lanes in turn, so one user's backlog
+    does not hold up another's commands (users whose ids hash alike share a lane)."""
+    who = command.get("requested_by")
+    key = who.get("user_id") if isinstance(who, dict) else None
+    if not isinstance(key, str) or not key:
+        key = str(command.get("execution_id"))
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big") % LANES
+
+
+def command_subject(pool: str, execution_id: str, lane: int) -> str:
+    """A command's subject: by pool (its workers read it), execution (so the queued commands of a
+    finished execution can be purged) and lane (:func:`lane_of`)."""
+    return f"noetl.cmd.{pool}.{execution_id}.{lane}"
+
+
+def lane_filter(pool: str, lane: int) -> str:
+    """What the consumer of a pool's lane reads."""
+    return f"noetl.cmd.{pool}.*.{lane}"
+
+
+def lane_durable(pool: str) -> str:
+    """The prefix of a pool's lane consumers, ``lane-<pool>-p<N>`` (no other pool's name makes one of them)."""
+    return f"lane-{pool}"
 
 
 def pool_filter(pool: str) -> list[str]:
-    """What a pool's workers read: its commands (and the per-pool subject of earlier versions)."""
+    """What the consumer ``pool-<pool>`` reads: the commands earlier versions sent (by pool and
+    execution, and by pool), until none is left; the pool's workers read it as one more lane."""
     return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
 
 
@@ -312,12 +340,17 @@ CHANNELS: tuple[Channel, ...] = (
             "server writes into the execution's log at that time; an empty message with Nats-Rollup: sub "
             "cancels it.", "EventsMessage", senders=CONTROL_PLANE, stream=EVENTS,
             parameters={**_EXECUTION, "timer_id": "the timer's id"}),
-    Channel("commands", "noetl.cmd.{pool}.{execution_id}", "jetstream",
+    Channel("commands", "noetl.cmd.{pool}.{execution_id}.{lane}", "jetstream",
             "One command for a worker pool: a step run, a loop iteration, a chunk of iterations, or a resume. "
-            "Work-queue retention: deleted when a worker acks it. Durable pool-<pool> shared by the pool's "
-            "workers. Header Nats-Msg-Id: the command id.",
+            "Work-queue retention: deleted when a worker acks it. One durable per lane, lane-<pool>-p<lane>, "
+            "shared by the pool's workers, which take from the lanes in turn. Header Nats-Msg-Id: the command id.",
             "Command", senders=("admission", "loop-coordinator"), receivers=("worker",), stream=COMMANDS,
-            parameters={"pool": "the worker pool", **_EXECUTION}),
+            parameters={"pool": "the worker pool", **_EXECUTION,
+                        "lane": "0 to 7: a hash of the id of the user who started the execution (its root)"}),
+    Channel("commands-unlaned", "noetl.cmd.{pool}.{execution_id}", "jetstream",
+            "Commands by pool and execution, as earlier versions sent them; still read by the pool's workers "
+            "(durable pool-<pool>).",
+            "Command", receivers=("worker",), stream=COMMANDS, parameters={"pool": "the worker pool", **_EXECUTION}),
     Channel("commands-legacy", "noetl.cmd.{pool}", "jetstream",
             "Commands by pool only, as earlier versions sent them; still read by the pool's workers.",
             "Command", receivers=("worker",), stream=COMMANDS, parameters={"pool": "the worker pool"}),
@@ -325,7 +358,7 @@ CHANNELS: tuple[Channel, ...] = (
             "The server's advisory of a command that ran out of deliveries; kept in NOETL_LOST_COMMANDS until "
             "admission (durable admission) fails its runs with worker_lost.",
             "MaxDeliveriesAdvisory", senders=("nats-server",), receivers=("admission",), stream=LOST_COMMANDS,
-            parameters={"consumer": "the commands consumer (pool-<pool>)"}),
+            parameters={"consumer": "the commands consumer (lane-<pool>-p<lane>, or pool-<pool>)"}),
     Channel("cancel", "noetl.cancel.{execution_id}", "broadcast",
             "Workers abort an execution's running commands (it finished), or some step runs (timed out, D29).",
             "CancelNotice", senders=("router",), receivers=("worker",), parameters=_EXECUTION),

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import orjson
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, POOL_NAME, command_subject
+from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, LANES, POOL_NAME
 from .keychain import declarations_of, stored_name
 from .state import FINAL
 
@@ -164,7 +164,8 @@ def authorize(ask: Resolve, stored_subject: str | None, command: Any) -> list[st
     if stored_subject != ask.subject:
         raise Refused("no_command", f"{held} is stored under {stored_subject}, not {ask.subject}")
     parts = stored_subject.split(".")
-    if len(parts) != 4 or stored_subject != command_subject(parts[2], parts[3]):
+    lanes = [str(lane) for lane in range(LANES)]  # and 4 tokens: sent by an earlier version
+    if parts[:2] != ["noetl", "cmd"] or len(parts) not in (4, 5) or parts[4:] and parts[4] not in lanes:
         raise Refused("no_command", f"{held} ({stored_subject}) is not a command of one execution")
     pool, eid = parts[2], parts[3]
     if pool != ask.pool:

@@ -12,8 +12,9 @@ Streams and subjects (their names: :mod:`noetl_mesh.contracts.subjects`; docs/ar
   consumer per partition (:mod:`.pinned`: per-execution serialisation across any number of replicas); the
   event-recorder reads everything. Readers keep only the events the subject's writer may write
   (:func:`admitted`).
-- ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>.<execution_id>``, one durable consumer per
-  worker pool, shared by that pool's workers.
+- ``NOETL_COMMANDS`` (JetStream, work-queue retention): ``noetl.cmd.<pool>.<execution_id>.<lane>``, one durable
+  consumer per lane of a pool (``lane-<pool>-p<lane>``), shared by that pool's workers, which take from the
+  lanes in turn (``contracts.subjects.lane_of``: a lane per starting user).
 - core NATS: ``noetl.q.<service>.<verb>`` request/reply reads (JSON in, JSON out, errors as
   ``{"error": {...}}``), and ``noetl.cancel.<execution_id>`` broadcasts.
 
@@ -81,7 +82,7 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
     Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject, control_filter,
-    command_subject, credential_resolve_subject, live_subject, pool_filter, timer_subject, timer_target)
+    command_subject, credential_resolve_subject, lane_of, live_subject, pool_filter, timer_subject, timer_target)
 
 _SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an id that may stand in a subject as one token
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
@@ -465,7 +466,7 @@ class Bus:
                 command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, 1024))
                            for k, v in command.items()}
                 data = dumps(command)
-        return await self.js.publish_async(command_subject(command["pool"], command["execution_id"]), data,
+        return await self.js.publish_async(command_subject(command["pool"], command["execution_id"], lane_of(command)), data,
                                            stream=COMMANDS,
                                            headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
 
@@ -501,7 +502,8 @@ class Bus:
     async def purge_commands(self, execution_id: str) -> None:
         """Drop the execution's queued commands (all pools): a finished execution's work is never run,
         also by workers that missed the cancel broadcast or start later."""
-        await self.js.purge_stream(COMMANDS, subject=f"noetl.cmd.*.{execution_id}")
+        await asyncio.gather(self.js.purge_stream(COMMANDS, subject=f"noetl.cmd.*.{execution_id}.*"),
+                             self.js.purge_stream(COMMANDS, subject=f"noetl.cmd.*.{execution_id}"))  # earlier versions'
 
     async def broadcast(self, subject: str, payload: dict[str, Any]) -> None:
         await self.nc.publish(subject, dumps(payload), headers=tracing.inject({}))

@@ -10,7 +10,7 @@ permissions; each service holds its own seed in a file (0600). Users:
 | ``admission``, ``router``, ``loop-coordinator`` | read the events stream through their own durables and rebuild consumers, publish their events (``noetl.evt.<service>.>``) and timers (``noetl.sched.*.*``, D29); admission and the loop-coordinator publish commands, the router purges a finished execution's commands and broadcasts cancels, admission reads lost commands |
 | ``event-recorder`` | read every event through its partitions' durables (``event-recorder-p<N>``, shared among its replicas in the members bucket) and, for a gap, by sequence, answer ``noetl.q.{catalog,execution,recorder}.*``, publish notices of what it committed (``noetl.live.>``) |
 | ``credentials`` | answer ``noetl.q.credential.*`` and the workers' ``noetl.q.credential.resolve.<pool>``, read a command of ``NOETL_COMMANDS`` by its sequence, ask the recorder an execution's status, record ``credential.resolved``/``credential.refused`` audit records; it answers to inboxes only (no ``allow_responses``) |
-| ``worker-<pool>`` | read its pool's commands (``pool-<pool>``) only, publish worker events (``noetl.evt.worker.>``), resolve the credentials of the commands it holds (``noetl.q.credential.resolve.<pool>``: its pool's subject only), hear cancels |
+| ``worker-<pool>`` | read its pool's commands only (its lanes, ``lane-<pool>-p<N>``, and earlier versions' ``pool-<pool>``), publish worker events (``noetl.evt.worker.>``), resolve the credentials of the commands it holds (``noetl.q.credential.resolve.<pool>``: its pool's subject only), hear cancels |
 | ``sessions`` | its KV buckets and the audit stream (no one else may touch them), answer ``noetl.q.{sessions,users,tokens,audit}.*`` |
 | ``scheduler`` | the schedules stream and bucket (no one else may touch them), read the firings through its durable, publish its events (``noetl.evt.scheduler.>``: execution requests), answer ``noetl.q.schedule.*`` |
 
@@ -49,7 +49,7 @@ DEFAULT_PARTITIONS = 16
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
-                                  SESSIONS_AREAS, pool_problem)
+                                  SESSIONS_AREAS, LANES, lane_durable, pool_problem)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
@@ -61,6 +61,7 @@ CREDENTIALS_AUDIT = ("credential.resolved", "credential.refused")  # audit recor
 from ..contracts.subjects import LIVE_PREFIX, LIVE_WATCH  # noqa: E402 - the console's live streams
 LIVE = LIVE_PREFIX.rstrip(".")
 SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
+COMMAND_PUBLISH = ["noetl.cmd.*.*.*"]  # noetl.cmd.<pool>.<execution>.<lane>: admission's and the loop-coordinator's
 READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "credentials", "sessions")  # the gateway pings them
 
 # ------------------------------------------------------------------------------------- names
@@ -226,14 +227,14 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub.append("noetl.q.execution.status")  # whether an execution it cannot rebuild has finished (control.py)
         purges |= {PAYLOADS, MEMBERS}
         if user == "admission":
-            pub += ["noetl.cmd.*.*", "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
+            pub += [*COMMAND_PUBLISH, "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
                     _js("STREAM", "MSG", "GET", COMMANDS), _js("STREAM", "MSG", "DELETE", COMMANDS),
                     _js("STREAM", "INFO", LOST), *_durable(LOST, "admission")]
         elif user == "router":
             pub += ["noetl.cancel.*", _js("STREAM", "PURGE", COMMANDS)]
             purges.add(COMMANDS)
         else:
-            pub.append("noetl.cmd.*.*")
+            pub += COMMAND_PUBLISH
     elif user == "event-recorder":
         pub += [_js("STREAM", "INFO", EVENTS), _js("STREAM", "MSG", "GET", EVENTS)]  # a gap's messages (feeds.py)
         for name in durables(user, partitions):  # its partitions, shared out among its replicas
@@ -271,7 +272,9 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
-        pub += [_js("STREAM", "INFO", EVENTS), *_durable(COMMANDS, f"pool-{pool}"), CREDENTIAL_RESOLVE_PREFIX + pool,
+        lanes = [f"{lane_durable(pool)}-p{lane}" for lane in range(LANES)]  # and earlier versions' pool-<pool>
+        pub += [_js("STREAM", "INFO", EVENTS), *(x for d in (*lanes, f"pool-{pool}") for x in _durable(COMMANDS, d)),
+                CREDENTIAL_RESOLVE_PREFIX + pool,
                 *_payloads(write=True)]
         pub.append("noetl.q.users.standing")  # the roles of who started a command's execution (NOETL_POOL_ROLES)
         sub.append("noetl.cancel.*")

@@ -1,0 +1,97 @@
+"""One user's backlog on a pool does not hold up another user's commands: a pool's queue is a lane
+per user who starts executions, and its workers take from the lanes in turn (a whole stack, real
+NATS and Postgres, a worker of the pool running one command at a time)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Iterator
+
+import pytest
+
+from conftest import StackHandle, new_user, start_stack, stop_stack
+from noetl_mesh.contracts.subjects import COMMANDS, lane_of
+from noetl_mesh.infra.bus import Bus
+from noetl_mesh.infra.nats_auth import NatsAuth
+from noetl_mesh.services.worker.service import WorkerService
+
+pytestmark = pytest.mark.integration
+
+FLOODS = 10
+
+# each task says when it started, and takes half a second: the pool's one slot is never free for long
+TIMED = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: timed, path: tests/fair/timed}
+workflow:
+  - step: start
+    spec: {pool: fair}
+    tool: {kind: python, code: "import time\\nresult = time.time()\\ntime.sleep(0.5)"}
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(module_pg) -> Iterator[StackHandle]:
+    nats, loop, handle = start_stack(module_pg, pools=("default", "fair"))
+    settings = handle.stack.settings
+
+    async def fair() -> tuple[Bus, WorkerService]:
+        bus = await Bus.connect(settings.nats_url, "worker-fair", NatsAuth(settings.nats_creds).for_service("worker", "fair"))
+        worker = WorkerService(bus, pool="fair", concurrency=1)
+        await worker.start()
+        return bus, worker
+
+    bus, worker = handle.run(fair())
+    try:
+        yield handle
+    finally:
+        async def stop() -> None:
+            await worker.stop()
+            await bus.close()
+
+        handle.run(stop())
+        stop_stack(nats, loop, handle)
+
+
+def _lane(users: list[dict], name: str) -> int:
+    uid = next(u["user_id"] for u in users if u["username"] == name)
+    return lane_of({"requested_by": {"user_id": uid}})
+
+
+def test_a_users_one_command_starts_before_anothers_backlog_has_run(stack) -> None:
+    async def go() -> tuple[list[float], float]:
+        flooder = await new_user(stack, "flooder", ["developer"])
+        async with stack.client() as admin:
+            await admin.register(TIMED)
+        # a second user whose commands wait in another lane than the first's (ids hash alike 1 time in 8)
+        for n in range(40):
+            other = await new_user(stack, f"other-{n}", ["developer"])
+            async with stack.client() as admin:
+                users = await admin.users()
+            if _lane(users, f"other-{n}") != _lane(users, "flooder"):
+                break
+        flood_lane = f"lane-fair-p{_lane(users, 'flooder')}"
+        async with stack.client(token=flooder) as client:
+            floods = [await client.start(path="tests/fair/timed") for _ in range(FLOODS)]
+        bus = await Bus.connect(stack.nats_url, "fairness-probe", stack.admin)
+        try:
+            for _ in range(600):  # the flood is queued, and its first task runs
+                info = await bus.consumer_info(COMMANDS, flood_lane)
+                if info and info["num_pending"] + info["num_ack_pending"] == FLOODS and info["num_ack_pending"]:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"the flood was not queued in {flood_lane}: {info}")
+        finally:
+            await bus.close()
+        async with stack.client(token=other) as client:
+            mine = await client.start(path="tests/fair/timed")
+            done = await client.wait(mine, timeout=120)
+        async with stack.client(token=flooder) as client:
+            flooded = [await client.wait(eid, timeout=120) for eid in floods]
+        assert done["status"] == "COMPLETED" and all(f["status"] == "COMPLETED" for f in flooded), (done, flooded)
+        return sorted(f["steps"]["start"]["result"] for f in flooded), done["steps"]["start"]["result"]
+
+    flood, mine = stack.run(go(), 240)
+    # first come, first served, it would start after all ten; in turn, after at most a few of them
+    assert sum(started > mine for started in flood) >= FLOODS // 2, (flood, mine)
