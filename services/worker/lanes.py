@@ -1,10 +1,11 @@
 """A worker's run slots, shared fairly between the lanes of its pool's queue.
 
 A pool's commands wait in lanes (``contracts.subjects.lane_of``: one per user who started the
-execution, by a hash of the user's id), each read through a durable consumer of its own. Every lane
-of a worker holds at most one command it has fetched and not started; when a slot frees, the lane next
-in turn after the one served last gets it. So a user with a thousand commands queued waits in one lane,
-and another user's command starts at the next turn of its own lane, not after the thousand.
+execution, by a hash of the user's id), each read through a durable consumer of its own. When a slot
+frees and several lanes of a worker hold commands fetched and not started, the lane next in turn after
+the one served last gets it (each lane asks for one slot at a time). So a user with a thousand
+commands queued waits in one lane, and another user's command starts at the next turn of its own lane,
+not after the thousand.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """worker pool: pulls the commands of its pool, runs step pipelines, reports events.
 
+It reads every lane of its pool's queue (a lane per user who starts executions) and starts what it
+fetched in the lanes' turns (:mod:`.lanes`): one user's backlog does not hold up another's commands.
+
 A command is acknowledged only after its terminal event is stored, so a worker that dies mid-task
 leaves it to be redelivered (after ``ack_wait``) to another worker; the rerun reproduces the event
 ids of what was already reported (D21). A worker that is stopped (SIGTERM) fetches nothing more, lets
@@ -273,6 +276,7 @@ class WorkerService:
         self.consumers = [self.commands, self.unlaned]
         self.slots = Slots(concurrency, LANES + 1)
         self.subs: list = []
+        self._busy_lanes: set[int] = set()  # the lanes whose last fetch found commands
 
     async def start(self) -> None:
         await self.bus.attach()
@@ -366,19 +370,22 @@ class WorkerService:
         await asyncio.gather(*(self._lane(lane, sub) for lane, sub in enumerate(self.subs)))
 
     async def _lane(self, lane: int, sub: Any) -> None:
-        """Fetch the lane's commands one at a time and start each in the lane's turn for a slot
-        (:class:`Slots`): a lane holds at most one command it has not started. While a slot is free a
-        fetch waits for a command; while every slot is taken, the lane looks (briefly) after each slot
-        that frees, unless its last fetch found one: so a lane that fills while the worker is busy gets
-        its turn at the next slot but one."""
+        """Fetch the lane's commands and start each in the lane's turn for a slot (:class:`Slots`).
+        While a slot is free a fetch waits for commands, as many as the free slots shared among the
+        lanes that found some last time; while every slot is taken, the lane looks for one (briefly)
+        after each slot that frees, unless its last fetch found some: so a lane that fills while the
+        worker is busy gets its turn at the next slot but one."""
         found = False
         while not self.stop_event.is_set():
             if self.slots.free <= 0 and not found:
                 await self.slots.released()
+            free = self.slots.free
+            busy = len(self._busy_lanes | {lane})
             try:
-                msgs = await sub.fetch(1, timeout=LANE_WAIT if self.slots.free > 0 else LANE_LOOK)
+                msgs = await sub.fetch(max(1, free // busy), timeout=LANE_WAIT if free > 0 else LANE_LOOK)
             except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
                 found = False
+                self._busy_lanes.discard(lane)
                 continue
             except Exception as exc:  # noqa: BLE001 - NATS away or restarting: keep pulling
                 if self.stop_event.is_set():
@@ -386,28 +393,39 @@ class WorkerService:
                 log.warning("fetching commands failed (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
-            found = True
-            for msg in msgs:
-                await self._admit(lane, msg)
+            found = bool(msgs)
+            self._busy_lanes.add(lane)
+            await self._admit(lane, list(msgs))
 
-    async def _admit(self, lane: int, msg: Msg) -> None:
-        """Start the command once its lane's turn gives it a slot; until then keep its lease. Stopped
-        meanwhile: hand it back (nak) for another worker at once."""
-        if not self.slots.try_take():
-            lease = asyncio.create_task(self._keep_lease(msg))
-            try:
-                await self.slots.take(lane)
-            except asyncio.CancelledError:
+    async def _admit(self, lane: int, held: list[Msg]) -> None:
+        """Start the fetched commands, each once its lane's turn gives it a slot; keep the leases of
+        those not started meanwhile. Stopped meanwhile: hand them back (nak) for another worker at once."""
+        lease: asyncio.Task | None = None
+        try:
+            while held:
+                if not self.slots.try_take():
+                    lease = lease or asyncio.create_task(self._keep_leases(held))
+                    await self.slots.take(lane)
+                msg = held.pop(0)
+                task = asyncio.create_task(self._run(msg))
+                self.running[task] = ""
+                task.add_done_callback(self._forget)
+        except asyncio.CancelledError:
+            for msg in held:
                 try:
                     await msg.nak()
                 except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
                     pass
-                raise
-            finally:
+            raise
+        finally:
+            if lease is not None:
                 lease.cancel()
-        task = asyncio.create_task(self._run(msg))
-        self.running[task] = ""
-        task.add_done_callback(self._forget)
+
+    async def _keep_leases(self, held: list[Msg]) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait / 3)
+            for msg in list(held):
+                await msg.in_progress()
 
     def _forget(self, task: asyncio.Task) -> None:
         self.running.pop(task, None)
