@@ -51,9 +51,13 @@ class Slots:
             raise
 
     def release(self) -> None:
-        if self.waiting:
-            self.last = next_in_turn(self.waiting, self.last, self.lanes)
-            self.waiting.pop(self.last).set_result(None)
+        while self.waiting:
+            lane = next_in_turn(self.waiting, self.last, self.lanes)
+            granted = self.waiting.pop(lane)
+            if not granted.done():  # (one cancelled as its lane stops is passed over)
+                self.last = lane
+                granted.set_result(None)
+                break
         else:
             self.free += 1
         self._released.set()

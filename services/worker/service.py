@@ -45,8 +45,31 @@ from noetl_mesh.tools.postgres import forget_libpq_env
 from .lanes import Slots
 
 log = logging.getLogger("noetl.worker")
-LANE_WAIT = 5.0  # seconds a lane's fetch waits for a command while this worker has a slot free
+LANE_WAIT = 1.0  # seconds a lane's fetch waits for a command while this worker has a slot free
 LANE_LOOK = 0.1  # ... and while every slot is taken: a look whether the lane holds one, after a slot frees
+HOLD = 1.0  # seconds a fetched command waits for a slot here before it is handed back to the pool ...
+HAND_BACKS = 2  # ... at most this many times (each is a delivery: max_deliver counts it)
+WATCH = 0.5  # seconds between looks at what reached a lane's subscription while the lane waits
+
+
+def strays(sub: Any) -> list[Msg]:
+    """The commands in a pull subscription's queue that no fetch returned (sent by the server as a
+    fetch gave up): the worker holds them, so it starts them or hands them back."""
+    queue = sub._sub._pending_queue
+    out = []
+    while not queue.empty():
+        msg = queue.get_nowait()
+        sub._sub._pending_size -= len(msg.data)
+        if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status message
+            out.append(msg)
+    return out
+
+
+async def _nak(msg: Msg) -> None:
+    try:
+        await msg.nak()
+    except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
+        pass
 
 
 def payload_limit(command: dict) -> int | None:
@@ -355,7 +378,7 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
         # a fetch cancelled mid-way may still deliver: nak it
-        await asyncio.gather(*(release(sub, linger=self.bus.grace(1.2)) for sub in self.subs))
+        await asyncio.gather(*(release(sub, linger=self.bus.grace(LANE_WAIT + 0.2)) for sub in self.subs))
         if self.cancel_sub is not None:
             await self.cancel_sub.unsubscribe()
         await close_tools(self.tools or {})
@@ -374,19 +397,24 @@ class WorkerService:
         While a slot is free a fetch waits for commands, as many as the free slots shared among the
         lanes that found some last time; while every slot is taken, the lane looks for one (briefly)
         after each slot that frees, unless its last fetch found some: so a lane that fills while the
-        worker is busy gets its turn at the next slot but one."""
+        worker is busy gets its turn at the next slot but one. A fetch's answer can arrive after the
+        fetch gave up (a slow network, a busy process): whatever reaches the lane's subscription is
+        taken up within :data:`WATCH` seconds, never left unleased to be redelivered elsewhere."""
         found = False
         while not self.stop_event.is_set():
             if self.slots.free <= 0 and not found:
-                await self.slots.released()
+                try:
+                    await asyncio.wait_for(self.slots.released(), WATCH)
+                except asyncio.TimeoutError:
+                    if late := strays(sub):
+                        await self._admit(lane, late, sub)
+                    continue
             free = self.slots.free
             busy = len(self._busy_lanes | {lane})
             try:
                 msgs = await sub.fetch(max(1, free // busy), timeout=LANE_WAIT if free > 0 else LANE_LOOK)
             except (NatsTimeout, asyncio.TimeoutError):  # an empty fetch (both kinds occur)
-                found = False
-                self._busy_lanes.discard(lane)
-                continue
+                msgs = strays(sub)
             except Exception as exc:  # noqa: BLE001 - NATS away or restarting: keep pulling
                 if self.stop_event.is_set():
                     return
@@ -394,28 +422,47 @@ class WorkerService:
                 await asyncio.sleep(0.5)
                 continue
             found = bool(msgs)
-            self._busy_lanes.add(lane)
-            await self._admit(lane, list(msgs))
+            (self._busy_lanes.add if found else self._busy_lanes.discard)(lane)
+            if msgs:
+                await self._admit(lane, list(msgs), sub)
 
-    async def _admit(self, lane: int, held: list[Msg]) -> None:
+    async def _admit(self, lane: int, held: list[Msg], sub: Any) -> None:
         """Start the fetched commands, each once its lane's turn gives it a slot; keep the leases of
-        those not started meanwhile. Stopped meanwhile: hand them back (nak) for another worker at once."""
+        those not started meanwhile (and of any late answer the lane's subscription gets). One that
+        waits longer than :data:`HOLD` seconds is handed back (nak: another worker with a slot free
+        gets it at once), :data:`HAND_BACKS` times at most: then it waits here. Stopped meanwhile:
+        hand them back for another worker at once."""
         lease: asyncio.Task | None = None
+        taking: asyncio.Future | None = None
         try:
             while held:
                 if not self.slots.try_take():
                     lease = lease or asyncio.create_task(self._keep_leases(held))
-                    await self.slots.take(lane)
+                    taking = asyncio.ensure_future(self.slots.take(lane))
+                    until = time.monotonic() + HOLD
+                    while not taking.done():
+                        await asyncio.wait({taking}, timeout=WATCH)
+                        held.extend(strays(sub))
+                        back = [m for m in held if m.metadata.num_delivered <= HAND_BACKS]
+                        if not taking.done() and back and time.monotonic() >= until:
+                            taking.cancel()  # (a slot granted meanwhile goes on to the next lane)
+                            await asyncio.gather(taking, return_exceptions=True)
+                            held[:] = [m for m in held if m not in back]
+                            await asyncio.gather(*(_nak(m) for m in back))
+                            break
+                    if not taking.done() or taking.cancelled():
+                        taking = None
+                        continue
+                    taking = None
                 msg = held.pop(0)
                 task = asyncio.create_task(self._run(msg))
                 self.running[task] = ""
                 task.add_done_callback(self._forget)
-        except asyncio.CancelledError:
-            for msg in held:
-                try:
-                    await msg.nak()
-                except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
-                    pass
+        except BaseException:
+            if taking is not None:
+                taking.cancel()
+            held.extend(strays(sub))
+            await asyncio.shield(asyncio.gather(*(_nak(m) for m in held)))  # handed back at once
             raise
         finally:
             if lease is not None:
@@ -425,7 +472,10 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.ack_wait / 3)
             for msg in list(held):
-                await msg.in_progress()
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # noqa: BLE001 - NATS away: the server redelivers it after ack_wait
+                    log.warning("keeping the lease of a command failed (%s: %s)", type(exc).__name__, exc)
 
     def _forget(self, task: asyncio.Task) -> None:
         self.running.pop(task, None)

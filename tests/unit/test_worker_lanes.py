@@ -100,3 +100,21 @@ async def test_released_wakes_whoever_waits_for_the_next_slot():
     await asyncio.wait_for(woke, 1)
     with pytest.raises(asyncio.TimeoutError):  # a new wait waits for the next release
         await asyncio.wait_for(slots.released(), 0.01)
+
+
+@run
+async def test_a_slot_freed_as_a_waiting_lane_stops_is_not_lost():
+    """A worker that stops cancels its lanes while a running command ends: the cancelled waiter is
+    passed over, the slot goes to the next lane waiting, or back to the free ones."""
+    slots = Slots(1, lanes=9)
+    assert slots.try_take()
+    served, tasks = await _waiting(slots, [3, 5])
+    tasks[0].cancel()  # lane 3's wait is cancelled ...
+    slots.release()  # ... and, before it runs again, a slot frees
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert served == [5] and not slots.waiting and slots.free == 0
+    served, tasks = await _waiting(slots, [4])
+    tasks[0].cancel()
+    slots.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert served == [] and not slots.waiting and slots.free == 1

@@ -457,6 +457,7 @@ class Bus:
 
     async def send_command(self, command: dict[str, Any], limit: int | None = None) -> asyncio.Future:
         limit = limit or self.payload_limit
+        subject = command_subject(command["pool"], command["execution_id"], lane_of(command))  # before shrinking
         data = dumps(command)
         if len(data) > limit:
             command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, limit))
@@ -466,7 +467,7 @@ class Bus:
                 command = {k: (v if k in COMMAND_IDENTITY else await self.payloads.shrink(v, 1024))
                            for k, v in command.items()}
                 data = dumps(command)
-        return await self.js.publish_async(command_subject(command["pool"], command["execution_id"], lane_of(command)), data,
+        return await self.js.publish_async(subject, data,
                                            stream=COMMANDS,
                                            headers=tracing.inject({"Nats-Msg-Id": command["command_id"]}))
 
