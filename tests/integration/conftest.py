@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import base64
 import logging
 import os
@@ -215,6 +216,35 @@ def start_stack(pg_dsn: str, pools: tuple[str, ...] = ("default",), nats_kw: dic
                         **{"allow_net": allow_net, **(settings_kw or {})})
     stack = loop.run(InProcessStack(settings, **kw).start())
     return nats, loop, StackHandle(loop, stack)
+
+
+@contextlib.contextmanager
+def stack_with_worker(pg_dsn: str, pool: str, **worker_kw: Any) -> Iterator["StackHandle"]:
+    """A whole stack with the pools ``default`` and ``pool``, and a worker of ``pool`` made here with
+    ``worker_kw`` (``roles``, ``concurrency``...), connected as the NATS user ``worker-<pool>``."""
+    from noetl_mesh.infra.bus import Bus
+    from noetl_mesh.services.worker.service import WorkerService
+
+    nats, loop, handle = start_stack(pg_dsn, pools=("default", pool))
+    settings = handle.stack.settings
+
+    async def start() -> tuple[Bus, WorkerService]:
+        creds = NatsAuth(settings.nats_creds).for_service("worker", pool)
+        bus = await Bus.connect(settings.nats_url, f"worker-{pool}", creds)
+        worker = WorkerService(bus, pool=pool, **worker_kw)
+        await worker.start()
+        return bus, worker
+
+    bus, worker = handle.run(start())
+    try:
+        yield handle
+    finally:
+        async def stop() -> None:
+            await worker.stop()
+            await bus.close()
+
+        handle.run(stop())
+        stop_stack(nats, loop, handle)
 
 
 def stop_stack(nats, loop, handle, check: bool = True) -> None:

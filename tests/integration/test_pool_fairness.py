@@ -8,11 +8,9 @@ from typing import Iterator
 
 import pytest
 
-from conftest import StackHandle, new_user, start_stack, stop_stack
+from conftest import StackHandle, new_user, stack_with_worker
 from noetl_mesh.contracts.subjects import COMMANDS, lane_of
 from noetl_mesh.infra.bus import Bus
-from noetl_mesh.infra.nats_auth import NatsAuth
-from noetl_mesh.services.worker.service import WorkerService
 
 pytestmark = pytest.mark.integration
 
@@ -32,25 +30,8 @@ workflow:
 
 @pytest.fixture(scope="module")
 def stack(module_pg) -> Iterator[StackHandle]:
-    nats, loop, handle = start_stack(module_pg, pools=("default", "fair"))
-    settings = handle.stack.settings
-
-    async def fair() -> tuple[Bus, WorkerService]:
-        bus = await Bus.connect(settings.nats_url, "worker-fair", NatsAuth(settings.nats_creds).for_service("worker", "fair"))
-        worker = WorkerService(bus, pool="fair", concurrency=1)
-        await worker.start()
-        return bus, worker
-
-    bus, worker = handle.run(fair())
-    try:
+    with stack_with_worker(module_pg, "fair", concurrency=1) as handle:  # one task at a time
         yield handle
-    finally:
-        async def stop() -> None:
-            await worker.stop()
-            await bus.close()
-
-        handle.run(stop())
-        stop_stack(nats, loop, handle)
 
 
 def _lane(users: list[dict], name: str) -> int:

@@ -9,11 +9,8 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from conftest import StackHandle, new_user, start_stack, stop_stack
+from conftest import StackHandle, new_user, stack_with_worker
 from noetl_mesh.client import GatewayClient, GatewayError
-from noetl_mesh.infra.bus import Bus
-from noetl_mesh.infra.nats_auth import NatsAuth
-from noetl_mesh.services.worker.service import WorkerService
 
 pytestmark = pytest.mark.integration
 
@@ -41,26 +38,8 @@ workflow:
 
 @pytest.fixture(scope="module")
 def stack(module_pg) -> Iterator[StackHandle]:
-    nats, loop, handle = start_stack(module_pg, pools=("default", "vault"))
-    settings = handle.stack.settings
-
-    async def vault() -> tuple[Bus, WorkerService]:
-        creds = NatsAuth(settings.nats_creds).for_service("worker", "vault")
-        bus = await Bus.connect(settings.nats_url, "worker-vault", creds)
-        worker = WorkerService(bus, pool="vault", roles="admin,operator")
-        await worker.start()
-        return bus, worker
-
-    bus, worker = handle.run(vault())
-    try:
+    with stack_with_worker(module_pg, "vault", roles="admin,operator") as handle:
         yield handle
-    finally:
-        async def stop() -> None:
-            await worker.stop()
-            await bus.close()
-
-        handle.run(stop())
-        stop_stack(nats, loop, handle)
 
 
 @pytest.fixture(scope="module")
