@@ -447,19 +447,22 @@ class WorkerService:
                         if not taking.done() and back and time.monotonic() >= until:
                             taking.cancel()  # (a slot granted meanwhile goes on to the next lane)
                             await asyncio.gather(taking, return_exceptions=True)
+                            await asyncio.shield(asyncio.gather(*(_nak(m) for m in back)))
                             held[:] = [m for m in held if m not in back]
-                            await asyncio.gather(*(_nak(m) for m in back))
                             break
                     if not taking.done() or taking.cancelled():
                         taking = None
                         continue
+                    taking.result()  # a slot, in the lane's turn
                     taking = None
                 msg = held.pop(0)
                 task = asyncio.create_task(self._run(msg))
                 self.running[task] = ""
                 task.add_done_callback(self._forget)
         except BaseException:
-            if taking is not None:
+            if taking is not None and taking.done() and not taking.cancelled() and taking.exception() is None:
+                self.slots.release()  # granted, and not used: the next lane's
+            elif taking is not None:
                 taking.cancel()
             held.extend(strays(sub))
             await asyncio.shield(asyncio.gather(*(_nak(m) for m in held)))  # handed back at once
