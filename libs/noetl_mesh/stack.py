@@ -7,7 +7,6 @@ import importlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -372,9 +371,12 @@ def shown_dsn(dsn: str | None) -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 for a service of a stack (the gateway, a metrics endpoint), chosen
+    below the kernel's ephemeral range as the embedded servers' are (``embedded.free_port``): one the
+    kernel gives out is also the next outgoing connection's, and a busy machine took it first."""
+    from .infra.embedded import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 @dataclass

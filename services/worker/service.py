@@ -293,7 +293,7 @@ class WorkerService:
         self._standing: dict[str, tuple[float, dict | BusError]] = {}  # user id -> (until, the sessions service's word)
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=lane_filter(pool, "*"),  # type: ignore[arg-type]
-                                 durable=lane_durable(pool), partitions=list(range(LANES)))
+                                 durable=lane_durable(pool), lanes=LANES)
         self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=",".join(pool_filter(pool)),
                                 durable=f"pool-{pool}")  # what earlier versions sent, one more lane
         self.consumers = [self.commands, self.unlaned]

@@ -182,6 +182,7 @@ def test_ps_lists_every_replica_with_its_partitions_work_and_lag(ops, capsys):
     workers = [r for r in rows if r["service"] == "worker"]
     assert all(r["pool"] == "default" and [c["durable"] for c in r["consumers"]]
                == [*(f"lane-default-p{lane}" for lane in range(LANES)), "pool-default"] for r in workers)
+    assert all(r["partitions"] is None for r in workers)  # its lanes are no partitions of the events
 
     # a running command is a worker pool's pending acknowledgement: ps shows it while it runs
     slow = {**PLAYBOOK, "metadata": {"name": "slow", "path": "tests/slow"}, "workflow": [

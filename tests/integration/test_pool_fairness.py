@@ -26,6 +26,8 @@ workflow:
     spec: {pool: fair}
     tool: {kind: python, code: "import time\\nresult = time.time()\\ntime.sleep(0.5)"}
 """
+# ... and the flood's first holds the slot until the rest is queued, however slowly they are accepted
+FIRST = TIMED.replace("timed", "first").replace("time.sleep(0.5)", "time.sleep(10)")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,7 @@ def test_a_users_one_command_starts_before_anothers_backlog_has_run(stack) -> No
         flooder = await new_user(stack, "flooder", ["developer"])
         async with stack.client() as admin:
             await admin.register(TIMED)
+            await admin.register(FIRST)
         # a second user whose commands wait in another lane than the first's (ids hash alike 1 time in 8)
         for n in range(40):
             other = await new_user(stack, f"other-{n}", ["developer"])
@@ -52,17 +55,23 @@ def test_a_users_one_command_starts_before_anothers_backlog_has_run(stack) -> No
             if _lane(users, f"other-{n}") != _lane(users, "flooder"):
                 break
         flood_lane = f"lane-fair-p{_lane(users, 'flooder')}"
-        async with stack.client(token=flooder) as client:
-            floods = [await client.start(path="tests/fair/timed") for _ in range(FLOODS)]
         bus = await Bus.connect(stack.nats_url, "fairness-probe", stack.admin)
-        try:
-            for _ in range(600):  # the flood is queued, and its first task runs
+
+        async def queued(n: int) -> None:  # n of the flood's commands queued, its first running
+            info = None
+            for _ in range(1200):
                 info = await bus.consumer_info(COMMANDS, flood_lane)
-                if info and info["num_pending"] + info["num_ack_pending"] == FLOODS and info["num_ack_pending"]:
-                    break
+                if info and info["num_pending"] + info["num_ack_pending"] == n and info["num_ack_pending"]:
+                    return
                 await asyncio.sleep(0.05)
-            else:
-                raise AssertionError(f"the flood was not queued in {flood_lane}: {info}")
+            raise AssertionError(f"{n} commands of the flood were not queued in {flood_lane}: {info}")
+
+        try:
+            async with stack.client(token=flooder) as client:
+                floods = [await client.start(path="tests/fair/first")]
+                await queued(1)
+                floods += await asyncio.gather(*(client.start(path="tests/fair/timed") for _ in range(FLOODS - 1)))
+            await queued(FLOODS)
         finally:
             await bus.close()
         async with stack.client(token=other) as client:
@@ -71,8 +80,9 @@ def test_a_users_one_command_starts_before_anothers_backlog_has_run(stack) -> No
         async with stack.client(token=flooder) as client:
             flooded = [await client.wait(eid, timeout=120) for eid in floods]
         assert done["status"] == "COMPLETED" and all(f["status"] == "COMPLETED" for f in flooded), (done, flooded)
-        return sorted(f["steps"]["start"]["result"] for f in flooded), done["steps"]["start"]["result"]
+        return sorted(f["steps"]["start"]["result"] for f in flooded[1:]), done["steps"]["start"]["result"]
 
     flood, mine = stack.run(go(), 240)
-    # first come, first served, it would start after all ten; in turn, after at most a few of them
+    # first come, first served, it would start after all ten; in turn, after the first and at most a
+    # few more (it started third in every run so far: the first, the one fetched while it ran, then it)
     assert sum(started > mine for started in flood) >= FLOODS // 2, (flood, mine)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from noetl_mesh import limits
 from noetl_mesh.client import GatewayClient
 from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.infra.bus import EVENTS, Bus, BusError, dumps
-from noetl_mesh.infra.embedded import EmbeddedPostgres
+from noetl_mesh.infra.embedded import EmbeddedPostgres, free_port
 from noetl_mesh.infra.payloads import is_ref
 from noetl_mesh.services.event_recorder.service import RecorderService
 from scenarios import TINY
@@ -346,14 +345,8 @@ async def _request_bytes(bus: Bus, subject: str, payload: dict[str, Any], budget
 
 
 # ------------------------------------------------------------------------------ a database that is not there
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_recorder_started_without_postgres_waits_for_it(nats_url: str) -> None:
-    port = _free_port()
+    port = free_port()
     password = "the-recorders-own"
     dsn = f"host=127.0.0.1 port={port} user=postgres password='{password}' dbname=postgres connect_timeout=2"
     xid = new_execution_id()

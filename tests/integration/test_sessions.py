@@ -543,11 +543,15 @@ def test_oidc_logins_against_a_local_issuer(fresh_nats):
             await asyncio.sleep(1.1)  # oidc_jwks_min_interval since the last fetch
             ok = await h.call(S.Q_LOGIN, {"id_token": idp.token(kid="k2")})
             assert ok["principal"]["user_id"] == who["user_id"] and idp.jwks_hits == hits + 1
-            # ... but made-up kids do not make it fetch again and again
+            # ... but made-up kids do not make it fetch again and again: once a second at most (the
+            # limit here), however many logins name one (5 in a row; on a loaded machine they may take
+            # more than a second, and then one more fetch is allowed for each second they took)
             idp.add_key("k3", publish=False)
+            began = time.monotonic()
             for _ in range(5):
                 assert (await h.fails(S.Q_LOGIN, {"id_token": idp.token(kid="k3")})).kind == "unauthenticated"
-            assert idp.jwks_hits == hits + 1
+            took = time.monotonic() - began
+            assert hits + 1 <= idp.jwks_hits <= hits + 1 + int(took), (idp.jwks_hits, hits, took)
             failed = (await h.call(S.Q_AUDIT_LIST, {"principal": admin, "action": "session.login_failed"}))["records"]
             assert len(failed) >= len(cases) + 5 and all(r["details"]["method"] == "oidc" for r in failed)
 

@@ -20,7 +20,7 @@ import pytest
 
 from noetl_mesh.infra import certs
 from noetl_mesh.infra.bus import Bus, NatsRefused
-from noetl_mesh.infra.embedded import EmbeddedNats, _free_port
+from noetl_mesh.infra.embedded import EmbeddedNats, free_port
 from noetl_mesh.infra.nats_auth import NatsAuth, connect_options
 from noetl_mesh.infra.tls import NATS_CA, NATS_CERT, NATS_KEY, TlsSettingError
 from noetl_mesh.testing.plaintext import plaintext_nats
@@ -151,7 +151,7 @@ def test_a_server_that_verifies_clients_takes_a_client_certificate(tls_dir, monk
 
 
 def test_a_node_without_the_route_certificate_cannot_join(tls_dir, tmp_path):
-    ports = [_free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(4)]
 
     def node(i: int, route_cert: str | None) -> EmbeddedNats:
         routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i)

@@ -99,7 +99,7 @@ def _failure(what: str, cmd: Sequence[str | Path], log_path: Path | None, detail
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # ignore $http_proxy
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, chosen below the kernel's ephemeral range: one
     the kernel gave out itself (bind to 0) is the next outgoing connection's as well, and a busy machine
     took it between this choice and the server's bind (a NATS route port: "address already in use")."""
@@ -344,8 +344,8 @@ class EmbeddedNatsCluster:
         self.size, self.name, self.startup_timeout = nodes, name, startup_timeout
         self._root = Path(store_root) if store_root is not None else Path(tempfile.mkdtemp(prefix="noetl-nats-cluster-"))
         self._own_root = store_root is None
-        self.ports = [_free_port() for _ in range(nodes)]
-        self.cluster_ports = [_free_port() for _ in range(nodes)]
+        self.ports = [free_port() for _ in range(nodes)]
+        self.cluster_ports = [free_port() for _ in range(nodes)]
         self.nodes: list[EmbeddedNats] = []
         for i in range(nodes):
             routes = ", ".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.cluster_ports) if j != i)
@@ -931,7 +931,7 @@ class EmbeddedPostgres(_PgAdmin):
 
     def _launch(self) -> None:
         assert self.log_path is not None
-        self.port = self._requested_port or _free_port()
+        self.port = self._requested_port or free_port()
         cmd = self._server_command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # opened by us, so no permission issue for run_as
@@ -1032,3 +1032,4 @@ def provision_postgres(**kwargs: Any) -> PostgresServer:
     if dsn:
         return ExternalPostgres(dsn)
     return EmbeddedPostgres(**kwargs).start()
+

@@ -111,16 +111,20 @@ class Endpoint(_Counts):
 class Consumer(_Counts):
     """A JetStream consumer a service reads, and what this replica did with its messages. ``durable``
     is the consumer's name, or (``partitions`` not None) the prefix of one per partition
-    (``<durable>-p<N>``), of which this replica reads ``partitions`` now (:meth:`own`)."""
+    (``<durable>-p<N>``), of which this replica reads ``partitions`` now (:meth:`own`), or (``lanes``)
+    the prefix of one per lane of a worker pool's queue, every one of which each worker reads."""
 
     name: str = ""
     stream: str = ""
     subject: str = ""
     durable: str = ""
     partitions: list[int] | None = None
+    lanes: int = 0
     on_change: Callable[[], None] | None = field(default=None, repr=False)
 
     def durables(self) -> list[str]:
+        if self.lanes:
+            return [f"{self.durable}-p{n}" for n in range(self.lanes)]
         if self.partitions is None:
             return [self.durable]
         return [f"{self.durable}-p{p}" for p in self.partitions]
@@ -134,7 +138,7 @@ class Consumer(_Counts):
                 self.on_change()
 
     def _queue(self) -> str:
-        return self.durable if self.partitions is None else f"{self.durable}-p*"
+        return self.durable if self.partitions is None and not self.lanes else f"{self.durable}-p*"
 
     def _meta(self) -> dict[str, str]:
         return {"kind": "consumer", "stream": self.stream, "durables": ",".join(self.durables())}

@@ -118,6 +118,9 @@ export async function executionPage(main, id, query, ctx) {
   }
 
   function receive(view) {
+    // a view fetched before one already shown (an answer that came late, or a stream push that
+    // overtook it) must not take the page back: the log only grows
+    if (page.latest && view.total < page.latest.total) return;
     page.latest = view;
     if (page.live) show(view);
     else {
