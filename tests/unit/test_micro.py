@@ -50,6 +50,10 @@ def test_a_partitioned_consumer_names_the_durables_it_reads_now():
     shared = Consumer(name="commands", stream="NOETL_COMMANDS", subject="noetl.cmd.gpu.*", durable="pool-gpu")
     assert shared.durables() == ["pool-gpu"] and shared.info().queue_group == "pool-gpu"
     assert "partitions" not in shared.stats().data
+    lanes = Consumer(name="commands", stream="NOETL_COMMANDS", subject="noetl.cmd.gpu.*.*", durable="lane-gpu", lanes=3)
+    assert lanes.durables() == ["lane-gpu-p0", "lane-gpu-p1", "lane-gpu-p2"] and lanes.info().queue_group == "lane-gpu-p*"
+    assert "partitions" not in lanes.stats().data  # a pool's lanes: every worker reads them all
+    assert "partitions" not in micro.metadata("worker", SimpleNamespace(pool="gpu", concurrency=4), [lanes])
 
 
 def test_info_and_stats_show_the_live_endpoints_consumers_and_metadata():
