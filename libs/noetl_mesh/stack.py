@@ -15,6 +15,7 @@ from typing import Any
 
 from .infra.bus import DEFAULT_PARTITIONS, Bus, BusError
 from .infra import logs, metrics, tracing
+from .infra.launching import EXIT_PORT_TAKEN
 from .infra.probes import PortTaken, ProbeServer, port_free, readiness
 
 log = logging.getLogger("noetl.stack")
@@ -477,16 +478,42 @@ class ProcessStack:
                 self.spawn(name, key, port=self.port)
             else:
                 self.spawn(name, key)
-        await wait_http(f"{self.gateway_url}/health", timeout=60, procs=None if self.supervise else self.procs)
+        await self._started("/health")
         if self.supervise:
             self._supervisor = asyncio.create_task(self._watch(), name="supervisor")
         self.token = await bootstrap(self.settings, self.token_file)
         try:  # every service answering (the gateway's /ready), so that the first request does not get a 503
-            await wait_http(f"{self.gateway_url}/ready", timeout=60, procs=None if self.supervise else self.procs)
+            await self._started("/ready")
         except TimeoutError:
             log.warning("not every service answered within 60 s of the start: %s/ready says which; "
                         "requests that need them are answered 503 until they do", self.gateway_url)
         return self
+
+    async def _started(self, path: str, timeout: float = 60, tries: int = 5) -> None:
+        """Until the gateway answers ``path``. A service that exits as it starts fails the start, unless
+        it could not listen on a port chosen here (bound by another process between the choice and the
+        service's bind: a busy machine): its metrics port (status 6), or the gateway's own port (uvicorn's
+        startup failure, 3). That one starts again on another port, a few times."""
+        if self.supervise:  # its supervisor starts whatever exits again
+            return await wait_http(f"{self.gateway_url}{path}", timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await wait_http(f"{self.gateway_url}{path}", timeout=max(1.0, deadline - time.monotonic()),
+                                       procs=self.procs)
+            except ServiceExited as exc:
+                metrics = exc.status == EXIT_PORT_TAKEN and not self.settings.metrics_port
+                listen = exc.key == "gateway" and exc.status == UVICORN_STARTUP_FAILED and not self.settings.port
+                if not (metrics or listen) or tries <= 0:
+                    raise
+                tries -= 1
+                name, extra = self._specs[exc.key]
+                if listen and port_free(self.settings.host, self.port):
+                    raise  # it failed for another reason than its port
+                if listen:
+                    self.port = extra["port"] = free_port()
+                log.warning("%s: a port chosen for it was taken; starting it on another", exc.key)
+                self.spawn(name, exc.key, **extra)  # a metrics port not free is chosen again too
 
     @property
     def gateway_url(self) -> str:
@@ -521,6 +548,15 @@ class ProcessStack:
         self.procs.clear()
 
 
+UVICORN_STARTUP_FAILED = 3  # uvicorn's exit status when it cannot start (its port taken)
+
+
+class ServiceExited(RuntimeError):
+    def __init__(self, key: str, status: int | None):
+        super().__init__(f"service {key} exited with status {status} during start")
+        self.key, self.status = key, status
+
+
 async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen] | None = None) -> None:
     import httpx
 
@@ -529,7 +565,7 @@ async def wait_http(url: str, timeout: float, procs: dict[str, subprocess.Popen]
         while time.monotonic() < deadline:
             for key, proc in (procs or {}).items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"service {key} exited with status {proc.returncode} during start")
+                    raise ServiceExited(key, proc.returncode)
             try:
                 if (await client.get(url, timeout=1)).status_code < 500:
                     return

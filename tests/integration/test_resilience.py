@@ -358,3 +358,40 @@ def test_a_command_no_worker_can_finish_fails_its_step_instead_of_hanging(pg_dsn
         assert failed["source"] == "admission" and failed["data"]["error"]["kind"] == "worker_lost"
     finally:
         stop_stack(nats, loop, stack)
+
+
+def test_a_service_whose_port_was_taken_as_it_started_starts_on_another(pg_dsn, tmp_path, monkeypatch):
+    """The stack chooses the gateway's port and each service's metrics port; another process may bind one
+    before the service does (a busy machine): that service exits (uvicorn's 3, or 6) and the stack starts
+    it again on another port."""
+    import socket
+
+    import noetl_mesh.stack as stack_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real, chosen = stack_module.free_port, []
+
+    def first_one_taken() -> int:  # the gateway's port, then the first metrics port: taken
+        chosen.append(taken.getsockname()[1] if len(chosen) < 2 else real())
+        return chosen[-1]
+
+    monkeypatch.setattr(stack_module, "free_port", first_one_taken)
+    auth = NatsAuth(tmp_path / "creds").ensure()
+    nats = EmbeddedNats(auth=auth).start()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    stack = ProcessStack(Settings(nats_url=nats.url, pg_dsn=pg_dsn, nats_creds=str(auth.directory)), log_dir=str(logs))
+    try:
+        asyncio.run(stack.start())
+        first = next(k for k, port in stack.metrics_ports.items() if port != taken.getsockname()[1])
+        assert taken.getsockname()[1] not in stack.metrics_ports.values() and first
+        assert stack.port != taken.getsockname()[1] and len(chosen) > 3
+        said = "".join(p.read_text() for p in logs.iterdir())
+        assert f"cannot listen on 127.0.0.1:{taken.getsockname()[1]} for metrics" in said
+        assert all(proc.poll() is None for proc in stack.procs.values())
+    finally:
+        asyncio.run(stack.stop())
+        nats.stop()
+        taken.close()

@@ -14,6 +14,7 @@ EXIT_TIMEOUT = 3  # noetl run --timeout passed before the execution ended
 EXIT_NEEDS_PERSON = 3  # noetl migrate: something could not be translated (listed)
 EXIT_UNREACHABLE = 4  # no gateway answers at the URL
 EXIT_STACK = 5  # the embedded stack cannot start (e.g. one already runs from that home)
+from ..infra.launching import EXIT_PORT_TAKEN  # noqa: E402,F401 - noetl service: its metrics port is another's
 EXIT_INTERNAL = 70  # an unexpected error: a bug (one line; --debug shows the traceback)
 # a signal ends a command with 128 + its number: 130 for SIGINT, 143 for SIGTERM
 
@@ -24,7 +25,7 @@ DEBUG_HELP = "on an unexpected error, print its traceback"
 EXIT_CODES = (f"exit status: {EXIT_OK} success; {EXIT_FAILED} failed (an execution, a check, a refusal of the gateway); "
               f"{EXIT_INVALID} invalid input; {EXIT_TIMEOUT} noetl run --timeout passed; {EXIT_UNREACHABLE} no gateway "
               f"answers at the URL; {EXIT_STACK} the embedded stack cannot start (e.g. one runs from that home "
-              f"already); {EXIT_INTERNAL} an unexpected error (--debug shows the traceback); 130/143 interrupted "
+              f"already); {EXIT_PORT_TAKEN} noetl service: its --metrics-port is taken; {EXIT_INTERNAL} an unexpected error (--debug shows the traceback); 130/143 interrupted "
               "(SIGINT/SIGTERM). See docs/operations.md.")
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..home import HomeLock, finding
-from .common import (EXIT_FAILED, EXIT_OK, EXIT_STACK, EXIT_UNREACHABLE, Interrupted, Signals, arun, env_int, fail,
+from .common import (EXIT_FAILED, EXIT_OK, EXIT_PORT_TAKEN, EXIT_STACK, EXIT_UNREACHABLE, Interrupted, Signals, arun, env_int, fail,
                      run_loop)
 
 DEFAULT_METRICS_PORT = 9464
@@ -370,7 +370,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     try:
         run_loop(serve_forever(args.name, settings))
     except PortTaken as exc:
-        return fail(f"{args.name}: {exc}; choose another --metrics-port (0: any free one, -1: none)")
+        return fail(f"{args.name}: {exc}; choose another --metrics-port (0: any free one, -1: none)", EXIT_PORT_TAKEN)
     except ValueError as exc:  # a mistake in the settings (credentials, TLS): one line, exit 2
         return fail(str(exc))
     return EXIT_OK

@@ -36,3 +36,6 @@ def launching() -> Iterator[None]:
         pending, _deferred = _deferred, outer
     if pending:
         raise pending[0]
+
+
+EXIT_PORT_TAKEN = 6  # a service's exit status when its metrics port is another's (``noetl service``)
