@@ -137,7 +137,8 @@ class SchedulerService:
             fields = schedules.check(req.get("schedule"), now=now, max_bytes=lim.max_schedule_bytes)
         except ScheduleError as exc:
             raise BusError("invalid_schedule", str(exc), exc.errors) from None
-        if len(await self.store.ids()) >= lim.max_schedules:
+        ids = await self.store.ids()
+        if len(ids) >= lim.max_schedules:
             raise BusError("conflict", f"there are {lim.max_schedules} schedules already, the limit max_schedules "
                                        "(NOETL_LIMIT_MAX_SCHEDULES): delete one first")
         who = req.get("created_by") if isinstance(req.get("created_by"), dict) else {}
@@ -146,7 +147,7 @@ class SchedulerService:
             created_by["roles"] = [str(r)[:64] for r in who["roles"][:16]]
         uid = created_by.get("user_id")
         if uid is not None and sum((r.get("created_by") or {}).get("user_id") == uid
-                                   for r in (await self.store.records()).values()) >= lim.max_schedules_per_user:
+                                   for r in (await self.store.records(ids)).values()) >= lim.max_schedules_per_user:
             raise BusError("conflict", f"{created_by.get('username') or uid} has {lim.max_schedules_per_user} schedules "
                                        "already, the limit max_schedules_per_user (NOETL_LIMIT_MAX_SCHEDULES_PER_USER): "
                                        "delete one first")

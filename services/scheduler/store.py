@@ -78,8 +78,9 @@ class ScheduleStore:
         info = await self.js.stream_info(KV_STREAM, subjects_filter=KV_SUBJECT + "*")
         return sorted(s[len(KV_SUBJECT):] for s in (info.state.subjects or {}))
 
-    async def records(self) -> dict[str, dict[str, Any]]:
-        found = await asyncio.gather(*(self.get(sid) for sid in await self.ids()))
+    async def records(self, ids: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Every schedule's record (of ``ids``, when the caller has just read them)."""
+        found = await asyncio.gather(*(self.get(sid) for sid in (await self.ids() if ids is None else ids)))
         return {got[0]["id"]: got[0] for got in found if got is not None}
 
     # ------------------------------------------------------------------ schedule messages

@@ -703,8 +703,8 @@ class SessionsService:
         if req.get("token_id") is not None:
             tid = access.an_id(req.get("token_id"), "token_id")
             token = await self.users.get(token_key(tid), fresh=True)
-            ends = access.epoch(token[0].get("expires_at")) if token is not None and token[0].get("expires_at") else None
-            out["token_active"] = token is not None and token[0].get("user_id") == uid and (ends is None or ends > time.time())
+            out["token_active"] = (token is not None and token[0].get("user_id") == uid
+                                   and access.token_live(token[0], time.time()))
         return out
 
     async def users_disable(self, req: dict) -> dict:

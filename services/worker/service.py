@@ -33,7 +33,7 @@ from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.contracts.subjects import LANES, Q_USERS_STANDING, lane_durable, lane_filter
-from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, loads, pool_filter, release
+from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, hand_back, loads, pool_filter, release, strays
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.sandbox import policy as sandbox
@@ -50,26 +50,6 @@ LANE_LOOK = 0.1  # ... and while every slot is taken: a look whether the lane ho
 HOLD = 1.0  # seconds a fetched command waits for a slot here before it is handed back to the pool ...
 HAND_BACKS = 2  # ... at most this many times (each is a delivery: max_deliver counts it)
 WATCH = 0.5  # seconds between looks at what reached a lane's subscription while the lane waits
-
-
-def strays(sub: Any) -> list[Msg]:
-    """The commands in a pull subscription's queue that no fetch returned (sent by the server as a
-    fetch gave up): the worker holds them, so it starts them or hands them back."""
-    queue = sub._sub._pending_queue
-    out = []
-    while not queue.empty():
-        msg = queue.get_nowait()
-        sub._sub._pending_size -= len(msg.data)
-        if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status message
-            out.append(msg)
-    return out
-
-
-async def _nak(msg: Msg) -> None:
-    try:
-        await msg.nak()
-    except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
-        pass
 
 
 def payload_limit(command: dict) -> int | None:
@@ -286,14 +266,14 @@ class WorkerService:
         self.done = 0
         self._m_in_flight = metrics.IN_FLIGHT.labels(self.name, pool)
         # the lag of each lane (consumer lane-<pool>-p<N>, partition N), and of pool-<pool> ("-")
-        self._m_pending = {**{str(n): metrics.PENDING.labels(self.name, f"{lane_durable(pool)}-p{n}", str(n))
+        self._m_pending = {**{str(n): metrics.PENDING.labels(self.name, lane_durable(pool, n), str(n))
                               for n in range(LANES)}, "-": metrics.PENDING.labels(self.name, f"pool-{pool}", "-")}
         self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
                            for o in ("acked", "retried", "dropped", "payload_missing", "cancelled", "forbidden")}
         self._standing: dict[str, tuple[float, dict | BusError]] = {}  # user id -> (until, the sessions service's word)
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=lane_filter(pool, "*"),  # type: ignore[arg-type]
-                                 durable=lane_durable(pool), lanes=LANES)
+                                 durable=f"lane-{pool}", lanes=LANES)  # lane_durable: <durable>-p<lane>
         self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=",".join(pool_filter(pool)),
                                 durable=f"pool-{pool}")  # what earlier versions sent, one more lane
         self.consumers = [self.commands, self.unlaned]
@@ -314,7 +294,7 @@ class WorkerService:
             self.sandbox = Supervisor(self.policy, secret_paths=self._secret_paths())
             self._sandbox_start = asyncio.create_task(self._start_sandbox(), name="sandbox-start")
             self.tools = default_tools(sandbox=self.sandbox)
-        self.subs = [await self.bus.durable(COMMANDS, f"{lane_durable(self.pool)}-p{lane}", lane_filter(self.pool, lane),
+        self.subs = [await self.bus.durable(COMMANDS, lane_durable(self.pool, lane), lane_filter(self.pool, lane),
                                             max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
                      for lane in range(LANES)]
         self.subs.append(await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
@@ -400,9 +380,8 @@ class WorkerService:
         worker is busy gets its turn at the next slot but one. A fetch's answer can arrive after the
         fetch gave up (a slow network, a busy process): whatever reaches the lane's subscription is
         taken up within :data:`WATCH` seconds, never left unleased to be redelivered elsewhere."""
-        found = False
         while not self.stop_event.is_set():
-            if self.slots.free <= 0 and not found:
+            if self.slots.free <= 0 and lane not in self._busy_lanes:
                 try:
                     await asyncio.wait_for(self.slots.released(), WATCH)
                 except asyncio.TimeoutError:
@@ -421,8 +400,7 @@ class WorkerService:
                 log.warning("fetching commands failed (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
                 continue
-            found = bool(msgs)
-            (self._busy_lanes.add if found else self._busy_lanes.discard)(lane)
+            (self._busy_lanes.add if msgs else self._busy_lanes.discard)(lane)
             if msgs:
                 await self._admit(lane, list(msgs), sub)
 
@@ -447,7 +425,7 @@ class WorkerService:
                         if not taking.done() and back and time.monotonic() >= until:
                             taking.cancel()  # (a slot granted meanwhile goes on to the next lane)
                             await asyncio.gather(taking, return_exceptions=True)
-                            await asyncio.shield(asyncio.gather(*(_nak(m) for m in back)))
+                            await asyncio.shield(asyncio.gather(*(hand_back(m) for m in back)))
                             held[:] = [m for m in held if m not in back]
                             break
                     if not taking.done() or taking.cancelled():
@@ -465,13 +443,14 @@ class WorkerService:
             elif taking is not None:
                 taking.cancel()
             held.extend(strays(sub))
-            await asyncio.shield(asyncio.gather(*(_nak(m) for m in held)))  # handed back at once
+            await asyncio.shield(asyncio.gather(*(hand_back(m) for m in held)))  # handed back at once
             raise
         finally:
             if lease is not None:
                 lease.cancel()
 
     async def _keep_leases(self, held: list[Msg]) -> None:
+        """Keep the leases of these commands (running, or held for a slot; the list may change)."""
         while True:
             await asyncio.sleep(self.ack_wait / 3)
             for msg in list(held):
@@ -515,7 +494,7 @@ class WorkerService:
             self._m_outcome["cancelled"].inc()
             return
         logs.set_execution(eid)  # this task's log records (each command runs in a task of its own)
-        heartbeat = asyncio.create_task(self._keep_lease(msg))
+        heartbeat = asyncio.create_task(self._keep_leases([msg]))
         batcher: EventBatcher | None = None
         observer: RunObserver | None = None
         try:
@@ -665,10 +644,6 @@ class WorkerService:
                 return
         await self.bus.publish_all(lost_command(command, 0, error=error, source=f"worker:{self.pool}"))
 
-    async def _keep_lease(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(self.ack_wait / 3)
-            await msg.in_progress()
 
     async def _on_cancel(self, msg: Msg) -> None:
         notice = loads(msg.data)

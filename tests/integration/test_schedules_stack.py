@@ -39,6 +39,14 @@ workflow:
 PASSWORD = "schedules-test-password"
 
 
+async def paused(client: GatewayClient, schedule_id: str, timeout: float = 20) -> dict:
+    """The schedule once it is paused (it pauses at its next firing), or as it is after ``timeout``."""
+    deadline = time.time() + timeout
+    while (got := await client.schedule(schedule_id))["status"] != "paused" and time.time() < deadline:
+        await asyncio.sleep(0.2)
+    return got
+
+
 @pytest.fixture(scope="module")
 def stack(module_pg):
     nats, loop, handle = start_stack(module_pg, replicas=2)
@@ -211,9 +219,7 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
             # a schedule acts for its creator: disabled, the creator's schedule pauses at its next firing
             me = next(u for u in await admin.users() if u["username"] == "s-developer")
             await admin.disable_user(me["user_id"])
-            deadline = time.time() + 20
-            while (got := await admin.schedule(ticking["id"]))["status"] != "paused" and time.time() < deadline:
-                await asyncio.sleep(0.2)
+            got = await paused(admin, ticking["id"])
             assert got["status"] == "paused" and got["paused_reason"] == "its creator s-developer is disabled", got
             await admin.schedule_delete(ticking["id"])
             # made with an API token: the token revoked, the schedule pauses at its next firing
@@ -223,9 +229,7 @@ def test_the_gateway_checks_schedules_and_roles(stack, monkeypatch):
             # its firings carry the roles the token had, not all its owner's (a pool checks them, D33)
             assert (await admin.schedule(by_token["id"]))["created_by"]["roles"] == ["developer"]
             await admin.revoke_token(ci["token_id"])
-            deadline = time.time() + 20
-            while (got := await admin.schedule(by_token["id"]))["status"] != "paused" and time.time() < deadline:
-                await asyncio.sleep(0.2)
+            got = await paused(admin, by_token["id"])
             assert got["status"] == "paused" and got["paused_reason"] == "the API token admin created it with is revoked or expired", got
             await admin.schedule_delete(by_token["id"])
             async with GatewayClient(stack.url, token=tokens["operator"]) as op:

@@ -164,9 +164,9 @@ def lane_filter(pool: str, lane: int) -> str:
     return f"noetl.cmd.{pool}.*.{lane}"
 
 
-def lane_durable(pool: str) -> str:
-    """The prefix of a pool's lane consumers, ``lane-<pool>-p<N>`` (no other pool's name makes one of them)."""
-    return f"lane-{pool}"
+def lane_durable(pool: str, lane: int) -> str:
+    """The consumer of a pool's lane, ``lane-<pool>-p<lane>`` (no other pool's name makes one of them)."""
+    return f"lane-{pool}-p{lane}"
 
 
 def pool_filter(pool: str) -> list[str]:

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import Any
 
+from ..contracts.subjects import CONTROL_PLANE  # noqa: F401 - the writers of an engine stop, read from here too
+
 # D20: which entity each event name speaks about.
 ENTITY = {
     "playbook.execution.requested": "playbook",
@@ -194,7 +196,6 @@ def cancel_requested(execution_id: str, reason: str | None, requested_by: Any, s
 
 
 ENGINE_ERROR = "engine_error"
-CONTROL_PLANE = ("admission", "router", "loop-coordinator")
 
 
 def engine_stopped(execution_id: str, source: str, message: str) -> dict[str, Any]:

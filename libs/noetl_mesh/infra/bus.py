@@ -812,20 +812,35 @@ def _partitions_of(config: StreamConfig) -> int:
         return DEFAULT_PARTITIONS
 
 
+def strays(sub) -> list[Msg]:
+    """The deliveries in a pull subscription's queue that no fetch returned (sent by the server as a
+    fetch gave up, or after its reader stopped fetching): its reader holds them, so it must start
+    them or hand them back. Status messages are dropped, as a fetch drops them."""
+    queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
+    out = []
+    while queue is not None and not queue.empty():
+        msg = queue.get_nowait()
+        sub._sub._pending_size -= len(msg.data)
+        if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status message
+            out.append(msg)
+    return out
+
+
+async def hand_back(msg: Msg) -> None:
+    """Nak a delivery: redelivered at once, to whoever reads next (failing that, after ack_wait)."""
+    try:
+        await msg.nak()
+    except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
+        pass
+
+
 async def release(sub, linger: float) -> None:
     """Close a stopped reader's pull subscription without keeping a message from anyone: a pull
     request still open at the server can deliver until it expires (``linger``), so what reaches the
-    subscription's queue now or until then is nak'ed (redelivered at once, to whoever reads next)."""
-    queue = getattr(getattr(sub, "_sub", None), "_pending_queue", None)
-
+    subscription's queue now or until then is handed back."""
     async def drain() -> None:
-        while queue is not None and not queue.empty():
-            msg = queue.get_nowait()
-            if msg.reply and msg.reply.startswith("$JS.ACK"):  # a delivery, not a status message
-                try:
-                    await msg.nak()
-                except Exception:  # noqa: BLE001 - then it is redelivered after ack_wait
-                    pass
+        for msg in strays(sub):
+            await hand_back(msg)
 
     try:
         await drain()

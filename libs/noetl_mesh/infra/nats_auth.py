@@ -49,7 +49,7 @@ DEFAULT_PARTITIONS = 16
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
-                                  SESSIONS_AREAS, LANES, lane_durable, pool_problem)
+                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, lane_durable, pool_problem)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
@@ -61,7 +61,7 @@ CREDENTIALS_AUDIT = ("credential.resolved", "credential.refused")  # audit recor
 from ..contracts.subjects import LIVE_PREFIX, LIVE_WATCH  # noqa: E402 - the console's live streams
 LIVE = LIVE_PREFIX.rstrip(".")
 SRV_VERBS = ("PING", "INFO", "STATS")  # the NATS micro services' control subjects: $SRV.<verb>[.<name>[.<id>]]
-COMMAND_PUBLISH = ["noetl.cmd.*.*.*"]  # noetl.cmd.<pool>.<execution>.<lane>: admission's and the loop-coordinator's
+COMMAND_PUBLISH = [COMMAND_SUBJECTS[0]]  # noetl.cmd.<pool>.<execution>.<lane> only: admission's, the loop-coordinator's
 READY_SERVICES = ("admission", "router", "loop-coordinator", "event-recorder", "credentials", "sessions")  # the gateway pings them
 
 # ------------------------------------------------------------------------------------- names
@@ -272,7 +272,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
-        lanes = [f"{lane_durable(pool)}-p{lane}" for lane in range(LANES)]  # and earlier versions' pool-<pool>
+        lanes = [lane_durable(pool, lane) for lane in range(LANES)]  # and earlier versions' pool-<pool>
         pub += [_js("STREAM", "INFO", EVENTS), *(x for d in (*lanes, f"pool-{pool}") for x in _durable(COMMANDS, d)),
                 CREDENTIAL_RESOLVE_PREFIX + pool,
                 *_payloads(write=True)]
