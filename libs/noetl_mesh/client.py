@@ -244,6 +244,16 @@ class GatewayClient(Following):
             if not all_pages or len(page) < limit or not new:
                 return out
 
+    async def stats(self, since: float | str | None = None, until: float | str | None = None,
+                    buckets: int = 48) -> dict:
+        """The executions created in ``[since, until)`` (epoch seconds or ISO 8601; the console's
+        overview): ``totals`` per status, ``by_status`` per slice, ``slowest``, ``failures``."""
+        params: dict[str, Any] = {"buckets": buckets}
+        for key, value in (("since", since), ("until", until)):
+            if value is not None:
+                params[key] = value
+        return await self._call("GET", "/api/stats/executions", params=params)
+
     async def restart(self, execution_id: str, from_step: str, workload: dict | None = None) -> dict:
         """D32: a new execution that goes on from ``from_step`` of the finished ``execution_id``:
         ``{execution_id, status, restarted_from}``."""
