@@ -70,7 +70,7 @@ from noetl_mesh.core.events import cancel_requested, execution_requested, make_e
 from noetl_mesh.core.state import FINAL
 from noetl_mesh.infra import bounded, metrics, micro, tracing
 from noetl_mesh.infra.nats_auth import READY_SERVICES
-from noetl_mesh.infra.payloads import MARKER, PayloadMissing, is_ref
+from noetl_mesh.infra.payloads import MARKER, OverBudget, PayloadMissing, is_ref
 from noetl_mesh.infra.bus import (
     Q_CATALOG_GET,
     Q_CATALOG_LIST,
@@ -1227,11 +1227,11 @@ class Views:
         except asyncio.TimeoutError:
             raise problem(503, f"{what}: the gateway is reading back other answers' values; try again",
                           headers=RETRY_AFTER) from None
-        spent = [0]
+        budget = [limit]
         try:
-            return await self._read_back(reply, spent, limit)
-        except _OverView:
-            raise too_many(spent[0]) from None
+            return await self.bus.payloads.expand(reply, budget)
+        except OverBudget:
+            raise too_many(limit - budget[0]) from None
         except PayloadMissing as exc:  # the object outlived its retention
             raise problem(410, f"{what}: {exc}") from None
         except (asyncio.TimeoutError, nats.errors.Error, ValueError) as exc:  # ValueError: a checksum mismatch
@@ -1239,24 +1239,6 @@ class Views:
                                "try again", headers=RETRY_AFTER) from None
         finally:
             self.slots.release()
-
-    async def _read_back(self, value: Any, spent: list[int], limit: int) -> Any:
-        """``value`` with its references read back, counting what each stands for, the references in
-        what they stand for included (a value stored whole may hold the log's own references)."""
-        if is_ref(value):
-            spent[0] += int(value.get("size") or 0)
-            if spent[0] > limit:
-                raise _OverView
-            return await self._read_back(await self.bus.payloads.get(value), spent, limit)
-        if isinstance(value, dict):
-            return {k: await self._read_back(v, spent, limit) for k, v in value.items()}
-        if isinstance(value, list):
-            return [await self._read_back(v, spent, limit) for v in value]
-        return value
-
-
-class _OverView(Exception):
-    """Reading back a view's values passed max_view_bytes."""
 
 
 def _refs_in(value: Any) -> list[dict[str, Any]]:

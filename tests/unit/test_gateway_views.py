@@ -9,6 +9,7 @@ from fastapi import HTTPException
 
 from noetl_mesh import limits
 from noetl_mesh.contracts.refs import STORE
+from noetl_mesh.infra.payloads import PayloadStore
 from noetl_mesh.services.gateway.app import Views
 
 
@@ -17,6 +18,9 @@ def ref(key: str, size: int) -> dict:
 
 
 class Store:
+    """The object store's reads; the walk over references is the real one (``PayloadStore.expand``)."""
+    expand = PayloadStore.expand
+
     def __init__(self, objects: dict):
         self.objects, self.read = objects, []
 

@@ -36,6 +36,10 @@ DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 GET_TIMEOUT_S = 10.0  # plus a second per MiB; then TimeoutError, and the message is retried
 
 
+class OverBudget(Exception):
+    """Reading references back would pass the bytes allowed (:meth:`PayloadStore.expand`)."""
+
+
 class PayloadMissing(KeyError):
     """A reference whose object is gone (expired past the retention, or deleted). A ``KeyError``, so a
     control-plane message that needs it is dropped as poison (logged), not retried 50 times."""
@@ -128,14 +132,21 @@ class PayloadStore:
             return await self.put(value)
         return out if len(dumps(out)) <= limit else await self.put(value)
 
-    async def expand(self, value: Any) -> Any:
-        """``value`` with every reference replaced by what it refers to (recursively)."""
+    async def expand(self, value: Any, budget: list[int] | None = None) -> Any:
+        """``value`` with every reference replaced by what it refers to (recursively). ``budget``: a
+        one-item list of the bytes the references may stand for, the references inside what they stand
+        for included; each reference's size is taken from it before its object is read, and
+        :class:`OverBudget` is raised when it would go below zero (the list then says by how much)."""
         if is_ref(value):
-            return await self.expand(await self.get(value))
+            if budget is not None:
+                budget[0] -= int(value.get("size") or 0)
+                if budget[0] < 0:
+                    raise OverBudget()
+            return await self.expand(await self.get(value), budget)
         if isinstance(value, dict):
-            return {k: await self.expand(v) for k, v in value.items()}
+            return {k: await self.expand(v, budget) for k, v in value.items()}
         if isinstance(value, list):
-            return [await self.expand(v) for v in value]
+            return [await self.expand(v, budget) for v in value]
         return value
 
 
