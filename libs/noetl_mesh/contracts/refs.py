@@ -120,8 +120,14 @@ def too_deep(value: Any, depth: int) -> bool:
     try:
         encoded_within(value, depth)
     except TypeError as exc:
-        return "Recursion limit" in str(exc)
+        return nested_too_deep(exc)
     return False
+
+
+def nested_too_deep(exc: BaseException) -> bool:
+    """Whether :func:`encoded_within` raised ``exc`` because the value nests too deep (orjson's
+    ``TypeError``, "Recursion limit reached"), not because a part of it cannot be encoded."""
+    return isinstance(exc, TypeError) and "Recursion limit" in str(exc)
 
 
 def shown(path: tuple[Any, ...]) -> str:

@@ -431,9 +431,6 @@ class _Run:
         encode (an integer past 64 bits, say) or holds a payload reference (D23: only the engine writes
         one, contracts/refs.py)."""
         result, error, limit = outcome["result"], outcome.get("error"), limits.current().max_result_bytes
-        if error is not None and (at := refs.forged(error)) is not None:
-            return {**outcome, "status": "error", "result": None,
-                    "error": _err("tool_error", refs.refusal(f"task {name!r}: its {refs.shown(('error', *at))}"))}
         if error is not None and (wrong := refs.unsendable(error, limits.current().max_value_depth)) is not None:
             return {**outcome, "status": "error", "result": None,
                     "error": _err("tool_error", f"task {name!r}: its {refs.shown(('error', *wrong[0]))}: {wrong[1]}")}
@@ -445,7 +442,7 @@ class _Run:
             data = refs.encoded_within(result, depth)  # as the bus encodes it
         except (TypeError, ValueError, RecursionError) as e:  # it could not be published either
             why = f"it nests lists and mappings deeper than {depth} levels (the limit max_value_depth)" \
-                if "Recursion limit" in str(e) else f"it is not JSON-serialisable: {e}"
+                if refs.nested_too_deep(e) else f"it is not JSON-serialisable: {e}"
             return {**outcome, "status": "error", "result": None, "error": _err("tool_error", f"task {name!r}: the result: {why}")}
         if len(data) > limit:
             return {**outcome, **result_too_large(self.step, name, len(data))}
