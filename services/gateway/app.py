@@ -735,9 +735,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                     if exc.status_code != 404:
                         raise
                     raise problem(422, f"no execution {body.parent_execution_id}", "body.parent_execution_id") from None
-                if parent.get("requested_by") != who["user_id"] and not access.allowed(who["roles"], "execution.cancel.any"):
-                    raise auth.deny(request, who, "execution.cancel.any",
-                                    " to list an execution under one another user started", {"execution_id": body.parent_execution_id})
+                auth.check_owner(request, who, parent.get("requested_by"),
+                                 " to list an execution under one another user started",
+                                 {"execution_id": body.parent_execution_id})
             execution_id = new_execution_id()
             span.set_attribute(tracing.EXECUTION_ID, execution_id)
             # the request travels in the execution's own trace (its id is the trace id), linked to this one
@@ -821,10 +821,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         with ``execution.cancel.own``; another user's need ``execution.cancel.any``."""
         with tracing.span("gateway POST /api/executions/{id}/cancel", service="gateway"):
             current = await execution_summary(execution_id, brief=True)
-            if current.get("requested_by") != who["user_id"] and \
-                    not access.allowed(who["roles"], "execution.cancel.any"):
-                raise auth.deny(request, who, "execution.cancel.any", " to cancel an execution another user started",
-                                {"execution_id": execution_id})
+            auth.check_owner(request, who, current.get("requested_by"), " to cancel an execution another user started",
+                             {"execution_id": execution_id})
             if current["status"] in FINAL:
                 raise problem(409, f"execution {execution_id} is already {current['status']}")
             reason = body.reason if body else None

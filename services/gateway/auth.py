@@ -379,6 +379,14 @@ def deny(request: Request, who: dict[str, Any], permission: str, why: str = "",
                                "location": None, "errors": []})
 
 
+def check_owner(request: Request, who: dict[str, Any], owner: Any, why: str, target: dict[str, Any]) -> None:
+    """Go on when the caller is ``owner`` (a user id: who started an execution, who made a schedule) or
+    may act on anyone's (``execution.cancel.any``); else the 403 of :func:`deny`, ``why`` saying what
+    was asked."""
+    if owner != who["user_id"] and not access.allowed(who["roles"], "execution.cancel.any"):
+        raise deny(request, who, "execution.cancel.any", why, target)
+
+
 _REQUIRES: dict[str, Any] = {}
 
 

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from noetl_mesh import limits
-from noetl_mesh.core import access, schedules
+from noetl_mesh.core import schedules
 from noetl_mesh.core.schedules import Q_PREFIX, ScheduleError
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Q_CATALOG_GET, BusError
@@ -82,10 +82,8 @@ async def _ask(request: Request, verb: str, payload: dict[str, Any]) -> Any:
 async def _own(request: Request, who: dict[str, Any], schedule_id: str, verb: str) -> dict[str, Any]:
     """The schedule, when the caller created it or may act on anyone's (``execution.cancel.any``)."""
     current = await _ask(request, "get", {"id": schedule_id, "next": 0})
-    if (current.get("created_by") or {}).get("user_id") != who["user_id"] and \
-            not access.allowed(who["roles"], "execution.cancel.any"):
-        raise auth.deny(request, who, "execution.cancel.any", f" to {verb} a schedule another user created",
-                        {"schedule": schedule_id})
+    auth.check_owner(request, who, (current.get("created_by") or {}).get("user_id"),
+                     f" to {verb} a schedule another user created", {"schedule": schedule_id})
     return current
 
 
