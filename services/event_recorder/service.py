@@ -45,7 +45,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh import limits
 from noetl_mesh.core import restart, timeline, view
-from noetl_mesh.core.events import event_class
+from noetl_mesh.core.events import carried_roles, event_class
 from noetl_mesh.core.state import ExecutionState, apply, summary
 from noetl_mesh.infra import logs, metrics
 from noetl_mesh.infra.membership import Membership
@@ -139,9 +139,9 @@ def _registrant(who: Any) -> dict[str, Any] | None:
     if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
         return None
     out: dict[str, Any] = {k: schema.text(who[k]) for k in ("user_id", "username") if isinstance(who.get(k), str)}
-    roles = who.get("roles")
-    if isinstance(roles, list) and all(isinstance(r, str) for r in roles):
-        out["roles"] = [schema.text(r)[:64] for r in roles[:16]]
+    roles = carried_roles(who.get("roles"))
+    if roles is not None:
+        out["roles"] = [schema.text(r) for r in roles]
     return out
 
 

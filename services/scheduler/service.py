@@ -20,6 +20,7 @@ from typing import Any
 
 from noetl_mesh import limits
 from noetl_mesh.core import schedules
+from noetl_mesh.core.events import carried_roles
 from noetl_mesh.core.schedules import DURABLE, FIRE_PREFIX, Q_PREFIX, STREAM, ScheduleError
 from noetl_mesh.infra import tracing
 from noetl_mesh.infra.bus import Bus, BusError, loads, pull_loop, release, unsubscribe_all
@@ -143,8 +144,9 @@ class SchedulerService:
                                        "(NOETL_LIMIT_MAX_SCHEDULES): delete one first")
         who = req.get("created_by") if isinstance(req.get("created_by"), dict) else {}
         created_by: dict[str, Any] = {k: str(who[k])[:256] for k in PRINCIPAL_KEYS if who.get(k) is not None}
-        if isinstance(who.get("roles"), list):  # the roles the request carried: its firings carry them (D33)
-            created_by["roles"] = [str(r)[:64] for r in who["roles"][:16]]
+        roles = carried_roles(who.get("roles"))
+        if roles is not None:  # the roles the request carried: its firings carry them (D33)
+            created_by["roles"] = roles
         uid = created_by.get("user_id")
         if uid is not None and sum((r.get("created_by") or {}).get("user_id") == uid
                                    for r in (await self.store.records(ids)).values()) >= lim.max_schedules_per_user:

@@ -34,7 +34,8 @@ from ..lang.durations import parse_duration
 from ..lang.normalize import deep_merge
 from ..lang.templates import TemplateError, render, shared_budget, truthy, within_depth
 from . import restart as restart_seed
-from .events import ALIASES, CTL, ENGINE_ERROR, FLAT, LOOP, TERMINAL_STEP_EVENTS, engine_error, make_event, stable_id
+from .events import (ALIASES, CTL, ENGINE_ERROR, FLAT, LOOP, TERMINAL_STEP_EVENTS, carried_roles, engine_error,
+                     make_event, stable_id)
 from .state import (CANCELLED, COMPLETED, ENTRY_PLACE, FAILED, ExecutionState, StepRun, TaskWait, Wait, apply,
                     graph_of, open_wait, playbook_digest)
 
@@ -928,9 +929,9 @@ def _who(who: Any) -> dict[str, Any] | None:
     if not isinstance(who, dict) or not isinstance(who.get("user_id"), str):
         return None
     out: dict[str, Any] = {k: who[k] for k in ("user_id", "username") if isinstance(who.get(k), str)}
-    roles = who.get("roles")
-    if isinstance(roles, list) and all(isinstance(r, str) for r in roles):
-        out["roles"] = roles  # what the starter's request carried: a pool admits no more than these (D33)
+    roles = carried_roles(who.get("roles"))
+    if roles is not None:
+        out["roles"] = roles
     return out
 
 

@@ -180,6 +180,16 @@ def new_execution_id() -> str:
     return uuid.uuid4().hex
 
 
+def carried_roles(roles: Any) -> list[str] | None:
+    """The roles a request carried, as they travel on with what it made (an execution's
+    ``requested_by``, a catalog version's registrant, a schedule's maker: a pool admits no more than
+    these, D33): the texts of a list, at most 16 of at most 64 characters each; None when there is no
+    list (the request carried none)."""
+    if not isinstance(roles, list):
+        return None
+    return [r[:64] for r in roles[:16] if isinstance(r, str)]
+
+
 def execution_requested(execution_id: str, data: dict[str, Any], source: str = "gateway",
                         timestamp: float | None = None) -> dict[str, Any]:
     """The event that asks for a new execution (``data``: playbook, catalog, workload,
