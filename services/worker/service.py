@@ -32,7 +32,7 @@ from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
-from noetl_mesh.contracts.subjects import LANES, Q_USERS_STANDING, lane_durable, lane_filter
+from noetl_mesh.contracts.subjects import LANES, Q_USERS_STANDING, command_parts, lane_durable, lane_filter
 from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, hand_back, loads, pool_filter, release, strays
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -467,11 +467,12 @@ class WorkerService:
     async def _run(self, msg: Msg) -> None:
         started = time.perf_counter()
         self._m_in_flight.inc()
-        parts = msg.subject.split(".")  # noetl.cmd.<pool>.<execution_id>[.<lane>]: its log records name it
-        if len(parts) >= 4:
-            logs.set_execution(parts[3])
+        parts = command_parts(msg.subject)  # its log records name its execution
+        if parts is not None:
+            logs.set_execution(parts[1])
         try:
-            self._m_pending[parts[4] if len(parts) == 5 else "-"].set(msg.metadata.num_pending)
+            lane = parts[2] if parts is not None else None
+            self._m_pending["-" if lane is None else str(lane)].set(msg.metadata.num_pending)
             await self._run_command(msg, started)
         finally:
             self._m_in_flight.dec()

@@ -159,6 +159,21 @@ def command_subject(pool: str, execution_id: str, lane: int) -> str:
     return f"noetl.cmd.{pool}.{execution_id}.{lane}"
 
 
+def command_parts(subject: str) -> tuple[str, str, int | None] | None:
+    """``(pool, execution, lane)`` of a command's subject (:func:`command_subject`; lane None: sent by
+    an earlier version, by pool and execution), or None when ``subject`` is neither layout."""
+    parts = subject.split(".")
+    if parts[:2] != ["noetl", "cmd"] or len(parts) not in (4, 5):
+        return None
+    if len(parts) == 4:
+        return parts[2], parts[3], None
+    lane = _LANE_TOKENS.get(parts[4])
+    return None if lane is None else (parts[2], parts[3], lane)
+
+
+_LANE_TOKENS = {str(n): n for n in range(LANES)}
+
+
 def lane_filter(pool: str, lane: int) -> str:
     """What the consumer of a pool's lane reads."""
     return f"noetl.cmd.{pool}.*.{lane}"

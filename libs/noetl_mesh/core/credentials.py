@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import orjson
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, LANES, POOL_NAME
+from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, POOL_NAME, command_parts
 from .keychain import declarations_of, stored_name
 from .state import FINAL
 
@@ -163,11 +163,10 @@ def authorize(ask: Resolve, stored_subject: str | None, command: Any) -> list[st
                                     "purged with its finished execution)")
     if stored_subject != ask.subject:
         raise Refused("no_command", f"{held} is stored under {stored_subject}, not {ask.subject}")
-    parts = stored_subject.split(".")
-    lanes = [str(lane) for lane in range(LANES)]  # and 4 tokens: sent by an earlier version
-    if parts[:2] != ["noetl", "cmd"] or len(parts) not in (4, 5) or parts[4:] and parts[4] not in lanes:
+    parts = command_parts(stored_subject)
+    if parts is None:
         raise Refused("no_command", f"{held} ({stored_subject}) is not a command of one execution")
-    pool, eid = parts[2], parts[3]
+    pool, eid, _ = parts
     if pool != ask.pool:
         raise Refused("wrong_pool", f"{held} is for the worker pool {pool!r}; worker-{ask.pool} may not resolve "
                                     "its credentials")
