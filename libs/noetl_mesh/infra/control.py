@@ -310,14 +310,15 @@ class PartitionedService:
                    f"{names}{f' of step {steps}' if steps else ''}{tried}: {type(exc).__name__}: {exc}")[:2000]
         message = message.encode("utf-8", "backslashreplace").decode()  # lone surrogates cannot be sent
         log.error("%s: stopping execution %s: %s", self.name, eid, message)
-        for attempt in range(3 if last else 1):  # the last delivery: no other chance comes
+        tries = 3 if last else 1  # the last delivery: no other chance comes
+        for attempt in range(1, tries + 1):
             try:
                 await self.bus.publish_all([engine_stopped(eid, self.name, message)])
                 return
             except UNHANDLEABLE as again:  # not the message's fault: retry it
                 raise RuntimeError(f"could not stop execution {eid}: {again}") from again
             except Exception:  # noqa: BLE001 - NATS away for a moment
-                if attempt == (2 if last else 0):
+                if attempt == tries:
                     raise
                 await asyncio.sleep(1.0)
 
