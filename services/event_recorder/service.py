@@ -126,6 +126,11 @@ _STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
 DRAIN_QUIET = 0.25  # seconds without a delivery that end a stopping recorder's drain
 BATCH_BYTES = 8 * 1024 * 1024  # a batch stops growing at this many bytes of messages
+# A batch is written this long after its first message arrives (unless a whole batch is there already):
+# the messages that come meanwhile go in the same transaction and the same acks. A step's events are
+# recorded up to 5 ms later; nothing an execution does waits for its recording (docs/performance.md:
+# the 1,000 x 5 burst spent 9 % less CPU per step, the recorder's acks 1.3 -> 0.9 per step).
+LINGER = 0.005
 YIELD_EVERY = 16  # messages decoded (x16: rows built or copied) between two chances for queries to be answered
 
 
@@ -413,6 +418,8 @@ class RecorderService:
                 continue
             if first is None:  # stop() wakes the writer
                 continue
+            if not drain_until and self._queue.qsize() < self.batch:
+                await asyncio.sleep(LINGER)  # let the batch fill: fewer transactions and acks
             batch, size = [first], len(first[1].data)
             while len(batch) < self.batch and size < BATCH_BYTES and not self._queue.empty():
                 item = self._queue.get_nowait()
