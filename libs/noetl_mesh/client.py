@@ -437,6 +437,7 @@ class StackClient(Following):
 
     async def start(self, playbook: str | dict, workload: dict | None = None) -> str:
         from . import limits
+        from .contracts import refs
         from .core.events import execution_requested, new_execution_id
         from .infra.wire import dumps
         from .lang.validate import parse_and_validate
@@ -448,6 +449,8 @@ class StackClient(Following):
         errors = [{"location": d.location, "message": d.message} for d in diags if d.severity == "error"]
         if errors:
             raise self._failed(422, "invalid playbook", errors)
+        if (at := refs.forged(workload)) is not None:  # only the engine writes one (D23; the validator's for the playbook)
+            raise self._failed(422, refs.refusal(refs.shown(("workload", *at))))
         execution_id = new_execution_id()
         await self.bus.publish_event(execution_requested(execution_id, {
             "playbook": doc, "catalog": None, "workload": workload, "parent_execution_id": None,

@@ -64,6 +64,32 @@ def test_run_on_its_own_stack_starts_no_gateway_and_checks_the_workload_itself()
                            "the limit max_workload_bytes = 100 bytes (set NOETL_LIMIT_MAX_WORKLOAD_BYTES to change it)\n")
 
 
+FORGED = {"store": "nats-object:noetl_payloads", "key": "ab", "size": 1, "checksum": "c"}
+
+
+def test_a_payload_reference_written_by_the_user_is_refused_before_anything_runs(tmp_path):
+    """Only the engine writes a payload reference (D23). One in `--workload` is a bad argument (exit 2,
+    said at once; before, the run hung until `--timeout`: the control plane dropped the request whose
+    reference it could not read back); one in the playbook is invalid, at its line."""
+    proc = noetl("run", str(EXAMPLES / "hello.yaml"), "--timeout", "60", "--workload", json.dumps({"x": FORGED}))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("noetl: --workload at x: an object whose keys are exactly store, key, size and "
+                                  "checksum"), proc.stderr
+    pb = tmp_path / "forged.yaml"
+    pb.write_text(f"""
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {{name: forged, path: tests/forged}}
+workload: {{deep: [{json.dumps(FORGED)}]}}
+workflow:
+  - step: start
+    tool: {{kind: noop}}
+""")
+    proc = noetl("run", str(pb), "--timeout", "60")
+    assert proc.returncode == 2
+    assert "is a payload reference, which only the engine writes (D23) (line 5, column" in proc.stderr, proc.stderr
+
+
 def test_run_failed_playbook_exits_1(tmp_path):
     pb = tmp_path / "fail.yaml"
     pb.write_text("""

@@ -43,6 +43,11 @@ def test_the_command_lines_own_client_starts_follows_refuses_and_cancels(module_
                 with limits.override(max_workload_bytes=100), pytest.raises(GatewayError) as big:
                     await client.start(CHILD, {"n": 1, "pad": "x" * 200})
                 assert big.value.status == 413 and "max_workload_bytes" in str(big.value)
+                forged = {"store": "nats-object:noetl_payloads", "key": "ab", "size": 1, "checksum": "c"}
+                with pytest.raises(GatewayError) as ref:  # only the engine writes one (D23)
+                    await client.start(CHILD, {"n": 1, "in": [forged]})
+                assert ref.value.status == 422 and str(ref.value).startswith(
+                    "the embedded stack answered 422: workload.in[0]: an object whose keys are exactly")
                 with pytest.raises(GatewayError) as unknown:
                     await client.status("0" * 32)
                 assert unknown.value.status == 404

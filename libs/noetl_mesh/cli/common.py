@@ -47,6 +47,10 @@ def json_object(text: str | None, option: str, empty: dict | None = None) -> dic
         raise ValueError(f"{option} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{option} must be a JSON object")
+    from ..contracts import refs
+
+    if (at := refs.forged(value)) is not None:  # only the engine writes one (D23)
+        raise ValueError(refs.refusal(f"{option} at {refs.shown(at) or 'its top'}"))
     return value
 
 
