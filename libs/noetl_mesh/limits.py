@@ -116,12 +116,12 @@ LIMITS: tuple[Limit, ...] = (
           "worker, each python, duckdb or shell task process (RLIMIT_FSIZE): the write fails"),
     Limit("task_max_seconds", 3600, "seconds", "the time one python, duckdb, shell or nats task runs, whatever its spec.timeout says",
           "worker: a task's spec.timeout above it (or none, or 0) is this; the process is killed (timeout)"),
-    Limit("task_max_threads", 512, "threads", "the threads the task processes of a worker may add to what its user runs",
+    Limit("task_max_threads", 512, "threads", "the threads one task process may add to what its user runs when the task starts",
           "worker, each task process (RLIMIT_NPROC, per user: a worker that does not run as root): starting one more fails"),
     Limit("max_task_processes", 8, "processes", "the python, duckdb and shell task processes one worker runs at once",
           "worker: a task waits for a free one"),
-    Limit("shell_max_processes", 128, "processes", "the processes and threads the shell tasks of a worker may add "
-          "to what their user runs",
+    Limit("shell_max_processes", 128, "processes", "the processes and threads one shell task may add "
+          "to what its user runs when the task starts",
           "worker, each shell task process (RLIMIT_NPROC of its unprivileged user): starting one more fails, "
           "the task fails with limit_exceeded"),
     Limit("shell_max_output_bytes", 1 * MIB, "bytes", "what a shell task keeps of its standard output, and of "

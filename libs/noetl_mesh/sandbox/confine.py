@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 
 from . import landlock, seccomp
 
-__all__ = ["server", "task", "set_limits", "drop_capabilities", "drop_user", "NOBODY"]
+__all__ = ["server", "task", "set_limits", "set_nproc", "drop_capabilities", "drop_user", "NOBODY"]
 
 NOBODY = 65534  # the user and group a shell task's fork server becomes when the worker runs as root
 
@@ -111,6 +111,13 @@ RLIMITS = {
 ADDRESS_SPACE_SLACK = 1 << 30  # beyond the memory limit: the libraries, thread stacks and reservations mapped
 
 
+def set_nproc(limit: int | None) -> None:
+    """The task's process and thread limit (``RLIMIT_NPROC``: the user's processes now plus what the
+    task may add), set as its task starts; None: none (root, whom the kernel never counts)."""
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(limit), int(limit)))
+
+
 def set_limits(values: Mapping[str, int]) -> None:
     """Resource limits of a task process: memory (data segment and private mappings: what Python,
     NumPy and DuckDB allocate; and every mapping, shared ones included, at most 1 GiB beyond that), CPU
@@ -119,9 +126,6 @@ def set_limits(values: Mapping[str, int]) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     space = int(values["task_max_memory_bytes"]) + ADDRESS_SPACE_SLACK
     resource.setrlimit(resource.RLIMIT_AS, (space, space))
-    threads = values.get("_nproc")
-    if threads is not None:  # the user's tasks now plus what task processes may add (ignored for uid 0)
-        resource.setrlimit(resource.RLIMIT_NPROC, (int(threads), int(threads)))
     for name, which in RLIMITS.items():
         value = int(values[name])
         hard = value + 2 if which == resource.RLIMIT_CPU else value

@@ -97,11 +97,11 @@ _UID_TASKS: list[float] = [0.0, 0.0]  # (when counted, how many)
 
 def _uid_tasks(uid: int) -> int:
     """The processes and threads running as ``uid`` (what the kernel's RLIMIT_NPROC counts), from /proc;
-    counted at most every 2 s."""
+    counted at most every 50 ms (tasks started together share one count)."""
     import time
 
     now = time.monotonic()
-    if now - _UID_TASKS[0] < 2.0:
+    if now - _UID_TASKS[0] < 0.05:
         return int(_UID_TASKS[1])
     count = 0
     for entry in os.listdir("/proc"):
@@ -187,11 +187,6 @@ class Server:
         """A new spare for ``kind``: forked, set up and confined, waiting on its channel for a request."""
         self.serial += 1
         scratch = os.path.join(self.root, f"t{self.serial}")
-        # threads: the kernel counts them per user and never for root, so only a worker that is not root
-        # bounds them (its container's user: the image's)
-        uid = os.getuid()
-        bound = self.config["limits"]["shell_max_processes" if self.config.get("execute") else "task_max_threads"]
-        nproc = _uid_tasks(uid) + int(bound) if uid != 0 else None
         err = None
         try:
             os.mkdir(scratch, 0o700)
@@ -219,7 +214,7 @@ class Server:
             code = 70
             try:
                 mine.close()
-                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind, err, nproc)
+                _task_process(self.config, theirs, scratch, self.ctl.fileno(), kind, err)
                 code = 0
             except BaseException:  # noqa: BLE001 - what went wrong is on its standard error
                 if os.path.isdir(scratch):  # (gone: the server is closing, and took it; nothing to say)
@@ -231,6 +226,20 @@ class Server:
         theirs.close()
         self.children[pid] = (None, scratch, err)
         return pid, mine, scratch
+
+    def _nproc(self) -> int | None:
+        """The process (and thread) limit of a task that starts now: what the user runs now plus what the
+        task may add (``shell_max_processes``, ``task_max_threads``). The kernel counts them per user and
+        never for root, so only a server that is not root has one (a shell task's of a root worker:
+        ``nobody``; a worker that is an ordinary user: its own). Counted as the task starts, not when its
+        process was forked ahead: the processes another task started meanwhile are then the count's,
+        not this task's allowance (a task that had filled its allowance left none to the tasks forked
+        before it)."""
+        uid = os.getuid()
+        if uid == 0:
+            return None
+        bound = self.config["limits"]["shell_max_processes" if self.config.get("execute") else "task_max_threads"]
+        return _uid_tasks(uid) + int(bound)
 
     def _top_up(self) -> None:
         for kind, count in self.wanted.items():
@@ -254,7 +263,8 @@ class Server:
                     return
                 pid, chan, scratch = spare
                 try:
-                    socket.send_fds(chan, [json.dumps({"kind": request.get("kind"), "id": task_id}).encode()], [fd])
+                    socket.send_fds(chan, [json.dumps({"kind": request.get("kind"), "id": task_id,
+                                                       "nproc": self._nproc()}).encode()], [fd])
                 except OSError:  # it died while waiting: its exit is reaped as a spare's
                     chan.close()
                     continue
@@ -317,8 +327,7 @@ def _kill_group(pid: int) -> None:
             pass
 
 
-def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str, err: int,
-                  nproc: int | None = None) -> None:
+def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, kind: str, err: int) -> None:
     """In a forked task process: isolate and confine, get ready for a task of ``kind``, wait for its
     request, run it, answer. ``err``: its standard output and error, a file the server made and reads."""
     signal.set_wakeup_fd(-1)
@@ -346,7 +355,7 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
         os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + TASK_NICE))
     except OSError:
         pass
-    confine.set_limits({**config["limits"], "_nproc": nproc})
+    confine.set_limits(config["limits"])
     if config["confine"]:
         confine.task([*config["read"], *OWN_PROC], [scratch, *config["data_dirs"]], network=config["network"],
                      execute=config.get("execute") or ())
@@ -357,6 +366,7 @@ def _task_process(config: dict, chan: socket.socket, scratch: str, ctl_fd: int, 
     chan.close()
     if not data or len(fds) != 1:
         return  # the server is going away
+    confine.set_nproc(json.loads(data).get("nproc"))
     task.serve(socket.socket(fileno=fds[0]), kind, config, warm)
 
 
