@@ -37,7 +37,7 @@ from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, hand_bac
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.sandbox import policy as sandbox
-from noetl_mesh.sandbox.net import resolve_endpoints
+from noetl_mesh.sandbox.net import host_addresses, resolve_endpoints
 from noetl_mesh.sandbox.supervisor import Supervisor
 from noetl_mesh.tools import close_tools, default_tools
 from noetl_mesh.tools.postgres import forget_libpq_env
@@ -62,8 +62,9 @@ def sandbox_policy(nc: Any, allow_net: str | None = None, roles: str | None = No
     """D33: the pool's policy from the environment (``allow_net``, when given, over
     NOETL_SANDBOX_ALLOW_NET: the stack runners' ``--allow-net``; ``roles`` over NOETL_POOL_ROLES), with
     the address and port of every NATS server the client ``nc`` is connected to or knows of (its own
-    and the discovered ones) closed whatever the policy allows. :class:`sandbox.PolicyError` (naming
-    the variable) on a bad setting."""
+    and the discovered ones) closed whatever the policy allows, and the addresses of this host's own
+    interfaces closed unless it opens them. :class:`sandbox.PolicyError` (naming the variable) on a
+    bad setting."""
     env = dict(os.environ)
     if allow_net is not None:
         env[sandbox.ENV["allow"]] = allow_net
@@ -71,7 +72,8 @@ def sandbox_policy(nc: Any, allow_net: str | None = None, roles: str | None = No
         env[sandbox.ENV["roles"]] = roles
     policy = sandbox.from_env(env)
     urls = [u for u in (nc.connected_url, *nc.servers) if u is not None and u.hostname]
-    return policy.with_engine_endpoints(resolve_endpoints((u.hostname, u.port or 4222) for u in urls))
+    return policy.with_engine_endpoints(resolve_endpoints((u.hostname, u.port or 4222) for u in urls)) \
+        .with_host_addresses(host_addresses())
 
 
 class Unsendable(RuntimeError):

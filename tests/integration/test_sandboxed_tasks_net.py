@@ -152,3 +152,28 @@ def test_the_engines_nats_endpoint_stays_closed_whatever_the_allow_list_opens(pg
                 "stays closed whatever NOETL_SANDBOX_ALLOW_NET says"), task
     finally:
         stop_stack(nats, loop, handle)
+
+
+def test_an_http_task_cannot_reach_what_listens_on_the_worker_hosts_own_address(opened_api):
+    """A program on the worker's host that listens on every interface (0.0.0.0: a sidecar, a metrics
+    port in a container) is not open to tasks through the host's own non-loopback address either."""
+    import socket
+    import threading
+
+    from noetl_mesh.sandbox.net import host_addresses
+
+    own = [a for a in host_addresses() if ":" not in a and not a.startswith("127.")]
+    assert own, "this machine has an interface address besides loopback"
+    server = socket.create_server(("0.0.0.0", 0))
+    port = server.getsockname()[1]
+    accepted: list[Any] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    try:
+        final, outcome = probe(opened_api, opened_api.developer, {"kind": "http", "url": f"http://{own[0]}:{port}/"})
+        assert refused(final, outcome) == (
+            f"http task refused: {own[0]} is an address of the worker's own host, closed to tasks on this worker "
+            f"pool (D33); open it with NOETL_SANDBOX_ALLOW_NET={own[0]}:{port} (noetl run/up: --allow-net "
+            f"{own[0]}:{port})")
+        assert accepted == []  # nothing connected
+    finally:
+        server.close()

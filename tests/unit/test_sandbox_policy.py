@@ -79,3 +79,28 @@ def test_a_pools_roles_default_to_anyone_and_to_admins_on_a_trusted_pool():
     for bad in ("vault-users", "admin,*", ",", "admin,nobody"):
         with pytest.raises(PolicyError, match="NOETL_POOL_ROLES="):
             from_env({"NOETL_POOL_ROLES": bad})
+
+
+def test_the_worker_hosts_own_addresses_are_closed_unless_the_allow_list_opens_them(tmp_path):
+    from dataclasses import replace
+
+    from noetl_mesh.sandbox.net import host_addresses
+    from noetl_mesh.sandbox.policy import Policy, parse_destinations
+
+    trie = tmp_path / "fib_trie"
+    trie.write_text("Main:\n  +-- 0.0.0.0/0 3 0 4\n     |-- 127.0.0.1\n        /32 host LOCAL\n"
+                    "     |-- 10.1.2.3\n        /32 host LOCAL\n     |-- 10.1.2.255\n        /32 link BROADCAST\n"
+                    "     |-- 10.1.2.0\n        /24 link UNICAST\n")
+    inet6 = tmp_path / "if_inet6"
+    inet6.write_text("00000000000000000000000000000001 01 80 10 80       lo\n"
+                     "fd000000000000000000000000000002 04 40 00 82     eth0\n")
+    found = host_addresses(str(trie), str(inet6))
+    assert found == ["127.0.0.1", "10.1.2.3", "::1", "fd00::2"]
+    assert host_addresses(str(tmp_path / "none"), str(tmp_path / "none")) == []
+    policy = Policy().with_host_addresses(found)
+    assert policy.refusal("10.1.2.3", 80) == "10.1.2.3 is an address of the worker's own host"
+    assert policy.refusal("::ffff:10.1.2.3", 80) == "10.1.2.3 is an address of the worker's own host"
+    assert policy.refusal("fd00::2", 443) == "fd00::2 is an address of the worker's own host"
+    assert policy.refusal("10.1.2.4", 80) is None  # a neighbour on the same network: a private address, open
+    opened = replace(policy, allow=parse_destinations("10.1.2.3:8080"))
+    assert opened.refusal("10.1.2.3", 8080) is None and opened.refusal("10.1.2.3", 80) is not None

@@ -16,7 +16,7 @@ from dataclasses import replace
 from .policy import ENV, Destination, Policy, _plain
 
 __all__ = ["Refused", "Resolver", "resolve", "allowed_addresses", "check_address", "refusal_text",
-           "resolve_endpoints", "is_address"]
+           "resolve_endpoints", "host_addresses", "is_address"]
 
 # ``(host, port) -> addresses``: the real one asks the system's resolver; tests give a stub
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -102,6 +102,35 @@ async def allowed_addresses(policy: Policy, tool: str, host: str, port: int,
     if not refused:
         raise OSError(f"{host} resolves to no address")
     raise Refused(tool, refusal_text(policy, host, port, refused))
+
+
+def host_addresses(fib_trie: str = "/proc/net/fib_trie", if_inet6: str = "/proc/net/if_inet6") -> list[str]:
+    """The addresses of this host's own interfaces (for :meth:`Policy.with_host_addresses`): IPv4 from
+    the kernel's local routes (``/32 host LOCAL`` in ``fib_trie``), IPv6 from ``if_inet6``; none of a
+    file that cannot be read."""
+    out: list[str] = []
+    try:
+        with open(fib_trie) as f:
+            last = None
+            for line in f:
+                text = line.strip()
+                if text.startswith("|--"):
+                    last = text[3:].strip()
+                elif text.startswith("/32 host LOCAL") and last and last not in out:
+                    out.append(last)
+    except OSError:
+        pass
+    try:
+        with open(if_inet6) as f:
+            for line in f:
+                fields = line.split()
+                if fields and len(fields[0]) == 32:
+                    address = str(ipaddress.IPv6Address(int(fields[0], 16)))
+                    if address not in out:
+                        out.append(address)
+    except (OSError, ValueError):
+        pass
+    return out
 
 
 def resolve_endpoints(endpoints: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:

@@ -13,8 +13,9 @@ defaults are the safe ones:
 
 Destinations of ``http``, ``postgres`` and ``nats`` tasks are checked with :meth:`Policy.refusal` on the address a
 connection is really made to (after name resolution): loopback, link-local (cloud metadata services live
-there), unspecified, multicast and the known metadata addresses are closed unless an entry of
-``NOETL_SANDBOX_ALLOW_NET`` opens them. The endpoints the worker adds itself (its NATS servers'
+there), unspecified, multicast, the known metadata addresses and the worker host's own addresses
+(:meth:`Policy.with_host_addresses`) are closed unless an entry of ``NOETL_SANDBOX_ALLOW_NET`` opens
+them. The endpoints the worker adds itself (its NATS servers'
 address and port) are closed whatever the allow-list says.
 """
 from __future__ import annotations
@@ -174,6 +175,19 @@ class Policy:
     # closed whatever the allow-list says: the engine's own endpoints (its NATS servers), as
     # (address, port) with the words an error uses
     engine: tuple[tuple[IPAddress, int, str], ...] = field(default=())
+    # closed unless the allow-list opens them: the addresses of the worker's own host (what listens on
+    # 0.0.0.0 there: its metrics port, a sidecar, a Docker bridge's services)
+    own: frozenset[IPAddress] = frozenset()
+
+    def with_host_addresses(self, addresses: Iterable[str]) -> "Policy":
+        """The policy with the worker host's own ``addresses`` closed unless ``allow`` opens them."""
+        out = set(self.own)
+        for address in addresses:
+            try:
+                out.add(_plain(ipaddress.ip_address(address)))
+            except ValueError:
+                continue
+        return replace(self, own=frozenset(out))
 
     def with_engine_endpoints(self, endpoints: Iterable[tuple[str, int]],
                               why: str = "the engine's own NATS server") -> "Policy":
@@ -198,6 +212,8 @@ class Policy:
         for net, why in _CLOSED:
             if ip.version == net.version and ip in net:
                 return f"{ip} is {why}"
+        if ip in self.own:
+            return f"{ip} is an address of the worker's own host"
         return None
 
     def admits(self, roles: Iterable[str]) -> bool:
