@@ -260,6 +260,7 @@ async def bench_burst(url: str, token: str, executions: int, steps: int = 5, gat
     sem = asyncio.Semaphore(64)
     async with GatewayClient(url, timeout=120, token=token) as client:
         since = time.time() - 0.5
+        ended_before = sum((await client.stats(since=since, buckets=1))["totals"].get(s, 0) for s in FINAL)
         t0 = time.perf_counter()
 
         async def submit() -> str:
@@ -271,8 +272,10 @@ async def bench_burst(url: str, token: str, executions: int, steps: int = 5, gat
         per_request = (gateway_cpu() - cpu0) / executions * 1000 if gateway_cpu else None
         while True:
             totals = (await client.stats(since=since, buckets=1))["totals"]
-            if sum(totals.get(s, 0) for s in FINAL) >= executions:
+            if sum(totals.get(s, 0) for s in FINAL) - ended_before >= executions:
                 break
+            if time.perf_counter() - t0 > 900:
+                raise TimeoutError(f"the burst has not ended after 900 s: {totals}")
             await asyncio.sleep(0.2)
         elapsed = time.perf_counter() - t0
         if done is not None:

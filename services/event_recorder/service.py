@@ -418,7 +418,7 @@ class RecorderService:
                 continue
             if first is None:  # stop() wakes the writer
                 continue
-            if not drain_until and self._queue.qsize() < self.batch:
+            if not drain_until and self._queue.qsize() < self.batch - 1:  # (``first`` is out of it)
                 await asyncio.sleep(LINGER)  # let the batch fill: fewer transactions and acks
             batch, size = [first], len(first[1].data)
             while len(batch) < self.batch and size < BATCH_BYTES and not self._queue.empty():

@@ -485,3 +485,26 @@ def test_a_fork_server_whose_start_is_cancelled_is_killed_before_the_sandbox_clo
     assert started  # it was caught starting
     assert not [pid for pid in started if os.path.exists(f"/proc/{pid}") and
                 open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+
+
+def test_a_tasks_process_limit_stays_within_the_hard_limit_it_inherited():
+    """``set_nproc`` never asks for more than the process's hard ``RLIMIT_NPROC`` (a process that is not
+    root cannot raise it: the task would fail before running); below it, the limit is what was asked."""
+    import resource
+
+    from noetl_mesh.sandbox import confine
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (1000, 1000))
+            confine.set_nproc(5000)
+            high = resource.getrlimit(resource.RLIMIT_NPROC)
+            confine.set_nproc(700)
+            low = resource.getrlimit(resource.RLIMIT_NPROC)
+            code = 0 if (high, low) == ((1000, 1000), (700, 700)) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -115,7 +115,9 @@ def set_nproc(limit: int | None) -> None:
     """The task's process and thread limit (``RLIMIT_NPROC``: the user's processes now plus what the
     task may add), set as its task starts; None: none (root, whom the kernel never counts)."""
     if limit is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (int(limit), int(limit)))
+        _, hard = resource.getrlimit(resource.RLIMIT_NPROC)  # (a process that is not root cannot raise it)
+        limit = int(limit) if hard == resource.RLIM_INFINITY else min(int(limit), hard)
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
 
 
 def set_limits(values: Mapping[str, int]) -> None:
