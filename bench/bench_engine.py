@@ -260,7 +260,8 @@ async def bench_burst(url: str, token: str, executions: int, steps: int = 5, gat
     sem = asyncio.Semaphore(64)
     async with GatewayClient(url, timeout=120, token=token) as client:
         since = time.time() - 0.5
-        ended_before = sum((await client.stats(since=since, buckets=1))["totals"].get(s, 0) for s in FINAL)
+        before = (await client.stats(since=since, buckets=1))["totals"]
+        ended_before = sum(before.get(s, 0) for s in FINAL)
         t0 = time.perf_counter()
 
         async def submit() -> str:
