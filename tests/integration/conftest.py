@@ -195,6 +195,21 @@ workflow:
 """
 
 
+@contextlib.contextmanager
+def filling_nobodys_processes() -> Iterator[None]:
+    """Held by a test that fills the process count of ``nobody`` (the shell tasks of a root worker):
+    the kernel keeps one count per user for the whole host, so two such tests at once, in this run's
+    other workers or in another run on the machine, would take from each other's allowance."""
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), "noetl-tests-nobody-processes.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def pg_endpoint(dsn: str) -> str:
     """``HOST:PORT`` of a Postgres connection string: what a stack's workers must be allowed to reach
     for tasks that use that database (NOETL_SANDBOX_ALLOW_NET)."""

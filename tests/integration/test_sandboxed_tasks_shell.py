@@ -14,7 +14,7 @@ import pytest
 
 from noetl_mesh.client import GatewayClient
 
-from conftest import developer, start_stack, stop_stack
+from conftest import developer, filling_nobodys_processes, start_stack, stop_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -139,8 +139,9 @@ def test_fork_bombs_fail_alone_with_their_limit_and_leave_nothing_behind(stack):
     loop = doc("loop", [shell("loop", "while true; do sleep 987655 & done", spec={"timeout": 600})])
     beside = doc("beside", [{"name": "py", "kind": "python", "code": "import time\ntime.sleep(1)\nresult = 42"}])
     fine = doc("fine", [shell("fine", "echo fine")])
-    (b_final, b_out, _), (l_final, l_out, _), (p_final, p_out, _) = run_all(stack, [(bomb, {}), (loop, {}),
-                                                                                   (beside, {})])
+    with filling_nobodys_processes():
+        (b_final, b_out, _), (l_final, l_out, _), (p_final, p_out, _) = run_all(stack, [(bomb, {}), (loop, {}),
+                                                                                       (beside, {})])
     assert p_final["status"] == "COMPLETED" and p_out["py"]["result"] == 42, p_out
     for final, out in ((b_final, b_out["bomb"]), (l_final, l_out["loop"])):
         assert final["status"] == "FAILED"
