@@ -811,7 +811,14 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             if value is not None:
                 query[key] = value
         with tracing.span("gateway GET /api/executions/{id}/events", service="gateway"):
-            return await shell.ask(Q_EXECUTION_EVENTS, query)
+            try:
+                return await shell.ask(Q_EXECUTION_EVENTS, query)
+            except HTTPException as exc:  # accepted a moment ago, not recorded yet: no event to show yet
+                if exc.status_code != 404 or await bus.pending_request(execution_id) is None:
+                    raise
+                filtered = set(query) - {"execution_id", "offset", "limit"}
+                return {"events": [], "total": 0, "offset": offset, "limit": limit, "next_offset": None,
+                        **({"log_total": 0} if filtered else {})}
 
     @app.post("/api/executions/{execution_id}/cancel", status_code=202, response_model=Accepted,
               tags=["executions"], openapi_extra=_json_request(CancelRequest, required=False))

@@ -114,6 +114,11 @@ def test_an_execution_cancelled_before_it_is_recorded_is_cancelled_not_unknown(m
                 # a signal and a child link to an execution accepted and not recorded yet: the log says
                 xid = await http.start(SLOW)
                 assert (await http.status(xid))["status"] == "PENDING"  # not 404
+                page = await http.events(xid)  # nor its events: none recorded yet
+                assert (page["events"], page["total"], page["next_offset"]) == ([], 0, None)
+                with pytest.raises(GatewayError) as unknown:
+                    await http.events("0" * 32)
+                assert unknown.value.status == 404
                 assert (await http.signal(xid, "go", {}))["status"] == "KEPT"
                 assert await http.start(SLOW, parent_execution_id=xid)
             gate.set()
