@@ -32,7 +32,8 @@ from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
-from noetl_mesh.contracts.subjects import LANES, Q_USERS_STANDING, command_parts, lane_durable, lane_filter
+from noetl_mesh.contracts.subjects import (LANES, Q_USERS_STANDING, command_parts, lane_durable, lane_filter,
+                                           pool_durable)
 from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, hand_back, loads, pool_filter, release, strays
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -268,8 +269,12 @@ class WorkerService:
         self.done = 0
         self._m_in_flight = metrics.IN_FLIGHT.labels(self.name, pool)
         # the lag of each lane (consumer lane-<pool>-p<N>, partition N), and of pool-<pool> ("-")
-        self._m_pending = {**{str(n): metrics.PENDING.labels(self.name, lane_durable(pool, n), str(n))
-                              for n in range(LANES)}, "-": metrics.PENDING.labels(self.name, f"pool-{pool}", "-")}
+        # its consumers, one per lane and pool-<pool> (what earlier versions sent, one lane more): (durable,
+        # filter, the lag metric's partition label)
+        self.durables = [(lane_durable(pool, n), lane_filter(pool, n), str(n)) for n in range(LANES)] \
+            + [(pool_durable(pool), pool_filter(pool), "-")]
+        self._m_pending = {label: metrics.PENDING.labels(self.name, durable, label)
+                           for durable, _, label in self.durables}
         self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
                            for o in ("acked", "retried", "dropped", "payload_missing", "cancelled", "forbidden")}
         self._standing: dict[str, tuple[float, dict | BusError]] = {}  # user id -> (until, the sessions service's word)
@@ -277,7 +282,7 @@ class WorkerService:
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=lane_filter(pool, "*"),  # type: ignore[arg-type]
                                  durable=f"lane-{pool}", lanes=LANES)  # lane_durable: <durable>-p<lane>
         self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=",".join(pool_filter(pool)),
-                                durable=f"pool-{pool}")  # what earlier versions sent, one more lane
+                                durable=pool_durable(pool))
         self.consumers = [self.commands, self.unlaned]
         self.slots = Slots(concurrency, LANES + 1)
         self.subs: list = []
@@ -296,11 +301,9 @@ class WorkerService:
             self.sandbox = Supervisor(self.policy, secret_paths=self._secret_paths())
             self._sandbox_start = asyncio.create_task(self._start_sandbox(), name="sandbox-start")
             self.tools = default_tools(sandbox=self.sandbox)
-        self.subs = [await self.bus.durable(COMMANDS, lane_durable(self.pool, lane), lane_filter(self.pool, lane),
-                                            max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10)
-                     for lane in range(LANES)]
-        self.subs.append(await self.bus.durable(COMMANDS, f"pool-{self.pool}", pool_filter(self.pool),
-                                                max_ack_pending=10_000, ack_wait=self.ack_wait, max_deliver=10))
+        self.subs = [await self.bus.durable(COMMANDS, durable, subjects, max_ack_pending=10_000,
+                                            ack_wait=self.ack_wait, max_deliver=10)
+                     for durable, subjects, _ in self.durables]
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
 

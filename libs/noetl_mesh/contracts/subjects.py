@@ -184,6 +184,11 @@ def lane_durable(pool: str, lane: int) -> str:
     return f"lane-{pool}-p{lane}"
 
 
+def pool_durable(pool: str) -> str:
+    """The consumer of what earlier versions sent to a pool (:func:`pool_filter`), ``pool-<pool>``."""
+    return f"pool-{pool}"
+
+
 def pool_filter(pool: str) -> list[str]:
     """What the consumer ``pool-<pool>`` reads: the commands earlier versions sent (by pool and
     execution, and by pool), until none is left; the pool's workers read it as one more lane."""

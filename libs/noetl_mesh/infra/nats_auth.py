@@ -49,7 +49,7 @@ DEFAULT_PARTITIONS = 16
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
-                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, lane_durable, pool_problem)
+                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, lane_durable, pool_durable, pool_problem)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
@@ -273,7 +273,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
         lanes = [lane_durable(pool, lane) for lane in range(LANES)]  # and earlier versions' pool-<pool>
-        pub += [_js("STREAM", "INFO", EVENTS), *(x for d in (*lanes, f"pool-{pool}") for x in _durable(COMMANDS, d)),
+        pub += [_js("STREAM", "INFO", EVENTS), *(x for d in (*lanes, pool_durable(pool)) for x in _durable(COMMANDS, d)),
                 CREDENTIAL_RESOLVE_PREFIX + pool,
                 *_payloads(write=True)]
         pub.append("noetl.q.users.standing")  # the roles of who started a command's execution (NOETL_POOL_ROLES)
