@@ -281,7 +281,7 @@ class WorkerService:
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=lane_filter(pool, "*"),  # type: ignore[arg-type]
                                  durable=f"lane-{pool}", lanes=LANES)  # lane_durable: <durable>-p<lane>
-        self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=",".join(pool_filter(pool)),
+        self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=pool_filter(pool),
                                 durable=pool_durable(pool))
         self.consumers = [self.commands, self.unlaned]
         self.slots = Slots(concurrency, LANES + 1)

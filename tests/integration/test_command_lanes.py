@@ -6,7 +6,7 @@ import asyncio
 
 import orjson
 import pytest
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
 from noetl_mesh.contracts.subjects import COMMAND_SUBJECTS
 from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus, lane_of
@@ -37,9 +37,16 @@ def test_commands_queued_by_an_earlier_version_run_after_the_upgrade(fresh_nats)
             info = await bus.js.stream_info(COMMANDS, subjects_filter="noetl.cmd.>")
             assert info.state.subjects == {"noetl.cmd.default.x1": 1, f"noetl.cmd.default.x2.{lane_of(command(2))}": 1}
             sub = await bus.js.subscribe("noetl.pevt.>", stream=EVENTS, ordered_consumer=True)
+            # pool-<pool> as the first version with lanes made it (two filters): the worker narrows it to
+            # the one a worker's NATS user may name
+            await bus.js.add_consumer(COMMANDS, ConsumerConfig(
+                durable_name="pool-default", ack_policy=AckPolicy.EXPLICIT,
+                filter_subjects=["noetl.cmd.default.*", "noetl.cmd.default"]))
             worker = WorkerService(bus, concurrency=2)
             await worker.start()
             try:
+                info = await bus.js.consumer_info(COMMANDS, "pool-default")
+                assert (info.config.filter_subject, info.config.filter_subjects) == ("noetl.cmd.default.*", None)
                 done: dict[str, object] = {}
                 while len(done) < 2:
                     msg = await sub.next_msg(timeout=20)

@@ -17,6 +17,7 @@ from nats.js.api import ConsumerConfig
 from conftest import start_stack, stop_stack
 from noetl_mesh.client import GatewayClient
 from noetl_mesh.core.events import make_event, new_execution_id
+from noetl_mesh.contracts.subjects import command_subject, lane_durable, lane_filter
 from noetl_mesh.infra.bus import COMMANDS, EVENTS, Bus, dumps, loads, pool_filter
 from noetl_mesh.infra.nats_auth import NatsAuth, connect_options, public_key, read_seed
 
@@ -240,6 +241,52 @@ def test_a_worker_cannot_delete_or_purge_streams_or_read_another_pools_commands(
         assert after[EVENTS].messages >= before[EVENTS].messages  # not purged (the stack may still write)
         assert before[COMMANDS].messages >= 1
         assert logged(secured, "worker-default", f"$JS.API.STREAM.DELETE.{EVENTS}")
+
+    secured.run(main())
+
+
+def test_a_worker_cannot_point_its_own_durables_at_another_pools_commands(secured):
+    """A worker creates its pool's durables, and only with their own filters: the API subject it may
+    use names the filter, and the server refuses a body that asks for another one. Pool "other" has no
+    worker here, so no consumer of its lanes exists that the work queue would make conflict."""
+    async def main():
+        xid = new_execution_id()
+        async with Conn(secured, "admin") as admin:
+            await admin.js.publish(command_subject("other", xid, 0), b'{"command_id": "c0"}', stream=COMMANDS)
+        own, theirs = lane_filter("default", 0), lane_filter("other", 0)
+
+        def body(name: str, filter_subject: str) -> bytes:
+            return dumps({"stream_name": COMMANDS, "config": {"durable_name": name, "name": name, "ack_policy": "explicit",
+                                                               "filter_subject": filter_subject}})
+
+        async with Conn(secured, "worker-default") as worker:
+            async def ask(subject: str, data: bytes) -> dict:
+                return loads((await worker.nc.request(f"$JS.API.CONSUMER.{subject}", data, timeout=5)).data)
+
+            create = f"$JS.API.CONSUMER.CREATE.{COMMANDS}"
+            # the subject that does not name the filter (the server never compares the body with it)
+            await worker.refused(worker.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{COMMANDS}.lane-default-p0",
+                                                   body("lane-default-p0", theirs), timeout=TIMEOUT), "DURABLE.CREATE")
+            await worker.refused(worker.nc.request(f"{create}.lane-default-p0", body("lane-default-p0", theirs),
+                                                   timeout=TIMEOUT), f"{create}.lane-default-p0\"")
+            # its own subject, another filter or another name in the body: the server refuses them
+            assert "error" in await ask(f"CREATE.{COMMANDS}.lane-default-p0.{own}", body("lane-default-p0", theirs))
+            assert "error" in await ask(f"CREATE.{COMMANDS}.lane-default-p0.{own}", body("lane-other-p0", own))
+            # a wider filter, or another pool's, in the subject
+            for wider in ("noetl.cmd.*.*.0", "noetl.cmd.>", theirs):
+                await worker.refused(worker.nc.request(f"{create}.lane-default-p0.{wider}", body("lane-default-p0", wider),
+                                                       timeout=TIMEOUT), f"{create}.lane-default-p0.{wider}")
+        async with Conn(secured, "admin") as admin:
+            assert (await admin.js.consumer_info(COMMANDS, "lane-default-p0")).config.filter_subject == own
+            assert {c.name for c in await admin.js.consumers_info(COMMANDS)}.isdisjoint({"lane-other-p0"})
+        other = await Bus.connect(secured.nats_url, "other-pool", secured.auth.file("worker-other"))
+        try:  # the command is still there for that pool's own worker
+            sub = await other.durable(COMMANDS, lane_durable("other", 0), theirs, max_ack_pending=10)
+            [msg] = await sub.fetch(1, timeout=5)
+            assert loads(msg.data) == {"command_id": "c0"}
+            await msg.ack()
+        finally:
+            await other.close()
 
     secured.run(main())
 

@@ -154,8 +154,8 @@ def test_the_subject_helpers_fill_their_channels():
     assert matches(subjects.command_subject("p", "e1", 3), "commands")
     assert subjects.overlaps(subjects.command_subject("p", "e1", 3), subjects.lane_filter("p", 3))
     assert not subjects.overlaps(subjects.command_subject("p", "e1", 3), subjects.lane_filter("p", 4))
-    for earlier in subjects.pool_filter("p"):  # the consumer of earlier versions' subjects reads no lane
-        assert not subjects.overlaps(subjects.command_subject("p", "e1", 3), earlier)
+    # the consumer of earlier versions' subjects reads no lane
+    assert not subjects.overlaps(subjects.command_subject("p", "e1", 3), subjects.pool_filter("p"))
     assert matches(subjects.cancel_subject("e1"), "cancel")
     assert matches(subjects.timer_subject("e1", "t1"), "timers")
     assert matches(subjects.timer_target("e1"), "events")

@@ -120,11 +120,20 @@ def test_a_control_plane_service_reads_where_its_earlier_durables_stopped_and_de
 
 
 def test_a_worker_reads_its_pools_commands_only():
-    for durable in ("pool-gpu", *(f"lane-gpu-p{lane}" for lane in range(LANES))):  # earlier versions', its lanes
-        assert may_publish("worker-gpu", f"$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.{durable}")
+    # earlier versions', its lanes: created by the subject that names the filter, which the server
+    # compares with the body's (never by DURABLE.CREATE, whose body may filter anything)
+    for durable, filter_subject in (("pool-gpu", "noetl.cmd.gpu.*"),
+                                    *((f"lane-gpu-p{lane}", f"noetl.cmd.gpu.*.{lane}") for lane in range(LANES))):
+        assert may_publish("worker-gpu", f"$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.{durable}.{filter_subject}")
         assert may_publish("worker-gpu", f"$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.{durable}")
         assert may_publish("worker-gpu", f"$JS.ACK.NOETL_COMMANDS.{durable}.1.2.3.4.5.6")
+        for subject in (f"$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.{durable}",
+                        f"$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.{durable}",
+                        f"$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.{durable}.noetl.cmd.>",
+                        f"$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.{durable}.noetl.cmd.default.*.0"):
+            assert not may_publish("worker-gpu", subject), subject
     for subject in ("$JS.API.CONSUMER.DURABLE.CREATE.NOETL_COMMANDS.pool-default",
+                    "$JS.API.CONSUMER.CREATE.NOETL_COMMANDS.pool-default.noetl.cmd.default.*",
                     "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.pool-default",
                     "$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.lane-default-p0",
                     f"$JS.API.CONSUMER.MSG.NEXT.NOETL_COMMANDS.lane-gpu-p{LANES}",
@@ -414,7 +423,7 @@ def test_service_refuses_unreadable_credentials_before_starting(tmp_path, capsys
 SCHEDULES_API = ("noetl.schedule.def.s1", "noetl.schedule.fire.s1", "$KV.noetl_schedules.s1",
                  "$JS.API.STREAM.PURGE.NOETL_SCHEDULES", "$JS.API.STREAM.INFO.KV_noetl_schedules",
                  "$JS.API.DIRECT.GET.KV_noetl_schedules.$KV.noetl_schedules.s1",
-                 "$JS.API.STREAM.MSG.GET.NOETL_SCHEDULES", "$JS.API.CONSUMER.DURABLE.CREATE.NOETL_SCHEDULES.scheduler",
+                 "$JS.API.STREAM.MSG.GET.NOETL_SCHEDULES", "$JS.API.CONSUMER.CREATE.NOETL_SCHEDULES.scheduler.noetl.schedule.fire.*",
                  "$JS.API.CONSUMER.MSG.NEXT.NOETL_SCHEDULES.scheduler", "$JS.ACK.NOETL_SCHEDULES.scheduler.1.2.3.4.5")
 
 

@@ -189,10 +189,10 @@ def pool_durable(pool: str) -> str:
     return f"pool-{pool}"
 
 
-def pool_filter(pool: str) -> list[str]:
+def pool_filter(pool: str) -> str:
     """What the consumer ``pool-<pool>`` reads: the commands earlier versions sent (by pool and
-    execution, and by pool), until none is left; the pool's workers read it as one more lane."""
-    return [f"noetl.cmd.{pool}.*", f"noetl.cmd.{pool}"]
+    execution), until none is left; the pool's workers read it as one more lane."""
+    return f"noetl.cmd.{pool}.*"
 
 
 def timer_subject(execution_id: str, timer_id: str) -> str:

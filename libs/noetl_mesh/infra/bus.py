@@ -576,7 +576,7 @@ class Bus:
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
 
     # ----------------------------------------------------------------- consumers
-    async def durable(self, stream: str, name: str, filter_subject: str | list[str], *, max_ack_pending: int,
+    async def durable(self, stream: str, name: str, filter_subject: str, *, max_ack_pending: int,
                       ack_wait: float = 30.0, max_deliver: int = 20, ack_policy: AckPolicy = AckPolicy.EXPLICIT):
         """Create or update a durable pull consumer and bind to it."""
         await self.consumer(stream, name, filter_subject, max_ack_pending=max_ack_pending, ack_wait=ack_wait,
@@ -588,10 +588,15 @@ class Bus:
                        pinned: bool = False, start_seq: int | None = None):
         """Create or update a durable pull consumer; ``pinned``: one partition's, read by one pinned
         reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its ``MAX_ACK_PENDING``). ``start_seq``:
-        deliver from that stream sequence on (a durable taking over from another), else from the start."""
+        deliver from that stream sequence on (a durable taking over from another), else from the start.
+        One that is not pinned has one filter, named in the API subject as well (``CONSUMER.CREATE.
+        <stream>.<name>.<filter>``): the server refuses a body with another filter, so a NATS user allowed
+        that subject reads only what its name and filter say (a worker, its own pool's commands)."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
+        if not pinned and len(subjects) != 1:
+            raise ValueError(f"durable {name}: one filter subject, not {subjects}")
         config = ConsumerConfig(
-            durable_name=name, ack_policy=ack_policy,
+            durable_name=name, name=None if pinned else name, ack_policy=ack_policy,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
             filter_subjects=subjects if len(subjects) > 1 else None,
             max_ack_pending=max_ack_pending or 1, ack_wait=ack_wait, max_deliver=max_deliver,
@@ -599,7 +604,7 @@ class Bus:
             opt_start_seq=start_seq,
         )
         if not pinned:
-            await self.js.add_consumer(stream, config)
+            await self.js.add_consumer(stream, config)  # with a name and a filter: the subject form
             return
         from .pinned import MAX_ACK_PENDING, consumer_config  # nats-py's ConsumerConfig has no priority groups
         await self._put_durable(stream, name, consumer_config(config.as_dict(), max_ack_pending or MAX_ACK_PENDING))

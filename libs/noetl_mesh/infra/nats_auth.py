@@ -49,7 +49,8 @@ DEFAULT_PARTITIONS = 16
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
-                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, lane_durable, pool_durable, pool_problem)
+                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, MAX_DELIVERIES, SCHEDULE_FIRE_PREFIX,
+                                  lane_durable, lane_filter, pool_durable, pool_filter, pool_problem)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
@@ -164,11 +165,15 @@ def _stream_api(stream: str) -> list[str]:
             _js("CONSUMER", "*", "*", stream, ">"), f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
-def _durable(stream: str, name: str, *, info: bool = False, pinned: bool = False) -> list[str]:
+def _durable(stream: str, name: str, filter_subject: str | None = None, *, info: bool = False,
+             pinned: bool = False) -> list[str]:
     """Create (or update) a durable pull consumer, fetch from it, acknowledge its messages; ``pinned``:
-    also count its unacknowledged messages and give up its pin (infra/pinned.py)."""
-    out = [_js("CONSUMER", "DURABLE", "CREATE", stream, name), _js("CONSUMER", "MSG", "NEXT", stream, name),
-           f"$JS.ACK.{stream}.{name}.>"]
+    also count its unacknowledged messages and give up its pin (infra/pinned.py). Not pinned: created
+    with ``filter_subject`` only, named in the API subject (Bus.consumer; the server refuses a body that
+    filters otherwise)."""
+    create = _js("CONSUMER", "DURABLE", "CREATE", stream, name) if pinned else \
+        _js("CONSUMER", "CREATE", stream, name, filter_subject or "")
+    out = [create, _js("CONSUMER", "MSG", "NEXT", stream, name), f"$JS.ACK.{stream}.{name}.>"]
     return out + ([_js("CONSUMER", "INFO", stream, name)] if info or pinned else []) + (
         [_js("CONSUMER", "UNPIN", stream, name)] if pinned else [])
 
@@ -229,7 +234,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         if user == "admission":
             pub += [*COMMAND_PUBLISH, "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
                     _js("STREAM", "MSG", "GET", COMMANDS), _js("STREAM", "MSG", "DELETE", COMMANDS),
-                    _js("STREAM", "INFO", LOST), *_durable(LOST, "admission")]
+                    _js("STREAM", "INFO", LOST), *_durable(LOST, "admission", MAX_DELIVERIES)]
         elif user == "router":
             pub += ["noetl.cancel.*", _js("STREAM", "PURGE", COMMANDS)]
             purges.add(COMMANDS)
@@ -262,7 +267,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]
     elif user == "scheduler":
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]  # attach; a request's big workload
-        pub += ["noetl.schedule.def.*", *_durable(SCHEDULES, "scheduler")]  # schedule messages; firings
+        pub += ["noetl.schedule.def.*", *_durable(SCHEDULES, "scheduler", SCHEDULE_FIRE_PREFIX + "*")]  # schedule messages; firings
         for stream in SCHEDULE_STREAMS:
             pub += [_js("STREAM", verb, stream) for verb in ("INFO", "PURGE", "MSG.GET")]
             pub += [_js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
@@ -272,8 +277,9 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         sub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
     elif user.startswith(WORKER_PREFIX):
         pool = check_pool(user[len(WORKER_PREFIX):])
-        lanes = [lane_durable(pool, lane) for lane in range(LANES)]  # and earlier versions' pool-<pool>
-        pub += [_js("STREAM", "INFO", EVENTS), *(x for d in (*lanes, pool_durable(pool)) for x in _durable(COMMANDS, d)),
+        consumers = [(lane_durable(pool, n), lane_filter(pool, n)) for n in range(LANES)] \
+            + [(pool_durable(pool), pool_filter(pool))]  # and earlier versions' pool-<pool>
+        pub += [_js("STREAM", "INFO", EVENTS), *(x for d, f in consumers for x in _durable(COMMANDS, d, f)),
                 CREDENTIAL_RESOLVE_PREFIX + pool,
                 *_payloads(write=True)]
         pub.append("noetl.q.users.standing")  # the roles of who started a command's execution (NOETL_POOL_ROLES)
