@@ -6,6 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
+from noetl_mesh import limits
 from noetl_mesh.core import decide
 from noetl_mesh.lang.documents import load_document
 from noetl_mesh.core.state import ExecutionState
@@ -56,7 +57,7 @@ class AdmissionService(PartitionedService):
         playbook = None
         if event["name"] == "playbook.execution.requested" and state.playbook is None:
             fetching = self.resolving.pop(event["event_id"], None)
-            playbook = await (fetching if fetching is not None else self.resolve(event.get("data") or {}))
+            playbook = await (fetching if fetching is not None else self.evaluate(event))
         if isinstance(playbook, decide.Written):
             return decide.admission(state, event, playbook.doc, author=playbook.author)
         return decide.admission(state, event, playbook)
@@ -66,13 +67,26 @@ class AdmissionService(PartitionedService):
         whether the request comes first (control.py)."""
         data = request.get("data") or {}
         if data.get("playbook") is None and data.get("catalog") and request["event_id"] not in self.resolving:
-            self.resolving[request["event_id"]] = asyncio.ensure_future(self.resolve(data))
+            self.resolving[request["event_id"]] = asyncio.ensure_future(self.evaluate(request))
 
     def unprepare(self, event: dict[str, Any]) -> None:
         fetching = self.resolving.pop(event["event_id"], None)
         if fetching is not None:  # not needed after all (the execution was cancelled first, or failed)
             fetching.cancel()
             fetching.add_done_callback(_quietly)
+
+    async def evaluate(self, request: dict[str, Any]) -> Any:
+        """What decide.admission takes for a request: its playbook (:meth:`resolve`), or errors; a
+        child's (D19) also counts in its tree, and fails past ``max_tree_executions``."""
+        data = request.get("data") or {}
+        if not data.get("parent"):
+            return await self.resolve(data)
+        total, playbook = await asyncio.gather(
+            self.bus.count_child(data.get("root_execution_id") or data.get("parent_execution_id") or "",
+                                 request["execution_id"]),
+            self.resolve(data))
+        over = limits.exceeded("max_tree_executions", total or 0, f"child execution {request['execution_id']}")
+        return [str(over)] if over else playbook
 
     async def resolve(self, request: dict[str, Any]) -> Any:
         """The playbook of a request: inline (a mapping or YAML text), else from the catalog.

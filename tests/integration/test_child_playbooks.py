@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from noetl_mesh.client import GatewayClient, GatewayError
+from noetl_mesh.infra.bus import Bus
 from noetl_mesh.stack import start_service, stop_service
 
 from conftest import StackHandle, start_stack, stop_stack
@@ -248,6 +249,34 @@ def test_recursion_depth_limit_is_reported(nested):
     assert error["kind"] == "child_failed"
     text = str(error)
     assert "recursion_limit" in text and "would nest child executions 3 deep; the limit is 2" in text
+
+
+def test_a_tree_requests_at_most_max_tree_executions_children_at_every_depth(nested):
+    """D19: the children of a root's tree are counted together, grandchildren included; past the limit
+    a child fails at its request, and so the task that called it."""
+    from noetl_mesh import limits
+    from noetl_mesh.contracts.subjects import TREES, tree_subject
+
+    async def count(client, final):
+        bus = await Bus.connect(nested.nats_url, "probe", nested.admin)
+        try:
+            return (await bus.js.get_last_msg(TREES, tree_subject(final["execution_id"]))).data
+        finally:
+            await bus.close()
+
+    with limits.override(max_tree_executions=1):  # admission runs in this process
+        final, counted = run(nested, "nested/parent", inspect=count)  # parent -> child -> grandchild
+        looped, _ = run(nested, "nested/loop_parent")  # four children of one root
+    assert final["status"] == "FAILED", final
+    text = str(final["error"])
+    assert final["error"]["kind"] == "child_failed" and "ended FAILED" in text
+    assert "the limit max_tree_executions = 1 executions" in text and "is 2 executions" in text, text
+    assert counted == b'{"val":"2"}'  # the child and the grandchild, in the root's count
+    assert looped["status"] == "FAILED" and len(looped["children"]) == 4
+    assert "max_tree_executions" in str(looped["error"])
+    with limits.override(max_tree_executions=4):
+        looped, _ = run(nested, "nested/loop_parent")
+    assert looped["status"] == "COMPLETED", looped
 
 
 def test_a_result_nested_too_deep_fails_where_it_is_made_and_nothing_is_left_running(nested):

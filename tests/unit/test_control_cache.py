@@ -3,6 +3,8 @@ decision was not published: the redelivery of that event must decide again."""
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 from types import SimpleNamespace
 
 from noetl_mesh.core.decide import Decision
@@ -159,6 +161,13 @@ class ChildBus(FlakyBus):
         super().__init__(0, log)
         self.first, self.asked, self.catalog_asked = first, asyncio.Event(), 0
         self.commands: list[dict] = []
+        self.events: list[dict] = []
+        self.counted: list[tuple[str, str]] = []  # (root, child), as the trees' counter was told
+        self.totals: list[int | None] = []  # what it answers (default: one more each time)
+
+    async def count_child(self, root, child):
+        self.counted.append((root, child))
+        return self.totals.pop(0) if self.totals else len(self.counted)
 
     async def first_seq(self, execution_id, partition):
         await asyncio.wait_for(self.asked.wait(), 10)
@@ -173,6 +182,7 @@ class ChildBus(FlakyBus):
     async def publish_all(self, events, commands=(), timers=(), flat=None):
         await super().publish_all(events, commands, timers, flat)
         self.commands += commands
+        self.events += events
 
 
 def child_request(eid: str = "c1") -> dict:
@@ -190,6 +200,33 @@ def test_admission_asks_the_catalog_while_the_log_says_whether_a_childs_request_
     assert bus.catalog_asked == 1  # asked once, and its answer used
     assert [c["step"] for c in bus.commands] == ["start"]  # the child started
     assert service.resolving == {}
+    assert bus.counted == [("p1", "c1")]  # counted in its tree (an old request names no root: its parent's)
+
+
+@pytest.mark.parametrize("total, starts", [(3, True), (4, False), (None, True)])
+def test_a_child_past_its_trees_limit_fails_at_its_request(total, starts):
+    """D19: admission counts a child in its root's tree as it evaluates the request; past
+    max_tree_executions the request is refused, naming the limit (a total of None: this child was
+    counted before, its request is evaluated again: it goes on as it went)."""
+    from noetl_mesh import limits
+    from noetl_mesh.services.admission.service import AdmissionService
+
+    bus = ChildBus(first=7)
+    bus.totals = [total]
+    request = child_request()
+    request["data"]["root_execution_id"] = "root1"
+    with limits.override(max_tree_executions=3):
+        asyncio.run(AdmissionService(bus)._handle(Delivery(), 3, SimpleNamespace(stream=7), "c1", [request]))
+    assert bus.counted == [("root1", "c1")]
+    assert bool(bus.commands) is starts
+    [(names, _)] = bus.published
+    assert names[0] == "playbook.request.evaluated"
+    if not starts:
+        [evaluated] = bus.events
+        assert evaluated["status"] == "error"
+        [error] = evaluated["data"]["errors"]
+        assert "child execution c1" in error and "is 4 executions, over the limit max_tree_executions = 3" in error
+        assert "NOETL_LIMIT_MAX_TREE_EXECUTIONS" in error
 
 
 def test_a_childs_request_after_its_cancellation_starts_nothing_and_drops_its_lookup():

@@ -438,6 +438,18 @@ def test_only_the_scheduler_touches_the_schedules(user):
     assert not may_publish(user, "noetl.evt.scheduler.ctl.x1")
 
 
+def test_only_admission_counts_a_trees_children():
+    """D19: the trees' counters (NOETL_TREES) take increments from admission alone; no user but the
+    admin may create, change or purge the stream."""
+    assert may_publish("admission", "noetl.tree.x1")
+    for user in ("gateway", "router", "loop-coordinator", "event-recorder", "worker-default", "scheduler",
+                 "sessions", "credentials"):
+        assert not may_publish(user, "noetl.tree.x1"), user
+        for verb in ("CREATE", "UPDATE", "PURGE", "DELETE"):
+            assert not may_publish(user, f"$JS.API.STREAM.{verb}.NOETL_TREES"), (user, verb)
+    assert not may_publish("admission", "noetl.tree.x1.more")
+
+
 def test_what_the_scheduler_may_do():
     assert "scheduler" in SERVICES and "scheduler" in WRITER_USERS
     for subject in (*SCHEDULES_API[:1], *SCHEDULES_API[2:], "noetl.evt.scheduler.ctl.x1", "$JS.API.STREAM.INFO.NOETL_EVENTS",

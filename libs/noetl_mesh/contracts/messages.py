@@ -143,6 +143,12 @@ class Empty(_Exact):
     pass
 
 
+class TreeCount(_Open):
+    """An increment of a counter stream: the body is empty when published (header Nats-Incr: +1); the
+    server stores the running total, and answers it in the PubAck (``val``)."""
+    val: Optional[str] = Field(None, description="the total, as the server stores it (a decimal string)")
+
+
 # ---- the event-recorder's requests and replies
 class CatalogRegisterRequest(_Exact):
     content: str = Field(description="the playbook's YAML text")

@@ -19,6 +19,7 @@ COMMANDS = "NOETL_COMMANDS"
 LOST_COMMANDS = "NOETL_LOST_COMMANDS"
 AUDIT = "NOETL_AUDIT"
 SCHEDULES = "NOETL_SCHEDULES"
+TREES = "NOETL_TREES"  # counters (allow_msg_counter): child executions per root
 MEMBERS_BUCKET = "noetl_members"
 SESSIONS_BUCKET, USERS_BUCKET, LOGINS_BUCKET = "noetl_sessions", "noetl_users", "noetl_logins"
 SESSION_BUCKETS = (SESSIONS_BUCKET, USERS_BUCKET, LOGINS_BUCKET)
@@ -44,6 +45,7 @@ LIVE_EXECUTION = LIVE_PREFIX + "x"  # noetl.live.x.<execution_id>
 LIVE_LIST = LIVE_PREFIX + "list"
 LIVE_WATCH = "noetl.watch.live"  # gateways -> recorders: which of those notices an open console stream shows
 LIVE_ASK = LIVE_PREFIX + "ask"  # a recorder that starts -> gateways: say what you watch now
+TREE_PREFIX = "noetl.tree."  # noetl.tree.<root execution id>: its tree's child executions, counted
 SCHEDULE_DEF_PREFIX = "noetl.schedule.def."
 SCHEDULE_FIRE_PREFIX = "noetl.schedule.fire."
 SCHEDULE_SUBJECTS = (SCHEDULE_DEF_PREFIX + "*", SCHEDULE_FIRE_PREFIX + "*")
@@ -193,6 +195,10 @@ def pool_filter(pool: str) -> str:
     """What the consumer ``pool-<pool>`` reads: the commands earlier versions sent (by pool and
     execution), until none is left; the pool's workers read it as one more lane."""
     return f"noetl.cmd.{pool}.*"
+
+
+def tree_subject(root_execution_id: str) -> str:
+    return TREE_PREFIX + root_execution_id
 
 
 def timer_subject(execution_id: str, timer_id: str) -> str:
@@ -372,13 +378,20 @@ CHANNELS: tuple[Channel, ...] = (
             "(durable pool-<pool>).",
             "Command", receivers=("worker",), stream=COMMANDS, parameters={"pool": "the worker pool", **_EXECUTION}),
     Channel("commands-legacy", "noetl.cmd.{pool}", "jetstream",
-            "Commands by pool only, as earlier versions sent them; still read by the pool's workers.",
-            "Command", receivers=("worker",), stream=COMMANDS, parameters={"pool": "the worker pool"}),
+            "Commands by pool only, as the first versions sent them; no longer read (nothing has sent here since "
+            "commands went per execution).", "Command", stream=COMMANDS, parameters={"pool": "the worker pool"}),
     Channel("lost-commands", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{COMMANDS}.{{consumer}}", "advisory",
             "The server's advisory of a command that ran out of deliveries; kept in NOETL_LOST_COMMANDS until "
             "admission (durable admission) fails its runs with worker_lost.",
             "MaxDeliveriesAdvisory", senders=("nats-server",), receivers=("admission",), stream=LOST_COMMANDS,
             parameters={"consumer": "the commands consumer (lane-<pool>-p<lane>, or pool-<pool>)"}),
+    Channel("tree-count", TREE_PREFIX + "{root_execution_id}", "jetstream",
+            "The count of the child executions a root execution's tree has requested, at every depth: admission "
+            "adds 1 (header Nats-Incr: +1, Nats-Msg-Id: the child's id, so a request evaluated again is not "
+            "counted twice) as it evaluates a child's request, reads the total in the PubAck, and fails the child "
+            "past max_tree_executions. A counter stream keeping the last value per root.",
+            "TreeCount", senders=("admission",), stream=TREES,
+            parameters={"root_execution_id": "the id of the tree's root execution"}),
     Channel("cancel", "noetl.cancel.{execution_id}", "broadcast",
             "Workers abort an execution's running commands (it finished), or some step runs (timed out, D29).",
             "CancelNotice", senders=("router",), receivers=("worker",), parameters=_EXECUTION),
@@ -478,6 +491,9 @@ STREAMS: tuple[Stream, ...] = (
     Stream(LOST_COMMANDS, (MAX_DELIVERIES,), "workqueue", "advisories of commands that ran out of deliveries"),
     Stream(AUDIT, AUDIT_SUBJECTS, "limits", "the audit log"),
     Stream(SCHEDULES, SCHEDULE_SUBJECTS, "workqueue", "schedule messages and their firings (D31)"),
+    Stream(TREES, (TREE_PREFIX + "*",), "limits",
+           "counters: the child executions of each root's tree (max_tree_executions); the last value per root, "
+           "7 days after its last child, at most 1,000,000 roots (the oldest go first)"),
     Stream(f"KV_{MEMBERS_BUCKET}", (f"$KV.{MEMBERS_BUCKET}.>",), "limits", "KV: replica membership",
            MEMBERS_BUCKET),
     *(Stream(f"KV_{b}", (f"$KV.{b}.>",), "limits", f"KV: the sessions service's {b.split('_')[1]}", b)

@@ -458,6 +458,7 @@ def _start_child(out: _Out, event: dict) -> None:
         "args": child.get("args") or {},
         "iter_parent": child.get("iter_parent"),  # D19
         "parent_execution_id": state.execution_id,
+        "root_execution_id": state.request.get("root_execution_id") or state.execution_id,  # its tree's count
         "requested_by": requester(state),  # the root's requester: what its pools check (D33)
         "called_by": (callers(state) + [state.author or {}])[-MAX_CALLERS:],  # and the authors above ({}: unknown)
         "parent": {"execution_id": state.execution_id, "step": wait.step, "step_run_id": wait.step_run_id,

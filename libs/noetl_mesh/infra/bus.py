@@ -43,6 +43,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    DiscardPolicy,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -81,8 +82,9 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
     COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
-    Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject, control_filter,
-    command_subject, credential_resolve_subject, lane_of, live_subject, pool_filter, timer_subject, timer_target)
+    Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, TREE_PREFIX, TREES, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject, control_filter,
+    command_subject, credential_resolve_subject, lane_of, live_subject, pool_filter, timer_subject, timer_target,
+    tree_subject)
 
 _SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an id that may stand in a subject as one token
 SCHEDULER_HEADER = "Nats-Scheduler"  # on a message the server wrote at a schedule's time: the schedule's subject
@@ -314,6 +316,7 @@ class Bus:
                 retention=RetentionPolicy.WORK_QUEUE, duplicate_window=120, num_replicas=self.replicas,
             ))
         await self.ensure_lost_commands(max_age_s)
+        await self._ensure_trees(max_age_s)
         from .membership import Membership
 
         await Membership(self.js, "setup", self.partitions, lambda _: None, replicas=self.replicas)._bucket()
@@ -377,6 +380,34 @@ class Bus:
                 name=LOST_COMMANDS, subjects=[MAX_DELIVERIES], storage=StorageType.FILE,
                 retention=RetentionPolicy.WORK_QUEUE, max_age=max_age_s, num_replicas=self.replicas,
             ))
+
+    async def _ensure_trees(self, max_age_s: float) -> None:
+        """The counters of child executions per root (D19, ``max_tree_executions``): a counter stream
+        keeping the last total of each root, ``max_age_s`` after its last child, at most a million roots
+        (the oldest forgotten first)."""
+        try:
+            await self.js.stream_info(TREES)
+        except NotFoundError:
+            await self.js.add_stream(StreamConfig(
+                name=TREES, subjects=[TREE_PREFIX + "*"], storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
+                allow_msg_counter=True, allow_direct=True, max_msgs_per_subject=1, max_msgs=1_000_000,
+                discard=DiscardPolicy.OLD, max_age=max_age_s, duplicate_window=120, num_replicas=self.replicas,
+            ))
+
+    async def count_child(self, root_execution_id: str, child_execution_id: str) -> int | None:
+        """D19: count the child ``child_execution_id`` in the tree of ``root_execution_id``; the tree's
+        total, or None when that child was counted already (its request evaluated again within the
+        stream's 2-minute duplicate window). Raises BusError ``unavailable`` when JetStream does not answer."""
+        if not _SUBJECT_TOKEN.fullmatch(root_execution_id):
+            raise ValueError(f"execution id {root_execution_id!r} cannot name a subject")
+        try:
+            reply = loads((await self.nc.request(tree_subject(root_execution_id), b"", timeout=5, headers={
+                "Nats-Incr": "+1", "Nats-Msg-Id": f"child:{child_execution_id}"})).data)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            raise BusError("unavailable", f"counting the child executions of {root_execution_id}: {exc}") from exc
+        if "error" in reply:
+            raise BusError("unavailable", f"counting the child executions of {root_execution_id}: {reply['error']}")
+        return None if reply.get("duplicate") else int(reply["val"])
 
     async def attach(self) -> None:
         """Read the partition count from the events stream (created by :meth:`setup`), waiting for it

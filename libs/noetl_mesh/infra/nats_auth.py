@@ -49,14 +49,14 @@ DEFAULT_PARTITIONS = 16
 # stream and bucket names: contracts/subjects.py
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
-                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, MAX_DELIVERIES, SCHEDULE_FIRE_PREFIX,
+                                  SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, MAX_DELIVERIES, SCHEDULE_FIRE_PREFIX, TREE_PREFIX, TREES,
                                   lane_durable, lane_filter, pool_durable, pool_filter, pool_problem)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
 SESSION_STREAMS = (*(f"KV_{b}" for b in SESSION_BUCKETS), AUDIT)
 SCHEDULE_STREAMS = (SCHEDULES, f"KV_{SCHEDULES_BUCKET}")
-ALL_STREAMS = (EVENTS, COMMANDS, LOST, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
+ALL_STREAMS = (EVENTS, COMMANDS, LOST, TREES, MEMBERS, PAYLOADS, *SESSION_STREAMS, *SCHEDULE_STREAMS)
 SESSIONS_AUDIT_AREAS = ("session", "user", "token")  # audit records only the sessions service writes
 CREDENTIALS_AUDIT = ("credential.resolved", "credential.refused")  # audit records only the credentials service writes
 from ..contracts.subjects import LIVE_PREFIX, LIVE_WATCH  # noqa: E402 - the console's live streams
@@ -234,7 +234,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         if user == "admission":
             pub += [*COMMAND_PUBLISH, "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
                     _js("STREAM", "MSG", "GET", COMMANDS), _js("STREAM", "MSG", "DELETE", COMMANDS),
-                    _js("STREAM", "INFO", LOST), *_durable(LOST, "admission", MAX_DELIVERIES)]
+                    _js("STREAM", "INFO", LOST), *_durable(LOST, "admission", MAX_DELIVERIES),
+                    TREE_PREFIX + "*"]  # a child counted in its tree (D19; the PubAck says the total)
         elif user == "router":
             pub += ["noetl.cancel.*", _js("STREAM", "PURGE", COMMANDS)]
             purges.add(COMMANDS)
@@ -301,6 +302,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny.append("noetl.sched.>")
     if user not in ("admission", "loop-coordinator"):
         deny.append("noetl.cmd.>")
+    if user != "admission":
+        deny.append(TREE_PREFIX + ">")  # the trees' counts: admission's alone
     if user != "router":
         deny.append("noetl.cancel.>")
     if user != "gateway":  # only operators' tools ask services (and the gateway pings for its readiness)
