@@ -26,9 +26,15 @@ class AdmissionService(PartitionedService):
     def __init__(self, bus: Any, ack_wait: float | None = None):
         super().__init__(bus, ack_wait)
         self.resolving: dict[str, asyncio.Future] = {}  # a child's request's event id -> its playbook, being fetched
+        self.counting = True  # children are counted in their trees (D19): off when NOETL_TREES cannot be used
 
     async def start(self) -> None:
         await super().start()
+        why = await self.bus.trees_unusable()
+        if why:  # a stack set up by an earlier version: children run, uncounted, rather than wait for ever
+            self.counting = False
+            log.error("admission: child executions are NOT counted in their trees (max_tree_executions, D19): %s. "
+                      "Run `noetl setup` and `noetl nats-credentials` (then reload NATS), and restart admission", why)
         # Admission sent the command, so admission reports it lost: a command that ran out of
         # deliveries ends its step runs failed instead of leaving the execution RUNNING forever. The
         # server's advisories are kept in a stream, so none is missed while no admission runs.
@@ -79,14 +85,14 @@ class AdmissionService(PartitionedService):
         """What decide.admission takes for a request: its playbook (:meth:`resolve`), or errors; a
         child's (D19) also counts in its tree, and fails past ``max_tree_executions``."""
         data = request.get("data") or {}
-        if not data.get("parent"):
+        if not data.get("parent") or not self.counting:
             return await self.resolve(data)
         total, playbook = await asyncio.gather(
             self.bus.count_child(data.get("root_execution_id") or data.get("parent_execution_id") or "",
                                  request["execution_id"]),
             self.resolve(data))
-        over = limits.exceeded("max_tree_executions", total or 0, f"child execution {request['execution_id']}")
-        return [str(over)] if over else playbook
+        over = limits.exceeded("max_tree_executions", total, f"child execution {request['execution_id']}")
+        return [over] if over else playbook
 
     async def resolve(self, request: dict[str, Any]) -> Any:
         """The playbook of a request: inline (a mapping or YAML text), else from the catalog.

@@ -33,7 +33,7 @@ from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
 from noetl_mesh.infra import logs, metrics, tracing
 from noetl_mesh.contracts.subjects import (LANES, Q_USERS_STANDING, command_parts, lane_durable, lane_filter,
-                                           pool_durable)
+                                           cancel_subject, pool_durable)
 from noetl_mesh.infra.bus import COMMANDS, UNHANDLEABLE, Bus, BusError, hand_back, loads, pool_filter, release, strays
 from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -131,6 +131,7 @@ class EventBatcher:
         await asyncio.wait_for(asyncio.gather(*self.acks), 30)
 
 
+_CANCEL_FIELDS = frozenset({"execution_id", "status", "runs", "only_runs"})  # contracts.messages.CancelNotice
 STANDING_TTL = 10.0  # seconds a pool keeps a starter's roles (D33): a role taken away counts within this
 TERMINALS = {"step.done": ("run", "success"), "step.failed": ("run", "error"),
              "loop.iteration.done": ("iteration", "success"), "loop.iteration.failed": ("iteration", "error"),
@@ -262,6 +263,9 @@ class WorkerService:
         self.running: dict[asyncio.Task, str] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
         self.run_of: dict[asyncio.Task, str | None] = {}  # the step run of each running command
+        self.guarded: dict[asyncio.Task, dict] = {}  # running commands, their users checked again (_recheck)
+        self.revoked: dict[asyncio.Task, str] = {}  # those stopped for it, and why
+        self._rechecking: asyncio.Task | None = None
         self.stopped_runs: collections.OrderedDict[str, None] = collections.OrderedDict()  # timed out (D29)
         self.stop_event = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
@@ -306,6 +310,7 @@ class WorkerService:
                      for durable, subjects, _ in self.durables]
         self.cancel_sub = await self.bus.nc.subscribe("noetl.cancel.*", cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._pull(), name=f"worker-{self.pool}")
+        self._rechecking = asyncio.create_task(self._recheck(), name=f"worker-{self.pool}-standing")
 
     async def _start_sandbox(self) -> None:
         """The fork servers start beside the worker's first fetch (a task waits for its own if it must):
@@ -350,9 +355,10 @@ class WorkerService:
         """Fetch nothing more; let the running commands finish for ``grace`` seconds; hand back (nak)
         those still running and whatever was fetched but not started, for another worker at once."""
         self.stop_event.set()
-        if self.loop_task:
-            self.loop_task.cancel()
-            await asyncio.gather(self.loop_task, return_exceptions=True)
+        for task in (self.loop_task, self._rechecking):
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.running:
             log.info("worker %s: stopping; %d commands running, waiting up to %gs for them", self.pool,
                      len(self.running), self.grace)
@@ -511,6 +517,7 @@ class WorkerService:
                 await msg.ack()
                 self._m_outcome["forbidden"].inc()
                 return
+            self.guarded[asyncio.current_task()] = command
             step = command["step"]
             attributes = {tracing.STEP: step, tracing.POOL: self.pool, tracing.STEP_RUN_ID: command.get("step_run_id")}
             if command.get("iteration") is not None:
@@ -543,6 +550,14 @@ class WorkerService:
             await msg.ack()
             self._m_outcome["payload_missing"].inc()
         except asyncio.CancelledError:
+            if (why := self.revoked.get(asyncio.current_task())) is not None:  # its users lost their standing
+                log.warning("command %s: stopped while it ran: %s", command.get("command_id"), why)
+                self.commands.record(started_ns, error=f"forbidden: {why}")
+                await self._fail(command, {"kind": "forbidden", "message": f"{why}; stopped while it ran",
+                                           "retryable": False})
+                await msg.ack()
+                self._m_outcome["forbidden"].inc()
+                return
             if eid in self.finished or command.get("step_run_id") in self.stopped_runs:  # cancelled by the control plane: nothing more to report
                 await msg.ack()
                 self._m_outcome["cancelled"].inc()
@@ -567,6 +582,8 @@ class WorkerService:
             self._m_outcome["retried"].inc()
         finally:
             self.log_masking.forget(asyncio.current_task())
+            self.guarded.pop(asyncio.current_task(), None)
+            self.revoked.pop(asyncio.current_task(), None)
             heartbeat.cancel()
             if batcher is not None:
                 batcher.abandon()
@@ -622,6 +639,29 @@ class WorkerService:
                 return f"{need}; this one was {did} by {name}, who has {', '.join(holds) or 'no role'}"
         return None
 
+    async def _recheck(self) -> None:
+        """D33: the users of every running command are checked again each :data:`STANDING_TTL`
+        seconds, as when it started (:meth:`_refusal`): a command whose starter or author has been
+        disabled or removed since (or, on a pool that names roles, no longer holds one) is stopped, its
+        task process killed, and its run fails ``forbidden``. While the sessions service does not
+        answer, the command goes on."""
+        while not self.stop_event.is_set():
+            await asyncio.sleep(STANDING_TTL)
+            for task, command in list(self.guarded.items()):
+                if task.done() or task in self.revoked:
+                    continue
+                try:
+                    refusal = await self._refusal(command)
+                except BusError:
+                    continue
+                except Exception:  # noqa: BLE001 - the check goes on for the others, and next time
+                    log.exception("worker %s: checking the users of command %s again", self.pool,
+                                  command.get("command_id"))
+                    continue
+                if refusal is not None and task in self.guarded and not task.done():
+                    self.revoked[task] = refusal
+                    task.cancel()
+
     async def _standing_of(self, uid: str) -> dict:
         """The user's standing, kept :data:`STANDING_TTL` seconds; a :class:`BusError` when the sessions
         service does not answer, kept a second (each command would otherwise wait out the request)."""
@@ -652,7 +692,16 @@ class WorkerService:
 
 
     async def _on_cancel(self, msg: Msg) -> None:
-        notice = loads(msg.data)
+        try:
+            notice = loads(msg.data)
+        except Exception:  # noqa: BLE001 - not the router's
+            notice = None
+        # the router's notice only: a server's delivery (a reply to ack) or any other body at this subject
+        # is not one (a push consumer a compromised worker made could deliver its commands here)
+        if msg.reply or not isinstance(notice, dict) or not set(notice) <= _CANCEL_FIELDS \
+                or msg.subject != cancel_subject(str(notice.get("execution_id"))):
+            log.warning("worker %s: ignoring a message at %s that is not a cancel notice", self.pool, msg.subject)
+            return
         eid = notice["execution_id"]
         if notice.get("only_runs"):  # D29: step runs that timed out; the execution goes on
             runs = set(notice.get("runs") or ())

@@ -270,6 +270,7 @@ def test_a_tree_requests_at_most_max_tree_executions_children_at_every_depth(nes
     assert final["status"] == "FAILED", final
     text = str(final["error"])
     assert final["error"]["kind"] == "child_failed" and "ended FAILED" in text
+    assert "'limit_exceeded'" in text  # the refused child's own error (its cause): a limit, not the playbook
     assert "the limit max_tree_executions = 1 executions" in text and "is 2 executions" in text, text
     assert counted == b'{"val":"2"}'  # the child and the grandchild, in the root's count
     assert looped["status"] == "FAILED" and len(looped["children"]) == 4

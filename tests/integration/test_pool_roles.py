@@ -243,6 +243,58 @@ def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monk
     assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]
 
 
+SLEEPS = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: sleeps, path: tests/pools/sleeps}
+workflow:
+  - step: start
+    tool:
+      kind: python
+      code: |
+        import time
+        def main():
+            time.sleep(120)
+            return "woke"
+    next: {arcs: [{step: after}]}
+  - step: after
+    tool: {kind: noop, result: ran}
+"""
+
+
+def test_a_task_running_when_its_user_is_disabled_is_stopped(stack, monkeypatch) -> None:
+    """Disabled while its task runs (a python task that would sleep 120 s): the worker, checking the
+    users of its running commands again, stops it; the run fails forbidden, saying so."""
+    from noetl_mesh.services.worker import service as worker
+
+    monkeypatch.setattr(worker, "STANDING_TTL", 0.2)  # how often it looks again (10 s otherwise)
+
+    async def go():
+        token = await new_user(stack, "sleeper", ["developer"])
+        async with stack.client() as admin:
+            async with stack.client(token=token) as sleeper:
+                eid = await sleeper.start(yaml.safe_load(SLEEPS))
+                for _ in range(600):
+                    try:
+                        if any(e["name"] == "task.started" for e in await admin.all_events(eid)):
+                            break
+                    except GatewayError as exc:  # not recorded yet
+                        if exc.status != 404:
+                            raise
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the task never started")
+            await admin.disable_user("sleeper")
+            return await admin.wait(eid, timeout=60), await admin.all_events(eid)
+
+    status, events = stack.run(go(), 90)  # the task alone would take 120 s
+    assert status["status"] == "FAILED", status
+    message = forbidden(events)
+    assert "started by sleeper, who is disabled or removed" in message and "stopped while it ran" in message
+    assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]
+    assert not [e for e in events if e["name"] == "task.processed"]  # it never woke
+
+
 BIG_LOOP = """
 apiVersion: noetl.io/v2
 kind: Playbook

@@ -163,7 +163,7 @@ class ChildBus(FlakyBus):
         self.commands: list[dict] = []
         self.events: list[dict] = []
         self.counted: list[tuple[str, str]] = []  # (root, child), as the trees' counter was told
-        self.totals: list[int | None] = []  # what it answers (default: one more each time)
+        self.totals: list[int] = []  # what it answers (default: one more each time)
 
     async def count_child(self, root, child):
         self.counted.append((root, child))
@@ -203,11 +203,11 @@ def test_admission_asks_the_catalog_while_the_log_says_whether_a_childs_request_
     assert bus.counted == [("p1", "c1")]  # counted in its tree (an old request names no root: its parent's)
 
 
-@pytest.mark.parametrize("total, starts", [(3, True), (4, False), (None, True)])
+@pytest.mark.parametrize("total, starts", [(3, True), (4, False)])
 def test_a_child_past_its_trees_limit_fails_at_its_request(total, starts):
     """D19: admission counts a child in its root's tree as it evaluates the request; past
     max_tree_executions the request is refused, naming the limit (a total of None: this child was
-    counted before, its request is evaluated again: it goes on as it went)."""
+    counted before, its request evaluated again: the count answers the total now)."""
     from noetl_mesh import limits
     from noetl_mesh.services.admission.service import AdmissionService
 
@@ -223,7 +223,7 @@ def test_a_child_past_its_trees_limit_fails_at_its_request(total, starts):
     assert names[0] == "playbook.request.evaluated"
     if not starts:
         [evaluated] = bus.events
-        assert evaluated["status"] == "error"
+        assert evaluated["status"] == "error" and evaluated["data"]["kind"] == "limit_exceeded"
         [error] = evaluated["data"]["errors"]
         assert "child execution c1" in error and "is 4 executions, over the limit max_tree_executions = 3" in error
         assert "NOETL_LIMIT_MAX_TREE_EXECUTIONS" in error
@@ -304,3 +304,15 @@ def test_an_event_that_fails_on_its_last_delivery_stops_its_execution():
     assert asyncio.run(deliver(49)) == []
     [(names, _)] = asyncio.run(deliver(50))
     assert names == ["execution.cancelled"]
+
+
+def test_a_child_runs_uncounted_when_the_trees_counters_cannot_be_used():
+    """A stack set up by an earlier version has no NOETL_TREES (admission says so as it starts): its
+    children run, uncounted, rather than wait on a count that cannot be had."""
+    from noetl_mesh.services.admission.service import AdmissionService
+
+    bus = ChildBus(first=7)
+    service = AdmissionService(bus)
+    service.counting = False
+    asyncio.run(service._handle(Delivery(), 3, SimpleNamespace(stream=7), "c1", [child_request()]))
+    assert bus.counted == [] and [c["step"] for c in bus.commands] == ["start"]

@@ -82,3 +82,25 @@ def test_a_report_that_cannot_be_encoded_is_unsendable_not_a_retry():
         asyncio.run(report(TypeError("Integer exceeds 64-bit range")))
     with pytest.raises(ConnectionError):
         asyncio.run(report(ConnectionError("no responders")))
+
+
+def test_a_worker_takes_the_routers_cancel_notice_only():
+    """At noetl.cancel.<execution>: the router's notice (no reply, its fields, its execution's subject)
+    stops the execution's commands; a server's delivery there (a push consumer's, which a compromised
+    worker could point at this subject) or any other body is ignored."""
+    from types import SimpleNamespace
+
+    import orjson
+
+    def message(body, subject="noetl.cancel.x1", reply=""):
+        return SimpleNamespace(data=orjson.dumps(body) if not isinstance(body, bytes) else body, subject=subject,
+                               reply=reply)
+
+    worker = WorkerService(Sessions(ACTIVE))
+    command = {"command_id": "c", "execution_id": "x1", "pool": "default", "step": "s"}
+    for ignored in (message(command), message({"execution_id": "x1"}, reply="$JS.ACK.NOETL_COMMANDS.lane-default-p0.1"),
+                    message({"execution_id": "x2"}), message(b"not json"), message(["x1"])):
+        asyncio.run(worker._on_cancel(ignored))
+    assert "x1" not in worker.finished and "x2" not in worker.finished
+    asyncio.run(worker._on_cancel(message({"execution_id": "x1", "status": "CANCELLED"})))
+    assert "x1" in worker.finished

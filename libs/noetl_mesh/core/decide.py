@@ -137,8 +137,10 @@ def _evaluate_request(out: _Out, resolved: Any, author: Any = None) -> None:
     state = out.state
     if state.playbook is not None or state.cancel_requested or state.finished:
         return  # already evaluated (a redelivery), or a child cancelled before its request arrived
+    kind = None  # the failure's kind, when not the playbook's fault (a limit)
     if isinstance(resolved, list):
         errors = [str(e) for e in resolved]
+        kind = "limit_exceeded" if any(isinstance(e, limits.LimitExceeded) for e in resolved) else None
     elif resolved is None:
         errors = ["no playbook given"]
     else:
@@ -148,14 +150,14 @@ def _evaluate_request(out: _Out, resolved: Any, author: Any = None) -> None:
         errors = ([] if isinstance(restart, dict) else ["restarted_from is not a mapping"]) \
             or restart_seed.check(state.request.get("seed"), doc, digest)
     if errors:
-        out.event("playbook.request.evaluated", status="error", data={"errors": errors})
+        out.event("playbook.request.evaluated", status="error", data={"errors": errors, **({"kind": kind} if kind else {})})
         return
     overrides = state.request.get("workload") or {}
     workload = deep_merge(doc.get("workload") or {}, overrides)  # D26: maps merge, others replace
     encoded = orjson.dumps(workload, default=str, option=orjson.OPT_NON_STR_KEYS)
     over = limits.exceeded("max_workload_bytes", len(encoded), "workload")
     if over:
-        out.event("playbook.request.evaluated", status="error", data={"errors": [str(over)]})
+        out.event("playbook.request.evaluated", status="error", data={"errors": [str(over)], "kind": over.kind})
         return
     # each side was checked, but a merge can join two halves of a payload reference (D23)
     if refs.MARKER in encoded and (at := refs.forged(workload)) is not None:
@@ -538,8 +540,9 @@ def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
     name = event["name"]
     if state.finished:
         return out.decision
-    if name == "playbook.request.evaluated" and event["status"] == "error":
-        _finish(out, FAILED, error={"kind": "invalid_playbook", "message": "; ".join(state.errors)})
+    if name == "playbook.request.evaluated" and event["status"] == "error":  # a limit's refusal says so
+        kind = "limit_exceeded" if (event.get("data") or {}).get("kind") == "limit_exceeded" else "invalid_playbook"
+        _finish(out, FAILED, error={"kind": kind, "message": "; ".join(state.errors)})
         return out.decision
     if name == "execution.cancelled":
         stopped = engine_error(event)  # a service could not go on with it: FAILED, not CANCELLED (D18)

@@ -394,10 +394,22 @@ class Bus:
                 discard=DiscardPolicy.OLD, max_age=max_age_s, duplicate_window=120, num_replicas=self.replicas,
             ))
 
-    async def count_child(self, root_execution_id: str, child_execution_id: str) -> int | None:
+    async def trees_unusable(self) -> str | None:
+        """Why the trees' counters (D19) cannot be used by this connection, or None: the stream is
+        missing (set up by an earlier version) or its NATS user may not read it (earlier permissions)."""
+        try:
+            await self.js.stream_info(TREES)
+        except NotFoundError:
+            return f"the stream {TREES} does not exist"
+        except Exception as exc:  # noqa: BLE001 - refused (a timeout: the server said so to error_cb), or away
+            return f"the stream {TREES} cannot be read ({type(exc).__name__}: {exc})"
+        return None
+
+    async def count_child(self, root_execution_id: str, child_execution_id: str) -> int:
         """D19: count the child ``child_execution_id`` in the tree of ``root_execution_id``; the tree's
-        total, or None when that child was counted already (its request evaluated again within the
-        stream's 2-minute duplicate window). Raises BusError ``unavailable`` when JetStream does not answer."""
+        total. When that child was counted already (its request evaluated again within the stream's
+        2-minute duplicate window), the total now, which may include children counted since: never
+        less than when it was counted. Raises BusError ``unavailable`` when JetStream does not answer."""
         if not _SUBJECT_TOKEN.fullmatch(root_execution_id):
             raise ValueError(f"execution id {root_execution_id!r} cannot name a subject")
         try:
@@ -407,7 +419,12 @@ class Bus:
             raise BusError("unavailable", f"counting the child executions of {root_execution_id}: {exc}") from exc
         if "error" in reply:
             raise BusError("unavailable", f"counting the child executions of {root_execution_id}: {reply['error']}")
-        return None if reply.get("duplicate") else int(reply["val"])
+        if not reply.get("duplicate"):
+            return int(reply["val"])
+        try:
+            return int(loads((await self.js.get_last_msg(TREES, tree_subject(root_execution_id))).data)["val"])
+        except Exception as exc:  # noqa: BLE001 - asked again on the redelivery
+            raise BusError("unavailable", f"reading the count of {root_execution_id}'s tree: {exc}") from exc
 
     async def attach(self) -> None:
         """Read the partition count from the events stream (created by :meth:`setup`), waiting for it
@@ -621,13 +638,14 @@ class Bus:
         reader at a time (infra/pinned.py; ``max_ack_pending`` defaults to its ``MAX_ACK_PENDING``). ``start_seq``:
         deliver from that stream sequence on (a durable taking over from another), else from the start.
         One that is not pinned has one filter, named in the API subject as well (``CONSUMER.CREATE.
-        <stream>.<name>.<filter>``): the server refuses a body with another filter, so a NATS user allowed
-        that subject reads only what its name and filter say (a worker, its own pool's commands)."""
+        <stream>.<name>.<filter>``, sent here whatever the server's version): the server refuses a body
+        with another filter, so a NATS user allowed only that subject reads only what its name and filter
+        say (a worker, its own pool's commands)."""
         subjects = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         if not pinned and len(subjects) != 1:
             raise ValueError(f"durable {name}: one filter subject, not {subjects}")
         config = ConsumerConfig(
-            durable_name=name, name=None if pinned else name, ack_policy=ack_policy,
+            durable_name=name, ack_policy=ack_policy,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
             filter_subjects=subjects if len(subjects) > 1 else None,
             max_ack_pending=max_ack_pending or 1, ack_wait=ack_wait, max_deliver=max_deliver,
@@ -635,16 +653,17 @@ class Bus:
             opt_start_seq=start_seq,
         )
         if not pinned:
-            await self.js.add_consumer(stream, config)  # with a name and a filter: the subject form
+            await self._put_durable(stream, name, {**config.as_dict(), "name": name}, filter_subject=subjects[0])
             return
         from .pinned import MAX_ACK_PENDING, consumer_config  # nats-py's ConsumerConfig has no priority groups
         await self._put_durable(stream, name, consumer_config(config.as_dict(), max_ack_pending or MAX_ACK_PENDING))
 
-    async def _put_durable(self, stream: str, name: str, config: dict[str, Any]) -> None:
+    async def _put_durable(self, stream: str, name: str, config: dict[str, Any], filter_subject: str | None = None) -> None:
         """Create or update a durable from its configuration as JSON (what nats-py's ConsumerConfig
-        cannot say: priority groups)."""
-        reply = loads((await self.nc.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}", dumps(
-            {"stream_name": stream, "config": config}), timeout=5)).data)
+        cannot say: priority groups); with ``filter_subject``, by the API subject that names it."""
+        api = f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter_subject}" if filter_subject \
+            else f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"
+        reply = loads((await self.nc.request(api, dumps({"stream_name": stream, "config": config}), timeout=5)).data)
         if "error" in reply:
             raise BusError("unavailable", f"consumer {name} of {stream}: {reply['error'].get('description', reply['error'])}")
 

@@ -235,7 +235,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
             pub += [*COMMAND_PUBLISH, "noetl.q.catalog.get", _js("STREAM", "INFO", COMMANDS),
                     _js("STREAM", "MSG", "GET", COMMANDS), _js("STREAM", "MSG", "DELETE", COMMANDS),
                     _js("STREAM", "INFO", LOST), *_durable(LOST, "admission", MAX_DELIVERIES),
-                    TREE_PREFIX + "*"]  # a child counted in its tree (D19; the PubAck says the total)
+                    TREE_PREFIX + "*", _js("STREAM", "INFO", TREES),  # a child counted in its tree (D19;
+                    _js("STREAM", "MSG", "GET", TREES)]  # the PubAck says the total; a duplicate's: read)
         elif user == "router":
             pub += ["noetl.cancel.*", _js("STREAM", "PURGE", COMMANDS)]
             purges.add(COMMANDS)
