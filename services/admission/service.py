@@ -14,6 +14,7 @@ from nats.js.errors import NotFoundError
 
 from noetl_mesh.infra.bus import COMMANDS, LOST_COMMANDS, MAX_DELIVERIES, Q_CATALOG_GET, BusError, loads, pull_loop
 from noetl_mesh.infra.control import PartitionedService
+from noetl_mesh.infra.payloads import PayloadMissing
 from noetl_mesh.infra.micro import Consumer
 
 log = logging.getLogger("noetl.admission")
@@ -54,7 +55,10 @@ class AdmissionService(PartitionedService):
         except NotFoundError:  # already reported (and deleted), or acknowledged after all
             await msg.ack()
             return
-        command = await self.bus.expand(stored.data, loads(stored.data))  # D23
+        try:
+            command = await self.bus.expand(stored.data, loads(stored.data))  # D23
+        except PayloadMissing:  # a chunk by reference, gone: its iterations are named by their range
+            command = {**loads(stored.data), "chunk": None}
         await self.bus.publish_all(decide.lost_command(command, advisory.get("deliveries", 0)))
         await self.bus.js.delete_msg(COMMANDS, seq)
         await msg.ack()  # an error above leaves it to be retried (pull_loop naks with a delay)

@@ -685,9 +685,10 @@ class WorkerService:
         if is_ref(command.get("chunk")):
             try:
                 command = {**command, "chunk": await self.bus.payloads.expand(command["chunk"])}
-            except PayloadMissing:
-                log.error("command %s: its iterations are unreadable too; nothing reported", command.get("command_id"))
-                return
+            except PayloadMissing:  # its iterations are named by their range (lost_command)
+                log.error("command %s: its chunk is unreadable too; its iterations %s fail", command.get("command_id"),
+                          command.get("iterations"))
+                command = {**command, "chunk": None}
         await self.bus.publish_all(lost_command(command, 0, error=error, source=f"worker:{self.pool}"))
 
 

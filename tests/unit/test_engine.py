@@ -544,3 +544,43 @@ def test_decisions_are_deterministic_ids():
     # different executions, same shape: event ids differ, names and order are identical
     assert names(r1) == names(r2)
     assert {e["event_id"] for e in r1.log}.isdisjoint({e["event_id"] for e in r2.log})
+
+
+def test_a_chunk_no_worker_can_read_fails_its_iterations_by_their_range(monkeypatch):
+    """D23: a chunk of iterations sent by reference whose payload is gone (past its retention) cannot
+    list its iterations; its command names their range, so the worker (or admission, for a lost
+    command) fails each of them, and the loop ends instead of waiting for them for ever."""
+    import asyncio
+
+    from noetl_mesh.core import decide, local
+
+    real, lost = local.execute_command, []
+
+    async def lose_the_first_chunk(command, tools, publish, **kwargs):
+        if command.get("chunk") and not lost:
+            lost.append(command)
+            gone = {**command, "chunk": {"ref": "gone"}}  # as received: a reference that cannot be read
+            for event in decide.lost_command(gone, 0, source="worker:default", error={
+                    "kind": "payload_missing", "message": "the chunk is gone", "retryable": False}):
+                await publish(event)
+            return
+        return await real(command, tools, publish, **kwargs)
+
+    monkeypatch.setattr(local, "execute_command", lose_the_first_chunk)
+    doc = {"apiVersion": "noetl.io/v2", "kind": "Playbook", "metadata": {"name": "chunks", "path": "t/chunks"},
+           "workflow": [{"step": "start", "loop": {"in": "{{ range(40) | list }}", "iterator": "i",
+                                                   "spec": {"mode": "parallel", "max_in_flight": 16,
+                                                            "policy": {"failure": {"mode": "continue"}}}},
+                         "tool": {"kind": "noop", "result": "{{ iter.i }}"}}]}
+    run = asyncio.run(local.run_local(doc))
+    [chunk] = lost
+    first, end = chunk["iterations"]
+    assert [e["iteration"] for e in chunk["chunk"]] == list(range(first, end)) and end - first == 2
+    assert run.state.status == "COMPLETED", [e["name"] for e in run.log][-5:]  # failure mode continue
+    failed = [e for e in run.log if e["name"] == "loop.iteration.failed"]
+    assert sorted(e["iteration"] for e in failed) == list(range(first, end))
+    assert {e["data"]["error"]["kind"] for e in failed} == {"payload_missing"}
+    done = [e for e in run.log if e["name"] == "loop.iteration.done"]
+    assert len(done) == 40 - (end - first)
+    result = run.state.step_results()["start"]["result"]
+    assert result[first:end] == [None, None] and result[end] == end

@@ -85,6 +85,8 @@ class Command(_Exact):
     step_run_id: str
     iteration: Optional[int] = None
     chunk: Optional[list[ChunkEntry]] | PayloadRef = None
+    iterations: Optional[list[int]] = Field(None, description="a chunk's iterations [first, end): its failure "
+                                                              "names them when the chunk itself cannot be read")
     tasks: list[dict[str, Any]] = Field(description="the step's tool tasks, as validated")
     workbook: list[dict[str, Any]] | dict[str, Any] = Field(default_factory=list)
     spec_layers: dict[str, Any]

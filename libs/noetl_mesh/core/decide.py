@@ -836,7 +836,7 @@ def lost_command(command: dict[str, Any], deliveries: int, *, error: dict[str, A
                                  "finished (its workers died or hung)"}
     common = {"source": source, "status": "error", "step": command["step"],
               "step_run_id": command["step_run_id"]}
-    entries = command.get("chunk") or ([{"iteration": command.get("iteration"), "command_id": command["command_id"]}])
+    entries = _entries(command)
     out = []
     for entry in entries:
         i = entry.get("iteration")
@@ -844,6 +844,18 @@ def lost_command(command: dict[str, Any], deliveries: int, *, error: dict[str, A
         out.append(make_event(name, command["execution_id"], event_id=stable_id(entry["command_id"], name, "lost"),
                               iteration=i, data={"error": error, "result": None}, **common))
     return out
+
+
+def _entries(command: dict[str, Any]) -> list[dict[str, Any]]:
+    """The step run or iterations a command carries: its chunk, else (a chunk sent by reference that
+    cannot be read any more: ``chunk`` is not a list) its ``iterations`` range, else its one run."""
+    chunk = command.get("chunk")
+    if isinstance(chunk, list) and chunk:
+        return chunk
+    span = command.get("iterations")
+    if isinstance(span, list) and len(span) == 2 and all(isinstance(i, int) for i in span):
+        return [{"iteration": i, "command_id": stable_id("cmd", command["step_run_id"], i)} for i in range(*span)]
+    return [{"iteration": command.get("iteration"), "command_id": command["command_id"]}]
 
 
 def step_spec(state: ExecutionState, sdef: dict) -> dict:
@@ -879,6 +891,8 @@ def build_command(state: ExecutionState, run: StepRun, *, pool: str, iterations:
         "step_run_id": run.id,
         "iteration": single["iteration"] if single else None,
         "chunk": chunk if chunk and not single else None,
+        # a chunk's iterations [first, end): what its failure names when the chunk, sent by reference, is gone
+        "iterations": [iterations.start, iterations.stop] if chunk and not single else None,
         "tasks": sdef.get("tool") or [],
         "workbook": state.playbook.get("workbook") or [],  # root workbook tasks, for `kind: workbook`
         "spec_layers": {"executor": (state.playbook.get("executor") or {}).get("spec"),

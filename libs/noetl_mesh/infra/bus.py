@@ -775,7 +775,7 @@ class Bus:
 
 MAX_MESSAGE = 768 * 1024  # below the server's default max_payload (1 MiB)
 # a command's fields that identify and shape it: never moved to the object store
-COMMAND_IDENTITY = frozenset({"command_id", "pool", "execution_id", "step", "step_run_id", "iteration",
+COMMAND_IDENTITY = frozenset({"command_id", "pool", "execution_id", "step", "step_run_id", "iteration", "iterations",
                               "tasks", "spec_layers", "loop_mode", "workbook"})
 
 
