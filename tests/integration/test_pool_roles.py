@@ -212,32 +212,38 @@ workflow:
 """
 
 
-def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monkeypatch) -> None:
-    """Disabled while its execution waits, on the default pool (which names no roles): the next step's
-    command is refused, and the execution fails saying why."""
+def disabled_meanwhile(stack, monkeypatch, name: str, playbook: str, seen: str) -> tuple[dict, list[dict]]:
+    """A new developer ``name`` starts ``playbook``; once its log has ``seen``, the admin disables
+    them. The execution's end and its events (workers check users every 0.2 s, not 10)."""
     from noetl_mesh.services.worker import service as worker
 
-    monkeypatch.setattr(worker, "STANDING_TTL", 0.2)  # the standing the worker keeps: 10 s otherwise
+    monkeypatch.setattr(worker, "STANDING_TTL", 0.2)  # the standing the worker keeps, how often it looks again
 
     async def go():
-        token = await new_user(stack, "leaver", ["developer"])
+        token = await new_user(stack, name, ["developer"])
         async with stack.client() as admin:
-            async with stack.client(token=token) as leaver:
-                eid = await leaver.start(yaml.safe_load(WAITS))
+            async with stack.client(token=token) as user:
+                eid = await user.start(yaml.safe_load(playbook))
                 for _ in range(600):
                     try:
-                        if any(e["name"] == "wait.started" for e in await admin.all_events(eid)):
+                        if any(e["name"] == seen for e in await admin.all_events(eid)):
                             break
                     except GatewayError as exc:  # not recorded yet
                         if exc.status != 404:
                             raise
                     await asyncio.sleep(0.05)
                 else:
-                    raise AssertionError("the wait never started")
-            await admin.disable_user("leaver")
+                    raise AssertionError(f"{seen} never came")
+            await admin.disable_user(name)
             return await admin.wait(eid, timeout=60), await admin.all_events(eid)
 
-    status, events = stack.run(go(), 90)
+    return stack.run(go(), 90)
+
+
+def test_a_disabled_users_execution_runs_no_further_task_on_any_pool(stack, monkeypatch) -> None:
+    """Disabled while its execution waits, on the default pool (which names no roles): the next step's
+    command is refused, and the execution fails saying why."""
+    status, events = disabled_meanwhile(stack, monkeypatch, "leaver", WAITS, "wait.started")
     assert status["status"] == "FAILED", status
     assert "started by leaver, who is disabled or removed: it runs no further task" in forbidden(events)
     assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]
@@ -265,30 +271,8 @@ workflow:
 def test_a_task_running_when_its_user_is_disabled_is_stopped(stack, monkeypatch) -> None:
     """Disabled while its task runs (a python task that would sleep 120 s): the worker, checking the
     users of its running commands again, stops it; the run fails forbidden, saying so."""
-    from noetl_mesh.services.worker import service as worker
-
-    monkeypatch.setattr(worker, "STANDING_TTL", 0.2)  # how often it looks again (10 s otherwise)
-
-    async def go():
-        token = await new_user(stack, "sleeper", ["developer"])
-        async with stack.client() as admin:
-            async with stack.client(token=token) as sleeper:
-                eid = await sleeper.start(yaml.safe_load(SLEEPS))
-                for _ in range(600):
-                    try:
-                        if any(e["name"] == "task.started" for e in await admin.all_events(eid)):
-                            break
-                    except GatewayError as exc:  # not recorded yet
-                        if exc.status != 404:
-                            raise
-                    await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError("the task never started")
-            await admin.disable_user("sleeper")
-            return await admin.wait(eid, timeout=60), await admin.all_events(eid)
-
-    status, events = stack.run(go(), 90)  # the task alone would take 120 s
-    assert status["status"] == "FAILED", status
+    status, events = disabled_meanwhile(stack, monkeypatch, "sleeper", SLEEPS, "task.started")
+    assert status["status"] == "FAILED", status  # within 60 s: the task alone would take 120
     message = forbidden(events)
     assert "started by sleeper, who is disabled or removed" in message and "stopped while it ran" in message
     assert not [e for e in events if e["name"] == "step.started" and e["step"] == "after"]
