@@ -122,6 +122,9 @@ async def query(js, *, user: Any = None, action: Any = None, since: Any = None, 
                 at = epoch(rec.get("at")) or 0.0
             except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
                 continue  # not a record (published by hand?): skipped
+            if not isinstance(rec.get("action"), str) or not rec.get("audit_id"):
+                continue  # not a record either: e.g. the server's answer to an API request, which a user
+                # may have it store at any subject (docs/nats-security.md)
             if start_at is not None and at < start_at:
                 return out
             out.append(rec)

@@ -359,11 +359,12 @@ class WorkerService:
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self.running:
+        grace = self.bus.grace(self.grace)  # none on a throw-away stack (noetl run's): its NATS goes next
+        if self.running and grace:
             log.info("worker %s: stopping; %d commands running, waiting up to %gs for them", self.pool,
-                     len(self.running), self.grace)
-            await asyncio.wait(list(self.running), timeout=self.grace)
-        if self.running:
+                     len(self.running), grace)
+            await asyncio.wait(list(self.running), timeout=grace)
+        if self.running and grace:
             log.warning("worker %s: handing back %d running commands for redelivery", self.pool, len(self.running))
         for task in list(self.running):  # still running: _run naks its command
             task.cancel()

@@ -41,6 +41,37 @@ async def _settled(groups, partitions, timeout=10.0):
         await asyncio.sleep(0.1)
 
 
+def test_a_key_that_holds_no_heartbeat_is_no_member(fresh_nats):
+    """The NATS server answers a JetStream API request to any reply subject its requester names, a key
+    of the members bucket among them: such a key, the server's JSON, counts as no replica (else 24 of
+    them would deal every partition away from the real one)."""
+    async def main():
+        nc = await nats.connect(fresh_nats.url)
+        js = nc.jetstream()
+        try:
+            a = Membership(js, "svc", 16, lambda owned: None, ttl=5)
+            await a.beat()
+            for n in range(24):  # as a requester with any permission to ask the JetStream API could have it
+                await nc.publish(f"$JS.API.STREAM.INFO.KV_{BUCKET}", b"", reply=f"$KV.{BUCKET}.svc.-{n:02}")
+            await nc.flush()
+            for _ in range(200):  # the server writes its answers as it makes them
+                info = await js.stream_info(f"KV_{BUCKET}", subjects_filter=f"$KV.{BUCKET}.svc.>")
+                if len(info.state.subjects or {}) == 25:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(info.state.subjects) == 25  # the server wrote them
+            await a.beat()
+            assert a.members == [a.me] and a.owned == set(range(16))
+            b = Membership(js, "svc", 16, lambda owned: None, ttl=5)  # a real replica still counts
+            await b.beat()
+            await a.beat()
+            assert a.members == sorted([a.me, b.me]) and len(a.owned) == 8
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
 def test_members_share_partitions_and_take_over_from_one_that_leaves_or_dies(fresh_nats):
     async def main():
         nc = await nats.connect(fresh_nats.url)

@@ -291,6 +291,36 @@ def test_a_worker_cannot_point_its_own_durables_at_another_pools_commands(secure
     secured.run(main())
 
 
+def test_a_worker_cannot_make_the_server_or_a_service_deliver_its_bytes_where_it_may_not_publish(secured):
+    """No consumer of the payload store (a push consumer delivers whatever it reads to any subject its
+    creator names), and no service answers a request at a reply subject that is not an inbox (NATS lets
+    a responder publish there past its own permissions)."""
+    async def main():
+        async with Conn(secured, "worker-default") as worker:
+            heard: list = []
+
+            async def hear(msg) -> None:
+                heard.append(msg)
+
+            await worker.nc.subscribe("noetl.cancel.forged1", cb=hear)
+            config = {"stream_name": "OBJ_noetl_payloads", "config": {
+                "deliver_subject": "noetl.q.catalog.register", "deliver_group": "event-recorder",
+                "ack_policy": "none", "filter_subject": "$O.noetl_payloads.C.x"}}
+            for api in ("$JS.API.CONSUMER.CREATE.OBJ_noetl_payloads",
+                        "$JS.API.CONSUMER.CREATE.OBJ_noetl_payloads.x.$O.noetl_payloads.C.x",
+                        "$JS.API.CONSUMER.DURABLE.CREATE.OBJ_noetl_payloads.x"):
+                await worker.refused(worker.nc.request(api, dumps(config), timeout=TIMEOUT), api)
+            # a request it may send, answered (before) at the reply subject it named
+            await worker.nc.publish("noetl.q.users.standing", dumps({"user_id": "u1"}), reply="noetl.cancel.forged1")
+            await worker.nc.flush()
+            answered = await worker.nc.request("noetl.q.users.standing", dumps({"user_id": "u1"}), timeout=5)
+            assert "exists" in loads(answered.data) or "error" in loads(answered.data)  # an inbox: answered
+            await asyncio.sleep(0.5)
+            assert heard == []
+
+    secured.run(main())
+
+
 def test_the_gateway_cannot_publish_a_command_purge_or_bootstrap_sessions(secured):
     async def main():
         xid = new_execution_id()

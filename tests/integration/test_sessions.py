@@ -629,6 +629,16 @@ def test_audit_records_and_query(fresh_nats):
             assert (await h.fails(S.Q_AUDIT_LIST, {"principal": p})).kind == "forbidden"
             # the gateway's helper
             await audit.record(h.client, "credential.read", actor=p, client_ip="192.0.2.8", target={"credential": "pg1"})
+            # the server's answer to an API request, stored at an audit subject (any user allowed any API
+            # request can have it written there): not a record
+            before = (await h.client.js.stream_info(audit.STREAM)).state.messages
+            await h.client.nc.publish(f"$JS.API.STREAM.INFO.{audit.STREAM}", b"", reply="noetl.audit.credential.resolved.x")
+            for _ in range(100):
+                if (await h.client.js.stream_info(audit.STREAM)).state.messages > before:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the server did not store its answer")
 
             everything = (await h.call(S.Q_AUDIT_LIST, {"principal": admin}))["records"]
             actions = [r["action"] for r in everything]

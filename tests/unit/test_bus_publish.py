@@ -71,3 +71,37 @@ def test_no_command_is_sent_when_the_events_are_not_stored():
         assert [s.split(".")[1] for s in bus.js.written] == ["evt", "evt"]  # the command never left
 
     asyncio.run(main())
+
+
+def test_a_request_is_answered_at_an_inbox_only():
+    """NATS lets a responder publish to whatever reply subject the requester names, past the
+    responder's own permissions: a service answers a request whose reply is an inbox, and no other."""
+    from types import SimpleNamespace
+
+    bus = Bus.__new__(Bus)
+    bus.name, bus.endpoints = "noetl-probe", {}
+    callbacks, answered, asked = [], [], []
+
+    class Nc:
+        async def subscribe(self, subject, queue=None, cb=None):
+            callbacks.append(cb)
+
+    async def handler(request):
+        asked.append(request)
+        return {"ok": True}
+
+    def message(reply):
+        async def respond(data):
+            answered.append((reply, data))
+        return SimpleNamespace(data=b'{"x": 1}', reply=reply, headers=None, respond=respond)
+
+    bus.nc = Nc()
+
+    async def main():
+        await bus.serve("noetl.q.probe", handler, "probe")
+        for reply in ("noetl.cancel.x1", "$KV.noetl_members.admission.x", "", "_INBOX.", "_INBOX.Ukey.abc"):
+            await callbacks[0](message(reply))
+
+    asyncio.run(main())
+    assert [r for r, _ in answered] == ["_INBOX.Ukey.abc"] and asked == [{"x": 1}]
+    assert bus.endpoints["noetl.q.probe"].failed == 4 and "not an inbox" in bus.endpoints["noetl.q.probe"].last_error

@@ -1,6 +1,6 @@
-"""Reading a payload (D23) has a deadline: nats-py reads an object through an ordered consumer that
-never gives up, and a stalled one (a cluster that lost its leader) would hold the reading handler, and
-its whole partition, for ever. It fails instead, and the message is retried."""
+"""Reading a payload (D23) has a deadline: a JetStream that stalls (a cluster that lost its leader)
+would hold the reading handler, and its whole partition, for ever. It fails instead, and the message
+is retried."""
 from __future__ import annotations
 
 import asyncio
@@ -10,14 +10,15 @@ from unittest.mock import patch
 from noetl_mesh.infra import payloads
 
 
-class StalledBucket:
-    async def get(self, key):
-        await asyncio.Event().wait()  # never delivers a chunk
+class StalledJetStream:
+    async def get_last_msg(self, stream, subject):
+        await asyncio.Event().wait()  # never answers
+
+    get_msg = get_last_msg
 
 
 def test_a_stalled_read_fails_within_its_deadline():
-    store = payloads.PayloadStore(js=None)
-    store._bucket = StalledBucket()
+    store = payloads.PayloadStore(js=StalledJetStream())
 
     async def main():
         started = time.monotonic()

@@ -52,6 +52,18 @@ SCHEDULE_SUBJECTS = (SCHEDULE_DEF_PREFIX + "*", SCHEDULE_FIRE_PREFIX + "*")
 SCHEDULE_Q_PREFIX = "noetl.q.schedule."
 SCHEDULE_VERBS = ("add", "list", "get", "pause", "resume", "delete")
 
+# Every connection's replies come to its inbox, _INBOX.<its public key>.<...> (nats_auth.inbox_prefix).
+INBOX = "_INBOX."
+
+
+def answerable(reply: str | None) -> bool:
+    """Whether a request's reply subject is an inbox. A service answers nowhere else: NATS lets a
+    responder publish to whatever reply subject the requester names, past the responder's own
+    permissions, so a requester could otherwise have it write into a stream, a bucket or another
+    service's subject."""
+    return isinstance(reply, str) and reply.startswith(INBOX) and len(reply) > len(INBOX)
+
+
 # request/reply, answered by the event-recorder (queue group ``event-recorder``)
 # the kind of an error reply (``{"error": {kind, message, details}}``), and the HTTP status the gateway
 # answers with for it (any other kind: 502)

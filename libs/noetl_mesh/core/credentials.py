@@ -41,7 +41,7 @@ KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}\Z")
 KEY_ENV, OLD_KEY_ENV = "NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD"
 KEY_FILE = "credential.key"  # in the stack's home, when NOETL_CREDENTIAL_KEY is not set
 MAX_NAMES = 64  # credentials one resolution may ask for
-INBOX = "_INBOX."
+from ..contracts.subjects import INBOX  # noqa: E402 - answers go to inboxes only
 
 
 class Invalid(ValueError):

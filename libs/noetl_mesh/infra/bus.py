@@ -83,7 +83,7 @@ from ..contracts.subjects import (  # noqa: F401 - the names of every stream and
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
     Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, TREE_PREFIX, TREES, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject, control_filter,
-    command_subject, credential_resolve_subject, lane_of, live_subject, pool_filter, timer_subject, timer_target,
+    answerable, command_subject, credential_resolve_subject, lane_of, live_subject, pool_filter, timer_subject, timer_target,
     tree_subject)
 
 _SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an id that may stand in a subject as one token
@@ -593,6 +593,11 @@ class Bus:
 
         async def on_msg(msg: Msg) -> None:
             started, error = time.perf_counter_ns(), None
+            if not answerable(msg.reply):  # an answer goes to an inbox only (contracts/subjects.py)
+                log.warning("%s: %s: a request whose reply subject is not an inbox (%r): not answered", self.name,
+                            subject, (msg.reply or "")[:120])
+                counts.record(started, error="bad_reply: the reply subject is not an inbox")
+                return
             t0 = time.perf_counter()
             outcome = "ok"
             with tracing.consume_span(f"{self.name} {subject}", msg.headers, service=self.service):

@@ -30,6 +30,7 @@ log = logging.getLogger("noetl.membership")
 from ..contracts.subjects import MEMBERS_BUCKET as BUCKET  # noqa: E402
 STREAM = f"KV_{BUCKET}"  # the bucket's stream
 PREFIX = f"$KV.{BUCKET}."  # its subjects: one per key
+BEAT = b"1"  # what a replica puts: a key holding anything else is no replica's (below)
 
 
 def assign(partitions: int, members: list[str], me: str) -> set[int]:
@@ -124,13 +125,24 @@ class Membership:
 
     async def beat(self) -> None:
         """Heartbeat, then read the group: the keys of the bucket's stream under ``<group>.`` (one
-        request; no watcher, so no race with keys expiring meanwhile)."""
+        request; no watcher, so no race with keys expiring meanwhile), each another replica's only if it
+        holds a heartbeat. The NATS server answers a JetStream API request to whatever reply subject the
+        requester names, a key of this bucket among them, and no permission stops it: such keys hold the
+        server's JSON, and counting them would deal the partitions out to replicas that do not exist."""
         kv = await self._bucket()
-        await kv.put(self.me, b"1")
+        await kv.put(self.me, BEAT)
         info = await self.js.stream_info(STREAM, subjects_filter=f"{PREFIX}{self.group}.>")
         subjects = (info.state.subjects or {}) if info.state else {}
-        self.members = sorted(subject[len(PREFIX):] for subject in subjects)
+        others = sorted(subject[len(PREFIX):] for subject in subjects if subject != PREFIX + self.me)
+        beats = await asyncio.gather(*(self._holds_beat(name) for name in others))
+        self.members = sorted([self.me, *(name for name, ok in zip(others, beats) if ok)])
         self._set(assign(self.partitions, self.members, self.me))
+
+    async def _holds_beat(self, name: str) -> bool:
+        try:
+            return (await self.js.get_last_msg(STREAM, PREFIX + name)).data == BEAT
+        except NotFoundError:  # expired or left meanwhile
+            return False
 
     def _set(self, owned: set[int]) -> None:
         if owned != self.owned:

@@ -50,7 +50,7 @@ DEFAULT_PARTITIONS = 16
 from ..contracts.subjects import (AUDIT, COMMANDS, EVENTS, MEMBERS_BUCKET, PAYLOADS_BUCKET,  # noqa: E402
                                   CREDENTIAL_RESOLVE_PREFIX, CREDENTIALS_AREAS, RECORDER_AREAS, SCHEDULER_AREAS, SCHEDULES, SCHEDULES_BUCKET, SESSION_BUCKETS,
                                   SESSIONS_AREAS, COMMAND_SUBJECTS, LANES, MAX_DELIVERIES, SCHEDULE_FIRE_PREFIX, TREE_PREFIX, TREES,
-                                  lane_durable, lane_filter, pool_durable, pool_filter, pool_problem)
+                                  lane_durable, lane_filter, pool_durable, pool_filter, pool_problem, INBOX)
 from ..contracts.subjects import LOST_COMMANDS as LOST  # noqa: E402
 
 MEMBERS, PAYLOADS = f"KV_{MEMBERS_BUCKET}", f"OBJ_{PAYLOADS_BUCKET}"
@@ -125,7 +125,7 @@ def public_key(seed: str) -> str:
 
 
 def inbox_prefix(public: str) -> str:
-    return f"_INBOX.{public}"
+    return f"{INBOX}{public}"
 
 
 def read_seed(path: str | os.PathLike) -> str:
@@ -179,16 +179,16 @@ def _durable(stream: str, name: str, filter_subject: str | None = None, *, info:
 
 
 def _payloads(write: bool) -> list[str]:
-    """The object store of large values (D23): read (an ordered consumer per object, its stream found
-    by subject: ``STREAM.NAMES``), and write (replacing an object purges its old chunks)."""
-    out = [_js("STREAM", "INFO", PAYLOADS), _js("STREAM", "MSG", "GET", PAYLOADS), _js("STREAM", "NAMES"),
-           _js("CONSUMER", "CREATE", PAYLOADS), _js("CONSUMER", "CREATE", PAYLOADS, ">"), f"$JS.FC.{PAYLOADS}.>"]
+    """The object store of large values (D23): read (message by message, payloads.py: no consumer, whose
+    configuration a user could point anywhere), and write (replacing an object purges its old chunks)."""
+    out = [_js("STREAM", "INFO", PAYLOADS), _js("STREAM", "MSG", "GET", PAYLOADS)]
     return out + ([f"$O.{PAYLOADS_BUCKET}.>", _js("STREAM", "PURGE", PAYLOADS)] if write else [])
 
 
 def _membership(service: str) -> list[str]:
     """Its replicas' heartbeats in the members bucket (infra/membership.py)."""
-    return [_js("STREAM", "INFO", MEMBERS), _js("STREAM", "PURGE", MEMBERS), f"$KV.{MEMBERS_BUCKET}.{service}.>"]
+    return [_js("STREAM", "INFO", MEMBERS), _js("STREAM", "PURGE", MEMBERS), _js("STREAM", "MSG", "GET", MEMBERS),
+            f"$KV.{MEMBERS_BUCKET}.{service}.>"]
 
 
 def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | None:
@@ -292,6 +292,9 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
     pub = list(dict.fromkeys(p for p in pub if p))
 
     deny = [_js("STREAM", "DELETE", ">"), "$JS.API.ACCOUNT.>", "$JS.API.SERVER.>", "$SYS.>"]
+    # no consumer of the payload store: a push consumer delivers to whatever subject its creator names
+    deny += [_js("CONSUMER", "CREATE", PAYLOADS), _js("CONSUMER", "CREATE", PAYLOADS, ">"),
+             _js("CONSUMER", "DURABLE", "CREATE", PAYLOADS, ">")]
     deny += [f"noetl.evt.{w}.>" for w in WRITERS if w != writer]  # nobody publishes as another writer
     deny.append("noetl.pevt.>")  # stored subjects are the stream's transform's, never published
     deny.append("noetl.evt.timer.>")  # the NATS scheduler's own writer (D29): no client publishes as it

@@ -14,6 +14,7 @@ writes it again, so a reference made now stays readable for at least half the re
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import datetime
 import hashlib
@@ -31,9 +32,11 @@ from ..contracts.refs import MARKER, STORE, is_ref  # noqa: E402,F401 - what a r
 from ..contracts.subjects import PAYLOADS_BUCKET as BUCKET  # noqa: E402
 DEFAULT_LIMIT = 256 * 1024  # D23 default for executor.spec.policy.limits.max_payload_bytes
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
-# nats-py reads an object through an ordered consumer with no deadline: a consumer that stalls (its
-# stream's leader lost in a cluster) would hold the reading handler, and its partition, for ever.
+# An object is read message by message (its metadata, then each chunk by subject), never through a
+# consumer: a consumer's configuration is whatever its creator sends, and a push consumer's deliveries
+# go to any subject it names, so no service's NATS user may create one on this stream (nats_auth.py).
 GET_TIMEOUT_S = 10.0  # plus a second per MiB; then TimeoutError, and the message is retried
+STREAM = f"OBJ_{BUCKET}"
 
 
 class OverBudget(Exception):
@@ -89,7 +92,7 @@ class PayloadStore:
             return self._cache[key][1]
         try:
             timeout = GET_TIMEOUT_S + float(ref.get("size") or 0) / (1 << 20)
-            data = (await asyncio.wait_for((await self.bucket()).get(key), timeout)).data
+            data = await asyncio.wait_for(self._read(key), timeout)
         except (ObjectNotFoundError, NotFoundError):
             raise PayloadMissing(f"payload {key} ({ref.get('size')} bytes) is no longer in {BUCKET}: objects are "
                                  f"kept {self.retention_s:.0f} s (NOETL_PAYLOAD_RETENTION)") from None
@@ -99,6 +102,27 @@ class PayloadStore:
         value = loads(data)
         self._remember(key, len(data), value)
         return value
+
+    async def _read(self, key: str) -> bytes:
+        """Object ``key``'s bytes: its metadata (the last message of its meta subject), then its chunks
+        one by one (the next message of its chunk subject after the last), as the object store lays
+        them out. Raises ObjectNotFoundError when it is gone, ValueError when it is not whole."""
+        meta = await self.js.get_last_msg(STREAM, f"$O.{BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}")
+        info = loads(meta.data) if meta.data else {}
+        if not isinstance(info, dict) or info.get("deleted") or not info.get("nuid"):
+            raise ObjectNotFoundError
+        size, chunks = int(info.get("size") or 0), int(info.get("chunks") or 0)
+        subject, seq, parts, got = f"$O.{BUCKET}.C.{info['nuid']}", 0, [], 0
+        for _ in range(chunks):
+            msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
+            seq = msg.seq
+            parts.append(msg.data or b"")
+            got += len(parts[-1])
+            if got > size:
+                break
+        if got != size:
+            raise ValueError(f"payload {key}: {got} bytes of its chunks, not the {size} its metadata says")
+        return b"".join(parts)
 
     def _count(self, op: str, size: int) -> None:
         metrics.PAYLOAD_BYTES.labels(self.service, op).inc(size)
