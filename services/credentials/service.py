@@ -58,7 +58,7 @@ class CredentialsService:
                                  (Q_CREDENTIAL_GET, self.get), (Q_CREDENTIAL_DELETE, self.delete)):
             self._subs.append(await self.bus.serve(subject, self._guarded(subject, handler), queue=QUEUE))
         self._subs.append(await self.bus.serve(credential_resolve_subject("*"), self.resolve, queue=QUEUE,
-                                               with_msg=True))
+                                               with_msg=True, any_reply=True))  # a redirection is audited
         if not await self._open_database():
             self._task = asyncio.create_task(self._wait_for_database(), name="credentials database")
 

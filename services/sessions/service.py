@@ -320,7 +320,7 @@ class SessionsService:
                 user = await self._add_user(name, None, identity["roles"] or [cfg.default_role],
                                             email=identity["email"], display_name=identity["display_name"], oidc=oidc)
             except AccessError as exc:  # the same identity provisioned at the same moment elsewhere?
-                got = await self.users.get(link, fresh=True) if exc.kind == "conflict" else None
+                got = await self.users.get(link) if exc.kind == "conflict" else None
                 found = await self._user(got[0].get("user_id", "")) if got else None
                 if not found:
                     raise
@@ -365,7 +365,7 @@ class SessionsService:
         """Refuse (locked, with retry_after) while a counter says wait; which counters hold failures."""
         seen = {}
         for key, policy, whom in counters:
-            got = await self.logins.get(key, fresh=True)
+            got = await self.logins.get(key)
             seen[key] = got is not None
             wait = policy.retry_after(got[0] if got else None, time.time())
             if wait > 0:
@@ -379,7 +379,7 @@ class SessionsService:
         locks = False
         for key, policy, _ in counters:
             for _ in range(CAS_TRIES):
-                got = await self.logins.get(key, fresh=True)
+                got = await self.logins.get(key)
                 new = policy.failed(got[0] if got else None, time.time())
                 try:
                     if got:
@@ -432,7 +432,7 @@ class SessionsService:
                                    ttl=policy.lifetime)
         await self.sessions.create(session_key(sid), rec, ttl=policy.ttl(rec, now))
         # a disable or a role change that listed the sessions just before ours was written missed it
-        got = await self._user(uid, fresh=True)
+        got = await self._user(uid)
         if got is None or got[0].get("disabled"):
             await self._remove_session(uid, sid)
             raise AccessError("unauthenticated", "the user is disabled")
@@ -496,7 +496,7 @@ class SessionsService:
             await self.sessions.update(key, new, rev, ttl=policy.ttl(new, now))
             return new
         except Conflict:
-            got = await self.sessions.get(key, fresh=True)
+            got = await self.sessions.get(key)
             if got is None or not policy.live(got[0], time.time()):
                 raise AccessError("unauthenticated", "the session has ended (logged out, revoked or expired)") from None
             return got[0]
@@ -517,13 +517,13 @@ class SessionsService:
                 raise AccessError("unauthenticated", "not a noetl token")
             tid = access.token_id(req["token"])
             if kind == "session":
-                got = await self.sessions.get(session_key(tid), fresh=True)
+                got = await self.sessions.get(session_key(tid))
                 if got is None:
                     return {"revoked": []}
                 await self._revoke_session(tid, got[0]["user_id"], "logout")
                 await self._audit("session.logout", actor=principal(got[0], "session"), client_ip=ip)
                 return {"revoked": [{"session_id": tid}]}
-            got = await self.users.get(token_key(tid), fresh=True)
+            got = await self.users.get(token_key(tid))
             if got is None:
                 return {"revoked": []}
             await self._revoke_token(got[0], "revoked")
@@ -533,7 +533,7 @@ class SessionsService:
         caller = await self._caller(req)
         if req.get("session_id") is not None:
             sid = access.an_id(req["session_id"], "session_id")
-            got = await self.sessions.get(session_key(sid), fresh=True)
+            got = await self.sessions.get(session_key(sid))
             if got is None:
                 raise AccessError("not_found", f"no session {sid}")
             owner = got[0]["user_id"]
@@ -606,8 +606,8 @@ class SessionsService:
         raise AccessError("forbidden", f"permission {permission} is needed (roles: {', '.join(caller['roles']) or 'none'})")
 
     # ------------------------------------------------------------------ users
-    async def _user(self, uid: str, fresh: bool = False) -> tuple[dict, int] | None:
-        return await self.users.get(user_key(uid), fresh=fresh) if access.ID.match(uid or "") else None
+    async def _user(self, uid: str) -> tuple[dict, int] | None:
+        return await self.users.get(user_key(uid)) if access.ID.match(uid or "") else None
 
     async def _user_by_name(self, name: str) -> tuple[dict, int] | None:
         got = await self.users.get(name_key(name))
@@ -645,7 +645,7 @@ class SessionsService:
             await self._rewrite_session(key.rsplit(".", 1)[1], user)
         for key, _, _ in await self.users.values(token_index(uid)):
             tid = key.rsplit(".", 1)[1]
-            got = await self.users.get(token_key(tid), fresh=True)
+            got = await self.users.get(token_key(tid))
             if got is None:
                 continue
             kept = access.within(got[0]["roles"], roles)
@@ -708,7 +708,7 @@ class SessionsService:
             "exists": True, "active": not got[0].get("disabled"), "roles": list(got[0].get("roles") or [])}
         if req.get("token_id") is not None:
             tid = access.an_id(req.get("token_id"), "token_id")
-            token = await self.users.get(token_key(tid), fresh=True)
+            token = await self.users.get(token_key(tid))
             out["token_active"] = (token is not None and token[0].get("user_id") == uid
                                    and access.token_live(token[0], time.time()))
         return out
@@ -725,7 +725,7 @@ class SessionsService:
         sids = await self._revoke_user_sessions(uid, "user_disabled")
         tokens = [rec for _, rec, _ in await self.users.values(token_index(uid))]
         for entry in tokens:
-            got = await self.users.get(token_key(entry["token_id"]), fresh=True)
+            got = await self.users.get(token_key(entry["token_id"]))
             if got:
                 await self._revoke_token(got[0], "user_disabled", cascade=False)  # all of them go
             else:
@@ -795,7 +795,7 @@ class SessionsService:
         await self.users.create(token_index(uid, tid), {"token_id": tid, "name": name, "created_at": rec["created_at"]},
                                 ttl=ttl)
         await self.users.create(token_key(tid), rec, ttl=ttl)
-        got = await self._user(uid, fresh=True)  # disabled or changed while this was written?
+        got = await self._user(uid)  # disabled or changed while this was written?
         if got is None or got[0].get("disabled"):
             await self._revoke_token(rec, "user_disabled")
             raise AccessError("unauthenticated", "the user is disabled")
@@ -824,7 +824,7 @@ class SessionsService:
         made = []
         for _, entry, _ in await self.users.values(token_index(uid)):
             made_id = entry.get("token_id") if isinstance(entry, dict) else None
-            got = await self.users.get(token_key(made_id), fresh=True) if isinstance(made_id, str) else None
+            got = await self.users.get(token_key(made_id)) if isinstance(made_id, str) else None
             if got is not None and access.minted_by(got[0], {"token_id": tid}):
                 made.append(got[0])
         for rec in made:
@@ -875,7 +875,7 @@ class SessionsService:
         caller = await self._caller(req)
         ip = access.client_ip(req.get("client_ip"))
         tid = access.an_id(req.get("token_id"), "token_id")
-        got = await self.users.get(token_key(tid), fresh=True)
+        got = await self.users.get(token_key(tid))
         if got is None:
             raise AccessError("not_found", f"no API token {tid}")
         await self._require(caller, access.scope(caller, got[0]["user_id"], "token"), ip, {"token_id": tid})
@@ -903,7 +903,7 @@ class SessionsService:
                        ttl_of: Callable[[dict], float | None]) -> dict | None:
         """Compare-and-set ``change`` onto ``key`` until it sticks; None when the key is gone."""
         for _ in range(CAS_TRIES):
-            got = await bucket.get(key, fresh=True)
+            got = await bucket.get(key)
             if got is None:
                 return None
             new = change(got[0])

@@ -94,11 +94,11 @@ class Bucket:
     def __init__(self, js, name: str, description: str, replicas: int = 1):
         self.js, self.name, self.description, self.replicas = js, name, description, replicas
         self.stream, self.prefix = f"KV_{name}", f"$KV.{name}."
-        self.direct = False  # set by open(): direct gets when the bucket allows them
 
     async def open(self) -> "Bucket":
-        """Create the bucket if missing (file storage, one revision per key, per-message TTLs allowed,
-        direct gets); an existing bucket without per-message TTLs is updated to allow them."""
+        """Create the bucket if missing (file storage, one revision per key, per-message TTLs allowed);
+        an existing bucket without per-message TTLs is updated to allow them. Values are read from the
+        stream's leader (``STREAM.MSG.GET``), never by a direct get (docs/nats-security.md)."""
         for attempt in range(PLACEMENT_ATTEMPTS):
             try:
                 await self.js.key_value(self.name)
@@ -108,7 +108,7 @@ class Bucket:
             try:
                 await self.js.create_key_value(KeyValueConfig(
                     bucket=self.name, description=self.description, history=1, storage=StorageType.FILE,
-                    direct=True, replicas=self.replicas))
+                    replicas=self.replicas))
                 break
             except BadRequestError as exc:
                 if exc.err_code != NO_PLACEMENT or attempt == PLACEMENT_ATTEMPTS - 1:
@@ -121,24 +121,15 @@ class Bucket:
         if not info.config.allow_msg_ttl:
             info.config.allow_msg_ttl = True
             await self.js.update_stream(info.config)
-        self.direct = bool(info.config.allow_direct)
         return self
 
-    async def get(self, key: str, *, fresh: bool = False) -> tuple[dict[str, Any], int] | None:
-        """The value and revision of ``key``, None when absent, removed or unreadable. ``fresh`` reads
-        from the stream's leader (a direct get may be answered by a replica a moment behind). "Absent"
-        is always the leader's answer: a replica behind (one back from a failover) does not know a key
-        written meanwhile, and a token it has not seen is not an unknown token."""
-        direct = self.direct and not fresh
+    async def get(self, key: str) -> tuple[dict[str, Any], int] | None:
+        """The value and revision of ``key``, None when absent, removed or unreadable: the stream
+        leader's answer (a replica a moment behind never answers "absent" for a key written meanwhile)."""
         try:
-            msg = await self.js.get_msg(self.stream, subject=self.prefix + key, direct=direct)
+            msg = await self.js.get_msg(self.stream, subject=self.prefix + key)
         except NotFoundError:
-            if not direct:
-                return None
-            try:
-                msg = await self.js.get_msg(self.stream, subject=self.prefix + key)
-            except NotFoundError:
-                return None
+            return None
         if msg.headers and msg.headers.get("KV-Operation") in _DELETED:
             return None
         try:

@@ -160,6 +160,10 @@ def test_a_workers_seed_resolves_only_for_a_command_it_holds(grants):
             await refused(other.resolve(["grant_db", "other_secret"], eid, held), "undeclared")
             # another pool's command, asked by worker-default on its own subject
             await refused(default.resolve(["grant_db"], eid, held), "wrong_pool")
+            # the answer asked for at a subject that is not an inbox: never sent, and audited
+            await other.bus.nc.publish(credential_resolve_subject("other"), orjson.dumps(
+                {"names": ["grant_db"], "execution_id": eid, "command": held}), reply="noetl.cancel.redirected")
+            await other.bus.nc.flush()
             # the execution finishes (its run times out and the failure is routed: COMPLETED) while the
             # command is still held: replayed, it is refused
             async with grants.client() as client:
@@ -184,7 +188,7 @@ def test_a_workers_seed_resolves_only_for_a_command_it_holds(grants):
     refusals, grants_ = grants.run(records())
     reasons = [r["details"]["reason"] for r in refusals]
     for reason, n in (("bad_request", 2), ("no_command", 3), ("wrong_execution", 1), ("undeclared", 2),
-                      ("wrong_pool", 1), ("finished", 1)):
+                      ("wrong_pool", 1), ("finished", 1), ("bad_reply", 1)):
         assert reasons.count(reason) == n, (reason, reasons)
     assert all(r["outcome"] == "denied" and r["actor"]["kind"] == "worker" for r in refusals)
     assert {r["actor"]["username"] for r in refusals} == {"worker-default", "worker-other"}

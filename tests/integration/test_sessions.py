@@ -73,7 +73,7 @@ class Harness:
 
     async def raw(self, bucket: str, key: str) -> dict | None:
         """A KV value as NATS holds it now (None when absent or removed)."""
-        return await self.svc.__dict__[{SESSIONS: "sessions", USERS: "users", LOGINS: "logins"}[bucket]].get(key, fresh=True)
+        return await self.svc.__dict__[{SESSIONS: "sessions", USERS: "users", LOGINS: "logins"}[bucket]].get(key)
 
 
 @contextlib.asynccontextmanager

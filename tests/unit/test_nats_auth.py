@@ -155,11 +155,20 @@ def test_a_worker_reads_its_pools_commands_only():
     assert may_subscribe("worker-gpu", f"{INBOX}.abc")
 
 
+def test_no_user_but_the_admin_asks_a_direct_get():
+    for user in ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "worker-default",
+                 "scheduler", "sessions", "credentials"):
+        for stream in ("KV_noetl_sessions", "KV_noetl_schedules", "NOETL_TREES", "OBJ_noetl_payloads", "NOETL_EVENTS"):
+            assert not may_publish(user, f"$JS.API.DIRECT.GET.{stream}"), (user, stream)
+            assert not may_publish(user, f"$JS.API.DIRECT.GET.{stream}.x.y"), (user, stream)
+
+
 def test_only_the_sessions_service_touches_its_buckets_and_only_the_admin_bootstraps():
     for bucket in ("noetl_sessions", "noetl_users", "noetl_logins"):
         stream = f"KV_{bucket}"
         assert may_publish("sessions", f"$KV.{bucket}.k") and may_publish("sessions", f"$JS.API.STREAM.MSG.GET.{stream}")
-        assert may_publish("sessions", f"$JS.API.DIRECT.GET.{stream}.$KV.{bucket}.k")
+        # no direct get: its answer is a message's own bytes, which the server publishes at any reply subject
+        assert not may_publish("sessions", f"$JS.API.DIRECT.GET.{stream}.$KV.{bucket}.k")
         for user in ("gateway", "admission", "router", "loop-coordinator", "event-recorder", "worker-default"):
             for subject in (f"$KV.{bucket}.k", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
                             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
@@ -422,7 +431,6 @@ def test_service_refuses_unreadable_credentials_before_starting(tmp_path, capsys
 # execution requests as itself, and only the gateway may ask it.
 SCHEDULES_API = ("noetl.schedule.def.s1", "noetl.schedule.fire.s1", "$KV.noetl_schedules.s1",
                  "$JS.API.STREAM.PURGE.NOETL_SCHEDULES", "$JS.API.STREAM.INFO.KV_noetl_schedules",
-                 "$JS.API.DIRECT.GET.KV_noetl_schedules.$KV.noetl_schedules.s1",
                  "$JS.API.STREAM.MSG.GET.NOETL_SCHEDULES", "$JS.API.CONSUMER.CREATE.NOETL_SCHEDULES.scheduler.noetl.schedule.fire.*",
                  "$JS.API.CONSUMER.MSG.NEXT.NOETL_SCHEDULES.scheduler", "$JS.ACK.NOETL_SCHEDULES.scheduler.1.2.3.4.5")
 

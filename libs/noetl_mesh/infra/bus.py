@@ -583,17 +583,19 @@ class Bus:
         return reply
 
     async def serve(self, subject: str, handler: Callable[..., Awaitable[Any]], queue: str, *,
-                    with_msg: bool = False):
+                    with_msg: bool = False, any_reply: bool = False):
         """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
         exception becomes an error reply, so the requester never just times out; :class:`NoReply`
         answers nothing (a reply subject that must not be answered). ``with_msg``: the handler is
         called with the request and the NATS message (its subject and reply subject). Requests, error
-        replies and the time taken are counted (:meth:`endpoint`)."""
+        replies and the time taken are counted (:meth:`endpoint`). A request whose reply subject is not
+        an inbox is not answered (:func:`answerable`); ``any_reply``: the handler sees it all the same
+        (to record it), and answers it with :class:`NoReply` only."""
         counts = self.endpoint(subject, queue)
 
         async def on_msg(msg: Msg) -> None:
             started, error = time.perf_counter_ns(), None
-            if not answerable(msg.reply):  # an answer goes to an inbox only (contracts/subjects.py)
+            if not any_reply and not answerable(msg.reply):  # an answer goes to an inbox only (contracts/subjects.py)
                 log.warning("%s: %s: a request whose reply subject is not an inbox (%r): not answered", self.name,
                             subject, (msg.reply or "")[:120])
                 counts.record(started, error="bad_reply: the reply subject is not an inbox")
@@ -621,6 +623,10 @@ class Bus:
                     outcome = "internal"
                     reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
                     error = f"internal: {type(exc).__name__}: {exc}"
+                if not answerable(msg.reply):  # any_reply, and the handler did not say NoReply: still no answer
+                    log.error("%s: %s: not answered at %r, which is not an inbox", self.name, subject, msg.reply[:120])
+                    counts.record(started, error="bad_reply: the reply subject is not an inbox")
+                    return
                 await msg.respond(dumps(reply))
                 exemplar = metrics.exemplar()
             metrics.REQUESTS.labels(self.service, subject, outcome).observe(time.perf_counter() - t0, exemplar)

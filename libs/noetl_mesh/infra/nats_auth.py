@@ -264,15 +264,15 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub.append(_js("STREAM", "INFO", EVENTS))  # the stack's replica count, for its own buckets
         for stream in SESSION_STREAMS:
             pub += [_js("STREAM", verb, stream) for verb in ("INFO", "CREATE", "UPDATE")]
-            pub += [_js("STREAM", "MSG", "GET", stream), _js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
+            pub.append(_js("STREAM", "MSG", "GET", stream))  # no DIRECT.GET: its answer is a message's own bytes,
+            # which the server would publish at any reply subject named (a stream's, a bucket's key)
         pub += [f"$KV.{b}.>" for b in SESSION_BUCKETS] + ["noetl.audit.>", "noetl.sessions.revoked"]
         sub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]
     elif user == "scheduler":
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]  # attach; a request's big workload
         pub += ["noetl.schedule.def.*", *_durable(SCHEDULES, "scheduler", SCHEDULE_FIRE_PREFIX + "*")]  # schedule messages; firings
         for stream in SCHEDULE_STREAMS:
-            pub += [_js("STREAM", verb, stream) for verb in ("INFO", "PURGE", "MSG.GET")]
-            pub += [_js("DIRECT", "GET", stream), _js("DIRECT", "GET", stream, ">")]
+            pub += [_js("STREAM", verb, stream) for verb in ("INFO", "PURGE", "MSG.GET")]  # no DIRECT.GET (sessions')
         pub.append(f"$KV.{SCHEDULES_BUCKET}.*")
         pub.append("noetl.q.users.standing")  # a schedule's creator, at each firing
         purges |= {PAYLOADS, *SCHEDULE_STREAMS}
@@ -291,7 +291,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         raise ValueError(f"unknown NATS user {user!r}")
     pub = list(dict.fromkeys(p for p in pub if p))
 
-    deny = [_js("STREAM", "DELETE", ">"), "$JS.API.ACCOUNT.>", "$JS.API.SERVER.>", "$SYS.>"]
+    deny = [_js("STREAM", "DELETE", ">"), "$JS.API.ACCOUNT.>", "$JS.API.SERVER.>", "$SYS.>", _js("DIRECT", "GET", ">")]
     # no consumer of the payload store: a push consumer delivers to whatever subject its creator names
     deny += [_js("CONSUMER", "CREATE", PAYLOADS), _js("CONSUMER", "CREATE", PAYLOADS, ">"),
              _js("CONSUMER", "DURABLE", "CREATE", PAYLOADS, ">")]

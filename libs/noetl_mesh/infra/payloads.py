@@ -106,23 +106,37 @@ class PayloadStore:
     async def _read(self, key: str) -> bytes:
         """Object ``key``'s bytes: its metadata (the last message of its meta subject), then its chunks
         one by one (the next message of its chunk subject after the last), as the object store lays
-        them out. Raises ObjectNotFoundError when it is gone, ValueError when it is not whole."""
-        meta = await self.js.get_last_msg(STREAM, f"$O.{BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}")
+        them out. Raises ObjectNotFoundError when it is gone, ValueError when it is not whole. The same
+        value stored again meanwhile (a refresh, or two writers at once) gives it new chunks and purges
+        the old ones: it is read again, from its new metadata."""
+        meta_subject = f"$O.{BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
+        for _ in range(3):
+            info = await self._meta(meta_subject)
+            size, chunks = int(info.get("size") or 0), int(info.get("chunks") or 0)
+            subject, seq, parts, got = f"$O.{BUCKET}.C.{info['nuid']}", 0, [], 0
+            try:
+                for _ in range(chunks):
+                    msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
+                    seq = msg.seq
+                    parts.append(msg.data or b"")
+                    got += len(parts[-1])
+                    if got > size:
+                        break
+            except NotFoundError:  # its chunks purged as it was read: stored again, or deleted
+                if (await self._meta(meta_subject)).get("nuid") != info["nuid"]:
+                    continue
+                raise ConnectionError(f"payload {key}: a chunk could not be read; asked again later") from None
+            if got != size:
+                raise ValueError(f"payload {key}: {got} bytes of its chunks, not the {size} its metadata says")
+            return b"".join(parts)
+        raise ConnectionError(f"payload {key}: stored again each time it was read; asked again later")
+
+    async def _meta(self, subject: str) -> dict:
+        meta = await self.js.get_last_msg(STREAM, subject)  # NotFoundError: gone
         info = loads(meta.data) if meta.data else {}
         if not isinstance(info, dict) or info.get("deleted") or not info.get("nuid"):
             raise ObjectNotFoundError
-        size, chunks = int(info.get("size") or 0), int(info.get("chunks") or 0)
-        subject, seq, parts, got = f"$O.{BUCKET}.C.{info['nuid']}", 0, [], 0
-        for _ in range(chunks):
-            msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
-            seq = msg.seq
-            parts.append(msg.data or b"")
-            got += len(parts[-1])
-            if got > size:
-                break
-        if got != size:
-            raise ValueError(f"payload {key}: {got} bytes of its chunks, not the {size} its metadata says")
-        return b"".join(parts)
+        return info
 
     def _count(self, op: str, size: int) -> None:
         metrics.PAYLOAD_BYTES.labels(self.service, op).inc(size)
