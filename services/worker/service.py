@@ -364,7 +364,7 @@ class WorkerService:
             log.info("worker %s: stopping; %d commands running, waiting up to %gs for them", self.pool,
                      len(self.running), grace)
             await asyncio.wait(list(self.running), timeout=grace)
-        if self.running and grace:
+        if self.running and not self.bus.throwaway:
             log.warning("worker %s: handing back %d running commands for redelivery", self.pool, len(self.running))
         for task in list(self.running):  # still running: _run naks its command
             task.cancel()

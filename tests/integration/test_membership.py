@@ -66,6 +66,16 @@ def test_a_key_that_holds_no_heartbeat_is_no_member(fresh_nats):
             await b.beat()
             await a.beat()
             assert a.members == sorted([a.me, b.me]) and len(a.owned) == 8
+            for n in range(24, 80):  # more keys than any stack has replicas: none read, every partition read
+                await nc.publish(f"$JS.API.STREAM.INFO.KV_{BUCKET}", b"", reply=f"$KV.{BUCKET}.svc.-{n:02}")
+            await nc.flush()
+            for _ in range(200):
+                info = await js.stream_info(f"KV_{BUCKET}", subjects_filter=f"$KV.{BUCKET}.svc.>")
+                if len(info.state.subjects or {}) == 82:
+                    break
+                await asyncio.sleep(0.05)
+            await a.beat()
+            assert a.owned == set(range(16))
         finally:
             await nc.close()
 

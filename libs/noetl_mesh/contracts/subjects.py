@@ -60,7 +60,8 @@ def answerable(reply: str | None) -> bool:
     """Whether a request's reply subject is an inbox. A service answers nowhere else: NATS lets a
     responder publish to whatever reply subject the requester names, past the responder's own
     permissions, so a requester could otherwise have it write into a stream, a bucket or another
-    service's subject."""
+    service's subject. (A reply subject NATS rewrites on the way, across a service import ``_R_.`` or a
+    super-cluster gateway ``_GR_.``, would not pass: neither is used here.)"""
     return isinstance(reply, str) and reply.startswith(INBOX) and len(reply) > len(INBOX)
 
 

@@ -31,6 +31,7 @@ from ..contracts.subjects import MEMBERS_BUCKET as BUCKET  # noqa: E402
 STREAM = f"KV_{BUCKET}"  # the bucket's stream
 PREFIX = f"$KV.{BUCKET}."  # its subjects: one per key
 BEAT = b"1"  # what a replica puts: a key holding anything else is no replica's (below)
+MAX_MEMBERS = 64  # keys of a group read at a beat; more, and the replica reads every partition
 
 
 def assign(partitions: int, members: list[str], me: str) -> set[int]:
@@ -134,6 +135,12 @@ class Membership:
         info = await self.js.stream_info(STREAM, subjects_filter=f"{PREFIX}{self.group}.>")
         subjects = (info.state.subjects or {}) if info.state else {}
         others = sorted(subject[len(PREFIX):] for subject in subjects if subject != PREFIX + self.me)
+        if len(others) > MAX_MEMBERS:  # no stack runs that many: keys someone had the server write
+            log.warning("membership of %s: %d keys in the group, more than %d replicas: reading every partition",
+                        self.me, len(others), MAX_MEMBERS)
+            self.members = [self.me]
+            self._set(set(range(self.partitions)))
+            return
         beats = await asyncio.gather(*(self._holds_beat(name) for name in others))
         self.members = sorted([self.me, *(name for name, ok in zip(others, beats) if ok)])
         self._set(assign(self.partitions, self.members, self.me))
