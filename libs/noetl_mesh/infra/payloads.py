@@ -37,6 +37,8 @@ DEFAULT_RETENTION_S = 7 * 24 * 3600.0
 # go to any subject it names, so no service's NATS user may create one on this stream (nats_auth.py).
 GET_TIMEOUT_S = 10.0  # plus a second per MiB; then TimeoutError, and the message is retried
 STREAM = f"OBJ_{BUCKET}"
+CHUNKS_AHEAD = 16  # chunks asked for at once
+MAX_OBJECT_BYTES = 1 << 30  # an object's metadata saying more is not ours
 
 
 class OverBudget(Exception):
@@ -113,23 +115,44 @@ class PayloadStore:
         for _ in range(3):
             info = await self._meta(meta_subject)
             size, chunks = int(info.get("size") or 0), int(info.get("chunks") or 0)
-            subject, seq, parts, got = f"$O.{BUCKET}.C.{info['nuid']}", 0, [], 0
+            if size > MAX_OBJECT_BYTES or chunks > max(size, 1):
+                raise ValueError(f"payload {key}: its metadata says {size} bytes in {chunks} chunks")
             try:
-                for _ in range(chunks):
-                    msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
-                    seq = msg.seq
-                    parts.append(msg.data or b"")
-                    got += len(parts[-1])
-                    if got > size:
-                        break
+                parts = await self._chunks(f"$O.{BUCKET}.C.{info['nuid']}", chunks, size)
             except NotFoundError:  # its chunks purged as it was read: stored again, or deleted
                 if (await self._meta(meta_subject)).get("nuid") != info["nuid"]:
                     continue
                 raise ConnectionError(f"payload {key}: a chunk could not be read; asked again later") from None
+            got = sum(len(p) for p in parts)
             if got != size:
                 raise ValueError(f"payload {key}: {got} bytes of its chunks, not the {size} its metadata says")
             return b"".join(parts)
         raise ConnectionError(f"payload {key}: stored again each time it was read; asked again later")
+
+    async def _chunks(self, subject: str, chunks: int, size: int) -> list[bytes]:
+        """The first ``chunks`` messages of ``subject``, in order: the first by subject, then the ones
+        after it asked for side by side at the sequences that follow (an object's chunks are stored one
+        after another unless another object's came between), each taken only if it is of ``subject``;
+        from the first that is not, the next by subject. NotFoundError when one is gone."""
+        first = await self.js.get_msg(STREAM, seq=1, subject=subject, next=True)
+        parts, seq, got = [first.data or b""], first.seq, len(first.data or b"")
+        while len(parts) < chunks and got <= size:
+            ahead = await asyncio.gather(*(self._at(seq + 1 + i) for i in range(min(CHUNKS_AHEAD, chunks - len(parts)))))
+            for msg in ahead:
+                if msg is None or msg.subject != subject:
+                    msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)  # not adjacent
+                    parts.append(msg.data or b"")
+                    seq, got = msg.seq, got + len(parts[-1])
+                    break
+                parts.append(msg.data or b"")
+                seq, got = msg.seq, got + len(parts[-1])
+        return parts
+
+    async def _at(self, seq: int) -> Any:
+        try:
+            return await self.js.get_msg(STREAM, seq=seq)
+        except NotFoundError:
+            return None
 
     async def _meta(self, subject: str) -> dict:
         meta = await self.js.get_last_msg(STREAM, subject)  # NotFoundError: gone
