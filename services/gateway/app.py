@@ -604,6 +604,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
     # a signal's payload against its wait's schema: the author's patterns may backtrack without end
     app.state.schema_check = schema_check = bounded.Bounded(limits.current().signal_check_seconds,
                                                                  preload=("jsonschema",))
+    checking: set[str] = set()  # the users whose signal payload is being checked: one at a time each
 
     async def offload(fn: Callable[..., T], *args: Any) -> T:
         async with heavy:
@@ -893,12 +894,21 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
             if refusal is None and wait is not None and wait.get("schema") is not None:
+                if who["user_id"] in checking:  # one check at a time per user: nobody queues ahead of the rest
+                    raise problem(429, f"signal {name!r}: a payload of yours is being checked against its wait's "
+                                       "schema already; send the next when it is answered", "body")
+                checking.add(who["user_id"])
                 try:
                     refusal = await schema_check(signals.schema_refusal, name, wait["schema"], payload)
                 except bounded.Overrun as exc:
                     refusal = signals.Refusal(422, f"signal {name!r}: checking the payload against the wait's "
                                                    f"schema {exc} (limit signal_check_seconds: a schema whose "
                                                    "patterns backtrack?); nothing was recorded", "body")
+                except bounded.Busy as exc:
+                    raise problem(503, f"signal {name!r}: the gateway is checking other payloads ({exc}); "
+                                       "send it again in a moment", "body") from None
+                finally:
+                    checking.discard(who["user_id"])
             if refusal is not None:
                 if refusal.status == 403:
                     raise auth.deny(request, who, "execution.cancel.any", f" ({refusal.message})",

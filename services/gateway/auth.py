@@ -90,12 +90,16 @@ def bearer(header: str | None) -> str:
     return token
 
 
-def requested_by(principal: dict[str, Any]) -> dict[str, Any]:
-    """Who started an execution, as its request records it: ids and names, never a secret; and the
-    roles the request carried (an API token's may be fewer than its owner's: a pool checks these, D33)."""
+def requested_by(principal: dict[str, Any], proof: bool = False) -> dict[str, Any]:
+    """Who started an execution, as its request records it: the user's id and name and how they came
+    (``kind``), never a secret nor the id of their session or token (``access.PROOF_KEYS``: every viewer
+    reads the log); and the roles the request carried (an API token's may be fewer than its owner's: a
+    pool checks these, D33). ``proof``: with that id, for a record only its service reads (a schedule's
+    creator: revoking the token that made it pauses it)."""
     out = {k: principal.get(k) for k in ("user_id", "username", "kind")}
-    key = "session_id" if principal.get("kind") == "session" else "token_id"
-    out[key] = principal.get(key)
+    if proof:
+        key = "session_id" if principal.get("kind") == "session" else "token_id"
+        out[key] = principal.get(key)
     out["roles"] = sorted(r for r in principal.get("roles") or () if isinstance(r, str))
     return out
 

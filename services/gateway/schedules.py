@@ -101,7 +101,7 @@ def install(app: FastAPI) -> None:
             _checked(fields)
             await _Shell(request.app.state.bus).ask(Q_CATALOG_GET, {"path": body.path, "version": body.version},
                                                     "body.path")  # 404 when the catalog has no such playbook
-            reply = await _ask(request, "add", {"schedule": fields, "created_by": auth.requested_by(who)})
+            reply = await _ask(request, "add", {"schedule": fields, "created_by": auth.requested_by(who, proof=True)})
             await request.app.state.auditor.record("schedule.created", who, request, target={"schedule": reply["id"]},
                                                    details={"path": body.path, "spec": reply.get("spec")})
             return reply

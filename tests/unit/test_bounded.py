@@ -55,3 +55,28 @@ def test_a_check_that_eats_memory_fails_in_its_child():
         finally:
             check.close(kill=True)
     asyncio.run(main())
+
+
+def test_a_check_is_not_failed_by_the_time_it_waited_and_a_flood_is_refused_at_once():
+    """Two costly checks ahead (each stopped after its second) do not fail a cheap one that waited for
+    them; with ``max_waiting`` checks waiting, one more is refused at once (Busy), not queued."""
+    from noetl_mesh.infra.bounded import Busy
+
+    async def main():
+        check = Bounded(seconds=1.0, max_bytes=512 << 20, preload=("jsonschema",), max_waiting=2)
+        try:
+            await check(schema_refusal, "s", BACKTRACKS, {"code": "a"})  # the child is warm
+            costly = [asyncio.ensure_future(check(schema_refusal, "s", BACKTRACKS, {"code": "a" * 64 + "!"}))
+                      for _ in range(2)]
+            await asyncio.sleep(0.1)
+            cheap = asyncio.ensure_future(check(schema_refusal, "s", BACKTRACKS, {"code": "b"}))
+            await asyncio.sleep(0.1)
+            with pytest.raises(Busy):  # one costly running, one costly and the cheap one waiting
+                await check(schema_refusal, "s", BACKTRACKS, {"code": "c"})
+            assert (await cheap).status == 422  # checked, after more than its second of waiting
+            for call in costly:
+                with pytest.raises(Overrun):
+                    await call
+        finally:
+            check.close(kill=True)
+    asyncio.run(main())

@@ -199,12 +199,11 @@ def test_a_refusal_names_the_permission_the_roles_that_grant_it_and_the_callers(
 def test_who_started_an_execution_carries_ids_names_and_the_requests_roles_only():
     session = {"user_id": "u1", "username": "ann", "email": "ann@example.com", "roles": ["developer"],
                "kind": "session", "session_id": "s1", "expires_at": "x", "idle_expires_at": "y"}
-    assert auth.requested_by(session) == {"user_id": "u1", "username": "ann", "kind": "session", "session_id": "s1",
-                                          "roles": ["developer"]}
+    # never the id of the session or token: the sessions service takes it as proof of who asks
+    assert auth.requested_by(session) == {"user_id": "u1", "username": "ann", "kind": "session", "roles": ["developer"]}
     token = {"user_id": "u2", "username": "ci", "roles": ["viewer"], "kind": "token", "token_id": "t1",
              "token_name": "deploy"}
-    assert auth.requested_by(token) == {"user_id": "u2", "username": "ci", "kind": "token", "token_id": "t1",
-                                        "roles": ["viewer"]}
+    assert auth.requested_by(token) == {"user_id": "u2", "username": "ci", "kind": "token", "roles": ["viewer"]}
 
 
 def test_retry_after_from_the_sessions_details():

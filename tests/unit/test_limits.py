@@ -42,3 +42,39 @@ def test_override_is_scoped_and_checks_names():
     with pytest.raises(AttributeError):
         with limits.override(no_such_limit=1):
             pass
+
+
+FLOOD = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: flood, path: t/flood}
+executor: {spec: {max_steps: STEPS}}
+workflow:
+  - step: start
+    spec: {max_steps: STEPS}
+    tool:
+      kind: noop
+      spec:
+        policy:
+          rules:
+            - when: "{{ true }}"
+              then: {do: retry, attempts: ATTEMPTS, delay: 0}
+"""
+
+
+def test_a_retry_or_a_jump_cycle_cannot_be_made_to_run_without_bound():
+    """One request must not write events for ever: a retry rule's attempts and max_steps are bounded
+    by engine limits, checked as the playbook is validated (where, and which limit to raise)."""
+    from noetl_mesh.lang.validate import validate_text
+
+    def errors(steps: int, attempts: int) -> list[str]:
+        return [str(d) for d in validate_text(FLOOD.replace("STEPS", str(steps)).replace("ATTEMPTS", str(attempts))).errors]
+
+    assert errors(100_000, 100) == []
+    found = errors(10 ** 9, 10 ** 12)
+    assert len(found) == 3, found  # the executor's max_steps, the step's, the rule's attempts
+    assert sum("over the limit max_task_visits = 100,000 visits" in e for e in found) == 2
+    assert any("then.attempts" in e and "max_task_attempts = 100 attempts" in e and
+               "NOETL_LIMIT_MAX_TASK_ATTEMPTS" in e for e in found)
+    with limits.override(max_task_attempts=1000):
+        assert errors(100, 1000) == []

@@ -414,3 +414,18 @@ def test_a_five_field_cron_is_told_its_own_six_field_form_once():
     message = f"body.spec.cron: {error['message']}"
     body = {"detail": {"message": message, "errors": [{"location": "body.spec.cron", "message": error["message"]}]}}
     assert str(GatewayError(422, body)).count("five fields?") == 1  # said once, not again as its own error
+
+
+def test_the_id_of_the_token_that_made_a_schedule_is_kept_for_the_scheduler_only():
+    """The scheduler keeps the token's id (revoking that token pauses the schedule); an execution it
+    starts and the schedule as the API shows it never carry it: the sessions service takes a live
+    token's id as proof of who asks, and every viewer reads the log."""
+    maker = {"user_id": "u1", "username": "ann", "kind": "token", "token_id": "t9", "roles": ["developer"]}
+    rec = S.definition(S.check({"path": "pb/daily", "every": 5}, now=NOW, max_bytes=1 << 20), schedule_id="s1",
+                       generation="g1", created_by=maker, now=NOW)
+    assert rec["created_by"]["token_id"] == "t9"
+    fired = S.on_firing("noetl.schedule.fire.s1", {"id": "s1", "generation": "g1"}, rec,
+                        fired_by("2026-06-01T12:00:10Z"), NOW + 5.01, NOW + 6)
+    assert fired.start["data"]["requested_by"] == {"user_id": "u1", "username": "ann", "kind": "token",
+                                                    "roles": ["developer"]}
+    assert "token_id" not in S.view(rec, NOW)["created_by"]

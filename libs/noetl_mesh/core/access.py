@@ -95,6 +95,16 @@ def token_kind(token: Any) -> str | None:
     return TOKEN_KINDS[token[:8]]
 
 
+# The ids of a live session or API token: the sessions service takes a principal naming one as who
+# asks (checking that it is live), so they are never written where others read (events, views).
+PROOF_KEYS = ("session_id", "token_id")
+
+
+def shown(principal: Any) -> Any:
+    """A principal as events and views may carry it: without the ids of its session or token."""
+    return {k: v for k, v in principal.items() if k not in PROOF_KEYS} if isinstance(principal, dict) else principal
+
+
 def token_id(token: str) -> str:
     """The id (and KV key part) of a bearer token: one-way, so the store never holds what grants access."""
     return hashlib.sha256(b"noetl.token-id\x00" + token.encode()).hexdigest()[:32]

@@ -29,6 +29,7 @@ import orjson
 from ..lang.durations import parse_duration, parse_instant  # the language's durations and instants
 from ..lang.paths import path_problem  # a schedule names a catalog path: the catalog's rule
 from .events import execution_requested, stable_id
+from . import access
 from .access import allowed
 
 # ------------------------------------------------------------------------------------ names
@@ -578,7 +579,7 @@ def request(record: dict[str, Any], fired_at: int, now: float) -> dict[str, Any]
         eid, source=SOURCE, timestamp=now,
         data={"playbook": None, "catalog": {"path": record["path"], "version": record.get("version")},
               "workload": record.get("workload") or {}, "parent_execution_id": None,
-              "requested_by": record.get("created_by"),
+              "requested_by": access.shown(record.get("created_by")),
               "schedule": {"id": record["id"], "fire_time": iso(fired_at)}})
 
 
@@ -629,6 +630,7 @@ def view(record: dict[str, Any], now: float, n: int = 5, anchor: float | None = 
     """A schedule as the API shows it: its record (without the generation; without the workload in a
     list, ``full=False``), its status and its next fire times."""
     out = {k: v for k, v in record.items() if k != "generation" and (full or k != "workload")}
+    out["created_by"] = access.shown(record.get("created_by"))
     out["status"] = "paused" if record.get("paused") else "finished" if finished(record, now) else "active"
     times = upcoming(record, now, n, anchor)
     if full:

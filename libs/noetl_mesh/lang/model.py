@@ -33,6 +33,15 @@ def _duration(value: Any) -> Any:
     return value
 
 
+def _at_most(name: str):
+    """A literal count checked against engine limit ``name`` (docs/limits.md) when the playbook is validated."""
+    def check(value: Any) -> Any:
+        if isinstance(value, int) and (over := limits.exceeded(name, value)) is not None:
+            raise ValueError(str(over))
+        return value
+    return check
+
+
 def _instant(value: Any) -> Any:
     if not is_template(value):
         parse_instant(value)
@@ -72,7 +81,8 @@ class Open(BaseModel):
 # ---------------------------------------------------------------- task policy (D9)
 class RuleAction(Strict):
     do: Literal["continue", "retry", "jump", "break", "fail"] = "continue"
-    attempts: int | None = Field(None, ge=1, description="retry: total attempts, the first included")
+    attempts: Annotated[int | None, AfterValidator(_at_most("max_task_attempts"))] = Field(
+        None, ge=1, description="retry: total attempts, the first included")
     backoff: Literal["none", "linear", "exponential"] = "none"
     delay: float | Template = 0.0
     max_delay: float = Field(60.0, ge=0)
@@ -330,7 +340,7 @@ class StepPolicy(Open):
 class StepSpec(Open):
     policy: StepPolicy | None = None
     join: Literal["all", "any"] = "all"
-    max_steps: int = Field(10_000, ge=1)
+    max_steps: Annotated[int, AfterValidator(_at_most("max_task_visits"))] = Field(10_000, ge=1)
     pool: Pool | None = Field(None, description="worker pool that runs this step's commands")
 
 
@@ -401,7 +411,7 @@ class ExecutorPolicy(Open):
 class ExecutorSpec(Open):
     entry_step: str | None = None
     policy: ExecutorPolicy | None = None
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: Annotated[int | None, AfterValidator(_at_most("max_task_visits"))] = Field(None, ge=1)
     pool: Pool | None = Field(None, description="worker pool of every step that names none")
 
 
