@@ -73,6 +73,8 @@ LIMITS: tuple[Limit, ...] = (
           "validator: the playbook is invalid"),
     Limit("max_task_visits", 100_000, "visits", "max_steps: the task visits of one pipeline run",
           "validator: the playbook is invalid"),
+    Limit("max_step_runs", 50_000, "step runs", "the step runs one execution started (a loop's iterations "
+          "not counted)", "router: the execution fails"),
     Limit("max_tree_executions", 100_000, "executions",
           "the child executions one root execution's tree has requested (every depth together)",
           "admission, as it evaluates a child's request (the child fails, and so the task that called it)"),

@@ -78,3 +78,32 @@ def test_a_retry_or_a_jump_cycle_cannot_be_made_to_run_without_bound():
                "NOETL_LIMIT_MAX_TASK_ATTEMPTS" in e for e in found)
     with limits.override(max_task_attempts=1000):
         assert errors(100, 1000) == []
+
+
+CYCLE = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: cycle, path: t/cycle}
+workflow:
+  - step: start
+    tool: {kind: noop}
+    next: {arcs: [{step: start}]}
+"""
+
+
+def test_an_arc_cycle_ends_at_max_step_runs():
+    """An arc back to its own step is a loop the author meant, or not: it ends FAILED once the execution
+    has started more than max_step_runs step runs, each of which every control-plane fold holds."""
+    import asyncio
+
+    import yaml
+
+    from noetl_mesh.core.local import run_local
+
+    with limits.override(max_step_runs=40):
+        run = asyncio.run(run_local(yaml.safe_load(CYCLE)))
+    [finished] = [e for e in run.log if e["name"] == "workflow.finished"]
+    error = finished["data"]["error"]
+    assert run.state.status == "FAILED" and error["kind"] == "limit_exceeded", error
+    assert "is 41 step runs, over the limit max_step_runs = 40 step runs" in error["message"]
+    assert len(run.state.runs) == 41

@@ -540,6 +540,10 @@ def router(state: ExecutionState, event: dict[str, Any]) -> Decision:
     name = event["name"]
     if state.finished:
         return out.decision
+    if len(state.runs) > limits.current().max_step_runs:  # an arc cycle would hold every fold's memory
+        _finish(out, FAILED, error={"kind": "limit_exceeded", "retryable": False, "message": str(
+            limits.LimitExceeded("max_step_runs", len(state.runs)))})
+        return out.decision
     if name == "playbook.request.evaluated" and event["status"] == "error":  # a limit's refusal says so
         kind = "limit_exceeded" if (event.get("data") or {}).get("kind") == "limit_exceeded" else "invalid_playbook"
         _finish(out, FAILED, error={"kind": kind, "message": "; ".join(state.errors)})
