@@ -73,7 +73,6 @@ from noetl_mesh.contracts.subjects import (  # noqa: E402 - the one list: contra
     Q_USERS_ADD, Q_USERS_DISABLE, Q_USERS_ENABLE, Q_USERS_GET, Q_USERS_LIST, Q_USERS_PASSWORD, Q_USERS_ROLES,
     Q_USERS_STANDING, Q_VALIDATE)
 from noetl_mesh.contracts.subjects import SESSIONS_REVOKED as REVOKED  # noqa: E402 - notice: drop cached validations
-from noetl_mesh.contracts.subjects import answerable  # noqa: E402 - answers go to inboxes only
 QUEUE = "sessions"
 
 MAX_IN_FLIGHT = 1024  # requests handled at once per replica; more are answered "unavailable"
@@ -144,10 +143,7 @@ class SessionsService:
         counts = self.bus.endpoint(subject, QUEUE)
 
         async def on_msg(msg) -> None:
-            if not answerable(msg.reply):  # an answer goes to an inbox only (contracts/subjects.py)
-                log.warning("%s: a request whose reply subject is not an inbox (%r): not answered", subject,
-                            (msg.reply or "")[:120])
-                counts.record(time.perf_counter_ns(), error="bad_reply: the reply subject is not an inbox")
+            if self.bus.unanswerable(msg, subject, counts):  # an answer goes to an inbox only
                 return
             if len(self._tasks) >= MAX_IN_FLIGHT:
                 counts.record(time.perf_counter_ns(), error=f"unavailable: busy: {MAX_IN_FLIGHT} requests in progress")

@@ -373,26 +373,27 @@ class Bus:
     async def ensure_lost_commands(self, max_age_s: float = 7 * 24 * 3600) -> None:
         """The server's MAX_DELIVERIES advisories for the commands stream, kept in a stream until
         admission has handled them (a core-NATS advisory is lost when no admission is connected)."""
-        try:
-            await self.js.stream_info(LOST_COMMANDS)
-        except NotFoundError:
-            await self.js.add_stream(StreamConfig(
-                name=LOST_COMMANDS, subjects=[MAX_DELIVERIES], storage=StorageType.FILE,
-                retention=RetentionPolicy.WORK_QUEUE, max_age=max_age_s, num_replicas=self.replicas,
-            ))
+        await self._ensure_stream(StreamConfig(
+            name=LOST_COMMANDS, subjects=[MAX_DELIVERIES], storage=StorageType.FILE,
+            retention=RetentionPolicy.WORK_QUEUE, max_age=max_age_s, num_replicas=self.replicas,
+        ))
 
     async def _ensure_trees(self, max_age_s: float) -> None:
         """The counters of child executions per root (D19, ``max_tree_executions``): a counter stream
         keeping the last total of each root, ``max_age_s`` after its last child, at most a million roots
         (the oldest forgotten first)."""
+        await self._ensure_stream(StreamConfig(
+            name=TREES, subjects=[TREE_PREFIX + "*"], storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
+            allow_msg_counter=True, allow_direct=True, max_msgs_per_subject=1, max_msgs=1_000_000,
+            discard=DiscardPolicy.OLD, max_age=max_age_s, duplicate_window=120, num_replicas=self.replicas,
+        ))
+
+    async def _ensure_stream(self, config: StreamConfig) -> None:
+        """Create the stream of ``config`` unless it exists (an existing one keeps its settings)."""
         try:
-            await self.js.stream_info(TREES)
+            await self.js.stream_info(config.name)
         except NotFoundError:
-            await self.js.add_stream(StreamConfig(
-                name=TREES, subjects=[TREE_PREFIX + "*"], storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
-                allow_msg_counter=True, allow_direct=True, max_msgs_per_subject=1, max_msgs=1_000_000,
-                discard=DiscardPolicy.OLD, max_age=max_age_s, duplicate_window=120, num_replicas=self.replicas,
-            ))
+            await self.js.add_stream(config)
 
     async def trees_unusable(self) -> str | None:
         """Why the trees' counters (D19) cannot be used by this connection, or None: the stream is
@@ -582,6 +583,16 @@ class Bus:
                 raise BusError("payload_missing", str(exc)) from exc
         return reply
 
+    def unanswerable(self, msg: Msg, subject: str, counts: Endpoint) -> bool:
+        """Whether a request received on ``subject`` must go unanswered, its reply subject not an inbox
+        (:func:`answerable`); said in the log and counted as a failed request of ``counts``."""
+        if answerable(msg.reply):
+            return False
+        log.warning("%s: %s: a request whose reply subject is not an inbox (%r): not answered", self.name, subject,
+                    (msg.reply or "")[:120])
+        counts.record(time.perf_counter_ns(), error="bad_reply: the reply subject is not an inbox")
+        return True
+
     async def serve(self, subject: str, handler: Callable[..., Awaitable[Any]], queue: str, *,
                     with_msg: bool = False, any_reply: bool = False):
         """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
@@ -595,10 +606,7 @@ class Bus:
 
         async def on_msg(msg: Msg) -> None:
             started, error = time.perf_counter_ns(), None
-            if not any_reply and not answerable(msg.reply):  # an answer goes to an inbox only (contracts/subjects.py)
-                log.warning("%s: %s: a request whose reply subject is not an inbox (%r): not answered", self.name,
-                            subject, (msg.reply or "")[:120])
-                counts.record(started, error="bad_reply: the reply subject is not an inbox")
+            if not any_reply and self.unanswerable(msg, subject, counts):
                 return
             t0 = time.perf_counter()
             outcome = "ok"
@@ -623,9 +631,7 @@ class Bus:
                     outcome = "internal"
                     reply = {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
                     error = f"internal: {type(exc).__name__}: {exc}"
-                if not answerable(msg.reply):  # any_reply, and the handler did not say NoReply: still no answer
-                    log.error("%s: %s: not answered at %r, which is not an inbox", self.name, subject, msg.reply[:120])
-                    counts.record(started, error="bad_reply: the reply subject is not an inbox")
+                if self.unanswerable(msg, subject, counts):  # any_reply: the handler saw it, and answered
                     return
                 await msg.respond(dumps(reply))
                 exemplar = metrics.exemplar()

@@ -107,8 +107,7 @@ class PayloadStore:
 
     async def _read(self, key: str) -> bytes:
         """Object ``key``'s bytes: its metadata (the last message of its meta subject), then its chunks
-        one by one (the next message of its chunk subject after the last), as the object store lays
-        them out. Raises ObjectNotFoundError when it is gone, ValueError when it is not whole. The same
+        (:meth:`_chunks`), as the object store lays them out. Raises ObjectNotFoundError when it is gone, ValueError when it is not whole. The same
         value stored again meanwhile (a refresh, or two writers at once) gives it new chunks and purges
         the old ones: it is read again, from its new metadata."""
         meta_subject = f"$O.{BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
@@ -134,18 +133,18 @@ class PayloadStore:
         after it asked for side by side at the sequences that follow (an object's chunks are stored one
         after another unless another object's came between), each taken only if it is of ``subject``;
         from the first that is not, the next by subject. NotFoundError when one is gone."""
-        first = await self.js.get_msg(STREAM, seq=1, subject=subject, next=True)
-        parts, seq, got = [first.data or b""], first.seq, len(first.data or b"")
+        parts, seq, got = [], 0, 0
+        ahead: list[Any] = [None]  # the first: by subject
         while len(parts) < chunks and got <= size:
-            ahead = await asyncio.gather(*(self._at(seq + 1 + i) for i in range(min(CHUNKS_AHEAD, chunks - len(parts)))))
             for msg in ahead:
-                if msg is None or msg.subject != subject:
-                    msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)  # not adjacent
-                    parts.append(msg.data or b"")
-                    seq, got = msg.seq, got + len(parts[-1])
-                    break
+                adjacent = msg is not None and msg.subject == subject
+                if not adjacent:
+                    msg = await self.js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
                 parts.append(msg.data or b"")
                 seq, got = msg.seq, got + len(parts[-1])
+                if not adjacent:
+                    break
+            ahead = await asyncio.gather(*(self._at(seq + 1 + i) for i in range(min(CHUNKS_AHEAD, chunks - len(parts)))))
         return parts
 
     async def _at(self, seq: int) -> Any:
