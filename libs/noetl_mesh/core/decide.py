@@ -778,11 +778,14 @@ def _start_loop(out: _Out, run: StepRun, sdef: dict) -> None:
     _dispatch(out, run, sdef)
 
 
+MAX_CHUNK = 32  # iterations in one command
+
+
 def chunk_size(loop) -> int:
     """Iterations per command: a parallel loop ships them in chunks (one command, one report per
     chunk) so a large loop does not pay a message round per iteration; ``max_in_flight`` still counts
     iterations. A sequential loop runs one at a time (D19)."""
-    return 1 if loop.mode != "parallel" else max(1, min(32, loop.max_in_flight // 8))
+    return 1 if loop.mode != "parallel" else max(1, min(MAX_CHUNK, loop.max_in_flight // 8))
 
 
 def _dispatch(out: _Out, run: StepRun, sdef: dict) -> None:
@@ -857,7 +860,8 @@ def _entries(command: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(chunk, list) and chunk:
         return chunk
     span = command.get("iterations")
-    if isinstance(span, list) and len(span) == 2 and all(isinstance(i, int) for i in span):
+    if isinstance(span, list) and len(span) == 2 and all(isinstance(i, int) for i in span) \
+            and 0 <= span[0] < span[1] <= span[0] + MAX_CHUNK:
         return [{"iteration": i, "command_id": stable_id("cmd", command["step_run_id"], i)} for i in range(*span)]
     return [{"iteration": command.get("iteration"), "command_id": command["command_id"]}]
 
