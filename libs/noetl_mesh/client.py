@@ -274,11 +274,18 @@ class GatewayClient(Following):
         return await self._call("GET", "/api/waits", params={"execution_id": execution_id} if execution_id else None)
 
     # credentials (D24)
-    async def credential_put(self, name: str, kind: str, data: dict, description: str | None = None) -> dict:
+    async def credential_put(self, name: str, kind: str, data: dict, description: str | None = None,
+                             roles: list[str] | None = None) -> dict:
         body: dict[str, Any] = {"name": name, "kind": kind, "data": data}
         if description is not None:
             body["description"] = description
+        if roles is not None:
+            body["roles"] = roles
         return await self._call("POST", "/api/credentials", json=body)
+
+    async def credential_roles(self, name: str, roles: list[str]) -> dict:
+        """Who may use the credential from a playbook (D24)."""
+        return await self._call("POST", f"/api/credentials/{name}/roles", json={"roles": roles})
 
     async def credential_list(self) -> list[dict]:
         return await self._call("GET", "/api/credentials")

@@ -1,13 +1,15 @@
 """credentials: the credential store (D24), and the only service that hands a credential's data to a
 worker. Its rules are in ``core/credentials.py``; its table in ``store.py``.
 
-- ``noetl.q.credential.{put,list,get,delete}`` (queue group ``credentials``): the gateway's API, which
-  checks the caller's permissions (``credential.write``, ``credential.list``, ``credential.read_data``
-  for ``get`` with ``include_data``) and audits them.
+- ``noetl.q.credential.{put,list,get,roles,delete}`` (queue group ``credentials``): the gateway's API,
+  which checks the caller's permissions (``credential.write``, ``credential.list``,
+  ``credential.read_data`` for ``get`` with ``include_data``) and audits them; ``roles`` sets whose
+  playbooks may use a credential (D24).
 - ``noetl.q.credential.resolve.<pool>``: a worker of the pool asks for the keychain credentials of a
   command it holds. Granted only for that command (read back from ``NOETL_COMMANDS`` by its stream
   sequence), its execution, the names its keychain declares, a running execution (asked of the
-  event-recorder), answered to an inbox only; every grant and every refusal is recorded in the audit log
+  event-recorder), users who may use each credential (asked of the sessions service), answered to an
+  inbox only; every grant and every refusal is recorded in the audit log
   (``credential.resolved``, ``credential.refused``: who, which execution, which names, never a value),
   a grant before its answer leaves.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import orjson
@@ -26,10 +29,12 @@ from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from psycopg_pool import AsyncConnectionPool
 
-from noetl_mesh.core import credentials as rules
+from noetl_mesh.contracts.subjects import Q_USERS_STANDING
+from noetl_mesh.core import access, credentials as rules
 from noetl_mesh.core.credentials import Refused
 from noetl_mesh.infra.bus import (COMMANDS, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
-                                  Q_CREDENTIAL_PUT, Q_EXECUTION_STATUS, Bus, BusError, NoReply,
+                                  Q_CREDENTIAL_PUT, Q_CREDENTIAL_ROLES, Q_EXECUTION_STATUS,
+                                  Bus, BusError, NoReply,
                                   credential_resolve_subject, unsubscribe_all)
 from noetl_mesh.services.event_recorder.schema import transient, unstorable
 from noetl_mesh.services.sessions import audit
@@ -39,6 +44,7 @@ from . import store as tables
 log = logging.getLogger("noetl.credentials")
 QUEUE = "credentials"
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
+STANDING_TTL = 10.0  # seconds a user's standing is kept (as a worker keeps it)
 
 
 class CredentialsService:
@@ -51,11 +57,13 @@ class CredentialsService:
         self._db_error = "not tried yet"
         self._subs: list[Any] = []
         self._task: asyncio.Task | None = None
+        self._standing: dict[str, tuple[float, Any]] = {}  # user id -> (until, the sessions service's word)
 
     async def start(self) -> None:
         await self.bus.attach()
         for subject, handler in ((Q_CREDENTIAL_PUT, self.put), (Q_CREDENTIAL_LIST, self.list),
-                                 (Q_CREDENTIAL_GET, self.get), (Q_CREDENTIAL_DELETE, self.delete)):
+                                 (Q_CREDENTIAL_GET, self.get), (Q_CREDENTIAL_DELETE, self.delete),
+                                 (Q_CREDENTIAL_ROLES, self.set_roles)):
             self._subs.append(await self.bus.serve(subject, self._guarded(subject, handler), queue=QUEUE))
         self._subs.append(await self.bus.serve(credential_resolve_subject("*"), self.resolve, queue=QUEUE,
                                                with_msg=True, any_reply=True))  # a redirection is audited
@@ -128,10 +136,17 @@ class CredentialsService:
 
     # ------------------------------------------------------------------ the gateway's API
     async def put(self, req: dict[str, Any]) -> dict[str, Any]:
-        name, kind, data, description = rules.put_fields(req)
+        name, kind, data, description, roles = rules.put_fields(req)
         if description is not None and (reason := unstorable(description)):
             raise BusError("bad_request", f"description {reason}: Postgres cannot store it")
-        return await self._store().put(name, kind, data, description)
+        return await self._store().put(name, kind, data, description, roles)
+
+    async def set_roles(self, req: dict[str, Any]) -> dict[str, Any]:
+        name, roles = rules.name_of(req.get("name")), rules.roles_of(req.get("roles"))
+        found = await self._store().set_roles(name, roles)
+        if found is None:
+            raise BusError("not_found", f"credential {name!r} does not exist")
+        return found
 
     async def list(self, req: dict[str, Any]) -> list[dict[str, Any]]:
         return await self._store().list()
@@ -162,6 +177,7 @@ class CredentialsService:
             state = await self._execution(ask.execution_id)
             rules.check_running(ask, state.get("status"))
             store = self._store()
+            await self._check_roles(store, names, command)
         except Refused as refused:
             await self._audit_refused(msg, req, ask, refused)
             if refused.reason == "bad_reply":
@@ -185,6 +201,40 @@ class CredentialsService:
         log.info("resolved %d of %d credential(s) for execution %s (worker-%s, command %d)", len(values), len(names),
                  ask.execution_id, ask.pool, ask.seq)
         return values
+
+    async def _check_roles(self, store: tables.CredentialStore, names: list[str], command: dict) -> None:
+        """D24: :class:`Refused` unless every user the command acts for may use each stored credential
+        it names (:func:`rules.use_refusal`); their standing is the sessions service's word, kept
+        :data:`STANDING_TTL` seconds. ``unavailable`` while that service does not answer: the worker
+        tries again."""
+        try:
+            roles = await store.roles(names)
+        except Exception as exc:  # noqa: BLE001 - the database: the worker retries its command
+            raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
+        standing: dict[str, Any] = {}
+        starter = command.get("requested_by")
+        if roles and isinstance(starter, dict) and isinstance(starter.get("user_id"), str):
+            for _, who in access.command_users(command):
+                uid = who.get("user_id") if isinstance(who, dict) else None
+                if isinstance(uid, str) and uid not in standing:
+                    standing[uid] = await self._standing_of(uid)
+        refused = rules.use_refusal(command, roles, standing)
+        if refused is not None:
+            raise refused
+
+    async def _standing_of(self, uid: str) -> dict[str, Any]:
+        now = time.monotonic()
+        until, standing = self._standing.get(uid, (0.0, None))
+        if standing is None or until < now:
+            try:
+                standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
+            except BusError as exc:
+                raise BusError("unavailable", f"the standing of user {uid} cannot be checked ({exc.kind}: "
+                                              f"{exc.message}): the worker tries again") from None
+            if len(self._standing) > 10_000:
+                self._standing.clear()
+            self._standing[uid] = (now + STANDING_TTL, standing)
+        return standing
 
     async def _command(self, seq: int) -> tuple[str | None, Any]:
         """The subject and the command stored at ``seq`` of ``NOETL_COMMANDS`` (its keychain expanded,

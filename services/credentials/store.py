@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidTag
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
-from noetl_mesh.core.credentials import (KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
+from noetl_mesh.core.credentials import (DEFAULT_ROLES, KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
                                          new_key_text)
 from noetl_mesh.infra import pg_migrations
 from noetl_mesh.infra.bus import BusError
@@ -45,9 +45,12 @@ CREATE TABLE IF NOT EXISTS credential (
     updated_at  timestamptz NOT NULL DEFAULT now()
 );
 """),
+    (2, "who may use each credential from a playbook (D24): admins' playbooks only until an admin says otherwise",
+     "ALTER TABLE credential ADD COLUMN IF NOT EXISTS roles text[] NOT NULL DEFAULT '{admin}';"),
 ]
 _LOCK = 0x6E6F65746C63  # pg_advisory_xact_lock key of these migrations ("noetlc")
-_META = ("name", "kind", "description", "created_at", "updated_at")
+_META = ("name", "kind", "description", "roles", "created_at", "updated_at")
+_COLUMNS = ", ".join(_META)
 
 
 async def migrate(conn: AsyncConnection) -> int:
@@ -133,36 +136,55 @@ class CredentialStore:
             log.warning("re-encrypted %d credential(s) under the new key", done)
         return done
 
-    async def put(self, name: str, kind: str, data: dict[str, Any], description: str | None) -> dict[str, Any]:
+    async def put(self, name: str, kind: str, data: dict[str, Any], description: str | None,
+                  roles: list[str] | None = None) -> dict[str, Any]:
+        """Create or replace a credential. ``roles`` None: a new one's are :data:`DEFAULT_ROLES`, a
+        replaced one keeps its own (a new password does not change who may use it)."""
         try:
             blob, nonce = encrypt(self.key(create=True), name, data)
         except TypeError as exc:  # orjson: an unpaired surrogate, an integer over 64 bits
             raise BusError("bad_request", f"data cannot be stored: {exc}") from None
         async with self.pool.connection() as conn:
             row = await (await conn.execute(
-                """INSERT INTO credential (name, kind, description, data, nonce) VALUES (%s, %s, %s, %s, %s)
-                   ON CONFLICT (name) DO UPDATE SET kind = excluded.kind, description = excluded.description,
-                       data = excluded.data, nonce = excluded.nonce, updated_at = now()
-                   RETURNING name, kind, description, created_at, updated_at""",
-                (name, kind, description, blob, nonce))).fetchone()
+                f"""INSERT INTO credential (name, kind, description, data, nonce, roles)
+                    VALUES (%s, %s, %s, %s, %s, %s)
+                    ON CONFLICT (name) DO UPDATE SET kind = excluded.kind, description = excluded.description,
+                       data = excluded.data, nonce = excluded.nonce, updated_at = now(),
+                       roles = CASE WHEN %s THEN excluded.roles ELSE credential.roles END
+                    RETURNING {_COLUMNS}""",
+                (name, kind, description, blob, nonce, list(roles or DEFAULT_ROLES), roles is not None))).fetchone()
         return _meta(row)
+
+    async def set_roles(self, name: str, roles: list[str]) -> dict[str, Any] | None:
+        """Who may use the credential from a playbook now (D24); None when there is no such credential."""
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                f"UPDATE credential SET roles = %s, updated_at = now() WHERE name = %s RETURNING {_COLUMNS}",
+                (list(roles), name))).fetchone()
+        return None if row is None else _meta(row)
+
+    async def roles(self, names: list[str]) -> dict[str, list[str]]:
+        """``{name: roles}`` of the stored ones among ``names``."""
+        async with self.pool.connection() as conn:
+            rows = await (await conn.execute(
+                "SELECT name, roles FROM credential WHERE name = ANY(%s)", (list(set(names)),))).fetchall()
+        return {name: list(roles) for name, roles in rows}
 
     async def list(self) -> list[dict[str, Any]]:
         async with self.pool.connection() as conn:
             rows = await (await conn.execute(
-                "SELECT name, kind, description, created_at, updated_at FROM credential ORDER BY name")).fetchall()
+                f"SELECT {_COLUMNS} FROM credential ORDER BY name")).fetchall()
         return [_meta(r) for r in rows]
 
     async def get(self, name: str, include_data: bool) -> dict[str, Any] | None:
         async with self.pool.connection() as conn:
             row = await (await conn.execute(
-                "SELECT name, kind, description, created_at, updated_at, data, nonce FROM credential WHERE name = %s",
-                (name,))).fetchone()
+                f"SELECT {_COLUMNS}, data, nonce FROM credential WHERE name = %s", (name,))).fetchone()
         if row is None:
             return None
-        out = _meta(row[:5])
+        out = _meta(row[:len(_META)])
         if include_data:
-            out["data"] = self.open(name, row[5], row[6])
+            out["data"] = self.open(name, row[-2], row[-1])
         return out
 
     async def delete(self, name: str) -> bool:

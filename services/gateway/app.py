@@ -76,6 +76,7 @@ from noetl_mesh.infra.bus import (
     Q_CATALOG_LIST,
     Q_CATALOG_REGISTER,
     Q_CREDENTIAL_DELETE,
+    Q_CREDENTIAL_ROLES,
     Q_CREDENTIAL_GET,
     Q_CREDENTIAL_LIST,
     Q_CREDENTIAL_PUT,
@@ -187,6 +188,17 @@ class CredentialBody(BaseModel):
                       description="what it is for: postgres, http, generic, ...")
     data: dict[str, Any] = Field(min_length=1, description="the secret fields")
     description: str | None = Field(None, max_length=4096)
+    roles: list[str] | None = Field(None, min_length=1, max_length=len(access.ROLES), description=(
+        "who may use it from a playbook (D24): whoever starts the execution and whoever wrote its playbooks "
+        "must each hold one of these roles; a new credential's default: admin; a replaced one keeps its own"))
+
+
+class CredentialRoles(BaseModel):
+    """Who may use a stored credential from a playbook (D24)."""
+
+    model_config = ConfigDict(extra="forbid")
+    roles: list[str] = Field(min_length=1, max_length=len(access.ROLES), description=(
+        "roles, one of which whoever starts the execution and whoever wrote its playbooks must each hold"))
 
 
 class SignalPayload(RootModel[Any]):
@@ -960,12 +972,23 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         with tracing.span("gateway POST /api/credentials", service="gateway"):
             reply = await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
             await auditor.record("credential.written", who, request, target={"credential": body.name},
-                                 details={"kind": body.kind, "fields": sorted(body.data)[:50]})
+                                 details={"kind": body.kind, "fields": sorted(body.data)[:50],
+                                          "roles": reply.get("roles") if isinstance(reply, dict) else None})
+            return reply
+
+    @app.post("/api/credentials/{name}/roles", tags=["credentials"], openapi_extra=_json_request(CredentialRoles))
+    async def set_credential_roles(name: str, request: Request, who: dict = need("credential.write"),
+                                   body: CredentialRoles = json_body(CredentialRoles)) -> dict[str, Any]:
+        """Set who may use a credential from a playbook (D24); the answer has no data."""
+        with tracing.span("gateway POST /api/credentials/{name}/roles", service="gateway"):
+            reply = await shell.ask(Q_CREDENTIAL_ROLES, {"name": name, "roles": body.roles})
+            await auditor.record("credential.roles", who, request, target={"credential": name},
+                                 details={"roles": body.roles})
             return reply
 
     @app.get("/api/credentials", tags=["credentials"])
     async def list_credentials(who: dict = need("credential.list")) -> list[dict[str, Any]]:
-        """Every credential's name, kind, description and times (never its data)."""
+        """Every credential's name, kind, description, roles and times (never its data)."""
         with tracing.span("gateway GET /api/credentials", service="gateway"):
             return await shell.ask(Q_CREDENTIAL_LIST, {})
 

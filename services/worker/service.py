@@ -28,6 +28,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
+from noetl_mesh.core import access
 from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
@@ -605,9 +606,7 @@ class WorkerService:
         need = None if roles is None else (
             f"pool {self.pool!r} runs only playbooks started and written by users with the role "
             f"{' or '.join(sorted(roles))} (NOETL_POOL_ROLES on its workers, D33)")
-        called = command.get("called_by") if isinstance(command.get("called_by"), list) else []
-        for did, who in (("started", command.get("requested_by")), ("written", command.get("authored_by")),
-                         *(("called by a playbook written", c) for c in called)):
+        for did, who in access.command_users(command):
             uid = who.get("user_id") if isinstance(who, dict) else None
             if not isinstance(uid, str):
                 if need is None:
@@ -625,19 +624,10 @@ class WorkerService:
                 log.warning("command %s: the standing of %s is unknown (%s): run, as the pool names no roles",
                             command.get("command_id"), uid, exc)
                 continue
-            name = who.get("username") or uid
-            if not standing.get("active"):
-                return f"this execution was {did} by {name}, who is disabled or removed: it runs no further task (D33)"
-            if need is None:
-                continue
-            holds = list(standing.get("roles") or ())
-            carried = who.get("roles")  # the roles the request that started it, or registered it, carried
-            held = [r for r in holds if r in carried] if isinstance(carried, list) else holds  # no more than both
-            if not self.policy.admits(held):
-                if held != holds:
-                    return (f"{need}; this one was {did} by {name}, whose request carried "
-                            f"{', '.join(carried) or 'no role'} of the roles {', '.join(holds) or 'none'} it holds")
-                return f"{need}; this one was {did} by {name}, who has {', '.join(holds) or 'no role'}"
+            if why := access.user_refusal(did, who, standing, None):
+                return f"this execution was {why}: it runs no further task (D33)"
+            if need is not None and (why := access.user_refusal(did, who, standing, roles)):
+                return f"{need}; this one was {why}"
         return None
 
     async def _recheck(self) -> None:

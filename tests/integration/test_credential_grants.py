@@ -301,3 +301,81 @@ workflow:
         assert len(mine) == 1 and mine[0]["target"]["credentials"] == ["grant_db"]
 
     grants.run(check())
+
+
+ROLES = """
+apiVersion: noetl.io/v2
+kind: Playbook
+metadata: {name: roles, path: tests/grants/roles}
+keychain:
+  - {name: api, kind: credential, credential: grant_roles}
+workflow:
+  - step: start
+    tool: {name: fetched, kind: secrets, secret: api}
+"""
+
+
+def test_a_credential_is_used_only_by_the_playbooks_of_users_holding_one_of_its_roles(grants):
+    """D24: a credential stored without roles is an admin's: a developer's playbook naming it, or a
+    developer starting an admin's playbook that names it, gets nothing (refused and audited); once an
+    admin gives it the role developer, both get it, and a new password keeps its roles."""
+    from conftest import new_user
+
+    token = "roles-token-Wq18"
+
+    async def main() -> None:
+        dev = await new_user(grants, "cred-dev", ["developer"])
+        async with httpx.AsyncClient(base_url=grants.url, trust_env=False, headers=grants.headers) as admin, \
+                httpx.AsyncClient(base_url=grants.url, trust_env=False,
+                                  headers={"Authorization": f"Bearer {dev}"}) as developer:
+            stored = await admin.post("/api/credentials", json={"name": "grant_roles", "data": {"user": "svc",
+                                                                                              "token": token}})
+            assert stored.status_code == 201 and stored.json()["roles"] == ["admin"], stored.text
+
+            async def run(as_dev: bool, **body: Any) -> tuple[dict, list[dict]]:
+                async with (grants.client(token=dev) if as_dev else grants.client()) as client:
+                    eid = await client.start(**body) if body else await client.start(ROLES)
+                    return await client.wait(eid, timeout=60), await client.all_events(eid)
+
+            def refusal(status: dict, events: list[dict]) -> str:
+                assert status["status"] == "FAILED", status
+                assert token not in str(events)
+                return str(next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"])
+
+            why = refusal(*await run(True))
+            assert "credential 'grant_roles' may be used only by playbooks started and written by users with the " \
+                   "role admin" in why and "started by cred-dev, who has developer" in why, why
+            denied = [r for r in await audit(grants, "credential.refused")
+                      if r["details"].get("reason") == "not_allowed"]
+            assert denied and "grant_roles" in denied[-1]["target"]["credentials"], denied
+
+            status, events = await run(False)  # the admin's own
+            assert status["status"] == "COMPLETED", status
+            assert status["steps"]["start"]["result"] == {"user": "svc", "token": "***"}
+
+            registered = await admin.post("/api/catalog", json={"content": ROLES})
+            assert registered.status_code == 201, registered.text
+            why = refusal(*await run(True, path="tests/grants/roles"))  # the admin's playbook, started by a developer
+            assert "started by cred-dev, who has developer" in why, why
+
+            forbidden = await developer.post("/api/credentials/grant_roles/roles", json={"roles": ["developer"]})
+            assert forbidden.status_code == 403, forbidden.text
+            bad = await admin.post("/api/credentials/grant_roles/roles", json={"roles": ["root"]})
+            assert bad.status_code == 400 and "root" in bad.text, bad.text
+            missing = await admin.post("/api/credentials/no_such/roles", json={"roles": ["developer"]})
+            assert missing.status_code == 404, missing.text
+            given = await admin.post("/api/credentials/grant_roles/roles", json={"roles": ["developer", "admin"]})
+            assert given.status_code == 200 and given.json()["roles"] == ["admin", "developer"], given.text
+
+            for body in ({}, {"path": "tests/grants/roles"}):
+                status, _ = await run(True, **body)
+                assert status["status"] == "COMPLETED", status
+                assert status["steps"]["start"]["result"] == {"user": "svc", "token": "***"}
+
+            again = await admin.post("/api/credentials", json={"name": "grant_roles", "data": {"user": "svc",
+                                                                                             "token": token + "2"}})
+            assert again.json()["roles"] == ["admin", "developer"], again.text  # a new password, the same users
+            listed = {c["name"]: c["roles"] for c in (await developer.get("/api/credentials")).json()}
+            assert listed["grant_roles"] == ["admin", "developer"] and listed["grant_api"] == ["admin"], listed
+
+    grants.run(main(), 180)

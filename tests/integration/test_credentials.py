@@ -115,7 +115,7 @@ def test_store_encrypted_get_list_delete_and_bad_bodies(kc_stack, module_pg) -> 
                                                  "data": {"user": "app", "password": "s3cr3t-pg-pass"},
                                                  "description": "main db"})
         assert made.status_code == 201, made.text
-        assert set(made.json()) == {"name", "kind", "description", "created_at", "updated_at"}
+        assert set(made.json()) == {"name", "kind", "description", "roles", "created_at", "updated_at"}
         with psycopg.connect(module_pg) as conn:
             name, kind, data, nonce = conn.execute(
                 "SELECT name, kind, data, nonce FROM credential WHERE name = 'pg_main'").fetchone()

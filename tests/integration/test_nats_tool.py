@@ -202,7 +202,8 @@ def opened(module_pg, other_nats, throwaway_credential_key) -> Iterator[Any]:
     async def store() -> None:
         async with handle.client() as admin:
             await admin.credential_put("partner_nats", "nats", {"user": USER, "password": PASSWORD,
-                                                                "url": other_nats.url})
+                                                                "url": other_nats.url},
+                                       roles=["developer", "admin"])  # the developer's playbooks use it (D24)
 
     handle.run(store())
     handle.developer = developer(handle)

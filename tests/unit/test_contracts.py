@@ -70,7 +70,7 @@ def test_every_stream_bucket_and_store_is_described(doc):
     requests = [c for c in subjects.CHANNELS if c.kind == "request"]
     by_queue = {q: sum(1 for c in requests if c.queue == q)
                 for q in ("event-recorder", "credentials", "sessions", "scheduler", None)}
-    assert by_queue == {"event-recorder": 14, "credentials": 5, "sessions": 18, "scheduler": 6,
+    assert by_queue == {"event-recorder": 14, "credentials": 6, "sessions": 18, "scheduler": 6,
                         None: 9}  # None: $SRV discovery
     for c in requests:  # each request has its reply channel: the answer and the error
         assert set(doc["channels"][f"{c.id}-reply"]["messages"]) == {c.reply, "ErrorReply"}

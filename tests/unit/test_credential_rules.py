@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from noetl_mesh.core.credentials import (Invalid, Refused, authorize, check_running, decrypt, encrypt, parse_resolve,
-                                         put_fields)
+                                         put_fields, use_refusal)
 from noetl_mesh.core.keychain import (Keychain, KeychainDenied, KeychainRefused, env_allowed, mask, resolve,
                                       secrets_of)
 from noetl_mesh.core.local import run_local
@@ -108,9 +108,12 @@ def test_sealing_binds_the_name_and_put_checks_its_fields():
     assert decrypt(key, "a", blob, nonce) == {"password": "pw"}
     with pytest.raises(InvalidTag):
         decrypt(key, "b", blob, nonce)  # a row copied under another name does not open
-    assert put_fields({"name": "a", "data": {"x": 1}}) == ("a", "generic", {"x": 1}, None)
+    assert put_fields({"name": "a", "data": {"x": 1}}) == ("a", "generic", {"x": 1}, None, None)
+    assert put_fields({"name": "a", "data": {"x": 1}, "roles": ["developer", "admin"]})[4] == ["admin", "developer"]
     for bad in ({"name": "x"}, {"name": "x", "data": {}}, {"name": "bad name", "data": {"a": 1}},
-                {"name": "x", "kind": "no spaces", "data": {"a": 1}}, {"name": "x", "data": {"a": 1}, "description": 1}):
+                {"name": "x", "kind": "no spaces", "data": {"a": 1}}, {"name": "x", "data": {"a": 1}, "description": 1},
+                {"name": "x", "data": {"a": 1}, "roles": []}, {"name": "x", "data": {"a": 1}, "roles": ["root"]},
+                {"name": "x", "data": {"a": 1}, "roles": [1]}):
         with pytest.raises(Invalid):
             put_fields(bad)
 
@@ -259,3 +262,50 @@ def test_encoded_forms_of_secret_fields_are_still_masked():
     basic = base64.b64encode(f"svc:{secret}".encode()).decode()
     text = f"Authorization: Basic {basic}; t={base64.b64encode(secret.encode()).decode()}; q=p%40ss%2Fw%C3%B6rd"
     assert mask(text, secrets) == "Authorization: Basic ***; t=***; q=***"
+
+
+# ------------------------------------------------------------------------------------------ who may use one (D24)
+ADMIN = {"user_id": "u-admin", "username": "ada", "roles": ["admin"]}
+DEV = {"user_id": "u-dev", "username": "dev", "roles": ["developer"]}
+STANDING = {"u-admin": {"active": True, "roles": ["admin"]}, "u-dev": {"active": True, "roles": ["developer"]}}
+
+
+def used_by(starter, author, callers=(), roles=None, standing=STANDING):
+    command = {**COMMAND, "requested_by": starter, "authored_by": author, "called_by": list(callers)}
+    return use_refusal(command, {"pg_main": ["admin"]} if roles is None else roles, standing)
+
+
+def test_a_credential_is_used_only_when_every_user_of_the_command_holds_one_of_its_roles():
+    assert used_by(ADMIN, ADMIN) is None
+    assert used_by(DEV, DEV, roles={"pg_main": ["admin", "developer"]}) is None
+    # a developer's own playbook naming an admin's credential: the reason names the credential, its roles, who
+    refused = used_by(DEV, DEV)
+    assert refused.reason == "not_allowed"
+    assert "credential 'pg_main'" in refused.message and "role admin" in refused.message
+    assert "started by dev, who has developer" in refused.message and "(its roles, D24" in refused.message
+    # an admin's playbook started by a developer, and a developer's playbook started by an admin
+    assert "started by dev" in used_by(DEV, ADMIN).message
+    assert "written by dev" in used_by(ADMIN, DEV).message
+    # an admin's playbook called as a child from a developer's: the caller counts too
+    assert "called by a playbook written by dev" in used_by(ADMIN, ADMIN, callers=[DEV]).message
+    # one name refused refuses the resolution
+    assert used_by(ADMIN, ADMIN, roles={"pg_main": ["admin"], "api": ["developer"]}).reason == "not_allowed"
+
+
+def test_the_roles_counted_are_held_now_and_carried_by_the_request():
+    narrowed = {**ADMIN, "roles": ["developer"]}  # an admin's API token narrowed to developer
+    assert "who holds admin now and whose request carried developer" in used_by(narrowed, ADMIN).message
+    demoted = {**STANDING, "u-admin": {"active": True, "roles": ["viewer"]}}
+    assert "who holds viewer now and whose request carried admin" in used_by(ADMIN, ADMIN, standing=demoted).message
+    plain = {"user_id": "u-admin", "username": "ada"}  # a request that carried no roles: the roles held now
+    assert "who has viewer" in used_by(plain, plain, standing=demoted).message
+    disabled = {**STANDING, "u-admin": {"active": False, "roles": ["admin"]}}
+    assert "who is disabled or removed" in used_by(ADMIN, ADMIN, standing=disabled).message
+    assert "who is disabled or removed" in used_by(ADMIN, ADMIN, standing={}).message  # not known: not active
+
+
+def test_an_unknown_author_is_refused_and_an_execution_nobody_started_has_nobody_to_check():
+    assert "written by no user known" in used_by(ADMIN, None).message
+    assert "called by a playbook written by no user known" in used_by(ADMIN, ADMIN, callers=[{}]).message
+    assert used_by(None, None, standing={}) is None  # a stack without users (noetl run)
+    assert used_by(ADMIN, ADMIN, roles={}) is None  # nothing stored under the names: nothing to use

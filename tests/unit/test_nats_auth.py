@@ -180,6 +180,7 @@ def test_only_the_sessions_service_touches_its_buckets_and_only_the_admin_bootst
     # answered without a token (a schedule's creator at each firing): the scheduler's only
     assert may_publish("scheduler", "noetl.q.users.standing")
     assert may_publish("worker-default", "noetl.q.users.standing")  # a pool's roles (NOETL_POOL_ROLES)
+    assert may_publish("credentials", "noetl.q.users.standing")  # a credential's roles (D24)
     assert not any(may_publish(u, "noetl.q.users.standing") for u in ("gateway", "router", "admission"))
     assert may_publish("gateway", "noetl.audit.credential.read.u1")
     assert not may_publish("gateway", "noetl.audit.session.login.u1")  # the sessions service's record

@@ -45,7 +45,7 @@ def test_an_active_user_runs_and_a_disabled_one_runs_nothing_on_any_pool():
 
 def test_on_a_pool_with_roles_the_starter_counts_with_the_roles_its_request_carried():
     why, _ = refusal(ACTIVE, ANN, roles="admin")
-    assert "whose request carried developer of the roles admin, developer it holds" in why
+    assert "who holds admin, developer now and whose request carried developer" in why
     full = {**ANN, "requested_by": {**ANN["requested_by"], "roles": ["admin", "developer"]}}
     assert refusal(ACTIVE, full, roles="admin")[0] is None
     old = {**ANN, "requested_by": {"user_id": "u1", "username": "ann"}}  # recorded before requests carried roles

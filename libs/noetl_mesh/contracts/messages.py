@@ -384,6 +384,12 @@ class CredentialPutRequest(_Exact):
     kind: str = "generic"
     data: dict[str, Any]
     description: Optional[str] = None
+    roles: Optional[list[str]] = None  # who may use it from a playbook (D24); a new one's: admin
+
+
+class CredentialRolesRequest(_Exact):
+    name: str
+    roles: list[str]
 
 
 class CredentialNameRequest(_Exact):
@@ -398,6 +404,7 @@ class CredentialInfo(_Open):
     name: str
     kind: str
     description: Optional[str] = None
+    roles: Optional[list[str]] = None
 
 
 class CredentialList(RootModel[list[CredentialInfo]]):

@@ -90,6 +90,7 @@ Q_CREDENTIAL_PUT = "noetl.q.credential.put"
 Q_CREDENTIAL_LIST = "noetl.q.credential.list"
 Q_CREDENTIAL_GET = "noetl.q.credential.get"
 Q_CREDENTIAL_DELETE = "noetl.q.credential.delete"
+Q_CREDENTIAL_ROLES = "noetl.q.credential.roles"  # who may use a credential from a playbook (D24)
 # a worker of the pool resolves the keychain credentials of a command it holds (D24): only the NATS user
 # worker-<pool> may publish to noetl.q.credential.resolve.<pool>
 CREDENTIAL_RESOLVE_PREFIX = "noetl.q.credential.resolve."
@@ -317,6 +318,8 @@ _CREDENTIALS_Q = (
     (Q_CREDENTIAL_GET, "CredentialGetRequest", "CredentialInfo", "one credential (its data only when asked)",
      ("gateway",)),
     (Q_CREDENTIAL_DELETE, "CredentialNameRequest", "Deleted", "delete a credential", ("gateway",)),
+    (Q_CREDENTIAL_ROLES, "CredentialRolesRequest", "CredentialInfo",
+     "set who may use a credential from a playbook: the roles its users must hold (D24)", ("gateway",)),
 )
 _SESSIONS_Q = (
     (Q_BOOTSTRAP, "BootstrapRequest", "BootstrapReply", "create the first admin while no user exists", ("admin",)),
@@ -334,8 +337,9 @@ _SESSIONS_Q = (
     (Q_USERS_PASSWORD, "SessionsRequest", "UserReply", "change a password", ("gateway",)),
     (Q_USERS_STANDING, "UserStandingRequest", "UserStanding",
      "whether a user exists, is active and which roles it has (a schedule's creator, at each firing; "
-     "who started a command's execution, on a pool that names its roles)",
-     ("scheduler", "worker")),
+     "who started a command's execution, on a pool that names its roles; the users a command acts for, "
+     "when it resolves a stored credential)",
+     ("scheduler", "worker", "credentials")),
     (Q_TOKENS_CREATE, "SessionsRequest", "TokenCreated", "a new API token", ("gateway",)),
     (Q_TOKENS_LIST, "SessionsRequest", "TokenList", "live API tokens", ("gateway",)),
     (Q_TOKENS_REVOKE, "SessionsRequest", "Revoked", "revoke an API token", ("gateway",)),

@@ -18,6 +18,12 @@ from the event log: a command can outlive its execution (a worker that keeps its
 of a run that timed out, D29, while the execution completed: a completed execution's commands are not
 purged).
 
+Who may use one (:func:`use_refusal`). A stored credential names its roles (``admin`` unless an admin
+says otherwise, :data:`DEFAULT_ROLES`): every user a command acts for (its execution's starter, its
+playbook's author, the authors above a child: :func:`access.command_users`) must hold one of them now,
+within the roles its request carried, or nothing is resolved. So a developer's playbook cannot read an
+admin's database password by naming it in its keychain.
+
 A refusal (:class:`Refused`) has a ``reason`` (one word, for the audit log and for tests) and a message
 saying what was asked and why it is refused.
 """
@@ -33,6 +39,7 @@ import orjson
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, POOL_NAME, command_parts
+from . import access
 from .keychain import declarations_of, stored_name
 from .state import FINAL
 
@@ -41,6 +48,7 @@ KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}\Z")
 KEY_ENV, OLD_KEY_ENV = "NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD"
 KEY_FILE = "credential.key"  # in the stack's home, when NOETL_CREDENTIAL_KEY is not set
 MAX_NAMES = 64  # credentials one resolution may ask for
+DEFAULT_ROLES = ("admin",)  # who may use a credential stored without roles (D24)
 from ..contracts.subjects import INBOX  # noqa: E402 - answers go to inboxes only
 
 
@@ -56,8 +64,17 @@ def name_of(value: Any, what: str = "name") -> str:
     return value
 
 
-def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | None]:
-    """``(name, kind, data, description)`` of a put request, or :class:`Invalid`."""
+def roles_of(value: Any) -> list[str]:
+    """A credential's roles (D24): the known role names, at least one; :class:`Invalid` otherwise."""
+    try:
+        return access.role_list(value)
+    except access.AccessError as exc:
+        raise Invalid(exc.message) from None
+
+
+def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | None, list[str] | None]:
+    """``(name, kind, data, description, roles)`` of a put request (``roles`` None: not given), or
+    :class:`Invalid`."""
     name = name_of(req.get("name"))
     kind = req.get("kind", "generic")
     if not isinstance(kind, str) or not KIND.match(kind):
@@ -68,7 +85,8 @@ def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | 
     description = req.get("description")
     if description is not None and not isinstance(description, str):
         raise Invalid("description must be a string")
-    return name, kind, data, description
+    roles = None if req.get("roles") is None else roles_of(req.get("roles"))
+    return name, kind, data, description, roles
 
 
 def decode_key(text: str, where: str) -> bytes:
@@ -190,6 +208,32 @@ def check_running(ask: Resolve, status: str | None) -> None:
                                   "no longer resolved")
 
 
+def use_refusal(command: Any, roles: Mapping[str, list[str]], standing: Mapping[str, Any]) -> Refused | None:
+    """D24: a credential is used only by the playbooks of users who hold one of its ``roles`` (stored
+    name -> roles) now: whoever started the execution, whoever wrote its playbook and whoever wrote each
+    playbook above it (:func:`access.command_users`), each still active, within the roles their request
+    carried. ``standing``: the sessions service's word on each of them, by user id. An execution that
+    no user started (a stack without users: ``noetl run``) has nobody to check. :class:`Refused`
+    (``not_allowed``) naming the credential, its roles and who lacks them; None when every one passes."""
+    users = access.command_users(command)
+    starter = users[0][1] if users else None
+    if not isinstance(starter, dict) or not isinstance(starter.get("user_id"), str):
+        return None
+    for name, allowed in roles.items():
+        need = (f"credential {name!r} may be used only by playbooks started and written by users with the role "
+                f"{' or '.join(allowed)} (its roles, D24: an admin sets them)")
+        for did, who in users:
+            uid = who.get("user_id") if isinstance(who, dict) else None
+            if not isinstance(uid, str):
+                return Refused("not_allowed", f"{need}; this execution was {did} by no user known" + (
+                    " (a catalog version registered before authors were recorded: register it again)"
+                    if did == "written" else ""))
+            why = access.user_refusal(did, who, standing.get(uid), allowed)
+            if why:
+                return Refused("not_allowed", f"{need}; this execution was {why}")
+    return None
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -197,4 +241,4 @@ def _show(value: Any) -> str:
 
 __all__ = ["NAME", "KIND", "KEY_ENV", "OLD_KEY_ENV", "KEY_FILE", "Invalid", "name_of", "put_fields", "decode_key",
            "new_key_text", "encrypt", "decrypt", "Refused", "Resolve", "parse_resolve", "authorize",
-           "check_running"]
+           "check_running", "roles_of", "use_refusal", "DEFAULT_ROLES"]

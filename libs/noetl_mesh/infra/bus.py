@@ -81,7 +81,7 @@ Client._process_pong = _process_pong  # type: ignore[method-assign]
 from ..contracts.subjects import (  # noqa: F401 - the names of every stream and subject: contracts/subjects.py
     COMMAND_SUBJECTS, COMMANDS, EVENT_SUBJECTS, EVENTS, LEGACY_EVENT_SUBJECTS, LOST_COMMANDS, MAX_DELIVERIES,
     Q_CATALOG_GET, Q_CATALOG_LIST, Q_CATALOG_REGISTER, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
-    Q_CREDENTIAL_PUT, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
+    Q_CREDENTIAL_PUT, Q_CREDENTIAL_ROLES, Q_EXECUTION_EVENTS, Q_EXECUTION_GET, Q_EXECUTION_LIST, Q_EXECUTION_STATUS, Q_EXECUTION_WAITS,
     Q_EXECUTION_RESULT, Q_EXECUTION_SEED, Q_EXECUTION_STATE, Q_RECORDER_PING, TIMER_SUBJECTS, TREE_PREFIX, TREES, LIVE_ASK, LIVE_LIST, LIVE_WATCH, batch_subject_of, cancel_subject, control_filter,
     answerable, command_subject, credential_resolve_subject, lane_of, live_subject, pool_filter, timer_subject, timer_target,
     tree_subject)

@@ -207,7 +207,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=True)]
         pub.append(_js("STREAM", "MSG", "GET", EVENTS))  # a request not recorded yet (Bus.pending_request)
         pub += [f"noetl.q.{area}.*" for area in RECORDER_AREAS]
-        pub += [f"noetl.q.credential.{verb}" for verb in ("put", "list", "get", "delete")]  # not resolve
+        pub += [f"noetl.q.credential.{verb}" for verb in ("put", "list", "get", "delete", "roles")]  # not resolve
         pub += [f"noetl.q.{area}.*" for area in SESSIONS_AREAS]  # bootstrap denied below
         pub += [f"noetl.q.{area}.*" for area in SCHEDULER_AREAS]
         pub.append("noetl.audit.>")  # its own areas: the sessions service's are denied below
@@ -257,6 +257,7 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         pub += [_js("STREAM", "INFO", EVENTS), *_payloads(write=False)]  # attach; a command's keychain by reference
         pub.append(_js("STREAM", "MSG", "GET", COMMANDS))  # the command a worker says it holds, by its sequence
         pub.append("noetl.q.execution.status")  # whether its execution still runs (the recorder)
+        pub.append("noetl.q.users.standing")  # the roles of the users a command acts for (D24)
         pub += [f"noetl.audit.{action}.*" for action in CREDENTIALS_AUDIT]
         pub.append("_INBOX.>")  # its answers: to inboxes only (no allow_responses, below)
         sub += [f"noetl.q.{area}.*" for area in CREDENTIALS_AREAS] + [CREDENTIAL_RESOLVE_PREFIX + "*"]
@@ -318,8 +319,8 @@ def permissions(user: str, *, partitions: int, inbox: str) -> dict[str, Any] | N
         deny += [f"noetl.audit.{area}.>" for area in SESSIONS_AUDIT_AREAS]
         deny.append("noetl.q.sessions.bootstrap")  # the admin's only
         deny.append("noetl.sessions.revoked")
-    if user != "scheduler" and not user.startswith(WORKER_PREFIX):
-        deny.append("noetl.q.users.standing")  # answered without a token: the scheduler's and the workers' only
+    if user not in ("scheduler", "credentials") and not user.startswith(WORKER_PREFIX):
+        deny.append("noetl.q.users.standing")  # answered without a token: the scheduler's, the workers', the credentials service's
     if user != "credentials":  # its records of workers' resolutions: nobody else writes them
         deny += [f"noetl.audit.{action}.>" for action in CREDENTIALS_AUDIT]
     if not user.startswith(WORKER_PREFIX):  # a worker asks on its own pool's subject only (allowed above)

@@ -216,10 +216,6 @@ class Policy:
             return f"{ip} is an address of the worker's own host"
         return None
 
-    def admits(self, roles: Iterable[str]) -> bool:
-        """Whether the pool runs the commands of an execution started by someone with ``roles``."""
-        return self.roles is None or not self.roles.isdisjoint(roles)
-
     def describe(self) -> str:
         """One line for a worker's start-up log."""
         served = "anyone's executions" if self.roles is None else "executions started by " + ", ".join(sorted(self.roles))

@@ -9,11 +9,13 @@ export async function credentialsPage(main, query, ctx) {
     h("span", { class: "note" }, "names, kinds and descriptions only: values never leave the gateway here")),
   h("table", { class: "grid", id: "credentials" },
     h("caption", { class: "sr-only" }, "Credentials"),
-    h("thead", {}, h("tr", {}, ["Name", "Kind", "Description", "Created", "Updated"].map((t) => h("th", { scope: "col" }, t)))),
+    h("thead", {}, h("tr", {}, ["Name", "Kind", "Description", "Used by", "Created", "Updated"].map((t) => h("th", { scope: "col" }, t)))),
     h("tbody", {}, rows.length ? rows.map((c) => h("tr", { "data-name": c.name },
       h("td", { class: "mono" }, c.name), h("td", {}, c.kind), h("td", {}, c.description || ""),
+      h("td", { title: "the roles whoever starts a playbook that uses it, and whoever wrote it, must hold" },
+        (c.roles || []).join(", ")),
       h("td", {}, fmtTime(c.created_at)), h("td", {}, fmtTime(c.updated_at))))
-      : h("tr", {}, h("td", { colspan: 5, class: "note" }, "No credential.")))));
+      : h("tr", {}, h("td", { colspan: 6, class: "note" }, "No credential.")))));
 }
 
 export async function sessionsPage(main, query, ctx) {
