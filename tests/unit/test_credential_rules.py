@@ -309,3 +309,18 @@ def test_an_unknown_author_is_refused_and_an_execution_nobody_started_has_nobody
     assert "called by a playbook written by no user known" in used_by(ADMIN, ADMIN, callers=[{}]).message
     assert used_by(None, None, standing={}) is None  # a stack without users (noetl run)
     assert used_by(ADMIN, ADMIN, roles={}) is None  # nothing stored under the names: nothing to use
+
+
+def test_a_tree_deeper_than_the_authors_kept_has_an_author_not_known_at_its_top():
+    """The authors above a child are kept to the nearest MAX_CALLERS: past that, the top ones are one
+    author not known, which a credential (or a pool) naming roles refuses, rather than forgotten."""
+    from types import SimpleNamespace
+
+    from noetl_mesh.core.decide import MAX_CALLERS, callers
+
+    authors = [{"user_id": f"u{i}", "username": f"a{i}"} for i in range(MAX_CALLERS + 5)]
+    kept = callers(SimpleNamespace(request={"called_by": authors}))
+    assert len(kept) == MAX_CALLERS and kept[0] == {} and kept[1:] == authors[-(MAX_CALLERS - 1):]
+    assert callers(SimpleNamespace(request={"called_by": authors[:MAX_CALLERS]})) == authors[:MAX_CALLERS]
+    standing = {a["user_id"]: {"active": True, "roles": ["admin"]} for a in authors} | STANDING
+    assert "called by a playbook written by no user known" in used_by(ADMIN, ADMIN, kept, standing=standing).message

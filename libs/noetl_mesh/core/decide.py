@@ -462,7 +462,7 @@ def _start_child(out: _Out, event: dict) -> None:
         "parent_execution_id": state.execution_id,
         "root_execution_id": state.request.get("root_execution_id") or state.execution_id,  # its tree's count
         "requested_by": requester(state),  # the root's requester: what its pools check (D33)
-        "called_by": (callers(state) + [state.author or {}])[-MAX_CALLERS:],  # and the authors above ({}: unknown)
+        "called_by": _kept(callers(state) + [state.author or {}]),  # and the authors above ({}: unknown)
         "parent": {"execution_id": state.execution_id, "step": wait.step, "step_run_id": wait.step_run_id,
                    "iteration": wait.iteration, "task": wait.task},
         "depth": depth,
@@ -930,13 +930,20 @@ def requester(state: ExecutionState) -> dict[str, Any] | None:
 MAX_CALLERS = 32  # authors kept above a child, the nearest (a playbook may set max_depth higher)
 
 
+def _kept(authors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At most :data:`MAX_CALLERS` authors: past that, the nearest, behind one author not known
+    (``{}``), so that a pool or a credential that names roles refuses a deeper tree rather than forget
+    who wrote its top."""
+    return authors if len(authors) <= MAX_CALLERS else [{}, *authors[-(MAX_CALLERS - 1):]]
+
+
 def callers(state: ExecutionState) -> list[dict[str, Any]]:
     """D33: who wrote the playbooks above this child execution, root first (each parent's author): a
     pool checks them as it checks the child's own author, so that a playbook cannot have another's
     playbook called, with arguments of its choosing, under a starter and author its pool would refuse
     it."""
     got = state.request.get("called_by")  # an author not known ({}) stays: a pool with roles refuses it
-    return [_who(w) or {} for w in got[-MAX_CALLERS:]] if isinstance(got, list) else []
+    return _kept([_who(w) or {} for w in got[-(MAX_CALLERS + 1):]]) if isinstance(got, list) else []
 
 
 def _author(state: ExecutionState, fetched: Any) -> dict[str, Any] | None:
