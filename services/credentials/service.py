@@ -194,7 +194,8 @@ class CredentialsService:
             await audit.record(self.bus, "credential.resolved", actor=_worker(ask.pool),
                                target={"execution_id": ask.execution_id, "credentials": names},
                                details={**ask.summary(), "found": sorted(values), "step": command.get("step"),
-                                        "requested_by": state.get("requested_by")})
+                                        "requested_by": state.get("requested_by"),
+                                        "acting_for": _acting_for(command)})
         except Exception as exc:  # noqa: BLE001 - no record, no data
             raise BusError("unavailable", f"the audit log cannot record the resolution ({type(exc).__name__}: "
                                           f"{exc}): nothing is answered without its record") from exc
@@ -212,8 +213,7 @@ class CredentialsService:
         except Exception as exc:  # noqa: BLE001 - the database: the worker retries its command
             raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
         standing: dict[str, Any] = {}
-        starter = command.get("requested_by")
-        if roles and isinstance(starter, dict) and isinstance(starter.get("user_id"), str):
+        if roles and command.get("requested_by") is not None:
             for _, who in access.command_users(command):
                 uid = who.get("user_id") if isinstance(who, dict) else None
                 if isinstance(uid, str) and uid not in standing:
@@ -229,8 +229,11 @@ class CredentialsService:
             try:
                 standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
             except BusError as exc:
-                raise BusError("unavailable", f"the standing of user {uid} cannot be checked ({exc.kind}: "
-                                              f"{exc.message}): the worker tries again") from None
+                if exc.kind in ("unavailable", "timeout"):
+                    raise BusError("unavailable", f"the standing of user {uid} cannot be checked ({exc.kind}: "
+                                                  f"{exc.message}): the worker tries again") from None
+                raise Refused("not_allowed", f"the standing of user {uid!r}, whom the command acts for, cannot "
+                                             f"be checked: {exc.kind}: {exc.message}") from None
             if len(self._standing) > 10_000:
                 self._standing.clear()
             self._standing[uid] = (now + STANDING_TTL, standing)
@@ -277,6 +280,12 @@ class CredentialsService:
                                         "reply": (msg.reply or "")[:200]})
         except Exception:  # noqa: BLE001 - refused all the same
             log.exception("could not record the refusal in the audit log")
+
+
+def _acting_for(command: dict) -> list[dict[str, Any]]:
+    """The users a grant was checked against (D24), as the audit record names them."""
+    return [{"as": did, **({k: who.get(k) for k in ("user_id", "username")} if isinstance(who, dict) else {})}
+            for did, who in access.command_users(command)]
 
 
 def _worker(pool: str) -> dict[str, Any]:

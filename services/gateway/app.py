@@ -981,9 +981,9 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                                    body: CredentialRoles = json_body(CredentialRoles)) -> dict[str, Any]:
         """Set who may use a credential from a playbook (D24); the answer has no data."""
         with tracing.span("gateway POST /api/credentials/{name}/roles", service="gateway"):
-            reply = await shell.ask(Q_CREDENTIAL_ROLES, {"name": name, "roles": body.roles})
+            reply = await shell.ask(Q_CREDENTIAL_ROLES, {"name": name, "roles": body.roles}, "body")
             await auditor.record("credential.roles", who, request, target={"credential": name},
-                                 details={"roles": body.roles})
+                                 details={"roles": reply.get("roles") if isinstance(reply, dict) else body.roles})
             return reply
 
     @app.get("/api/credentials", tags=["credentials"])

@@ -303,9 +303,11 @@ def command_users(command: Any) -> list[tuple[str, Any]]:
     above it. A worker's pool (D33) and a stored credential (D24) check each of them."""
     if not isinstance(command, dict):
         return []
-    called = command.get("called_by") if isinstance(command.get("called_by"), list) else []
+    called = command.get("called_by")
+    if called is not None and not isinstance(called, list):
+        called = [None]  # not a list of authors: an author not known, refused where roles are named
     return [("started", command.get("requested_by")), ("written", command.get("authored_by")),
-            *(("called by a playbook written", c) for c in called)]
+            *(("called by a playbook written", c) for c in called or ())]
 
 
 def user_refusal(did: str, who: Any, standing: Any, roles: Iterable[str] | None) -> str | None:

@@ -216,9 +216,8 @@ def use_refusal(command: Any, roles: Mapping[str, list[str]], standing: Mapping[
     no user started (a stack without users: ``noetl run``) has nobody to check. :class:`Refused`
     (``not_allowed``) naming the credential, its roles and who lacks them; None when every one passes."""
     users = access.command_users(command)
-    starter = users[0][1] if users else None
-    if not isinstance(starter, dict) or not isinstance(starter.get("user_id"), str):
-        return None
+    if not users or users[0][1] is None:
+        return None  # an execution no user started; one that names its starter in any other way is checked
     for name, allowed in roles.items():
         need = (f"credential {name!r} may be used only by playbooks started and written by users with the role "
                 f"{' or '.join(allowed)} (its roles, D24: an admin sets them)")

@@ -47,7 +47,7 @@ import orjson
 
 MASK = "***"
 MIN_SECRET = 4
-DEFAULT_TTL = 60.0
+DEFAULT_TTL = 10.0  # a credential's roles or a user's standing changed count within it (D24)
 ENV_SETTING = "NOETL_KEYCHAIN_ENV"  # the worker's environment variables playbooks may read (D24)
 ENGINE_ENV = "NOETL_"  # the engine's own settings: never exposed to playbooks
 

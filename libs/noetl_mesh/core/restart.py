@@ -100,8 +100,16 @@ def seed(events: Iterable[dict[str, Any]], from_step: str, *, status: str | None
         "playbook": state.playbook, "catalog": catalog, "workload": state.workload,
         "iter_parent": state.request.get("iter_parent"),
         "authored_by": state.author,  # D33: the restart runs the same playbook, written by the same author
+        "called_by": _called_by(state),  # and, for a child, below the same authors (D24, D33)
         "state": _reduced(state, run.id, arrived, consumed),
     }
+
+
+def _called_by(state: ExecutionState) -> list[Any]:
+    """Who wrote the playbooks above a child execution, as its request carried them (admission reads
+    them again as it reads any request's: decide.callers)."""
+    got = state.request.get("called_by")
+    return list(got) if isinstance(got, list) else []
 
 
 def finished(execution_id: str | None, status: str | None) -> None:
@@ -170,6 +178,8 @@ def request(seed: dict[str, Any], *, workload: dict[str, Any] | None = None,
         "seed": seed["state"],
         "authored_by": seed.get("authored_by"),  # not whoever restarts it (D33)
     }
+    if seed.get("called_by"):  # a restarted child is a root, still checked against the authors above it
+        out["called_by"] = seed["called_by"]
     if requested_by is not None:
         out["requested_by"] = requested_by
     if seed.get("iter_parent") is not None:

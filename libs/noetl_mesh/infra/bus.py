@@ -791,9 +791,11 @@ class Bus:
 
 
 MAX_MESSAGE = 768 * 1024  # below the server's default max_payload (1 MiB)
-# a command's fields that identify and shape it: never moved to the object store
+# a command's fields that identify and shape it, and the users it acts for (bounded: the credentials
+# service checks them as they are stored, D24): never moved to the object store
 COMMAND_IDENTITY = frozenset({"command_id", "pool", "execution_id", "step", "step_run_id", "iteration", "iterations",
-                              "tasks", "spec_layers", "loop_mode", "workbook"})
+                              "tasks", "spec_layers", "loop_mode", "workbook", "flat",
+                              "requested_by", "authored_by", "called_by"})
 
 
 def _by_size(events: list[dict[str, Any]], limit: int) -> list[list[dict[str, Any]]]:
