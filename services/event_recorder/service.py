@@ -1035,11 +1035,15 @@ class RecorderService:
 
     async def _readable(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``events`` with what a fold must read of them read back when a message carried it by reference
-        (D23): a restart's seed, down to its runs and tokens (a result inside one stays the reference the
-        log holds), and a playbook too big to travel inline. Unchanged when such a value has expired."""
+        (D23): a request or its evaluation stored whole as one reference (fields each under the limit,
+        together over it), a restart's seed, down to its runs and tokens (a result inside one stays the
+        reference the log holds), and a playbook too big to travel inline. Unchanged when such a value has
+        expired."""
         for event in events:
             data = event["data"]
             try:
+                if event["name"] in ("playbook.execution.requested", "playbook.request.evaluated") and is_ref(data):
+                    data = event["data"] = await self.bus.payloads.expand(data)
                 if event["name"] == "playbook.execution.requested" and isinstance(data, dict) and "seed" in data:
                     event["data"] = {**data, "seed": await self._skeleton(data["seed"])}
                 elif event["name"] == "playbook.request.evaluated" and isinstance(data, dict) \

@@ -331,3 +331,16 @@ def test_a_restart_workload_that_completes_a_reference_with_the_old_one_is_422(s
         "broken": False, "x": {"size": 1, "checksum": "sha256:" + "0" * 64}}})
     assert status == 422 and detail["location"] == "body.workload.x", detail
     assert "only the engine writes (D23)" in detail["message"]
+
+
+def test_an_execution_whose_request_went_whole_by_reference_restarts(stack):
+    """A request whose fields are each under the message limit but together over it is stored whole
+    as one reference (D23): the restart reads it back to find the playbook that ran."""
+    doc = CHAIN.replace("result: {rows: 3}", "result: {rows: 3, note: " + "n" * 150_000 + "}")
+    old, old_events = run(stack, doc, {"broken": True, "day": "mon", "pad": "p" * 150_000})
+    assert old["status"] == "FAILED", old
+    requested = next(e for e in old_events if e["name"] == "playbook.execution.requested")
+    assert sorted(requested["data"]) == ["checksum", "key", "size", "store"], "the request is not one reference"
+    _, new, _ = restart(stack, old["execution_id"], "c", {"broken": False})
+    assert new["status"] == "COMPLETED", new
+    assert new["steps"]["d"]["result"] == "33 on mon" and new["workload"]["pad"] == "p" * 150_000
