@@ -30,7 +30,7 @@ from nats.js.errors import NotFoundError
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh.contracts.subjects import Q_USERS_STANDING
-from noetl_mesh.core import access, credentials as rules
+from noetl_mesh.core import credentials as rules, standing as users
 from noetl_mesh.core.credentials import Refused
 from noetl_mesh.infra.bus import (COMMANDS, Q_CREDENTIAL_DELETE, Q_CREDENTIAL_GET, Q_CREDENTIAL_LIST,
                                   Q_CREDENTIAL_PUT, Q_CREDENTIAL_ROLES, Q_EXECUTION_STATUS,
@@ -44,7 +44,7 @@ from . import store as tables
 log = logging.getLogger("noetl.credentials")
 QUEUE = "credentials"
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
-STANDING_TTL = 10.0  # seconds a user's standing is kept (as a worker keeps it)
+STANDING_TTL = users.STANDING_TTL
 
 
 class CredentialsService:
@@ -214,7 +214,7 @@ class CredentialsService:
             raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
         standing: dict[str, Any] = {}
         if roles and command.get("requested_by") is not None:
-            for _, who in access.command_users(command):
+            for _, who in users.command_users(command):
                 uid = who.get("user_id") if isinstance(who, dict) else None
                 if isinstance(uid, str) and uid not in standing:
                     standing[uid] = await self._standing_of(uid)
@@ -285,7 +285,7 @@ class CredentialsService:
 def _acting_for(command: dict) -> list[dict[str, Any]]:
     """The users a grant was checked against (D24), as the audit record names them."""
     return [{"as": did, **({k: who.get(k) for k in ("user_id", "username")} if isinstance(who, dict) else {})}
-            for did, who in access.command_users(command)]
+            for did, who in users.command_users(command)]
 
 
 def _worker(pool: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
-from noetl_mesh.core import access
+from noetl_mesh.core import standing as users
 from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
 from noetl_mesh.core.worker import execute_command
@@ -133,7 +133,7 @@ class EventBatcher:
 
 
 _CANCEL_FIELDS = frozenset({"execution_id", "status", "runs", "only_runs"})  # contracts.messages.CancelNotice
-STANDING_TTL = 10.0  # seconds a pool keeps a starter's roles (D33): a role taken away counts within this
+STANDING_TTL = users.STANDING_TTL  # how long a pool keeps a user's standing (D33), how often it looks again
 TERMINALS = {"step.done": ("run", "success"), "step.failed": ("run", "error"),
              "loop.iteration.done": ("iteration", "success"), "loop.iteration.failed": ("iteration", "error"),
              "task.suspended": (None, "suspended")}
@@ -606,7 +606,7 @@ class WorkerService:
         need = None if roles is None else (
             f"pool {self.pool!r} runs only playbooks started and written by users with the role "
             f"{' or '.join(sorted(roles))} (NOETL_POOL_ROLES on its workers, D33)")
-        for did, who in access.command_users(command):
+        for did, who in users.command_users(command):
             uid = who.get("user_id") if isinstance(who, dict) else None
             if not isinstance(uid, str):
                 if need is None:
@@ -624,9 +624,9 @@ class WorkerService:
                 log.warning("command %s: the standing of %s is unknown (%s): run, as the pool names no roles",
                             command.get("command_id"), uid, exc)
                 continue
-            if why := access.user_refusal(did, who, standing, None):
+            if why := users.user_refusal(did, who, standing, None):
                 return f"this execution was {why}: it runs no further task (D33)"
-            if need is not None and (why := access.user_refusal(did, who, standing, roles)):
+            if need is not None and (why := users.user_refusal(did, who, standing, roles)):
                 return f"{need}; this one was {why}"
         return None
 

@@ -296,43 +296,6 @@ def within(roles: Iterable[str], holder_roles: Iterable[str]) -> list[str]:
     return [r for r in roles if MATRIX.get(r, frozenset()) <= held]
 
 
-# ------------------------------------------------------------------ who a command acts for (D33, D24)
-def command_users(command: Any) -> list[tuple[str, Any]]:
-    """Who a command acts for, as ``(what they did, who)``: whoever started its execution (a child: its
-    root's starter), whoever wrote the playbook it runs and, for a child, whoever wrote each playbook
-    above it. A worker's pool (D33) and a stored credential (D24) check each of them."""
-    if not isinstance(command, dict):
-        return []
-    called = command.get("called_by")
-    if called is not None and not isinstance(called, list):
-        called = [None]  # not a list of authors: an author not known, refused where roles are named
-    return [("started", command.get("requested_by")), ("written", command.get("authored_by")),
-            *(("called by a playbook written", c) for c in called or ())]
-
-
-def user_refusal(did: str, who: Any, standing: Any, roles: Iterable[str] | None) -> str | None:
-    """Why the user ``who`` (a command's, :func:`command_users`, who ``did`` it) does not pass, given
-    the sessions service's word on them now (``standing``: ``{active, roles}``) and the ``roles`` one of
-    which they must hold (None: any user still active). A user holds a role within the roles the request
-    that started the execution, or registered the playbook, carried (an API token's may be fewer than its
-    owner's); None when they pass. The sentence reads after "this execution was"."""
-    name = (who.get("username") or who.get("user_id")) if isinstance(who, dict) else None
-    if not isinstance(standing, dict) or not standing.get("active"):
-        return f"{did} by {name}, who is disabled or removed"
-    if roles is None:
-        return None
-    wanted = frozenset(roles)
-    holds = [r for r in standing.get("roles") or () if isinstance(r, str)]
-    carried = who.get("roles")
-    held = [r for r in holds if r in carried] if isinstance(carried, list) else holds
-    if not wanted.isdisjoint(held):
-        return None
-    if held != holds:
-        return (f"{did} by {name}, who holds {', '.join(holds) or 'no role'} now and whose request carried "
-                f"{', '.join(carried) or 'no role'}")
-    return f"{did} by {name}, who has {', '.join(holds) or 'no role'}"
-
-
 def token_roles(requested: Any, caller_roles: list[str]) -> list[str]:
     """An API token's roles: none granting more than the caller has (the caller's when none are asked for)."""
     if requested is None:

@@ -20,7 +20,7 @@ purged).
 
 Who may use one (:func:`use_refusal`). A stored credential names its roles (``admin`` unless an admin
 says otherwise, :data:`DEFAULT_ROLES`): every user a command acts for (its execution's starter, its
-playbook's author, the authors above a child: :func:`access.command_users`) must hold one of them now,
+playbook's author, the authors above a child: :func:`command_users`) must hold one of them now,
 within the roles its request carried, or nothing is resolved. So a developer's playbook cannot read an
 admin's database password by naming it in its keychain.
 
@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..contracts.subjects import COMMANDS, CREDENTIAL_RESOLVE_PREFIX, POOL_NAME, command_parts
 from . import access
+from .standing import command_users, user_refusal
 from .keychain import declarations_of, stored_name
 from .state import FINAL
 
@@ -211,11 +212,11 @@ def check_running(ask: Resolve, status: str | None) -> None:
 def use_refusal(command: Any, roles: Mapping[str, list[str]], standing: Mapping[str, Any]) -> Refused | None:
     """D24: a credential is used only by the playbooks of users who hold one of its ``roles`` (stored
     name -> roles) now: whoever started the execution, whoever wrote its playbook and whoever wrote each
-    playbook above it (:func:`access.command_users`), each still active, within the roles their request
+    playbook above it (:func:`command_users`), each still active, within the roles their request
     carried. ``standing``: the sessions service's word on each of them, by user id. An execution that
     no user started (a stack without users: ``noetl run``) has nobody to check. :class:`Refused`
     (``not_allowed``) naming the credential, its roles and who lacks them; None when every one passes."""
-    users = access.command_users(command)
+    users = command_users(command)
     if not users or users[0][1] is None:
         return None  # an execution no user started; one that names its starter in any other way is checked
     for name, allowed in roles.items():
@@ -227,7 +228,7 @@ def use_refusal(command: Any, roles: Mapping[str, list[str]], standing: Mapping[
                 return Refused("not_allowed", f"{need}; this execution was {did} by no user known" + (
                     " (a catalog version registered before authors were recorded: register it again)"
                     if did == "written" else ""))
-            why = access.user_refusal(did, who, standing.get(uid), allowed)
+            why = user_refusal(did, who, standing.get(uid), allowed)
             if why:
                 return Refused("not_allowed", f"{need}; this execution was {why}")
     return None

@@ -44,10 +44,12 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import orjson
 
+from .standing import STANDING_TTL
+
 
 MASK = "***"
 MIN_SECRET = 4
-DEFAULT_TTL = 10.0  # a credential's roles or a user's standing changed count within it (D24)
+DEFAULT_TTL = STANDING_TTL  # a credential kept per execution: its roles, or its users', changed count within it (D24)
 ENV_SETTING = "NOETL_KEYCHAIN_ENV"  # the worker's environment variables playbooks may read (D24)
 ENGINE_ENV = "NOETL_"  # the engine's own settings: never exposed to playbooks
 
