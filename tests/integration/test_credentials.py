@@ -4,6 +4,7 @@ the stack holds it."""
 from __future__ import annotations
 
 import base64
+import json
 import hashlib
 import logging
 import os
@@ -159,6 +160,15 @@ def test_cli_add_list_delete(kc_stack, capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert "cli_cred" in out and "cli-tok-987" not in out
     assert cli(["credential", "add", "x", "--data", "not json", "--gateway", url]) == 2
+    # who may use it from a playbook (D24): admin when not said; set at once or later
+    assert cli(["credential", "roles", "cli_cred", "developer,admin", "--gateway", url, "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["roles"] == ["admin", "developer"]
+    assert cli(["credential", "roles", "cli_cred", "root", "--gateway", url]) != 0
+    assert "root" in capsys.readouterr().err
+    assert cli(["credential", "add", "cli_ops", "--data", '{"token": "t-2"}', "--roles", "operator",
+                "--gateway", url, "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["roles"] == ["operator"]
+    assert cli(["credential", "delete", "cli_ops", "--gateway", url]) == 0
     assert cli(["credential", "delete", "cli_cred", "--gateway", url]) == 0
     assert cli(["credential", "delete", "cli_cred", "--gateway", url]) == 1
 
