@@ -54,8 +54,20 @@ _COLUMNS = ", ".join(_META)
 
 
 async def migrate(conn: AsyncConnection) -> int:
-    """Apply the missing migrations (replicas starting together wait on an advisory lock); the schema version now in place."""
-    return await pg_migrations.apply(conn, MIGRATIONS, table="credential_schema_version", lock=_LOCK)
+    """Apply the missing migrations (replicas starting together wait on an advisory lock); the schema
+    version now in place. The migration that gives credentials their roles says how many it made
+    admins' only (D24), and how to give developers theirs."""
+    known = await (await conn.execute("SELECT to_regclass('credential_schema_version') IS NOT NULL")).fetchone()
+    before = (await (await conn.execute("SELECT coalesce(max(version), 0) FROM credential_schema_version")).fetchone())[0] \
+        if known[0] else 0
+    now = await pg_migrations.apply(conn, MIGRATIONS, table="credential_schema_version", lock=_LOCK)
+    if before < 2 <= now:
+        count = (await (await conn.execute("SELECT count(*) FROM credential")).fetchone())[0]
+        if count:
+            log.warning("%d stored credential(s) may now be used only by the playbooks of admins (D24: a credential's "
+                        "roles, admin unless given); give developers the ones they may use: noetl credential roles "
+                        "NAME developer,admin", count)
+    return now
 
 
 def key_file(home: str | os.PathLike | None) -> Path | None:

@@ -337,10 +337,10 @@ def test_rotation_reencrypts_on_start(nats_url, pg_dsn, monkeypatch) -> None:
 
 
 def test_rows_the_recorder_stored_before_are_read_and_values_postgres_cannot_store_refused(
-        nats_url, pg_dsn, monkeypatch) -> None:
+        nats_url, pg_dsn, monkeypatch, caplog) -> None:
     """The table the event-recorder made (its migration 2) is the credentials service's now: a row sealed
-    before reads back; a description Postgres cannot store is a bad request, data with a NUL is fine
-    (it is sealed bytes)."""
+    before reads back, an admin's only (D24: the service says so as it migrates); a description Postgres
+    cannot store is a bad request, data with a NUL is fine (it is sealed bytes)."""
     import asyncio
 
     from noetl_mesh.core.credentials import encrypt
@@ -368,6 +368,9 @@ def test_rows_the_recorder_stored_before_are_read_and_values_postgres_cannot_sto
         try:
             got = await bus.request("noetl.q.credential.get", {"name": "before", "include_data": True})
             assert got["data"] == {"password": "kept-from-before"} and got["kind"] == "postgres"
+            assert got["roles"] == ["admin"]
+            assert any("1 stored credential(s) may now be used only by the playbooks of admins" in r.getMessage()
+                       for r in caplog.records), caplog.records
             with pytest.raises(BusError) as bad:
                 await bus.request("noetl.q.credential.put", {"name": "c", "kind": "generic", "data": {"a": 1},
                                                              "description": "a\x00b"})
