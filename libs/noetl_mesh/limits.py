@@ -123,7 +123,8 @@ LIMITS: tuple[Limit, ...] = (
           "worker, each python, duckdb or shell task process (RLIMIT_NOFILE): opening one more fails"),
     Limit("task_max_file_bytes", 1024 * MIB, "bytes", "the size of a file a task process writes",
           "worker, each python, duckdb or shell task process (RLIMIT_FSIZE): the write fails"),
-    Limit("task_max_seconds", 3600, "seconds", "the time one python, duckdb, shell or nats task runs, whatever its spec.timeout says",
+    Limit("task_max_seconds", 3600, "seconds", "the time one task runs (python, duckdb, shell, nats, postgres, http), "
+          "whatever its spec.timeout says",
           "worker: a task's spec.timeout above it (or none, or 0) is this; the process is killed (timeout)"),
     Limit("task_max_threads", 512, "threads", "the threads one task process may add to what its user runs when the task starts",
           "worker, each task process (RLIMIT_NPROC, per user: a worker that does not run as root): starting one more fails"),

@@ -266,3 +266,86 @@ def test_a_pooled_connection_forgets_one_tasks_session_before_the_next(pg_dsn):
     assert check["result"]["rows"] == [{"free": True, "real_tables": 1}]
     rows, = run_tasks({"dsn": pg_dsn, "command": "select card from public.orders"})
     assert rows["result"]["rows"] == [{"card": "alice"}]  # into the real table, not a temporary one
+
+
+@pytest.fixture()
+def silent_port():
+    """A TCP port that accepts connections and never answers (a database behind a black hole)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    srv.settimeout(0.2)
+    held: list = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    srv.close()
+
+
+def test_a_silent_server_holds_up_no_other_connection_and_no_task_for_ever(pg_dsn, silent_port):
+    """One task connecting to a server that never answers, with no timeout of its own, holds up no
+    other task's new connection (no lock is held while it waits), gives up within its connect wait,
+    and lists at most MAX_HOSTS hosts; another connection string's task runs meanwhile."""
+    from psycopg.conninfo import make_conninfo
+
+    from noetl_mesh.tools.postgres import MAX_HOSTS
+
+    silent = f"host={','.join(['127.0.0.1'] * 3)} port={silent_port} dbname=x user=x password=x"
+
+    async def go():
+        tool = PostgresTool(policy=opened_to(pg_endpoint(pg_dsn), f"127.0.0.1:{silent_port}"), connect_timeout=3)
+        try:
+            stuck = asyncio.create_task(tool.run({"dsn": silent, "command": "select 1"}, {"timeout": 0}, ctx()))
+            await asyncio.sleep(0.5)
+            other = await tool.run({"dsn": make_conninfo(pg_dsn, application_name="other"), "command": "select 1 as one"},
+                                   {"timeout": 60}, ctx())
+            was_waiting = not stuck.done()
+            many = await tool.run({"dsn": f"host={','.join(['127.0.0.1'] * (MAX_HOSTS + 1))} port={silent_port} "
+                                          "dbname=x user=x", "command": "select 1"}, {}, ctx())
+            return other, was_waiting, await stuck, many
+        finally:
+            await tool.close()
+
+    other, was_waiting, stuck, many = asyncio.run(go())
+    assert was_waiting and other["status"] == "ok" and other["result"]["rows"] == [{"one": 1}], other
+    assert stuck["error"]["kind"] == "postgres_connect_error" and "no connection within 3s" in stuck["error"]["message"]
+    assert many["error"]["kind"] == "invalid_task" and f"at most {MAX_HOSTS}" in many["error"]["message"], many
+
+
+def test_a_worker_keeps_a_bounded_number_of_pools(pg_dsn):
+    """Connection strings that differ only in what a task may set (application_name) each get a pool,
+    and the least recently used is closed past MAX_POOLS: a loop cannot grow a worker, or fill the
+    database's connections, without bound."""
+    from psycopg.conninfo import make_conninfo
+
+    from noetl_mesh.tools.postgres import MAX_POOLS
+
+    async def go():
+        tool = PostgresTool(policy=OPEN)
+        try:
+            outs = [await tool.run({"dsn": make_conninfo(pg_dsn, application_name=f"a{i}"), "command": "select 1"},
+                                   {}, ctx()) for i in range(MAX_POOLS * 3)]
+            await asyncio.gather(*tool._closing)
+            return outs, len(tool._pools), [p.closed for p in tool._pools.values()]
+        finally:
+            await tool.close()
+
+    outs, kept, closed = asyncio.run(go())
+    assert all(o["status"] == "ok" for o in outs), [o for o in outs if o["status"] != "ok"][:1]
+    assert kept == MAX_POOLS and not any(closed)

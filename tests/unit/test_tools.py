@@ -410,6 +410,17 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/slow":
             time.sleep(1.5)
             self._send(200, "late", "text/plain")
+        elif path == "/trickle":  # an answer of 100 bytes, one every 0.1 s: no single read waits long
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            try:
+                for _ in range(100):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:  # the client went away
+                pass
         elif path == "/redirect":
             self._send(302, "", "text/plain", {"Location": "/text"})
         else:
@@ -527,6 +538,17 @@ def test_http_timeout_field_wins_over_spec(server):
 def test_http_spec_timeout_applies(server):
     (out,) = http({"url": f"{server}/slow"}, spec={"timeout": 0.2})
     assert out["error"]["kind"] == "timeout"
+
+
+def test_a_server_that_trickles_its_answer_holds_an_http_task_no_longer_than_task_max_seconds(server):
+    """``timeout`` bounds each operation; the whole request, at most task_max_seconds (D33: no task
+    holds a worker's slot for good), whatever its timeout says (none, here)."""
+    from noetl_mesh import limits
+
+    with limits.override(task_max_seconds=1):
+        (out,) = http({"url": f"{server}/trickle", "timeout": 0})
+    assert out["error"]["kind"] == "timeout" and out["error"]["retryable"] is True, out
+    assert "not answered in full within 1s (task_max_seconds" in out["error"]["message"], out
 
 
 def test_http_connect_error_to_closed_port():

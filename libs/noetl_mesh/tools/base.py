@@ -69,6 +69,18 @@ def error(kind: str, message: str, retryable: bool = False, result: Any = None, 
     return out
 
 
+def task_timeout(value: Any, default: float | None) -> tuple[float, str]:
+    """A task's timeout: its ``spec.timeout``, at most ``task_max_seconds`` (none, or 0, is that limit
+    too: no task holds a worker's slot for good); and how to say it."""
+    from .. import limits
+
+    ceiling = float(limits.current().task_max_seconds)
+    seconds = timeout_seconds(value, default)
+    if seconds is None or seconds > ceiling:
+        return ceiling, f"{ceiling:g}s (task_max_seconds, NOETL_LIMIT_TASK_MAX_SECONDS)"
+    return seconds, f"{seconds:g}s"
+
+
 def timeout_seconds(value: Any, default: float | None) -> float | None:
     """A single timeout in seconds from a number, a numeric string, or ``{connect, read, ...}`` (the
     largest part); ``default`` when missing or unusable; None or a non-positive value means none."""

@@ -309,7 +309,7 @@ class DuckdbTool:
         db_path = task.get("db_path")
         if db_path is not None and not isinstance(db_path, str):
             return error("duckdb_error", f"'db_path' must be a string, got {type(db_path).__name__}")
-        from .python import task_timeout
+        from .base import task_timeout
 
         timeout, said = task_timeout(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
         values = limits.current()

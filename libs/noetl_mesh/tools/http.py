@@ -35,7 +35,7 @@ import httpx
 
 from ..sandbox.net import Refused, Resolver, allowed_addresses, check_address, is_address
 from ..sandbox.policy import Policy
-from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, timeout_seconds
+from .base import ResultBudget, ResultTooLarge, ToolContext, error, ok, task_timeout, timeout_seconds
 
 __all__ = ["HttpTool"]
 
@@ -318,8 +318,12 @@ class HttpTool:
             if task.get("follow_redirects") is not None:
                 kwargs["follow_redirects"] = _flag(task["follow_redirects"], "follow_redirects")
             client = self._get_client(_flag(task.get("verify", True), "verify"))
-            async with client.stream(method, url, **kwargs) as resp:
-                content = await _read(resp)
+            ceiling, said = task_timeout(None, None)  # the timeouts above are each operation's: this, the whole's
+            async with asyncio.timeout(ceiling):
+                async with client.stream(method, url, **kwargs) as resp:
+                    content = await _read(resp)
+        except TimeoutError:  # a server that trickles its answer, or one with no timeout at all, holds a slot no longer
+            return error("timeout", f"{method} {url}: not answered in full within {said}", True, http=_http(None, {}))
         except ResultTooLarge as e:
             return e.outcome(ctx, http=_http(resp.status_code, dict(resp.headers)))
         except _BadTask as e:

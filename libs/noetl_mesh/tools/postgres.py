@@ -45,17 +45,18 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import psycopg
 from psycopg import conninfo as _conninfo
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from ..core.keychain import masker
 from ..sandbox.net import Refused, Resolver, allowed_addresses, check_address, is_address
 from ..sandbox.policy import Policy
-from .base import ResultBudget, ResultTooLarge, ToolContext, bounded, error, ok, timeout_seconds
+from .base import ResultBudget, ResultTooLarge, ToolContext, bounded, error, ok, task_timeout
 from .duckdb import FETCH_ROWS, _shape_rows
 
 __all__ = ["PostgresTool", "split_statements", "RETRYABLE_SQLSTATES"]
@@ -64,6 +65,9 @@ DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["postgres"]["timeout"]
 CONNECT_TIMEOUT = 10.0  # the most a task waits for a connection (within its own timeout)
 GRACE = 2.0  # client-side deadline beyond the server's statement_timeout
 POOL_MAX_SIZE = 4
+MAX_POOLS = 16  # connection strings a worker keeps a pool for; the least recently used one is closed past it
+POOL_MAX_IDLE = 60.0  # seconds an idle pooled connection is kept
+MAX_HOSTS = 8  # hosts one connection string may list
 
 RETRYABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
 _RETRYABLE_CLASSES = ("40", "08")
@@ -306,6 +310,8 @@ async def _pinned(conninfo: str, policy: Policy, resolver: Resolver | None = Non
                                   "certificates) is a task's to ask for (D33)")
     hosts, addrs, ports = _listed(params, "host"), _listed(params, "hostaddr"), _listed(params, "port")
     n = max(len(hosts), len(addrs))
+    if n > MAX_HOSTS:
+        raise _BadTask(f"{n} hosts: a connection string lists at most {MAX_HOSTS}")
     if hosts and addrs and len(hosts) != len(addrs):
         raise _BadTask(f"{len(hosts)} host names but {len(addrs)} hostaddr values")
     if len(ports) > 1 and len(ports) != n:
@@ -448,39 +454,50 @@ class PostgresTool:
         self._resolver = resolver
         self._max_size = max_size
         self._connect_timeout = connect_timeout
-        self._pools: dict[str, AsyncConnectionPool] = {}
-        self._lock: asyncio.Lock | None = None
+        self._pools: OrderedDict[str, AsyncConnectionPool] = OrderedDict()  # least recently used first
+        self._closing: set[asyncio.Task] = set()
 
     async def _pool(self, conninfo: str, timeout: float) -> AsyncConnectionPool:
+        """The pool of ``conninfo``, made on first use after one direct connection (a bad address or
+        password fails fast with the server's reason, instead of the pool retrying in the background
+        until its wait runs out), which has ``timeout`` seconds in all, whatever hosts it tries. No
+        lock is held meanwhile: a task waiting on a silent server holds up no other connection
+        string's. At most :data:`MAX_POOLS` are kept: past it the least recently used is closed."""
         pool = self._pools.get(conninfo)
-        if pool is not None:
-            return pool
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            pool = self._pools.get(conninfo)
-            if pool is not None:
-                return pool
-            # One direct connection first: a bad address or password fails fast with the server's
-            # reason, instead of the pool retrying in the background until its wait runs out.
+        if pool is None:
             try:
-                probe = await psycopg.AsyncConnection.connect(conninfo, connect_timeout=max(1, int(timeout + 0.999)))
+                probe = await asyncio.wait_for(psycopg.AsyncConnection.connect(
+                    conninfo, connect_timeout=max(1, int(timeout + 0.999))), timeout)
+            except asyncio.TimeoutError:
+                raise _ConnectError(f"no connection within {timeout:g}s") from None
             except psycopg.Error as e:
                 raise _ConnectError(str(e).strip() or type(e).__name__) from None
             await probe.close()
-            pool = AsyncConnectionPool(
-                conninfo, min_size=0, max_size=self._max_size, open=False,
-                timeout=self._connect_timeout, name="noetl-postgres", reset=_reset,
-            )
-            await pool.open(wait=False)
-            self._pools[conninfo] = pool
-            return pool
+            pool = self._pools.get(conninfo)  # made by another task meanwhile
+            if pool is None:
+                pool = AsyncConnectionPool(
+                    conninfo, min_size=0, max_size=self._max_size, open=False, max_idle=POOL_MAX_IDLE,
+                    timeout=self._connect_timeout, name="noetl-postgres", reset=_reset,
+                )
+                await pool.open(wait=False)
+                self._pools[conninfo] = pool
+                while len(self._pools) > MAX_POOLS:
+                    _, old = self._pools.popitem(last=False)
+                    closing = asyncio.create_task(old.close(timeout=self._connect_timeout))
+                    self._closing.add(closing)  # a connection in use is closed as its task returns it
+                    closing.add_done_callback(self._closing.discard)
+        self._pools.move_to_end(conninfo)
+        return pool
 
     async def _execute(self, conninfo: str, plan: list[tuple[str, Any]], timeout: float | None) -> dict:
         connect_wait = min(self._connect_timeout, timeout) if timeout else self._connect_timeout
         pool = await self._pool(conninfo, connect_wait)
         try:
-            conn = await pool.getconn(timeout=connect_wait)
+            try:
+                conn = await pool.getconn(timeout=connect_wait)
+            except PoolClosed:  # closed as the least recently used meanwhile: its connection string's next
+                pool = await self._pool(conninfo, connect_wait)
+                conn = await pool.getconn(timeout=connect_wait)
         except PoolTimeout as e:
             raise _ConnectError(f"no connection within {connect_wait:g}s ({e})") from None
         try:
@@ -510,17 +527,17 @@ class PostgresTool:
         except _BadTask as e:
             return error("invalid_task", str(e))
         secrets = _secrets(conninfo)
-        timeout = timeout_seconds(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
+        timeout, said = task_timeout(ctx.timeout if ctx.timeout is not None else spec.get("timeout"), DEFAULT_TIMEOUT)
         plan = _plan(sql, dict(params) if isinstance(params, Mapping) else params)
 
         async def checked_then_executed() -> dict:  # D33: libpq connects to the checked addresses only
             return await self._execute(await _pinned(conninfo, self._policy, self._resolver), plan, timeout)
 
-        how, work = await bounded(checked_then_executed(), ctx.cancel, (timeout + GRACE) if timeout else None)
+        how, work = await bounded(checked_then_executed(), ctx.cancel, timeout + GRACE)
         if how == "cancelled":
             return error("cancelled", "postgres task cancelled")
         if how == "timeout":
-            return error("timeout", f"postgres task exceeded its timeout of {timeout:g}s", True)
+            return error("timeout", f"postgres task exceeded its timeout of {said}", True)
         try:
             return ok(work.result())
         except ResultTooLarge as e:
@@ -537,9 +554,10 @@ class PostgresTool:
             return error("postgres_error", _mask(f"{type(e).__name__}: {e}", secrets), pg={"code": None, "sqlstate": None})
 
     async def close(self) -> None:
-        pools, self._pools = self._pools, {}
+        pools, self._pools = self._pools, OrderedDict()
         for pool in pools.values():
             try:
                 await pool.close()
             except Exception:  # noqa: BLE001
                 pass
+        await asyncio.gather(*self._closing, return_exceptions=True)

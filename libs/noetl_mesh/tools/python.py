@@ -21,23 +21,13 @@ from typing import Any
 
 from .. import limits
 from ..sandbox.supervisor import SandboxUnavailable, Supervisor, TaskCrashed
-from .base import ResultTooLarge, ToolContext, error, ok, timeout_seconds
+from .base import ResultTooLarge, ToolContext, error, ok, task_timeout
 
 __all__ = ["PythonTool", "sandbox_error"]
 
 DEFAULT_TIMEOUT = 60.0  # KIND_DEFAULTS["python"]["timeout"]
 MAX_STDOUT = 64 * 1024
 _ANSWER_SLACK = 64 * 1024  # an answer's envelope, error message and traceback, beyond result and stdout
-
-
-def task_timeout(value: Any, default: float) -> tuple[float, str]:
-    """A python or duckdb task's timeout: its ``spec.timeout``, at most ``task_max_seconds`` (none, or
-    0, is that limit too: a task process never holds its slot for good); and how to say it."""
-    ceiling = float(limits.current().task_max_seconds)
-    seconds = timeout_seconds(value, default)
-    if seconds is None or seconds > ceiling:
-        return ceiling, f"{ceiling:g}s (task_max_seconds, NOETL_LIMIT_TASK_MAX_SECONDS)"
-    return seconds, f"{seconds:g}s"
 
 
 def limit_message(name: str, what: str) -> str:

@@ -24,7 +24,8 @@ from typing import Any
 from .. import limits
 from ..sandbox.supervisor import SandboxUnavailable, Supervisor, TaskCrashed
 from .base import ResultTooLarge, ToolContext, error, ok
-from .python import limit_message, sandbox_error, task_timeout
+from .base import task_timeout
+from .python import limit_message, sandbox_error
 
 __all__ = ["ShellTool", "BadTask", "commands_of", "environment_of"]
 
