@@ -342,10 +342,14 @@ def test_a_worker_keeps_a_bounded_number_of_pools(pg_dsn):
             outs = [await tool.run({"dsn": make_conninfo(pg_dsn, application_name=f"a{i}"), "command": "select 1"},
                                    {}, ctx()) for i in range(MAX_POOLS * 3)]
             await asyncio.gather(*tool._closing)
-            return outs, len(tool._pools), [p.closed for p in tool._pools.values()]
+            kept = len(tool._pools), [p.closed for p in tool._pools.values()]
+            same = make_conninfo(pg_dsn, application_name="same")  # first used by several tasks at once: one pool
+            outs += await asyncio.gather(*(tool.run({"dsn": same, "command": "select 1"}, {}, ctx()) for _ in range(6)))
+            await asyncio.gather(*tool._closing)
+            return outs, *kept, sum(1 for p in tool._pools.values() if not p.closed)
         finally:
             await tool.close()
 
-    outs, kept, closed = asyncio.run(go())
+    outs, kept, closed, open_after = asyncio.run(go())
     assert all(o["status"] == "ok" for o in outs), [o for o in outs if o["status"] != "ok"][:1]
-    assert kept == MAX_POOLS and not any(closed)
+    assert kept == MAX_POOLS and not any(closed) and open_after == MAX_POOLS

@@ -473,21 +473,25 @@ class PostgresTool:
             except psycopg.Error as e:
                 raise _ConnectError(str(e).strip() or type(e).__name__) from None
             await probe.close()
-            pool = self._pools.get(conninfo)  # made by another task meanwhile
-            if pool is None:
-                pool = AsyncConnectionPool(
-                    conninfo, min_size=0, max_size=self._max_size, open=False, max_idle=POOL_MAX_IDLE,
-                    timeout=self._connect_timeout, name="noetl-postgres", reset=_reset,
-                )
-                await pool.open(wait=False)
-                self._pools[conninfo] = pool
+            made = AsyncConnectionPool(conninfo, min_size=0, max_size=self._max_size, open=False,
+                                       max_idle=POOL_MAX_IDLE, timeout=self._connect_timeout,
+                                       name="noetl-postgres", reset=_reset)
+            await made.open(wait=False)
+            pool = self._pools.get(conninfo)
+            if pool is not None:  # another task made one meanwhile: that one is kept
+                self._close(made)
+            else:
+                pool = self._pools[conninfo] = made
                 while len(self._pools) > MAX_POOLS:
-                    _, old = self._pools.popitem(last=False)
-                    closing = asyncio.create_task(old.close(timeout=self._connect_timeout))
-                    self._closing.add(closing)  # a connection in use is closed as its task returns it
-                    closing.add_done_callback(self._closing.discard)
+                    self._close(self._pools.popitem(last=False)[1])
         self._pools.move_to_end(conninfo)
         return pool
+
+    def _close(self, pool: AsyncConnectionPool) -> None:
+        """Close ``pool`` in the background: a connection in use is closed as its task returns it."""
+        closing = asyncio.create_task(pool.close(timeout=self._connect_timeout))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     async def _execute(self, conninfo: str, plan: list[tuple[str, Any]], timeout: float | None) -> dict:
         connect_wait = min(self._connect_timeout, timeout) if timeout else self._connect_timeout
