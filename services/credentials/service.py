@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import orjson
@@ -44,7 +43,6 @@ from . import store as tables
 log = logging.getLogger("noetl.credentials")
 QUEUE = "credentials"
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
-STANDING_TTL = users.STANDING_TTL
 
 
 class CredentialsService:
@@ -57,7 +55,8 @@ class CredentialsService:
         self._db_error = "not tried yet"
         self._subs: list[Any] = []
         self._task: asyncio.Task | None = None
-        self._standing: dict[str, tuple[float, Any]] = {}  # user id -> (until, the sessions service's word)
+        self._standing = users.StandingCache(
+            lambda uid: self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5))  # the sessions service's word
 
     async def start(self) -> None:
         await self.bus.attach()
@@ -177,19 +176,18 @@ class CredentialsService:
             state = await self._execution(ask.execution_id)
             rules.check_running(ask, state.get("status"))
             store = self._store()
-            await self._check_roles(store, names, command)
+            try:
+                sealed = await store.sealed(names)
+            except Exception as exc:  # noqa: BLE001 - the database: the worker retries its command
+                raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
+            await self._check_roles({name: roles for name, (roles, _, _) in sealed.items()}, command)
         except Refused as refused:
             await self._audit_refused(msg, req, ask, refused)
             if refused.reason == "bad_reply":
                 raise NoReply(refused.message) from None  # an answer to that subject could reach anyone
             kind = "bad_request" if refused.reason == "bad_request" else "forbidden"
             raise BusError(kind, refused.message, {"reason": refused.reason}) from None
-        try:
-            values = await store.data(names)
-        except BusError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the database: the worker retries its command
-            raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
+        values = {name: store.open(name, blob, nonce) for name, (_, blob, nonce) in sealed.items()}
         try:
             await audit.record(self.bus, "credential.resolved", actor=_worker(ask.pool),
                                target={"execution_id": ask.execution_id, "credentials": names},
@@ -203,15 +201,11 @@ class CredentialsService:
                  ask.execution_id, ask.pool, ask.seq)
         return values
 
-    async def _check_roles(self, store: tables.CredentialStore, names: list[str], command: dict) -> None:
+    async def _check_roles(self, roles: dict[str, list[str]], command: dict) -> None:
         """D24: :class:`Refused` unless every user the command acts for may use each stored credential
-        it names (:func:`rules.use_refusal`); their standing is the sessions service's word, kept
-        :data:`STANDING_TTL` seconds. ``unavailable`` while that service does not answer: the worker
-        tries again."""
-        try:
-            roles = await store.roles(names)
-        except Exception as exc:  # noqa: BLE001 - the database: the worker retries its command
-            raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
+        it names (``roles``: stored name -> its roles; :func:`rules.use_refusal`); their standing is the
+        sessions service's word, kept :data:`standing.STANDING_TTL` seconds. ``unavailable`` while that
+        service does not answer: the worker tries again."""
         standing: dict[str, Any] = {}
         if roles and command.get("requested_by") is not None:
             for _, who in users.command_users(command):
@@ -223,21 +217,14 @@ class CredentialsService:
             raise refused
 
     async def _standing_of(self, uid: str) -> dict[str, Any]:
-        now = time.monotonic()
-        until, standing = self._standing.get(uid, (0.0, None))
-        if standing is None or until < now:
-            try:
-                standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
-            except BusError as exc:
-                if exc.kind in ("unavailable", "timeout"):
-                    raise BusError("unavailable", f"the standing of user {uid} cannot be checked ({exc.kind}: "
-                                                  f"{exc.message}): the worker tries again") from None
-                raise Refused("not_allowed", f"the standing of user {uid!r}, whom the command acts for, cannot "
-                                             f"be checked: {exc.kind}: {exc.message}") from None
-            if len(self._standing) > 10_000:
-                self._standing.clear()
-            self._standing[uid] = (now + STANDING_TTL, standing)
-        return standing
+        try:
+            return await self._standing.get(uid)
+        except BusError as exc:
+            if exc.kind in ("unavailable", "timeout"):
+                raise BusError("unavailable", f"the standing of user {uid} cannot be checked ({exc.kind}: "
+                                              f"{exc.message}): the worker tries again") from None
+            raise Refused("not_allowed", f"the standing of user {uid!r}, whom the command acts for, cannot "
+                                         f"be checked: {exc.kind}: {exc.message}") from None
 
     async def _command(self, seq: int) -> tuple[str | None, Any]:
         """The subject and the command stored at ``seq`` of ``NOETL_COMMANDS`` (its keychain expanded,

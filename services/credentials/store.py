@@ -175,12 +175,6 @@ class CredentialStore:
                 (list(roles), name))).fetchone()
         return None if row is None else _meta(row)
 
-    async def roles(self, names: list[str]) -> dict[str, list[str]]:
-        """``{name: roles}`` of the stored ones among ``names``."""
-        async with self.pool.connection() as conn:
-            rows = await (await conn.execute(
-                "SELECT name, roles FROM credential WHERE name = ANY(%s)", (list(set(names)),))).fetchall()
-        return {name: list(roles) for name, roles in rows}
 
     async def list(self) -> list[dict[str, Any]]:
         async with self.pool.connection() as conn:
@@ -204,12 +198,13 @@ class CredentialStore:
             row = await (await conn.execute("DELETE FROM credential WHERE name = %s RETURNING name", (name,))).fetchone()
         return row is not None
 
-    async def data(self, names: list[str]) -> dict[str, Any]:
-        """``{name: data}`` of the stored ones among ``names``."""
+    async def sealed(self, names: list[str]) -> dict[str, tuple[list[str], bytes, bytes]]:
+        """``{name: (roles, sealed data, nonce)}`` of the stored ones among ``names``: who may use each
+        (D24) is checked before any is opened (:meth:`open`)."""
         async with self.pool.connection() as conn:
             rows = await (await conn.execute(
-                "SELECT name, data, nonce FROM credential WHERE name = ANY(%s)", (list(set(names)),))).fetchall()
-        return {name: self.open(name, blob, nonce) for name, blob, nonce in rows}
+                "SELECT name, roles, data, nonce FROM credential WHERE name = ANY(%s)", (list(set(names)),))).fetchall()
+        return {name: (list(roles), blob, nonce) for name, roles, blob, nonce in rows}
 
 
 def _meta(row: tuple) -> dict[str, Any]:

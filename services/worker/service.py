@@ -282,7 +282,8 @@ class WorkerService:
                            for durable, _, label in self.durables}
         self._m_outcome = {o: metrics.COMMANDS.labels(self.name, pool, o)
                            for o in ("acked", "retried", "dropped", "payload_missing", "cancelled", "forbidden")}
-        self._standing: dict[str, tuple[float, dict | BusError]] = {}  # user id -> (until, the sessions service's word)
+        self._standing = users.StandingCache(
+            lambda uid: self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5))  # the sessions service's word
         # what `nats micro stats` and `noetl ps` show of this worker (infra/micro.py)
         self.commands = Consumer(name="commands", stream=COMMANDS, subject=lane_filter(pool, "*"),  # type: ignore[arg-type]
                                  durable=f"lane-{pool}", lanes=LANES)  # lane_durable: <durable>-p<lane>
@@ -655,20 +656,8 @@ class WorkerService:
 
     async def _standing_of(self, uid: str) -> dict:
         """The user's standing, kept :data:`STANDING_TTL` seconds; a :class:`BusError` when the sessions
-        service does not answer, kept a second (each command would otherwise wait out the request)."""
-        now = time.monotonic()
-        until, standing = self._standing.get(uid, (0.0, {}))
-        if until < now:
-            try:
-                standing = await self.bus.request(Q_USERS_STANDING, {"user_id": uid}, timeout=5)
-            except BusError as exc:
-                standing = exc
-            if len(self._standing) > 10_000:
-                self._standing.clear()
-            self._standing[uid] = (now + (1.0 if isinstance(standing, BusError) else STANDING_TTL), standing)
-        if isinstance(standing, BusError):
-            raise standing
-        return standing
+        service does not answer (kept a second)."""
+        return await self._standing.get(uid, STANDING_TTL)
 
     async def _fail(self, command: dict, error: dict) -> None:
         """End the command's step run or iterations failed without running them. A chunk of iterations

@@ -104,3 +104,32 @@ def test_a_worker_takes_the_routers_cancel_notice_only():
     assert "x1" not in worker.finished and "x2" not in worker.finished
     asyncio.run(worker._on_cancel(message({"execution_id": "x1", "status": "CANCELLED"})))
     assert "x1" in worker.finished
+
+
+def test_a_standing_is_kept_its_ttl_and_an_error_a_second():
+    from noetl_mesh.core.standing import StandingCache
+
+    now, asked, answers = [0.0], [], [{"active": True}, RuntimeError("away"), {"active": False}]
+
+    async def ask(uid):
+        asked.append(uid)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    cache = StandingCache(ask, clock=lambda: now[0])
+
+    async def main():
+        assert await cache.get("u1", 10) == {"active": True}
+        now[0] = 9.9
+        assert await cache.get("u1", 10) == {"active": True} and asked == ["u1"]  # kept
+        now[0] = 10.1
+        for _ in range(2):  # asked again; the error kept a second, raised to each caller
+            with pytest.raises(RuntimeError):
+                await cache.get("u1", 10)
+        assert len(asked) == 2
+        now[0] = 11.2
+        assert await cache.get("u1", 10) == {"active": False} and len(asked) == 3
+
+    asyncio.run(main())

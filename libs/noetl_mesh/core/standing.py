@@ -4,7 +4,8 @@ user (``{active, roles}``) is the sessions service's word, asked by the shell an
 :data:`STANDING_TTL` seconds."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+import time
+from typing import Any, Awaitable, Callable, Iterable
 
 STANDING_TTL = 10.0  # seconds a service keeps a user's standing: a role taken away, or a disabled user, counts within it
 
@@ -43,3 +44,31 @@ def user_refusal(did: str, who: Any, standing: Any, roles: Iterable[str] | None)
         return (f"{did} by {name}, who holds {', '.join(holds) or 'no role'} now and whose request carried "
                 f"{', '.join(carried) or 'no role'}")
     return f"{did} by {name}, who has {', '.join(holds) or 'no role'}"
+
+
+class StandingCache:
+    """Users' standing by id, each answer kept ``ttl`` seconds; ``ask(user_id)`` asks for one (the
+    sessions service). An error it raises is kept :data:`ERROR_TTL` seconds and raised again meanwhile
+    (each command would otherwise wait out the same request)."""
+
+    ERROR_TTL = 1.0
+    MAX_USERS = 10_000  # past it, everything kept is forgotten
+
+    def __init__(self, ask: Callable[[str], Awaitable[Any]], clock: Callable[[], float] = time.monotonic):
+        self.ask, self.clock = ask, clock
+        self._kept: dict[str, tuple[float, Any]] = {}  # user id -> (until, the answer or the error)
+
+    async def get(self, uid: str, ttl: float = STANDING_TTL) -> Any:
+        now = self.clock()
+        until, got = self._kept.get(uid, (0.0, None))
+        if until <= now:
+            try:
+                got, until = await self.ask(uid), now + ttl
+            except Exception as exc:  # noqa: BLE001 - kept, and raised to each caller meanwhile
+                got, until = exc, now + self.ERROR_TTL
+            if len(self._kept) > self.MAX_USERS:
+                self._kept.clear()
+            self._kept[uid] = (until, got)
+        if isinstance(got, Exception):
+            raise got
+        return got
