@@ -46,7 +46,7 @@ from psycopg_pool import AsyncConnectionPool
 from noetl_mesh import limits
 from noetl_mesh.core import restart, timeline, view
 from noetl_mesh.core.events import carried_roles, event_class
-from noetl_mesh.core.state import ExecutionState, apply, summary
+from noetl_mesh.core.state import ExecutionState, summary
 from noetl_mesh.infra import logs, metrics
 from noetl_mesh.infra.membership import Membership
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
@@ -80,7 +80,7 @@ from noetl_mesh.contracts.subjects import Q_EXECUTION_STATS, Q_EXECUTION_TIMELIN
 from noetl_mesh.lang.validate import validate_text
 from noetl_mesh.limits import LimitExceeded
 
-from . import feeds, live, replies, schema
+from . import feeds, folds, live, replies, schema
 from .feeds import DURABLE, Feed
 
 log = logging.getLogger("noetl.event-recorder")
@@ -111,8 +111,9 @@ _SELECT_STATUS = f"""SELECT {', '.join('p.' + c for c in _EXECUTION_COLUMNS)},
     e.*
 FROM (SELECT 1) AS one
 LEFT JOIN execution p ON p.execution_id = %(x)s
-LEFT JOIN LATERAL ({schema.SELECT_EVENT} WHERE execution_id = %(x)s AND {schema.STATE_EVENTS_SQL}) e ON true
-ORDER BY e.seq"""
+LEFT JOIN LATERAL ({schema.SELECT_EVENT} WHERE execution_id = %(x)s AND {schema.STATE_EVENTS_SQL}
+                   ORDER BY seq LIMIT %(m)s) e ON true
+ORDER BY e.seq"""  # past folds.SMALL events, the status is a large fold (folds.py)
 # the username of who started an execution: its request event's, else (a child: started by its parent on
 # that user's behalf) its nearest ancestor's, up the parent chain (at most 64 levels, as the depth limit)
 _STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
@@ -195,6 +196,7 @@ class RecorderService:
         self._closing: list[asyncio.Task] = []  # feeds of partitions handed over, stopping
         self.membership: Membership | None = None
         self.interest = live.Interest()  # which notices the gateways' console streams show
+        self.large = folds.Large()  # large folds for replies: one at a time, their answers kept (folds.py)
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         # what `nats micro stats` and `noetl ps` show: messages recorded; failed: events recorded as rejected
@@ -678,29 +680,52 @@ class RecorderService:
                     raise BusError("not_found", f"execution {xid} is not known")
                 count = proj[-1] if proj[-1] is not None else await _event_count(conn, xid)  # recorded before it
             return {**_execution_row(proj[:-1]), "event_count": count}
+        large = self.large.known(xid)  # then the statement reads no event: its answer is likely kept
         async with self._autocommit() as conn:  # one statement: one snapshot of the log (_SELECT_STATUS)
-            rows = await (await conn.execute(_SELECT_STATUS, {"x": xid, "n": MAX_RESTARTS})).fetchall()
+            rows = await (await conn.execute(_SELECT_STATUS, {"x": xid, "n": MAX_RESTARTS,
+                                                              "m": 0 if large else folds.SMALL + 1})).fetchall()
         first = rows[0]
         proj, count, restarts = (first[:_N_EXECUTION] if first[0] is not None else None,
                                  first[_N_EXECUTION], first[_N_EXECUTION + 1])
         rows = [r[_N_EXECUTION + 2:] for r in rows if r[_N_EXECUTION + 2] is not None]
-        if not rows:
+        if not rows and not (large and proj and count):
             raise BusError("not_found", f"execution {xid} is not known")
-        events = await self._readable([schema.row_event(r) for r in rows])
-        out = summary(_fold(xid, events))
+        if large or len(rows) > folds.SMALL:
+            out, error = await self._large_status(xid, count)
+        else:
+            events = await self._readable([schema.row_event(r) for r in rows])
+            out, error = summary(_fold(xid, events)), _error(events)
         if restarts:
             out["restarts"] = restarts
-        finished = [e["data"] for e in events if e["name"] == "workflow.finished" and isinstance(e["data"], dict)]
         p = _execution_row(proj) if proj else {}
         out.update({
             "path": p.get("path"), "version": p.get("version"),
-            "error": finished[-1].get("error") if finished else None,
+            "error": error,
             "parent_execution_id": p.get("parent_execution_id"), "created_at": p.get("created_at"),
             "started_at": p.get("started_at"), "finished_at": p.get("finished_at"),
             "requested_by": p.get("requested_by"),  # who started it: D30's default signal rule reads it
             "event_count": count,
         })
         return out
+
+    async def _large_status(self, xid: str, count: int) -> tuple[dict[str, Any], Any]:
+        """The summary and error of an execution with more than ``folds.SMALL`` state events: a large fold
+        (one at a time, streamed), kept by its event count."""
+        kept = self.large.get(("status", xid, count))
+        if kept is None:
+            async with self.large.fold(xid, count, "the status"):
+                kept = self.large.get(("status", xid, count))  # folded while this one waited
+                if kept is None:
+                    ends: list[dict[str, Any]] = []
+                    async with self._snapshot() as conn:
+                        count = await _event_count(conn, xid)
+                        state, _ = await folds.stream(
+                            conn, f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
+                                  " ORDER BY seq", (xid,), xid, self._readable,
+                            seen=lambda e: ends.append(e) if e["name"] == "workflow.finished" else None)
+                    kept = summary(state), _error(ends)
+                    self.large.put(("status", xid, count), kept)
+        return {**kept[0]}, kept[1]
 
     async def execution_events(self, req: dict[str, Any]) -> dict[str, Any]:
         """A page of the execution's events: at most ``limit`` and at most what fits in the reply
@@ -744,6 +769,26 @@ class RecorderService:
             raise BusError("bad_request", "upto must be a count of events (an integer from 0)")
         if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or abs(seq) >= 2**63):
             raise BusError("bad_request", "seq must be an event's log sequence (an integer)")
+        net = bool(req.get("net"))
+        async with self._autocommit() as conn:
+            total = await _event_count(conn, xid)
+            kept = self.large.get(("state", xid, total, upto, seq, net))
+            if kept is not None:  # the log has not moved; restarts are other executions'
+                return _with_restarts(kept, await _restarts(conn, xid))
+        if not total:
+            raise BusError("not_found", f"execution {xid} is not known")
+        if total <= folds.SMALL:
+            return await self._state_view(xid, upto, seq, net)
+        async with self.large.fold(xid, total, "the view of the state"):
+            kept = self.large.get(("state", xid, total, upto, seq, net))  # made while this one waited
+            if kept is None:
+                kept = await self._state_view(xid, upto, seq, net)
+                self.large.put(("state", xid, kept["total"], upto, seq, net), kept)
+                return kept
+        async with self._autocommit() as conn:
+            return _with_restarts(kept, await _restarts(conn, xid))
+
+    async def _state_view(self, xid: str, upto: Any, seq: Any, net: bool) -> dict[str, Any]:
         bound_limit = limits.current().max_state_events
         async with self._snapshot() as conn:
             proj = await (await conn.execute(
@@ -765,15 +810,14 @@ class RecorderService:
                 position = (await (await conn.execute(
                     "SELECT count(*) FROM event WHERE execution_id = %s AND seq <= %s", (xid, seq))).fetchone())[0]
             upto_sql, upto_params = ("", ()) if bound is None else (" AND seq <= %s", (bound,))
-            cur = await conn.execute(
-                f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}{upto_sql} ORDER BY seq LIMIT %s",
-                (xid, *upto_params, bound_limit + 1))
-            rows = await cur.fetchall()
-            if len(rows) > bound_limit:
+            ends: list[dict[str, Any]] = []
+            state, n = await folds.stream(
+                conn, f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}{upto_sql}"
+                      " ORDER BY seq LIMIT %s", (xid, *upto_params, bound_limit + 1), xid, self._readable,
+                seen=lambda e: ends.append(e) if e["name"] in LOOP_ENDS else None)
+            if n > bound_limit:
                 raise BusError("too_large", str(LimitExceeded(
                     "max_state_events", None, f"execution {xid}", what="the events folded for a view of the state")))
-            events = await self._readable([schema.row_event(r) for r in rows])
-            state = _fold(xid, events)
             restarts = await _restarts(conn, xid)
             loop_runs = [rid for step, ids in state.runs_of.items()
                          if isinstance((state.steps_by_name().get(step) or {}).get("loop"), dict) for rid in ids]
@@ -788,7 +832,7 @@ class RecorderService:
                     (xid, bound))).fetchone()
                 at = live.compact(schema.row_event(row)) if row else None
         loop_set = set(loop_runs)
-        ended = {e["step_run_id"]: e["data"] for e in events if e["name"] in LOOP_ENDS and e.get("step_run_id") in loop_set
+        ended = {e["step_run_id"]: e["data"] for e in ends if e.get("step_run_id") in loop_set
                  and isinstance(e["data"], dict) and "total" in e["data"]}
         out = view.fitted(state, limits.current().max_reply_bytes - 64 * 1024, loops=counts, loop_totals=totals,
                           ended_counts=ended)
@@ -802,7 +846,7 @@ class RecorderService:
                     "parent_execution_id": out.get("parent_execution_id") or p.get("parent_execution_id")})
         if restarts:
             out["restarts"] = restarts
-        if req.get("net"):
+        if net:
             out["net"] = view.net(state.playbook)
         return out
 
@@ -825,7 +869,9 @@ class RecorderService:
             bounds.append(value)
         now = time.time()
         cap = limits.current().max_state_events
-        async with self._snapshot() as conn:
+        async with self._autocommit() as conn:
+            total = await _event_count(conn, xid)
+        async with self.large.fold(xid, total, "the timeline"), self._snapshot() as conn:
             proj = await (await conn.execute(
                 "SELECT status, extract(epoch FROM created_at)::float8, extract(epoch FROM finished_at)::float8"
                 " FROM execution WHERE execution_id = %s", (xid,))).fetchone()
@@ -1002,8 +1048,10 @@ class RecorderService:
         if not isinstance(step, str) or not step or len(step) > 1024:
             raise BusError("bad_request", "from_step (a step's name) is required")
         bound = limits.current().max_state_events
+        async with self._autocommit() as conn:
+            total = await _event_count(conn, xid)
         try:
-            async with self._snapshot() as conn:
+            async with self.large.fold(xid, total, "a restart's seed"), self._snapshot() as conn:
                 row = await (await conn.execute("SELECT status FROM execution WHERE execution_id = %s",
                                                 (xid,))).fetchone()
                 if row is None:
@@ -1022,9 +1070,11 @@ class RecorderService:
                         f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL} AND seq < %s"
                         " ORDER BY seq LIMIT %s", (xid, cut[0], bound + 1))
                 rows = await cur.fetchall()
-            events = [e for e in map(schema.row_event, [*rows, *([cut] if cut else [])])
-                      if isinstance(e["data"], dict) and not schema.is_rejected(e)]
-            out = restart.seed(await self._readable(events), step, status=row[0], execution_id=xid, max_events=bound)
+                events = [e for e in map(schema.row_event, [*rows, *([cut] if cut else [])])
+                          if isinstance(e["data"], dict) and not schema.is_rejected(e)]
+                del rows
+                out = restart.seed(await self._readable(events), step, status=row[0], execution_id=xid,
+                                   max_events=bound)
         except restart.Refused as exc:
             kind = "conflict" if exc.kind == restart.NOT_FINISHED else "invalid_restart"
             raise BusError(kind, exc.message, details={"reason": exc.kind}) from None
@@ -1232,6 +1282,13 @@ def _by_feed(batch: list[tuple[Feed, Any]]) -> dict[Feed, list[Any]]:
     return groups
 
 
+def _with_restarts(view: dict[str, Any], restarts: list[str]) -> dict[str, Any]:
+    out = {k: v for k, v in view.items() if k != "restarts"}
+    if restarts:
+        out["restarts"] = restarts
+    return out
+
+
 async def _restarts(conn: Any, xid: str) -> list[str]:
     """D32: the executions restarted from this one, oldest first (at most ``MAX_RESTARTS``)."""
     cur = await conn.execute("SELECT execution_id FROM execution WHERE restarted_from = %s"
@@ -1276,17 +1333,13 @@ async def _loop_counts(conn: Any, xid: str, runs: list[str], upto_sql: str,
 
 
 def _fold(xid: str, events: list[dict[str, Any]]) -> ExecutionState:
-    """The engine's fold of recorded events; what no writer of the engine sends (rejected, odd data)
-    folds to nothing."""
-    state = ExecutionState(xid)
-    for event in events:
-        if isinstance(event["data"], dict) and not schema.is_rejected(event):
-            try:
-                apply(state, event)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                log.warning("execution %s: event %s (%s) does not fold: %s", xid, event["event_id"],
-                            event["name"], exc)
-    return state
+    return folds.fold_into(ExecutionState(xid), events)
+
+
+def _error(events: list[dict[str, Any]]) -> Any:
+    """The error the last ``workflow.finished`` among ``events`` names (None if none does)."""
+    finished = [e["data"] for e in events if e["name"] == "workflow.finished" and isinstance(e["data"], dict)]
+    return finished[-1].get("error") if finished else None
 
 
 def _event_filters(req: dict[str, Any]) -> tuple[str, list[Any]]:

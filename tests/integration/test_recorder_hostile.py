@@ -22,6 +22,7 @@ from noetl_mesh.core.events import make_event, new_execution_id, stable_id
 from noetl_mesh.infra.bus import EVENTS, Bus, BusError, dumps
 from noetl_mesh.infra.embedded import EmbeddedPostgres, free_port
 from noetl_mesh.infra.payloads import is_ref
+from noetl_mesh.services.event_recorder import folds
 from noetl_mesh.services.event_recorder.service import RecorderService
 from scenarios import TINY
 from test_recorder import count, eventually, fresh_bus
@@ -502,3 +503,57 @@ def test_a_catalog_entry_over_the_reply_budget_is_read_and_started_by_path(stack
         entry, final = stack.run(main())
     assert entry["content"] == text
     assert final["status"] == "COMPLETED"
+
+
+def test_a_large_fold_is_streamed_kept_and_one_at_a_time(stack, monkeypatch) -> None:
+    """The status and the console's view of an execution with many state events: folded in chunks, the
+    same answer as a fold in one go; asked again unchanged, not folded again; and while another large
+    fold holds the recorder's slot, ``503`` with a time to retry, while small reads still answer (an
+    execution at ``max_step_runs`` took the recorder from everyone when eight viewers asked at once)."""
+    status, _ = stack.execute(_chain_of_big_results(8, 10), timeout=60)
+    xid = status["execution_id"]
+    recorder = stack.stack.services("event-recorder")[0]
+
+    async def read() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(base_url=stack.url, trust_env=False, timeout=30, headers=stack.headers) as http:
+            got = [await http.get(f"/api/executions/{xid}"), await http.get(f"/api/executions/{xid}/state"),
+                   await http.get(f"/api/executions/{xid}/state", params={"upto": 12})]
+        assert all(r.status_code == 200 for r in got), [r.text for r in got]
+        return tuple(r.json() for r in got)
+
+    small = stack.run(read())
+    assert small[0]["status"] == "COMPLETED" and len(small[0]["steps"]) == 8
+    folded: list[int] = []
+    stream = folds.stream
+
+    async def counted(*args: Any, **kw: Any) -> Any:
+        state, n = await stream(*args, **kw)
+        folded.append(n)
+        return state, n
+
+    monkeypatch.setattr(folds, "SMALL", 5)
+    monkeypatch.setattr(folds, "CHUNK", 3)  # every read below is large, and folds in many chunks
+    monkeypatch.setattr(folds, "WAIT", 0.3)
+    monkeypatch.setattr(folds, "stream", counted)
+    large = stack.run(read())
+    assert large == small
+    assert len(folded) == 3 and all(n > 5 for n in folded)
+    assert stack.run(read()) == small and len(folded) == 3  # kept: the log has not moved
+
+    async def while_held() -> list[httpx.Response]:
+        await recorder.large.slot.acquire()  # another large fold runs
+        try:
+            async with httpx.AsyncClient(base_url=stack.url, trust_env=False, timeout=30,
+                                         headers=stack.headers) as http:
+                return [await http.get(f"/api/executions/{xid}/state", params={"upto": 13}),
+                        await http.get(f"/api/executions/{xid}", params={"brief": "true"}),
+                        await http.get(f"/api/executions/{xid}/events", params={"limit": 5})]
+        finally:
+            recorder.large.slot.release()
+
+    waited, brief, page = stack.run(while_held())
+    assert waited.status_code == 503 and waited.headers["retry-after"] == str(folds.RETRY_AFTER)
+    assert "one at a time" in waited.text
+    assert brief.status_code == 200 and brief.json()["status"] == "COMPLETED"
+    assert page.status_code == 200 and len(page.json()["events"]) == 5
+    assert len(folded) == 3

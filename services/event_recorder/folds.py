@@ -1,0 +1,119 @@
+"""Folds of an execution's recorded events for a reply (its status, the console's view, a timeline, a
+restart's seed), bounded whatever the execution's size and however many ask at once.
+
+A fold runs on the recorder's one event loop, beside the recording of every execution's events, on one
+of its few database connections. An execution near its limits (``max_step_runs`` of an arc cycle) has
+some 200,000 events to fold, about 2 s of CPU and 300 MB read at once: eight viewers asking together
+took every connection and the loop, so recording and every other user's reads stopped. So:
+
+- a *large* fold (more than ``SMALL`` events) waits for the recorder's one slot before it takes a
+  connection (``unavailable``, with a time to retry, after ``WAIT`` seconds): large folds run one at a
+  time per recorder, and never hold the connections recording needs;
+- a status or a view reads its rows ``CHUNK`` at a time through a server-side cursor (:func:`stream`)
+  and folds each chunk before the next, so memory is the state's, not the log's, and recording runs
+  between chunks (a timeline and a restart's seed read theirs at once, in the slot);
+- its answer is kept by the execution and its event count (:class:`Large`): asking again about an
+  execution that has not moved costs one count.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable, Iterable
+
+from noetl_mesh.core.state import ExecutionState, apply
+from noetl_mesh.infra.bus import BusError
+
+from . import schema
+
+log = logging.getLogger("noetl.event-recorder")
+
+SMALL = 2_000  # events a reply may fold without the slot (about 20 ms of CPU)
+CHUNK = 2_000  # rows read and folded at a time by a large fold
+WAIT = 5.0  # seconds a large fold waits for the slot
+RETRY_AFTER = 2  # seconds, in the answer of one that waited in vain
+KEEP = 8  # large folds' answers kept
+KNOWN = 1024  # executions remembered as large
+
+
+def fold_into(state: ExecutionState, events: Iterable[dict[str, Any]]) -> ExecutionState:
+    """The engine's fold (D22) of recorded events onto ``state``; what no writer of the engine sends
+    (rejected, odd data) folds to nothing."""
+    for event in events:
+        if isinstance(event["data"], dict) and not schema.is_rejected(event):
+            try:
+                apply(state, event)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("execution %s: event %s (%s) does not fold: %s", state.execution_id,
+                            event["event_id"], event["name"], exc)
+    return state
+
+
+async def stream(conn: Any, sql: str, params: tuple, xid: str,
+                 readable: Callable[[list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]],
+                 seen: Callable[[dict[str, Any]], None] | None = None) -> tuple[ExecutionState, int]:
+    """Fold the events ``sql`` selects (``schema.SELECT_EVENT`` rows, in log order) ``CHUNK`` at a time
+    through a server-side cursor (``conn`` in a transaction); ``readable`` reads back what an event
+    carries by reference; ``seen`` is shown each event. Returns the state and the number of rows."""
+    state, n = ExecutionState(xid), 0
+    async with conn.cursor(name="fold") as cur:
+        await cur.execute(sql, params)
+        while rows := await cur.fetchmany(CHUNK):
+            n += len(rows)
+            events = await readable([schema.row_event(r) for r in rows])
+            fold_into(state, events)
+            if seen is not None:
+                for event in events:
+                    seen(event)
+            await asyncio.sleep(0)  # recording, and the other replies, between two chunks
+    return state, n
+
+
+class Large:
+    """The recorder's slot for large folds, and their kept answers."""
+
+    def __init__(self, keep: int = KEEP):
+        self.slot = asyncio.Semaphore(1)
+        self.keep = keep
+        self.kept: OrderedDict[tuple, Any] = OrderedDict()
+        self.large: OrderedDict[str, None] = OrderedDict()  # executions folded large lately
+
+    def known(self, xid: str) -> bool:
+        """Whether ``xid`` was folded large lately: a status then asks for its count before any event."""
+        return xid in self.large
+
+    @contextlib.asynccontextmanager
+    async def fold(self, xid: str, events: int, what: str):
+        """Hold the slot for a fold of ``events`` events (a no-op for a small one)."""
+        if events <= SMALL:
+            yield
+            return
+        try:
+            await asyncio.wait_for(self.slot.acquire(), WAIT)
+        except asyncio.TimeoutError:
+            raise BusError("unavailable", f"{what} of execution {xid} folds its {events} events, and the "
+                                          f"event-recorder folds another large execution's now (one at a time); "
+                                          f"try again", details={"retry_after": RETRY_AFTER}) from None
+        try:
+            yield
+        finally:
+            self.slot.release()
+
+    def get(self, key: tuple) -> Any:
+        value = self.kept.get(key)
+        if value is not None:
+            self.kept.move_to_end(key)
+        return value
+
+    def put(self, key: tuple, value: Any) -> None:
+        """Keep the answer of a large fold; ``key`` starts with what was asked and the execution's id."""
+        self.kept[key] = value
+        self.kept.move_to_end(key)
+        while len(self.kept) > self.keep:
+            self.kept.popitem(last=False)
+        self.large[key[1]] = None
+        self.large.move_to_end(key[1])
+        while len(self.large) > KNOWN:
+            self.large.popitem(last=False)
