@@ -275,17 +275,22 @@ class GatewayClient(Following):
 
     # credentials (D24)
     async def credential_put(self, name: str, kind: str, data: dict, description: str | None = None,
-                             roles: list[str] | None = None) -> dict:
+                             roles: list[str] | None = None, users: list[str] | None = None) -> dict:
         body: dict[str, Any] = {"name": name, "kind": kind, "data": data}
         if description is not None:
             body["description"] = description
         if roles is not None:
             body["roles"] = roles
+        if users is not None:
+            body["users"] = users
         return await self._call("POST", "/api/credentials", json=body)
 
-    async def credential_roles(self, name: str, roles: list[str]) -> dict:
-        """Who may use the credential from a playbook (D24)."""
-        return await self._call("POST", f"/api/credentials/{name}/roles", json={"roles": roles})
+    async def credential_roles(self, name: str, roles: list[str], users: list[str] | None = None) -> dict:
+        """Who may use the credential from a playbook (D24): its roles, and its users (None: kept)."""
+        body: dict[str, Any] = {"roles": roles}
+        if users is not None:
+            body["users"] = users
+        return await self._call("POST", f"/api/credentials/{name}/roles", json=body)
 
     async def credential_list(self) -> list[dict]:
         return await self._call("GET", "/api/credentials")

@@ -135,14 +135,14 @@ class CredentialsService:
 
     # ------------------------------------------------------------------ the gateway's API
     async def put(self, req: dict[str, Any]) -> dict[str, Any]:
-        name, kind, data, description, roles = rules.put_fields(req)
+        name, kind, data, description, roles, named = rules.put_fields(req)
         if description is not None and (reason := unstorable(description)):
             raise BusError("bad_request", f"description {reason}: Postgres cannot store it")
-        return await self._store().put(name, kind, data, description, roles)
+        return await self._store().put(name, kind, data, description, roles, named)
 
     async def set_roles(self, req: dict[str, Any]) -> dict[str, Any]:
-        name, roles = rules.name_of(req.get("name")), rules.roles_of(req.get("roles"))
-        found = await self._store().set_roles(name, roles)
+        name, (roles, named) = rules.name_of(req.get("name")), rules.grant_of(req)
+        found = await self._store().set_roles(name, roles, named)
         if found is None:
             raise BusError("not_found", f"credential {name!r} does not exist")
         return found
@@ -180,14 +180,14 @@ class CredentialsService:
                 sealed = await store.sealed(names)
             except Exception as exc:  # noqa: BLE001 - the database: the worker retries its command
                 raise BusError("unavailable", f"the credential database is unavailable: {exc}") from exc
-            await self._check_roles({name: roles for name, (roles, _, _) in sealed.items()}, command)
+            await self._check_roles({name: (roles, named) for name, (roles, named, _, _) in sealed.items()}, command)
         except Refused as refused:
             await self._audit_refused(msg, req, ask, refused)
             if refused.reason == "bad_reply":
                 raise NoReply(refused.message) from None  # an answer to that subject could reach anyone
             kind = "bad_request" if refused.reason == "bad_request" else "forbidden"
             raise BusError(kind, refused.message, {"reason": refused.reason}) from None
-        values = {name: store.open(name, blob, nonce) for name, (_, blob, nonce) in sealed.items()}
+        values = {name: store.open(name, blob, nonce) for name, (_, _, blob, nonce) in sealed.items()}
         try:
             await audit.record(self.bus, "credential.resolved", actor=_worker(ask.pool),
                                target={"execution_id": ask.execution_id, "credentials": names},
@@ -201,9 +201,9 @@ class CredentialsService:
                  ask.execution_id, ask.pool, ask.seq)
         return values
 
-    async def _check_roles(self, roles: dict[str, list[str]], command: dict) -> None:
+    async def _check_roles(self, roles: dict[str, tuple[list[str], list[dict[str, str]]]], command: dict) -> None:
         """D24: :class:`Refused` unless every user the command acts for may use each stored credential
-        it names (``roles``: stored name -> its roles; :func:`rules.use_refusal`); their standing is the
+        it names (``roles``: stored name -> its roles and users; :func:`rules.use_refusal`); their standing is the
         sessions service's word, kept :data:`standing.STANDING_TTL` seconds. ``unavailable`` while that
         service does not answer: the worker tries again."""
         standing: dict[str, Any] = {}

@@ -23,6 +23,7 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from noetl_mesh.core.credentials import (DEFAULT_ROLES, KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
@@ -47,9 +48,11 @@ CREATE TABLE IF NOT EXISTS credential (
 """),
     (2, "who may use each credential from a playbook (D24): admins' playbooks only until an admin says otherwise",
      "ALTER TABLE credential ADD COLUMN IF NOT EXISTS roles text[] NOT NULL DEFAULT '{admin}';"),
+    (3, "the users a credential names, who may use it whatever their roles (D24)",
+     "ALTER TABLE credential ADD COLUMN IF NOT EXISTS users jsonb NOT NULL DEFAULT '[]';"),
 ]
 _LOCK = 0x6E6F65746C63  # pg_advisory_xact_lock key of these migrations ("noetlc")
-_META = ("name", "kind", "description", "roles", "created_at", "updated_at")
+_META = ("name", "kind", "description", "roles", "users", "created_at", "updated_at")
 _COLUMNS = ", ".join(_META)
 
 
@@ -149,30 +152,34 @@ class CredentialStore:
         return done
 
     async def put(self, name: str, kind: str, data: dict[str, Any], description: str | None,
-                  roles: list[str] | None = None) -> dict[str, Any]:
+                  roles: list[str] | None = None, users: list[dict[str, str]] | None = None) -> dict[str, Any]:
         """Create or replace a credential. ``roles`` None: a new one's are :data:`DEFAULT_ROLES`, a
-        replaced one keeps its own (a new password does not change who may use it)."""
+        replaced one keeps its own (a new password does not change who may use it); ``users`` None: a
+        new one names none, a replaced one keeps its own."""
         try:
             blob, nonce = encrypt(self.key(create=True), name, data)
         except TypeError as exc:  # orjson: an unpaired surrogate, an integer over 64 bits
             raise BusError("bad_request", f"data cannot be stored: {exc}") from None
         async with self.pool.connection() as conn:
             row = await (await conn.execute(
-                f"""INSERT INTO credential (name, kind, description, data, nonce, roles)
-                    VALUES (%s, %s, %s, %s, %s, %s)
+                f"""INSERT INTO credential (name, kind, description, data, nonce, roles, users)
+                    VALUES (%s, %s, %s, %s, %s, %s, %s)
                     ON CONFLICT (name) DO UPDATE SET kind = excluded.kind, description = excluded.description,
                        data = excluded.data, nonce = excluded.nonce, updated_at = now(),
-                       roles = CASE WHEN %s THEN excluded.roles ELSE credential.roles END
+                       roles = CASE WHEN %s THEN excluded.roles ELSE credential.roles END,
+                       users = CASE WHEN %s THEN excluded.users ELSE credential.users END
                     RETURNING {_COLUMNS}""",
-                (name, kind, description, blob, nonce, list(roles or DEFAULT_ROLES), roles is not None))).fetchone()
+                (name, kind, description, blob, nonce, list(DEFAULT_ROLES if roles is None else roles),
+                 Jsonb(users or []), roles is not None, users is not None))).fetchone()
         return _meta(row)
 
-    async def set_roles(self, name: str, roles: list[str]) -> dict[str, Any] | None:
-        """Who may use the credential from a playbook now (D24); None when there is no such credential."""
+    async def set_roles(self, name: str, roles: list[str], users: list[dict[str, str]] | None) -> dict[str, Any] | None:
+        """Who may use the credential from a playbook now (D24): its roles, and its users unless None
+        (kept); None when there is no such credential."""
         async with self.pool.connection() as conn:
             row = await (await conn.execute(
-                f"UPDATE credential SET roles = %s, updated_at = now() WHERE name = %s RETURNING {_COLUMNS}",
-                (list(roles), name))).fetchone()
+                f"UPDATE credential SET roles = %s, users = coalesce(%s, users), updated_at = now() WHERE name = %s"
+                f" RETURNING {_COLUMNS}", (list(roles), None if users is None else Jsonb(users), name))).fetchone()
         return None if row is None else _meta(row)
 
 
@@ -198,13 +205,14 @@ class CredentialStore:
             row = await (await conn.execute("DELETE FROM credential WHERE name = %s RETURNING name", (name,))).fetchone()
         return row is not None
 
-    async def sealed(self, names: list[str]) -> dict[str, tuple[list[str], bytes, bytes]]:
-        """``{name: (roles, sealed data, nonce)}`` of the stored ones among ``names``: who may use each
-        (D24) is checked before any is opened (:meth:`open`)."""
+    async def sealed(self, names: list[str]) -> dict[str, tuple[list[str], list[dict[str, str]], bytes, bytes]]:
+        """``{name: (roles, users, sealed data, nonce)}`` of the stored ones among ``names``: who may use
+        each (D24) is checked before any is opened (:meth:`open`)."""
         async with self.pool.connection() as conn:
             rows = await (await conn.execute(
-                "SELECT name, roles, data, nonce FROM credential WHERE name = ANY(%s)", (list(set(names)),))).fetchall()
-        return {name: (list(roles), blob, nonce) for name, roles, blob, nonce in rows}
+                "SELECT name, roles, users, data, nonce FROM credential WHERE name = ANY(%s)",
+                (list(set(names)),))).fetchall()
+        return {name: (list(roles), list(users or []), blob, nonce) for name, roles, users, blob, nonce in rows}
 
 
 def _meta(row: tuple) -> dict[str, Any]:

@@ -52,7 +52,7 @@ import logging
 import secrets
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import nats.errors
 import orjson
@@ -95,6 +95,7 @@ from noetl_mesh.contracts.subjects import STATUS_OF_KIND
 from noetl_mesh.lang.validate import parse_and_validate, parse_yaml
 from noetl_mesh.limits import LimitExceeded
 from noetl_mesh.core import access, signals
+from noetl_mesh.core import credentials as credential_rules
 from noetl_mesh.services.gateway import auth
 from noetl_mesh.services.gateway.auth import PUBLIC, SIGNED_IN, need
 from noetl_mesh.services.gateway.body import INT64_MAX, BodyError, decode_utf8, location, parse_json
@@ -188,17 +189,25 @@ class CredentialBody(BaseModel):
                       description="what it is for: postgres, http, generic, ...")
     data: dict[str, Any] = Field(min_length=1, description="the secret fields")
     description: str | None = Field(None, max_length=4096)
-    roles: list[str] | None = Field(None, min_length=1, max_length=len(access.ROLES), description=(
+    roles: list[str] | None = Field(None, max_length=len(access.ROLES), description=(
         "who may use it from a playbook (D24): whoever starts the execution and whoever wrote its playbooks "
-        "must each hold one of these roles; a new credential's default: admin; a replaced one keeps its own"))
+        "must each hold one of these roles, or be one of its `users`; a new credential's default: admin; a "
+        "replaced one keeps its own. `[]`: its users only"))
+    users: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
+        None, max_length=credential_rules.MAX_USERS, description=(
+            "users (usernames or user ids) who may use it whatever their roles (D24); a replaced one keeps its own"))
 
 
 class CredentialRoles(BaseModel):
     """Who may use a stored credential from a playbook (D24)."""
 
     model_config = ConfigDict(extra="forbid")
-    roles: list[str] = Field(min_length=1, max_length=len(access.ROLES), description=(
-        "roles, one of which whoever starts the execution and whoever wrote its playbooks must each hold"))
+    roles: list[str] = Field(max_length=len(access.ROLES), description=(
+        "roles, one of which whoever starts the execution and whoever wrote its playbooks must each hold "
+        "(unless named in `users`); `[]`: its users only"))
+    users: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
+        None, max_length=credential_rules.MAX_USERS, description=(
+            "users (usernames or user ids) who may use it whatever their roles; not given: kept"))
 
 
 class SignalPayload(RootModel[Any]):
@@ -643,6 +652,23 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             return value
         return (await ask_sessions(sessions.Q_USERS_GET, {"username": value}, request, who))["user"]["user_id"]
 
+    async def users_named(values: list[str] | None, request: Request, who: dict[str, Any]) -> list[dict] | None:
+        """The users a credential names (D24), each ``{user_id, username}`` as the sessions service knows
+        them (a username, or a user id); 404 for one that does not exist."""
+        if values is None:
+            return None
+        out = []
+        for value in dict.fromkeys(values):
+            field = "user_id" if access.ID.match(value) else "username"
+            try:
+                user = (await ask_sessions(sessions.Q_USERS_GET, {field: value}, request, who, "body.users"))["user"]
+            except HTTPException as exc:
+                if exc.status_code == 404:
+                    raise problem(404, f"users: no user {value!r}", "body.users") from None
+                raise
+            out.append({"user_id": user["user_id"], "username": user["username"]})
+        return out
+
     app.state.offload = offload
     app.add_middleware(_Guard)
 
@@ -970,10 +996,12 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                              body: CredentialBody = json_body(CredentialBody)) -> dict[str, Any]:
         """Create or replace a credential; the answer has no data."""
         with tracing.span("gateway POST /api/credentials", service="gateway"):
-            reply = await shell.ask(Q_CREDENTIAL_PUT, body.model_dump(), "body")
+            users = await users_named(body.users, request, who)
+            reply = await shell.ask(Q_CREDENTIAL_PUT, {**body.model_dump(), "users": users}, "body")
             await auditor.record("credential.written", who, request, target={"credential": body.name},
                                  details={"kind": body.kind, "fields": sorted(body.data)[:50],
-                                          "roles": reply.get("roles") if isinstance(reply, dict) else None})
+                                          **{k: reply.get(k) if isinstance(reply, dict) else None
+                                             for k in ("roles", "users")}})
             return reply
 
     @app.post("/api/credentials/{name}/roles", tags=["credentials"], openapi_extra=_json_request(CredentialRoles))
@@ -981,9 +1009,11 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                                    body: CredentialRoles = json_body(CredentialRoles)) -> dict[str, Any]:
         """Set who may use a credential from a playbook (D24); the answer has no data."""
         with tracing.span("gateway POST /api/credentials/{name}/roles", service="gateway"):
-            reply = await shell.ask(Q_CREDENTIAL_ROLES, {"name": name, "roles": body.roles}, "body")
+            users = await users_named(body.users, request, who)
+            reply = await shell.ask(Q_CREDENTIAL_ROLES, {"name": name, "roles": body.roles, "users": users}, "body")
             await auditor.record("credential.roles", who, request, target={"credential": name},
-                                 details={"roles": reply.get("roles") if isinstance(reply, dict) else body.roles})
+                                 details={k: reply.get(k) if isinstance(reply, dict) else None
+                                          for k in ("roles", "users")})
             return reply
 
     @app.get("/api/credentials", tags=["credentials"])

@@ -115,7 +115,8 @@ def console(module_pg, throwaway_credential_key) -> Iterator[Console]:
         for text in ((ROOT / "examples" / "fork_join.yaml").read_text(), APPROVAL, BIG_LOOP):
             assert admin.post("/api/catalog", json={"content": text}).status_code == 201
         assert admin.post("/api/credentials", json={"name": "warehouse", "kind": "postgres", "data": {
-            "password": "s3cret-value-never-shown"}, "description": "the reporting database"}).status_code == 201
+            "password": "s3cret-value-never-shown"}, "description": "the reporting database",
+            "users": ["ann"]}).status_code == 201
         ann = httpx.post(f"{stack.gateway_url}/api/auth/login", json={"username": "ann", "password": PASSWORD},
                          trust_env=False).json()["token"]
         playwright = sync_playwright().start()
@@ -177,6 +178,7 @@ def test_log_in_keyboard_and_contrast(console):
     page.click("#nav a[data-section=credentials]")
     page.wait_for_selector("#credentials")
     assert "warehouse" in page.inner_text("#credentials") and "postgres" in page.inner_text("#credentials")
+    assert "admin, user ann" in page.inner_text("#credentials")  # who may use it (D24): a role, a user
     assert "s3cret" not in page.content()
     console.shot("06-credentials")
     low = page.evaluate(CONTRAST)

@@ -379,3 +379,67 @@ def test_a_credential_is_used_only_by_the_playbooks_of_users_holding_one_of_its_
             assert listed["grant_roles"] == ["admin", "developer"] and listed["grant_api"] == ["admin"], listed
 
     grants.run(main(), 180)
+
+
+NAMED = ROLES.replace("name: roles, path: tests/grants/roles", "name: named, path: tests/grants/named").replace(
+    "credential: grant_roles", "credential: grant_named")
+
+
+def test_a_credential_that_names_a_user_is_theirs_and_no_other_developers(grants):
+    """D24: a credential for one developer: its roles none, its users that developer. Their own playbook
+    gets it; another developer's, or the same playbook started by that other developer, gets nothing;
+    an admin cannot use it by role either. Replacing its data keeps its users; an unknown user is 404."""
+    from conftest import new_user
+
+    token = "named-token-Jp52"
+
+    async def main() -> None:
+        alice = await new_user(grants, "cred-alice", ["developer"])
+        bob = await new_user(grants, "cred-bob", ["developer"])
+        async with httpx.AsyncClient(base_url=grants.url, trust_env=False, headers=grants.headers) as admin:
+            unknown = await admin.post("/api/credentials", json={"name": "grant_named", "data": {"t": token},
+                                                                 "roles": [], "users": ["nobody-here"]})
+            assert unknown.status_code == 404 and "nobody-here" in unknown.text, unknown.text
+            none = await admin.post("/api/credentials", json={"name": "grant_named", "data": {"t": token}, "roles": []})
+            assert none.status_code == 400, none.text  # nobody at all could use it
+            stored = await admin.post("/api/credentials", json={"name": "grant_named", "data": {"t": token},
+                                                                "roles": [], "users": ["cred-alice"]})
+            assert stored.status_code == 201, stored.text
+            assert stored.json()["roles"] == [] and [u["username"] for u in stored.json()["users"]] == ["cred-alice"]
+
+            async def run(user: str | None, **body: Any) -> tuple[dict, list[dict]]:
+                async with (grants.client(token=user) if user else grants.client()) as client:
+                    eid = await client.start(**body) if body else await client.start(NAMED)
+                    return await client.wait(eid, timeout=60), await client.all_events(eid)
+
+            def refusal(status: dict, events: list[dict]) -> str:
+                assert status["status"] == "FAILED", status
+                assert token not in str(events)
+                return str(next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"])
+
+            status, _ = await run(alice)
+            assert status["status"] == "COMPLETED" and status["steps"]["start"]["result"] == {"t": "***"}, status
+            why = refusal(*await run(bob))
+            assert "started and written by the users cred-alice (its users, D24" in why and \
+                   "started by cred-bob, who has developer" in why, why
+            assert "started by" in refusal(*await run(None))  # the admin: not named, and the credential has no role
+
+            async with grants.client(token=alice) as client:  # alice's playbook in the catalog, started by bob
+                await client.register(NAMED)
+            why = refusal(*await run(bob, path="tests/grants/named"))
+            assert "started by cred-bob" in why, why
+            status, _ = await run(alice, path="tests/grants/named")
+            assert status["status"] == "COMPLETED", status
+
+            again = await admin.post("/api/credentials", json={"name": "grant_named", "data": {"t": token + "2"}})
+            assert [u["username"] for u in again.json()["users"]] == ["cred-alice"], again.text
+            opened = await admin.post("/api/credentials/grant_named/roles", json={"roles": ["admin"]})
+            assert opened.json()["roles"] == ["admin"] and len(opened.json()["users"]) == 1, opened.text  # users kept
+            assert (await run(None))[0]["status"] == "COMPLETED"
+            cleared = await admin.post("/api/credentials/grant_named/roles", json={"roles": ["admin"], "users": []})
+            assert cleared.json()["users"] == [], cleared.text
+            assert "started by cred-alice" in refusal(*await run(alice))
+            records = [r for r in await audit(grants, "credential.roles") if r["target"]["credential"] == "grant_named"]
+            assert max(records, key=lambda r: r["at"])["details"] == {"roles": ["admin"], "users": []}, records
+
+    grants.run(main(), 180)

@@ -116,7 +116,7 @@ def test_store_encrypted_get_list_delete_and_bad_bodies(kc_stack, module_pg) -> 
                                                  "data": {"user": "app", "password": "s3cr3t-pg-pass"},
                                                  "description": "main db"})
         assert made.status_code == 201, made.text
-        assert set(made.json()) == {"name", "kind", "description", "roles", "created_at", "updated_at"}
+        assert set(made.json()) == {"name", "kind", "description", "roles", "users", "created_at", "updated_at"}
         with psycopg.connect(module_pg) as conn:
             name, kind, data, nonce = conn.execute(
                 "SELECT name, kind, data, nonce FROM credential WHERE name = 'pg_main'").fetchone()
@@ -165,6 +165,12 @@ def test_cli_add_list_delete(kc_stack, capsys, monkeypatch) -> None:
     assert json.loads(capsys.readouterr().out)["roles"] == ["admin", "developer"]
     assert cli(["credential", "roles", "cli_cred", "root", "--gateway", url]) != 0
     assert "root" in capsys.readouterr().err
+    # or named users alone (D24): the credential is theirs whatever their roles
+    assert cli(["credential", "roles", "cli_cred", "none", "--users", "admin", "--gateway", url, "-o", "json"]) == 0
+    named = json.loads(capsys.readouterr().out)
+    assert named["roles"] == [] and [u["username"] for u in named["users"]] == ["admin"]
+    assert cli(["credential", "roles", "cli_cred", "none", "--users", "none", "--gateway", url]) != 0
+    assert "roles" in capsys.readouterr().err  # nobody at all could use it
     assert cli(["credential", "add", "cli_ops", "--data", '{"token": "t-2"}', "--roles", "operator",
                 "--gateway", url, "-o", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["roles"] == ["operator"]

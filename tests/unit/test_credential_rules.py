@@ -108,12 +108,18 @@ def test_sealing_binds_the_name_and_put_checks_its_fields():
     assert decrypt(key, "a", blob, nonce) == {"password": "pw"}
     with pytest.raises(InvalidTag):
         decrypt(key, "b", blob, nonce)  # a row copied under another name does not open
-    assert put_fields({"name": "a", "data": {"x": 1}}) == ("a", "generic", {"x": 1}, None, None)
+    assert put_fields({"name": "a", "data": {"x": 1}}) == ("a", "generic", {"x": 1}, None, None, None)
     assert put_fields({"name": "a", "data": {"x": 1}, "roles": ["developer", "admin"]})[4] == ["admin", "developer"]
+    dev = {"user_id": "a" * 32, "username": "dev"}
+    assert put_fields({"name": "a", "data": {"x": 1}, "roles": [], "users": [dev, dev]})[4:] == ([], [dev])
+    assert put_fields({"name": "a", "data": {"x": 1}, "users": [dev]})[4:] == (None, [dev])
     for bad in ({"name": "x"}, {"name": "x", "data": {}}, {"name": "bad name", "data": {"a": 1}},
                 {"name": "x", "kind": "no spaces", "data": {"a": 1}}, {"name": "x", "data": {"a": 1}, "description": 1},
                 {"name": "x", "data": {"a": 1}, "roles": []}, {"name": "x", "data": {"a": 1}, "roles": ["root"]},
-                {"name": "x", "data": {"a": 1}, "roles": [1]}):
+                {"name": "x", "data": {"a": 1}, "roles": [1]}, {"name": "x", "data": {"a": 1}, "users": "dev"},
+                {"name": "x", "data": {"a": 1}, "roles": [], "users": []},
+                {"name": "x", "data": {"a": 1}, "users": [{"user_id": "u-1", "username": "dev"}]},
+                {"name": "x", "data": {"a": 1}, "users": [dev] * 101}):
         with pytest.raises(Invalid):
             put_fields(bad)
 
@@ -270,9 +276,30 @@ DEV = {"user_id": "u-dev", "username": "dev", "roles": ["developer"]}
 STANDING = {"u-admin": {"active": True, "roles": ["admin"]}, "u-dev": {"active": True, "roles": ["developer"]}}
 
 
-def used_by(starter, author, callers=(), roles=None, standing=STANDING):
+def used_by(starter, author, callers=(), roles=None, standing=STANDING, users=None):
     command = {**COMMAND, "requested_by": starter, "authored_by": author, "called_by": list(callers)}
-    return use_refusal(command, {"pg_main": ["admin"]} if roles is None else roles, standing)
+    roles = {"pg_main": ["admin"]} if roles is None else roles
+    return use_refusal(command, {k: (v, (users or {}).get(k, [])) for k, v in roles.items()}, standing)
+
+
+DEV2 = {"user_id": "u-dev2", "username": "eve", "roles": ["developer"]}
+
+
+def test_a_credential_that_names_users_is_theirs_whatever_their_roles():
+    mine = {"pg_main": [{"user_id": "u-dev", "username": "dev"}]}
+    assert used_by(DEV, DEV, users=mine) is None  # dev's own playbook: named, though not an admin
+    assert used_by(ADMIN, DEV, users=mine) is None  # an admin runs it: the admin holds the role
+    refused = used_by({**DEV2}, DEV, users=mine, standing={**STANDING, "u-dev2": {"active": True, "roles": ["developer"]}})
+    assert refused.reason == "not_allowed" and "started by eve, who has developer" in refused.message
+    assert "users with the role admin or the users dev (its roles and users, D24" in refused.message
+    # another developer's playbook, started by dev: its author is not named
+    assert "written by eve" in used_by(DEV, DEV2, users=mine, standing={**STANDING, "u-dev2": {
+        "active": True, "roles": ["developer"]}}).message
+    # a named user who is disabled is refused all the same
+    assert "disabled" in used_by(DEV, DEV, users=mine, standing={**STANDING, "u-dev": {"active": False}}).message
+    # a credential of named users only (no role): an admin is refused too
+    only = used_by(ADMIN, ADMIN, roles={"pg_main": []}, users=mine)
+    assert "written by the users dev (its users, D24" in only.message
 
 
 def test_a_credential_is_used_only_when_every_user_of_the_command_holds_one_of_its_roles():

@@ -379,17 +379,25 @@ class RecorderPing(_Exact):
     rejected: int
 
 
+class CredentialUser(_Exact):
+    """A user a credential names (D24): whoever it is, they may use it."""
+    user_id: str
+    username: str
+
+
 class CredentialPutRequest(_Exact):
     name: str
     kind: str = "generic"
     data: dict[str, Any]
     description: Optional[str] = None
     roles: Optional[list[str]] = None  # who may use it from a playbook (D24); a new one's: admin
+    users: Optional[list[CredentialUser]] = None  # ... or by name, whatever their roles; a new one's: none
 
 
 class CredentialRolesRequest(_Exact):
     name: str
     roles: list[str]
+    users: Optional[list[CredentialUser]] = None  # None: kept
 
 
 class CredentialNameRequest(_Exact):
@@ -405,6 +413,7 @@ class CredentialInfo(_Open):
     kind: str
     description: Optional[str] = None
     roles: Optional[list[str]] = None
+    users: Optional[list[CredentialUser]] = None
 
 
 class CredentialList(RootModel[list[CredentialInfo]]):

@@ -319,7 +319,7 @@ _CREDENTIALS_Q = (
      ("gateway",)),
     (Q_CREDENTIAL_DELETE, "CredentialNameRequest", "Deleted", "delete a credential", ("gateway",)),
     (Q_CREDENTIAL_ROLES, "CredentialRolesRequest", "CredentialInfo",
-     "set who may use a credential from a playbook: the roles its users must hold (D24)", ("gateway",)),
+     "set who may use a credential from a playbook: the roles its users must hold, or the users it names (D24)", ("gateway",)),
 )
 _SESSIONS_Q = (
     (Q_BOOTSTRAP, "BootstrapRequest", "BootstrapReply", "create the first admin while no user exists", ("admin",)),

@@ -21,8 +21,9 @@ purged).
 Who may use one (:func:`use_refusal`). A stored credential names its roles (``admin`` unless an admin
 says otherwise, :data:`DEFAULT_ROLES`): every user a command acts for (its execution's starter, its
 playbook's author, the authors above a child: :func:`command_users`) must hold one of them now,
-within the roles its request carried, or nothing is resolved. So a developer's playbook cannot read an
-admin's database password by naming it in its keychain.
+within the roles its request carried, or be one of the users it names (``users``: a credential for one
+developer, or a team, whatever their roles), or nothing is resolved. So a developer's playbook cannot
+read an admin's database password by naming it in its keychain, nor one developer's playbook another's.
 
 A refusal (:class:`Refused`) has a ``reason`` (one word, for the audit log and for tests) and a message
 saying what was asked and why it is refused.
@@ -50,6 +51,7 @@ KEY_ENV, OLD_KEY_ENV = "NOETL_CREDENTIAL_KEY", "NOETL_CREDENTIAL_KEY_OLD"
 KEY_FILE = "credential.key"  # in the stack's home, when NOETL_CREDENTIAL_KEY is not set
 MAX_NAMES = 64  # credentials one resolution may ask for
 DEFAULT_ROLES = ("admin",)  # who may use a credential stored without roles (D24)
+MAX_USERS = 100  # users one credential names (D24)
 from ..contracts.subjects import INBOX  # noqa: E402 - answers go to inboxes only
 
 
@@ -73,9 +75,25 @@ def roles_of(value: Any) -> list[str]:
         raise Invalid(exc.message) from None
 
 
-def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | None, list[str] | None]:
-    """``(name, kind, data, description, roles)`` of a put request (``roles`` None: not given), or
-    :class:`Invalid`."""
+def users_of(value: Any) -> list[dict[str, str]]:
+    """The users a credential names (D24), ``[{user_id, username}]`` as the gateway found them (by
+    username or id), at most :data:`MAX_USERS`, each once; :class:`Invalid` otherwise."""
+    if not isinstance(value, list) or len(value) > MAX_USERS:
+        raise Invalid(f"users must be a list of at most {MAX_USERS} users")
+    out: dict[str, dict[str, str]] = {}
+    for user in value:
+        uid = user.get("user_id") if isinstance(user, dict) else None
+        name = user.get("username") if isinstance(user, dict) else None
+        if not isinstance(uid, str) or not access.ID.match(uid) or not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise Invalid(f"users: each is {{user_id, username}} of a known user, got {_show(user)}")
+        out.setdefault(uid, {"user_id": uid, "username": name})
+    return list(out.values())
+
+
+def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | None, list[str] | None,
+                                                 list[dict[str, str]] | None]:
+    """``(name, kind, data, description, roles, users)`` of a put request (``roles``, ``users`` None: not
+    given), or :class:`Invalid`."""
     name = name_of(req.get("name"))
     kind = req.get("kind", "generic")
     if not isinstance(kind, str) or not KIND.match(kind):
@@ -86,8 +104,18 @@ def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | 
     description = req.get("description")
     if description is not None and not isinstance(description, str):
         raise Invalid("description must be a string")
-    roles = None if req.get("roles") is None else roles_of(req.get("roles"))
-    return name, kind, data, description, roles
+    roles, users = grant_of(req, roles_required=False)
+    return name, kind, data, description, roles, users
+
+
+def grant_of(req: Mapping[str, Any], roles_required: bool = True) -> tuple[list[str] | None, list[dict[str, str]] | None]:
+    """``(roles, users)``: who may use a credential, as a request sets it (D24); either None when not
+    given. The roles may be none (``[]``) only when the request names users: a credential of theirs alone."""
+    users = None if req.get("users") is None else users_of(req.get("users"))
+    value = req.get("roles")
+    if value is None and not roles_required:
+        return None, users
+    return ([] if value == [] and users else roles_of(value)), users
 
 
 def decode_key(text: str, where: str) -> bytes:
@@ -209,26 +237,31 @@ def check_running(ask: Resolve, status: str | None) -> None:
                                   "no longer resolved")
 
 
-def use_refusal(command: Any, roles: Mapping[str, list[str]], standing: Mapping[str, Any]) -> Refused | None:
-    """D24: a credential is used only by the playbooks of users who hold one of its ``roles`` (stored
-    name -> roles) now: whoever started the execution, whoever wrote its playbook and whoever wrote each
-    playbook above it (:func:`command_users`), each still active, within the roles their request
-    carried. ``standing``: the sessions service's word on each of them, by user id. An execution that
-    no user started (a stack without users: ``noetl run``) has nobody to check. :class:`Refused`
-    (``not_allowed``) naming the credential, its roles and who lacks them; None when every one passes."""
+def use_refusal(command: Any, allowed: Mapping[str, tuple[list[str], list[dict[str, str]]]],
+                standing: Mapping[str, Any]) -> Refused | None:
+    """D24: a credential is used only by the playbooks of users who hold one of its roles now, or whom
+    it names (``allowed``: stored name -> (roles, users)): whoever started the execution, whoever wrote
+    its playbook and whoever wrote each playbook above it (:func:`command_users`), each still active, a
+    role counting within the roles their request carried. ``standing``: the sessions service's word on
+    each of them, by user id. An execution that no user started (a stack without users: ``noetl run``)
+    has nobody to check. :class:`Refused` (``not_allowed``) naming the credential, who may use it and
+    who may not; None when every one passes."""
     users = command_users(command)
     if not users or users[0][1] is None:
         return None  # an execution no user started; one that names its starter in any other way is checked
-    for name, allowed in roles.items():
-        need = (f"credential {name!r} may be used only by playbooks started and written by users with the role "
-                f"{' or '.join(allowed)} (its roles, D24: an admin sets them)")
+    for name, (roles, named) in allowed.items():
+        ids = {u["user_id"] for u in named}
+        whom = " or ".join([f"users with the role {' or '.join(roles)}"] * bool(roles)
+                           + [f"the users {', '.join(u['username'] for u in named)}"] * bool(named))
+        need = (f"credential {name!r} may be used only by playbooks started and written by {whom} (its "
+                f"{' and '.join(['roles'] * bool(roles) + ['users'] * bool(named))}, D24: an admin sets them)")
         for did, who in users:
             uid = who.get("user_id") if isinstance(who, dict) else None
             if not isinstance(uid, str):
                 return Refused("not_allowed", f"{need}; this execution was {did} by no user known" + (
                     " (a catalog version registered before authors were recorded: register it again)"
                     if did == "written" else ""))
-            why = user_refusal(did, who, standing.get(uid), allowed)
+            why = user_refusal(did, who, standing.get(uid), roles, named=uid in ids)
             if why:
                 return Refused("not_allowed", f"{need}; this execution was {why}")
     return None
@@ -241,4 +274,4 @@ def _show(value: Any) -> str:
 
 __all__ = ["NAME", "KIND", "KEY_ENV", "OLD_KEY_ENV", "KEY_FILE", "Invalid", "name_of", "put_fields", "decode_key",
            "new_key_text", "encrypt", "decrypt", "Refused", "Resolve", "parse_resolve", "authorize",
-           "check_running", "roles_of", "use_refusal", "DEFAULT_ROLES"]
+           "check_running", "roles_of", "users_of", "grant_of", "use_refusal", "DEFAULT_ROLES"]

@@ -23,16 +23,17 @@ def command_users(command: Any) -> list[tuple[str, Any]]:
             *(("called by a playbook written", c) for c in called or ())]
 
 
-def user_refusal(did: str, who: Any, standing: Any, roles: Iterable[str] | None) -> str | None:
+def user_refusal(did: str, who: Any, standing: Any, roles: Iterable[str] | None, named: bool = False) -> str | None:
     """Why the user ``who`` (a command's, :func:`command_users`, who ``did`` it) does not pass, given
     the sessions service's word on them now (``standing``: ``{active, roles}``) and the ``roles`` one of
-    which they must hold (None: any user still active). A user holds a role within the roles the request
-    that started the execution, or registered the playbook, carried (an API token's may be fewer than its
-    owner's); None when they pass. The sentence reads after "this execution was"."""
+    which they must hold (None: any user still active), unless ``named`` (what they would use names them:
+    being active is enough). A user holds a role within the roles the request that started the
+    execution, or registered the playbook, carried (an API token's may be fewer than its owner's); None
+    when they pass. The sentence reads after "this execution was"."""
     name = (who.get("username") or who.get("user_id")) if isinstance(who, dict) else None
     if not isinstance(standing, dict) or not standing.get("active"):
         return f"{did} by {name}, who is disabled or removed"
-    if roles is None:
+    if roles is None or named:
         return None
     wanted = frozenset(roles)
     holds = [r for r in standing.get("roles") or () if isinstance(r, str)]

@@ -12,8 +12,8 @@ export async function credentialsPage(main, query, ctx) {
     h("thead", {}, h("tr", {}, ["Name", "Kind", "Description", "Used by", "Created", "Updated"].map((t) => h("th", { scope: "col" }, t)))),
     h("tbody", {}, rows.length ? rows.map((c) => h("tr", { "data-name": c.name },
       h("td", { class: "mono" }, c.name), h("td", {}, c.kind), h("td", {}, c.description || ""),
-      h("td", { title: "the roles whoever starts a playbook that uses it, and whoever wrote it, must hold" },
-        (c.roles || []).join(", ")),
+      h("td", { title: "whoever starts a playbook that uses it, and whoever wrote it, must hold one of these roles or be one of these users" },
+        [...(c.roles || []), ...(c.users || []).map((u) => `user ${u.username}`)].join(", ")),
       h("td", {}, fmtTime(c.created_at)), h("td", {}, fmtTime(c.updated_at))))
       : h("tr", {}, h("td", { colspan: 6, class: "note" }, "No credential.")))));
 }
