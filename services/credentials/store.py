@@ -16,17 +16,19 @@ columns, same sealing, so existing rows keep working. This service's own migrati
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
+import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from noetl_mesh.core.credentials import (DEFAULT_ROLES, KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
+from noetl_mesh.core.credentials import (DEFAULT_ROLES, USABLE, KEY_ENV, KEY_FILE, OLD_KEY_ENV, decode_key, decrypt, encrypt,
                                          new_key_text)
 from noetl_mesh.infra import pg_migrations
 from noetl_mesh.infra.bus import BusError
@@ -49,7 +51,8 @@ CREATE TABLE IF NOT EXISTS credential (
     (2, "who may use each credential from a playbook (D24): admins' playbooks only until an admin says otherwise",
      "ALTER TABLE credential ADD COLUMN IF NOT EXISTS roles text[] NOT NULL DEFAULT '{admin}';"),
     (3, "the users a credential names, who may use it whatever their roles (D24)",
-     "ALTER TABLE credential ADD COLUMN IF NOT EXISTS users jsonb NOT NULL DEFAULT '[]';"),
+     "ALTER TABLE credential ADD COLUMN IF NOT EXISTS users jsonb NOT NULL DEFAULT '[]';"
+     f"ALTER TABLE credential ADD CONSTRAINT {USABLE} CHECK (cardinality(roles) > 0 OR jsonb_array_length(users) > 0);"),
 ]
 _LOCK = 0x6E6F65746C63  # pg_advisory_xact_lock key of these migrations ("noetlc")
 _META = ("name", "kind", "description", "roles", "users", "created_at", "updated_at")
@@ -160,7 +163,7 @@ class CredentialStore:
             blob, nonce = encrypt(self.key(create=True), name, data)
         except TypeError as exc:  # orjson: an unpaired surrogate, an integer over 64 bits
             raise BusError("bad_request", f"data cannot be stored: {exc}") from None
-        async with self.pool.connection() as conn:
+        async with self.pool.connection() as conn, _usable():
             row = await (await conn.execute(
                 f"""INSERT INTO credential (name, kind, description, data, nonce, roles, users)
                     VALUES (%s, %s, %s, %s, %s, %s, %s)
@@ -176,7 +179,7 @@ class CredentialStore:
     async def set_roles(self, name: str, roles: list[str], users: list[dict[str, str]] | None) -> dict[str, Any] | None:
         """Who may use the credential from a playbook now (D24): its roles, and its users unless None
         (kept); None when there is no such credential."""
-        async with self.pool.connection() as conn:
+        async with self.pool.connection() as conn, _usable():
             row = await (await conn.execute(
                 f"UPDATE credential SET roles = %s, users = coalesce(%s, users), updated_at = now() WHERE name = %s"
                 f" RETURNING {_COLUMNS}", (list(roles), None if users is None else Jsonb(users), name))).fetchone()
@@ -213,6 +216,18 @@ class CredentialStore:
                 "SELECT name, roles, users, data, nonce FROM credential WHERE name = ANY(%s)",
                 (list(set(names)),))).fetchall()
         return {name: (list(roles), list(users or []), blob, nonce) for name, roles, users, blob, nonce in rows}
+
+
+@contextlib.asynccontextmanager
+async def _usable():
+    """A write that would leave a credential nobody may use (no role, no user: the table's check) is a
+    ``bad_request`` (D24)."""
+    try:
+        yield
+    except psycopg.errors.CheckViolation as exc:
+        if exc.diag.constraint_name != USABLE:
+            raise
+        raise BusError("bad_request", "nobody could use this credential: give it a role or name a user (D24)") from None
 
 
 def _meta(row: tuple) -> dict[str, Any]:

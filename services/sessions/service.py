@@ -208,7 +208,7 @@ class SessionsService:
 
     # ------------------------------------------------------------------ bootstrap
     async def bootstrap(self, req: dict) -> dict:
-        name = access.username(req.get("username") or "admin")
+        name = access.new_username(req.get("username") or "admin")
         password = req.get("password")
         if password is not None:
             self._check_new_password(password)
@@ -667,7 +667,7 @@ class SessionsService:
         caller = await self._caller(req)
         ip = access.client_ip(req.get("client_ip"))
         await self._require(caller, "user.admin", ip)
-        name = access.username(req.get("username"))
+        name = access.new_username(req.get("username"))
         password = req.get("password")
         if password is not None:
             self._check_new_password(password)

@@ -433,6 +433,11 @@ def test_a_credential_that_names_a_user_is_theirs_and_no_other_developers(grants
 
             again = await admin.post("/api/credentials", json={"name": "grant_named", "data": {"t": token + "2"}})
             assert [u["username"] for u in again.json()["users"]] == ["cred-alice"], again.text
+            # its roles none: clearing its users would leave it to nobody (refused, unchanged)
+            nobody = await admin.post("/api/credentials", json={"name": "grant_named", "data": {"t": token}, "users": []})
+            assert nobody.status_code == 400 and "nobody could use" in nobody.text, nobody.text
+            kept = await admin.post("/api/credentials/grant_named/roles", json={"roles": []})  # users kept
+            assert kept.status_code == 200 and len(kept.json()["users"]) == 1, kept.text
             opened = await admin.post("/api/credentials/grant_named/roles", json={"roles": ["admin"]})
             assert opened.json()["roles"] == ["admin"] and len(opened.json()["users"]) == 1, opened.text  # users kept
             assert (await run(None))[0]["status"] == "COMPLETED"

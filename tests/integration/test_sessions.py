@@ -136,7 +136,9 @@ def test_bootstrap_once_then_login_and_validate(fresh_nats):
                                      (S.Q_LOGIN, {"username": "dev", "password": "x" * 5000}),
                                      (S.Q_REVOKE, {"principal": admin, "session_id": "*"}),
                                      (S.Q_LIST, {"principal": admin, "user_id": "a.>"}),
-                                     (S.Q_USERS_ADD, {"principal": admin, "username": "x", "roles": ["root"]})]:
+                                     (S.Q_USERS_ADD, {"principal": admin, "username": "x", "roles": ["root"]}),
+                                     # a username that reads as a user id: named elsewhere, it would be another user
+                                     (S.Q_USERS_ADD, {"principal": admin, "username": "AB" * 16, "roles": ["viewer"]})]:
                 assert (await h.fails(subject, payload)).kind == "bad_request", payload
             raw = await h.client.nc.request(S.Q_VALIDATE, b"{not json", timeout=10)
             assert orjson.loads(raw.data)["error"]["kind"] == "bad_request"

@@ -113,9 +113,11 @@ def test_sealing_binds_the_name_and_put_checks_its_fields():
     dev = {"user_id": "a" * 32, "username": "dev"}
     assert put_fields({"name": "a", "data": {"x": 1}, "roles": [], "users": [dev, dev]})[4:] == ([], [dev])
     assert put_fields({"name": "a", "data": {"x": 1}, "users": [dev]})[4:] == (None, [dev])
+    # roles none, users kept: the store refuses it if the credential names nobody either (its check)
+    assert put_fields({"name": "a", "data": {"x": 1}, "roles": []})[4:] == ([], None)
     for bad in ({"name": "x"}, {"name": "x", "data": {}}, {"name": "bad name", "data": {"a": 1}},
                 {"name": "x", "kind": "no spaces", "data": {"a": 1}}, {"name": "x", "data": {"a": 1}, "description": 1},
-                {"name": "x", "data": {"a": 1}, "roles": []}, {"name": "x", "data": {"a": 1}, "roles": ["root"]},
+                {"name": "x", "data": {"a": 1}, "roles": ["root"]},
                 {"name": "x", "data": {"a": 1}, "roles": [1]}, {"name": "x", "data": {"a": 1}, "users": "dev"},
                 {"name": "x", "data": {"a": 1}, "roles": [], "users": []},
                 {"name": "x", "data": {"a": 1}, "users": [{"user_id": "u-1", "username": "dev"}]},

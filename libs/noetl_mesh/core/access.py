@@ -444,6 +444,15 @@ def username(value: Any) -> str:
     return value.lower()
 
 
+def new_username(value: Any) -> str:
+    """A new user's username (:func:`username`), which must not read as a user id (32 hex characters):
+    wherever a user is named by username or id, it would be taken for the id of another user."""
+    name = username(value)
+    if ID.match(name):
+        raise AccessError("bad_request", "username: 32 hex characters read as a user id; choose another name")
+    return name
+
+
 def email(value: Any) -> str | None:
     if value in (None, ""):
         return None

@@ -52,6 +52,7 @@ KEY_FILE = "credential.key"  # in the stack's home, when NOETL_CREDENTIAL_KEY is
 MAX_NAMES = 64  # credentials one resolution may ask for
 DEFAULT_ROLES = ("admin",)  # who may use a credential stored without roles (D24)
 MAX_USERS = 100  # users one credential names (D24)
+USABLE = "credential_usable"  # the table's check: a credential names a role or a user (store.py)
 from ..contracts.subjects import INBOX  # noqa: E402 - answers go to inboxes only
 
 
@@ -110,12 +111,13 @@ def put_fields(req: Mapping[str, Any]) -> tuple[str, str, dict[str, Any], str | 
 
 def grant_of(req: Mapping[str, Any], roles_required: bool = True) -> tuple[list[str] | None, list[dict[str, str]] | None]:
     """``(roles, users)``: who may use a credential, as a request sets it (D24); either None when not
-    given. The roles may be none (``[]``) only when the request names users: a credential of theirs alone."""
+    given. The roles may be none (``[]``) unless the request also clears the users: a credential of its
+    users alone (the store refuses one that neither a role nor a user could use, :data:`USABLE`)."""
     users = None if req.get("users") is None else users_of(req.get("users"))
     value = req.get("roles")
     if value is None and not roles_required:
         return None, users
-    return ([] if value == [] and users else roles_of(value)), users
+    return ([] if value == [] and users != [] else roles_of(value)), users
 
 
 def decode_key(text: str, where: str) -> bytes:
