@@ -129,7 +129,10 @@ LIMITS: tuple[Limit, ...] = (
     Limit("task_max_threads", 512, "threads", "the threads one task process may add to what its user runs when the task starts",
           "worker, each task process (RLIMIT_NPROC, per user: a worker that does not run as root): starting one more fails"),
     Limit("max_task_processes", 8, "processes", "the python, duckdb and shell task processes one worker runs at once",
-          "worker: a task waits for a free one"),
+          "worker: a task waits for a free one, in its lane's turn"),
+    Limit("lane_reserve", 1, "slots", "the run slots, and the task processes, of a worker that one lane (one "
+          "user's executions) never takes: they are kept for the other users",
+          "worker: a lane at its share waits until one of its own frees; 0: none kept"),
     Limit("shell_max_processes", 128, "processes", "the processes and threads one shell task may add "
           "to what its user runs when the task starts",
           "worker, each shell task process (RLIMIT_NPROC of its unprivileged user): starting one more fails, "
@@ -252,9 +255,12 @@ def _parse(limit: Limit, raw: str) -> int | float:
         value: int | float = int(raw) if isinstance(limit.default, int) else float(raw)
     except ValueError:
         raise ValueError(f"{limit.env}={raw!r}: expected a {type(limit.default).__name__}") from None
-    if value <= 0:
-        raise ValueError(f"{limit.env}={raw!r}: must be positive")
+    if value < 0 or (value == 0 and limit.name not in MAY_BE_ZERO):
+        raise ValueError(f"{limit.env}={raw!r}: must be positive{' or 0' if limit.name in MAY_BE_ZERO else ''}")
     return value
+
+
+MAY_BE_ZERO = frozenset({"lane_reserve"})  # 0 turns it off
 
 
 def from_environment(environ: dict[str, str] | None = None) -> Limits:

@@ -28,6 +28,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
+from noetl_mesh import limits
 from noetl_mesh.core import standing as users
 from noetl_mesh.core.keychain import bus_resolver, install_log_masking
 from noetl_mesh.core.decide import lost_command
@@ -40,11 +41,12 @@ from noetl_mesh.infra.micro import Consumer
 from noetl_mesh.infra.payloads import PayloadMissing, is_ref
 from noetl_mesh.sandbox import policy as sandbox
 from noetl_mesh.sandbox.net import host_addresses, resolve_endpoints
+from noetl_mesh.sandbox import supervisor as supervision
 from noetl_mesh.sandbox.supervisor import Supervisor
 from noetl_mesh.tools import close_tools, default_tools
 from noetl_mesh.tools.postgres import forget_libpq_env
 
-from .lanes import Slots
+from noetl_mesh.infra.lanes import Slots
 
 log = logging.getLogger("noetl.worker")
 LANE_WAIT = 1.0  # seconds a lane's fetch waits for a command while this worker has a slot free
@@ -261,7 +263,7 @@ class WorkerService:
         self._sandbox_start: asyncio.Task | None = None
         self.keychain = bus_resolver(self.bus.request, pool)  # D24: per-execution TTL cache, bound per command
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
-        self.running: dict[asyncio.Task, str] = {}
+        self.running: dict[asyncio.Task, int] = {}  # each command running, and its lane
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
         self.run_of: dict[asyncio.Task, str | None] = {}  # the step run of each running command
         self.guarded: dict[asyncio.Task, dict] = {}  # running commands, their users checked again (_recheck)
@@ -290,7 +292,7 @@ class WorkerService:
         self.unlaned = Consumer(name="commands-unlaned", stream=COMMANDS, subject=pool_filter(pool),
                                 durable=pool_durable(pool))
         self.consumers = [self.commands, self.unlaned]
-        self.slots = Slots(concurrency, LANES + 1)
+        self.slots = Slots(concurrency, LANES + 1, limits.current().lane_reserve)
         self.subs: list = []
         self._busy_lanes: set[int] = set()  # the lanes whose last fetch found commands
 
@@ -428,7 +430,7 @@ class WorkerService:
         taking: asyncio.Future | None = None
         try:
             while held:
-                if not self.slots.try_take():
+                if not self.slots.try_take(lane):
                     lease = lease or asyncio.create_task(self._keep_leases(held))
                     taking = asyncio.ensure_future(self.slots.take(lane))
                     until = time.monotonic() + HOLD
@@ -448,12 +450,12 @@ class WorkerService:
                     taking.result()  # a slot, in the lane's turn
                     taking = None
                 msg = held.pop(0)
-                task = asyncio.create_task(self._run(msg))
-                self.running[task] = ""
+                task = asyncio.create_task(self._run(msg, lane))
+                self.running[task] = lane
                 task.add_done_callback(self._forget)
         except BaseException:
             if taking is not None and taking.done() and not taking.cancelled() and taking.exception() is None:
-                self.slots.release()  # granted, and not used: the next lane's
+                self.slots.release(lane)  # granted, and not used: the next lane's
             elif taking is not None:
                 taking.cancel()
             held.extend(strays(sub))
@@ -474,11 +476,12 @@ class WorkerService:
                     log.warning("keeping the lease of a command failed (%s: %s)", type(exc).__name__, exc)
 
     def _forget(self, task: asyncio.Task) -> None:
-        self.running.pop(task, None)
+        lane = self.running.pop(task, None)
         self.run_of.pop(task, None)
-        self.slots.release()
+        self.slots.release(lane)
 
-    async def _run(self, msg: Msg) -> None:
+    async def _run(self, msg: Msg, lane: int | None = None) -> None:
+        supervision.LANE.set(lane)  # its task processes are shared between lanes as its slots are
         started = time.perf_counter()
         self._m_in_flight.inc()
         parts = command_parts(msg.subject)  # its log records name its execution

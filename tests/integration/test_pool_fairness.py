@@ -86,3 +86,56 @@ def test_a_users_one_command_starts_before_anothers_backlog_has_run(stack) -> No
     # first come, first served, it would start after all ten; in turn, after the first and at most a
     # few more (it started third in every run so far: the first, the one fetched while it ran, then it)
     assert sum(started > mine for started in flood) >= FLOODS // 2, (flood, mine)
+
+
+# a task that holds its slot and its process for two minutes, and one that ends at once
+SLOW = TIMED.replace("name: timed, path: tests/fair/timed", "name: slow, path: tests/share/slow").replace(
+    "pool: fair", "pool: share").replace("time.sleep(0.5)", "time.sleep(120)")
+QUICK = TIMED.replace("name: timed, path: tests/fair/timed", "name: quick, path: tests/share/quick").replace(
+    "pool: fair", "pool: share").replace("time.sleep(0.5)", "")
+
+
+@pytest.fixture(scope="module")
+def shared(module_pg) -> Iterator[StackHandle]:
+    from noetl_mesh import limits
+
+    # three run slots and two task processes: one user's share is two slots and one process (lane_reserve 1)
+    with limits.override(max_task_processes=2, lane_reserve=1), \
+            stack_with_worker(module_pg, "share", concurrency=3) as handle:
+        yield handle
+
+
+def test_one_users_slow_tasks_leave_a_slot_and_a_task_process_to_the_others(shared) -> None:
+    """A user whose python tasks run for two minutes cannot hold every run slot, nor every task process,
+    of a worker: another user's python task runs at once (without the reserve it waited two minutes)."""
+    stack = shared
+
+    async def go() -> tuple[dict, list[dict]]:
+        hog = await new_user(stack, "hog", ["developer"])
+        async with stack.client() as admin:
+            await admin.register(SLOW)
+            await admin.register(QUICK)
+        for n in range(40):  # another user whose commands wait in another lane (ids hash alike 1 time in 8)
+            other = await new_user(stack, f"neighbour-{n}", ["developer"])
+            async with stack.client() as admin:
+                users = await admin.users()
+            if _lane(users, f"neighbour-{n}") != _lane(users, "hog"):
+                break
+        async with stack.client(token=hog) as client:
+            slow = [await client.start(path="tests/share/slow") for _ in range(4)]
+            for _ in range(600):  # the hog's tasks have taken what they may
+                states = [await client.status(eid) for eid in slow]
+                if sum(s["steps"].get("start", {}).get("status") == "running" for s in states) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            try:
+                async with stack.client(token=other) as mine:
+                    done = await mine.wait(await mine.start(path="tests/share/quick"), timeout=45)
+                return done, [await client.status(eid) for eid in slow]
+            finally:
+                for eid in slow:
+                    await client.cancel(eid)
+
+    done, slow = stack.run(go(), 240)
+    assert done["status"] == "COMPLETED", done
+    assert all(s["status"] == "RUNNING" for s in slow), slow  # still running: the neighbour did not wait for them

@@ -1,4 +1,4 @@
-"""A worker's slots, shared between the lanes of its pool's queue in turn (services/worker/lanes.py)."""
+"""A worker's slots and task processes, shared between the lanes of its pool's queue in turn (infra/lanes.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from noetl_mesh.services.worker.lanes import Slots, next_in_turn
+from noetl_mesh.infra.lanes import Slots, next_in_turn
 
 
 def test_the_lane_after_the_last_served_goes_next_round_the_lanes():
@@ -118,3 +118,40 @@ async def test_a_slot_freed_as_a_waiting_lane_stops_is_not_lost():
     slots.release()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert served == [] and not slots.waiting and slots.free == 1
+
+
+@run
+async def test_one_lane_never_holds_the_slots_it_must_leave_to_the_others():
+    """With a reserve, a lane stops at its share however many slots are free: another lane's command
+    starts at once; the lane at its share waits until one of its own slots frees."""
+    slots = Slots(4, lanes=9, reserve=1)
+    assert [slots.try_take(2) for _ in range(4)] == [True, True, True, False]  # lane 2's share: 3 of 4
+    served, tasks = await _waiting(slots, [2])
+    assert served == [] and slots.free == 1
+    assert slots.try_take(5)  # another lane's: the reserved slot, at once (lane 2's wait does not count)
+    slots.release(5)  # lane 5's slot frees: lane 2 is at its share, so it stays free
+    await asyncio.sleep(0)
+    assert served == [] and slots.free == 1
+    slots.release(2)  # one of lane 2's own: lane 2 takes it
+    await asyncio.sleep(0)
+    assert served == [2] and slots.free == 1 and slots.held == {2: 3}
+    await asyncio.gather(*tasks)
+    for _ in range(3):
+        slots.release(2)
+    assert slots.free == 4 and not slots.held
+
+
+@run
+async def test_a_lane_at_its_share_does_not_stop_the_others_taking_free_slots():
+    slots = Slots(3, lanes=9, reserve=1)
+    assert slots.try_take(1) and slots.try_take(1)
+    served, tasks = await _waiting(slots, [1])  # at its share, waiting
+    assert slots.try_take(4)  # free, and the only lane waiting may not take it
+    served4, more = await _waiting(slots, [4])
+    slots.release(1)  # lane 1 may again: in turn after the last served
+    await asyncio.sleep(0)
+    assert served + served4 in ([1], [4])
+    slots.release(4 if served == [1] else 1)
+    await asyncio.sleep(0)
+    assert sorted(served + served4) == [1, 4]
+    await asyncio.gather(*tasks, *more)

@@ -14,6 +14,7 @@ and the worker says so at start: it never falls back to running user code unconf
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import logging
@@ -28,6 +29,8 @@ import tempfile
 from collections.abc import Iterable
 
 from .. import limits
+from ..contracts.subjects import LANES
+from ..infra.lanes import Slots
 from ..tools.base import ResultTooLarge
 from . import landlock, seccomp
 from .policy import Policy
@@ -246,6 +249,11 @@ class _Server:
             pass
 
 
+# The lane of the command a task runs for (set by the worker as it starts the command; None: no lane):
+# the worker's task processes are handed out between lanes in turn, as its run slots are.
+LANE: contextvars.ContextVar[int | None] = contextvars.ContextVar("noetl_task_lane", default=None)
+
+
 class Supervisor:
     """Runs python, duckdb and shell requests in sandboxed task processes (see the module's text)."""
 
@@ -262,7 +270,7 @@ class Supervisor:
         self._unavailable: str | None = None
         self._refused: dict[str, str] = {}  # kind -> why its fork server could not confine itself
         self._root: str | None = None
-        self._sem: asyncio.Semaphore | None = None
+        self._sem: Slots | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._running: dict[int, int] = {}  # task id -> pid of its process, while it runs
@@ -390,7 +398,8 @@ class Supervisor:
         self.landlock = hello.get("landlock") or 0
         self._servers[kind] = server
         if self._sem is None or self._sem_loop is not loop:  # shared by every kind: the worker's bound
-            self._sem, self._sem_loop = asyncio.Semaphore(limits.current().max_task_processes), loop
+            self._sem, self._sem_loop = Slots(limits.current().max_task_processes, LANES + 1,
+                                              limits.current().lane_reserve), loop
 
     async def close(self) -> None:
         for finishing in list(self._finishing):
@@ -420,7 +429,8 @@ class Supervisor:
         server, sem = self._servers[kind], self._sem
         assert server is not None and sem is not None
         payload = json.dumps(request, ensure_ascii=False, separators=(",", ":"), default=str).encode()
-        await sem.acquire()
+        lane = LANE.get()
+        await sem.take(lane)  # in its lane's turn (infra/lanes.py)
         handed_over = False  # the slot is released by _after_answer once the process has exited
         task_id = next(self._ids)
         try:
@@ -466,7 +476,7 @@ class Supervisor:
                 raise TaskCrashed(how, limit, ended.get("stderr") or "")
             # Answered: the process ends by itself at once. One that goes on (it wrote an answer early
             # and kept running) is killed; either way its slot is free only once it has exited.
-            finishing = asyncio.ensure_future(self._after_answer(server, task_id, pid_fut, exit_fut, sem))
+            finishing = asyncio.ensure_future(self._after_answer(server, task_id, pid_fut, exit_fut, sem, lane))
             self._finishing.add(finishing)
             finishing.add_done_callback(self._finishing.discard)
             handed_over = True
@@ -474,10 +484,10 @@ class Supervisor:
         finally:
             if not handed_over:
                 self._running.pop(task_id, None)
-                sem.release()
+                sem.release(lane)
 
     async def _after_answer(self, server: _Server, task_id: int, pid_fut: asyncio.Future,
-                            exit_fut: asyncio.Future, sem: asyncio.Semaphore) -> None:
+                            exit_fut: asyncio.Future, sem: Slots, lane: int | None) -> None:
         try:
             try:
                 async with asyncio.timeout(ANSWER_EXIT_GRACE):
@@ -493,7 +503,7 @@ class Supervisor:
             server.exits.pop(task_id, None)
             server.pids.pop(task_id, None)
             self._running.pop(task_id, None)
-            sem.release()
+            sem.release(lane)
 
     def server_pid(self, kind: str = "python") -> int | None:
         """The pid of ``kind``'s fork server, when it runs."""
