@@ -263,7 +263,8 @@ class WorkerService:
         self._sandbox_start: asyncio.Task | None = None
         self.keychain = bus_resolver(self.bus.request, pool)  # D24: per-execution TTL cache, bound per command
         self.log_masking = install_log_masking()  # D24: the running commands' secrets never reach a log
-        self.running: dict[asyncio.Task, int] = {}  # each command running, and its lane
+        self.running: dict[asyncio.Task, str] = {}
+        self.lane_of: dict[asyncio.Task, int] = {}  # each command running, its lane (whose slot it holds)
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # cancelled/finished executions
         self.run_of: dict[asyncio.Task, str | None] = {}  # the step run of each running command
         self.guarded: dict[asyncio.Task, dict] = {}  # running commands, their users checked again (_recheck)
@@ -451,7 +452,8 @@ class WorkerService:
                     taking = None
                 msg = held.pop(0)
                 task = asyncio.create_task(self._run(msg, lane))
-                self.running[task] = lane
+                self.running[task] = ""
+                self.lane_of[task] = lane
                 task.add_done_callback(self._forget)
         except BaseException:
             if taking is not None and taking.done() and not taking.cancelled() and taking.exception() is None:
@@ -476,9 +478,9 @@ class WorkerService:
                     log.warning("keeping the lease of a command failed (%s: %s)", type(exc).__name__, exc)
 
     def _forget(self, task: asyncio.Task) -> None:
-        lane = self.running.pop(task, None)
+        self.running.pop(task, None)
         self.run_of.pop(task, None)
-        self.slots.release(lane)
+        self.slots.release(self.lane_of.pop(task, None))
 
     async def _run(self, msg: Msg, lane: int | None = None) -> None:
         supervision.LANE.set(lane)  # its task processes are shared between lanes as its slots are
