@@ -12,8 +12,11 @@ took every connection and the loop, so recording and every other user's reads st
 - a status or a view reads its rows ``CHUNK`` at a time through a server-side cursor (:func:`stream`)
   and folds each chunk before the next, so memory is the state's, not the log's, and recording runs
   between chunks (a timeline and a restart's seed read theirs at once, in the slot);
+- one user has one large fold at a time, waiting or running (the gateway names the reader; a second is
+  ``too_many``, 429): a user asking many at once cannot queue ahead of everyone else;
 - its answer is kept by the execution and its event count (:class:`Large`): asking again about an
-  execution that has not moved costs one count.
+  execution that has not moved costs one count. Only a status and the view of the whole log are kept
+  (a view at an earlier event is folded each time): so nobody's answers push another's out.
 """
 from __future__ import annotations
 
@@ -79,27 +82,39 @@ class Large:
         self.keep = keep
         self.kept: OrderedDict[tuple, Any] = OrderedDict()
         self.large: OrderedDict[str, None] = OrderedDict()  # executions folded large lately
+        self.readers: set[str] = set()  # the users whose large fold waits or runs
 
     def known(self, xid: str) -> bool:
         """Whether ``xid`` was folded large lately: a status then asks for its count before any event."""
         return xid in self.large
 
     @contextlib.asynccontextmanager
-    async def fold(self, xid: str, events: int, what: str):
-        """Hold the slot for a fold of ``events`` events (a no-op for a small one)."""
+    async def fold(self, xid: str, events: int, what: str, reader: Any = None):
+        """Hold the slot for a fold of ``events`` events (a no-op for a small one), for the user
+        ``reader`` (a user id; None: a service's own read, not bounded per user)."""
         if events <= SMALL:
             yield
             return
+        reader = reader if isinstance(reader, str) else None
+        if reader is not None and reader in self.readers:
+            raise BusError("too_many", f"{what} of execution {xid} folds its {events} events, and another large "
+                                       f"read of yours is being folded (one at a time per user); try again",
+                           details={"retry_after": RETRY_AFTER})
+        if reader is not None:
+            self.readers.add(reader)
         try:
-            await asyncio.wait_for(self.slot.acquire(), WAIT)
-        except asyncio.TimeoutError:
-            raise BusError("unavailable", f"{what} of execution {xid} folds its {events} events, and the "
-                                          f"event-recorder folds another large execution's now (one at a time); "
-                                          f"try again", details={"retry_after": RETRY_AFTER}) from None
-        try:
-            yield
+            try:
+                await asyncio.wait_for(self.slot.acquire(), WAIT)
+            except asyncio.TimeoutError:
+                raise BusError("unavailable", f"{what} of execution {xid} folds its {events} events, and the "
+                                              f"event-recorder folds another large execution's now (one at a "
+                                              f"time); try again", details={"retry_after": RETRY_AFTER}) from None
+            try:
+                yield
+            finally:
+                self.slot.release()
         finally:
-            self.slot.release()
+            self.readers.discard(reader)
 
     def get(self, key: tuple) -> Any:
         value = self.kept.get(key)

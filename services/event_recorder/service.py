@@ -691,7 +691,7 @@ class RecorderService:
         if not rows and not (large and proj and count):
             raise BusError("not_found", f"execution {xid} is not known")
         if large or len(rows) > folds.SMALL:
-            out, error = await self._large_status(xid, count)
+            out, error = await self._large_status(xid, count, req.get("reader"))
         else:
             events = await self._readable([schema.row_event(r) for r in rows])
             out, error = summary(_fold(xid, events)), _error(events)
@@ -708,12 +708,12 @@ class RecorderService:
         })
         return out
 
-    async def _large_status(self, xid: str, count: int) -> tuple[dict[str, Any], Any]:
+    async def _large_status(self, xid: str, count: int, reader: Any) -> tuple[dict[str, Any], Any]:
         """The summary and error of an execution with more than ``folds.SMALL`` state events: a large fold
         (one at a time, streamed), kept by its event count."""
         kept = self.large.get(("status", xid, count))
         if kept is None:
-            async with self.large.fold(xid, count, "the status"):
+            async with self.large.fold(xid, count, "the status", reader):
                 kept = self.large.get(("status", xid, count))  # folded while this one waited
                 if kept is None:
                     ends: list[dict[str, Any]] = []
@@ -772,18 +772,22 @@ class RecorderService:
         net = bool(req.get("net"))
         async with self._autocommit() as conn:
             total = await _event_count(conn, xid)
-            kept = self.large.get(("state", xid, total, upto, seq, net))
+            if upto is not None and upto >= total:
+                upto = None  # after every event: the view of the whole log
+            whole = upto is None and seq is None  # only such a view is kept (folds.py)
+            kept = self.large.get(("state", xid, total, net)) if whole else None
             if kept is not None:  # the log has not moved; restarts are other executions'
                 return _with_restarts(kept, await _restarts(conn, xid))
         if not total:
             raise BusError("not_found", f"execution {xid} is not known")
         if total <= folds.SMALL:
             return await self._state_view(xid, upto, seq, net)
-        async with self.large.fold(xid, total, "the view of the state"):
-            kept = self.large.get(("state", xid, total, upto, seq, net))  # made while this one waited
+        async with self.large.fold(xid, total, "the view of the state", req.get("reader")):
+            kept = self.large.get(("state", xid, total, net)) if whole else None  # made while this one waited
             if kept is None:
                 kept = await self._state_view(xid, upto, seq, net)
-                self.large.put(("state", xid, kept["total"], upto, seq, net), kept)
+                if whole:
+                    self.large.put(("state", xid, kept["total"], net), kept)
                 return kept
         async with self._autocommit() as conn:
             return _with_restarts(kept, await _restarts(conn, xid))
@@ -871,7 +875,7 @@ class RecorderService:
         cap = limits.current().max_state_events
         async with self._autocommit() as conn:
             total = await _event_count(conn, xid)
-        async with self.large.fold(xid, total, "the timeline"), self._snapshot() as conn:
+        async with self.large.fold(xid, total, "the timeline", req.get("reader")), self._snapshot() as conn:
             proj = await (await conn.execute(
                 "SELECT status, extract(epoch FROM created_at)::float8, extract(epoch FROM finished_at)::float8"
                 " FROM execution WHERE execution_id = %s", (xid,))).fetchone()
@@ -1051,7 +1055,7 @@ class RecorderService:
         async with self._autocommit() as conn:
             total = await _event_count(conn, xid)
         try:
-            async with self.large.fold(xid, total, "a restart's seed"), self._snapshot() as conn:
+            async with self.large.fold(xid, total, "a restart's seed", req.get("reader")), self._snapshot() as conn:
                 row = await (await conn.execute("SELECT status FROM execution WHERE execution_id = %s",
                                                 (xid,))).fetchone()
                 if row is None:

@@ -726,11 +726,12 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             return await shell.ask(Q_CATALOG_GET, {"id": catalog_id}, expand=True)
 
     # ------------------------------------------------------------------ executions
-    async def execution_summary(execution_id: str, brief: bool = False) -> dict[str, Any]:
+    async def execution_summary(execution_id: str, brief: bool = False, reader: str | None = None) -> dict[str, Any]:
         """The recorder's summary of an execution; for one accepted a moment ago and not recorded yet,
-        what the log says of it (``{execution_id, status: PENDING, requested_by}``) instead of 404."""
+        what the log says of it (``{execution_id, status: PENDING, requested_by}``) instead of 404.
+        ``reader``: the user it is read for (the recorder folds one large execution at a time per user)."""
         try:
-            return await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief})
+            return await shell.ask(Q_EXECUTION_GET, {"execution_id": execution_id, "brief": brief, "reader": reader})
         except HTTPException as exc:
             pending = await bus.pending_request(execution_id) if exc.status_code == 404 else None
             if pending is None:
@@ -822,7 +823,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
             "state is rebuilt from every recorded event"))) -> dict[str, Any]:
         """The execution's state, rebuilt from its recorded events: status, workload, ctx, steps."""
         with tracing.span("gateway GET /api/executions/{id}", service="gateway"):
-            reply = await execution_summary(execution_id, brief=brief)
+            reply = await execution_summary(execution_id, brief=brief, reader=who["user_id"])
             return await app.state.views.expand(reply, f"execution {execution_id}", (
                 "ask for ?brief=true, or read one step run's result: "
                 f"GET /api/executions/{execution_id}/runs/{{run_id}}/result"))
@@ -891,7 +892,8 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
                     (over := limits.exceeded("max_workload_bytes", len(dumps(body.workload)), "body.workload")):
                 raise problem(413, str(over), "body.workload")
             try:
-                start = await shell.ask(Q_EXECUTION_SEED, {"execution_id": execution_id, "from_step": body.from_step})
+                start = await shell.ask(Q_EXECUTION_SEED, {"execution_id": execution_id, "from_step": body.from_step,
+                                                           "reader": who["user_id"]})
             except HTTPException as exc:
                 cause = exc.__cause__
                 if isinstance(cause, BusError) and cause.kind == "invalid_restart":
@@ -928,7 +930,7 @@ def create_app(bus: Bus, trusted_proxies: str | None = None) -> FastAPI:
         such a wait begins. 403 for a sender the wait's ``roles`` (default: who may cancel the
         execution) do not allow; 422 for a payload its ``schema`` refuses; 409 for a second signal."""
         with tracing.span("gateway POST /api/executions/{id}/signals/{name}", service="gateway"):
-            summary = await execution_summary(execution_id)
+            summary = await execution_summary(execution_id, reader=who["user_id"])
             payload = body.root if body is not None else None
             wait, refusal = signals.check(summary, name, payload, user_id=who["user_id"], roles=who["roles"])
             if refusal is None and wait is not None and wait.get("schema") is not None:

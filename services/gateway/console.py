@@ -111,7 +111,7 @@ def install(app: FastAPI) -> None:
         if upto is not None and seq is not None:
             raise problem(422, "give upto or seq, not both", "query")
         with tracing.span("gateway GET /api/executions/{id}/state", service="gateway", execution_id=execution_id):
-            request = {"execution_id": execution_id, "net": net}
+            request = {"execution_id": execution_id, "net": net, "reader": who["user_id"]}
             if upto is not None:
                 request["upto"] = upto
             if seq is not None:
@@ -146,7 +146,7 @@ def install(app: FastAPI) -> None:
         ``task.processed``) and waits; a loop's iterations one by one up to 100, a bigger loop as how many
         iterations started, ended done and failed in each slice of the window (never its rows). Times
         are epoch seconds; ``end`` is null while it runs (``now``: the recorder's clock)."""
-        request: dict[str, Any] = {"execution_id": execution_id, "buckets": buckets}
+        request: dict[str, Any] = {"execution_id": execution_id, "buckets": buckets, "reader": who["user_id"]}
         for key, value, where in (("from", since, "query.from"), ("to", until, "query.to")):
             moment = _instant(value, where)
             if moment is not None:

@@ -26,6 +26,7 @@ from noetl_mesh.services.event_recorder import folds
 from noetl_mesh.services.event_recorder.service import RecorderService
 from scenarios import TINY
 from test_recorder import count, eventually, fresh_bus
+from conftest import new_user
 
 pytestmark = pytest.mark.integration
 
@@ -538,7 +539,29 @@ def test_a_large_fold_is_streamed_kept_and_one_at_a_time(stack, monkeypatch) -> 
     large = stack.run(read())
     assert large == small
     assert len(folded) == 3 and all(n > 5 for n in folded)
-    assert stack.run(read()) == small and len(folded) == 3  # kept: the log has not moved
+    # kept, the log not having moved: the status and the whole view; a view at an earlier event is not
+    assert stack.run(read()) == small and len(folded) == 4
+
+    async def as_users() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.url, trust_env=False, timeout=30, headers=stack.headers) as http:
+            me = (await http.get("/api/auth/whoami")).json()["user_id"]
+            viewer = await new_user(stack, "fold-reader", ["viewer"])
+            assert (await http.get(f"/api/executions/{xid}/state", params={"upto": 10**6})).json() == small[1]
+            recorder.large.readers.add(me)  # a large read of the admin's is being folded
+            try:
+                mine = await http.get(f"/api/executions/{xid}/state", params={"upto": 11})
+                async with httpx.AsyncClient(base_url=stack.url, trust_env=False, timeout=30,
+                                             headers={"Authorization": f"Bearer {viewer}"}) as dev:
+                    theirs = await dev.get(f"/api/executions/{xid}/state", params={"upto": 11})
+            finally:
+                recorder.large.readers.discard(me)
+            return [mine, theirs]
+
+    mine, theirs = stack.run(as_users())
+    assert len(folded) == 5  # upto past the last event is the whole view, kept; then the viewer's
+    assert mine.status_code == 429 and mine.headers["retry-after"] == str(folds.RETRY_AFTER), mine.text
+    assert "one at a time per user" in mine.text
+    assert theirs.status_code == 200 and theirs.json()["position"] == 11, theirs.text
 
     async def while_held() -> list[httpx.Response]:
         await recorder.large.slot.acquire()  # another large fold runs
@@ -556,4 +579,4 @@ def test_a_large_fold_is_streamed_kept_and_one_at_a_time(stack, monkeypatch) -> 
     assert "one at a time" in waited.text
     assert brief.status_code == 200 and brief.json()["status"] == "COMPLETED"
     assert page.status_code == 200 and len(page.json()["events"]) == 5
-    assert len(folded) == 3
+    assert len(folded) == 5

@@ -187,6 +187,7 @@ class CatalogList(RootModel[list[CatalogEntry]]):
 class ExecutionGetRequest(_Exact):
     execution_id: str
     brief: Optional[bool] = None
+    reader: Optional[str] = Field(None, description="the user it is read for: one large fold at a time each")
 
 
 class ExecutionSummary(_Open):
@@ -231,6 +232,7 @@ class ExecutionStateRequest(_Exact):
     upto: Optional[int] = Field(None, ge=0, description="the state after the first `upto` events of the log")
     seq: Optional[int] = Field(None, description="the state after the event of this log sequence")
     net: Optional[bool] = Field(None, description="also the playbook's net (nodes and edges)")
+    reader: Optional[str] = Field(None, description="the user it is read for: one large fold at a time each")
 
 
 class ExecutionView(_Open):
@@ -252,6 +254,7 @@ class ExecutionTimelineRequest(_Exact):
     from_: Optional[float] = Field(None, alias="from", description="the window's start (epoch seconds)")
     to: Optional[float] = Field(None, description="the window's end (epoch seconds)")
     buckets: Optional[int] = Field(None, ge=1, le=400, description="slices of the window a big loop is counted in")
+    reader: Optional[str] = Field(None, description="the user it is read for: one large fold at a time each")
 
 
 class ExecutionTimeline(_Open):
@@ -286,6 +289,7 @@ class ExecutionStats(_Open):
 class ExecutionSeedRequest(_Exact):
     execution_id: str
     from_step: str = Field(description="the step to restart from")
+    reader: Optional[str] = Field(None, description="the user it is read for: one large fold at a time each")
 
 
 class RestartSeed(_Open):

@@ -70,7 +70,7 @@ def answerable(reply: str | None) -> bool:
 # answers with for it (any other kind: 502)
 STATUS_OF_KIND = {"bad_request": 400, "unauthenticated": 401, "forbidden": 403, "not_found": 404,
                   "conflict": 409, "payload_missing": 410, "too_large": 413, "invalid_playbook": 422, "locked": 429,
-                  "unavailable": 503, "timeout": 503}
+                  "unavailable": 503, "timeout": 503, "too_many": 429}
 Q_CATALOG_REGISTER = "noetl.q.catalog.register"
 Q_CATALOG_GET = "noetl.q.catalog.get"
 Q_CATALOG_LIST = "noetl.q.catalog.list"
