@@ -155,3 +155,79 @@ async def test_a_lane_at_its_share_does_not_stop_the_others_taking_free_slots():
     await asyncio.sleep(0)
     assert sorted(served + served4) == [1, 4]
     await asyncio.gather(*tasks, *more)
+
+
+@run
+async def test_waiters_of_no_lane_are_served_and_counted_in_no_share():
+    """A task run outside a worker's command (``noetl run``'s sandbox) takes a slot of no lane: it waits
+    like the others, goes first, and a lane's share is not spent by it."""
+    slots = Slots(2, lanes=9, reserve=1)
+    assert slots.try_take(None) and slots.try_take(3)
+    served, tasks = await _waiting(slots, [None, 5])
+    served_none_again, more = await _waiting(slots, [None])
+    slots.release(None)
+    await asyncio.sleep(0)
+    slots.release(3)
+    await asyncio.sleep(0)
+    assert served + served_none_again == [None, None] and slots.waiting == {5: slots.waiting[5]}
+    slots.release(None)
+    await asyncio.sleep(0)
+    assert served == [None, 5] and slots.held == {5: 1} and slots.free == 0
+    await asyncio.gather(*tasks, *more)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_takes_cancels_and_releases_keep_every_slot_and_serve_every_waiter(seed):
+    """Random interleavings of users taking a slot (as the worker's lanes do, and as the sandbox does),
+    being cancelled at any point, and releasing: no slot is lost or made, no lane holds more than its
+    share, no free slot is left while a waiter may take it, and every waiter not cancelled is served."""
+    import random
+
+    async def trial(rnd: random.Random) -> None:
+        size, lanes = rnd.randint(1, 5), rnd.randint(1, 9)
+        slots = Slots(size, lanes, rnd.choice([0, 1, 2]))
+        choices = [*range(lanes), None]
+        outside = [0]  # slots held with no lane
+
+        def check() -> None:
+            # (a slot of no lane granted to a waiter not resumed yet is counted nowhere: at most, until the end)
+            assert 0 <= slots.free and slots.free + sum(slots.held.values()) + outside[0] <= size
+            assert all(n <= slots.share for n in slots.held.values())
+            if slots.free > 0:
+                assert not any(any(not f.done() for f in q) for lane, q in slots.waiting.items()
+                               if lane is None or slots.held.get(lane, 0) < slots.share)
+
+        async def user(lane: int | None, worker_style: bool) -> None:
+            if not (worker_style and slots.try_take(lane)):
+                taking = asyncio.ensure_future(slots.take(lane))
+                try:
+                    await asyncio.shield(taking) if worker_style else await taking
+                except asyncio.CancelledError:
+                    if taking.done() and not taking.cancelled():
+                        slots.release(lane)  # granted, and not used
+                    else:
+                        taking.cancel()
+                        await asyncio.gather(taking, return_exceptions=True)
+                    raise
+            outside[0] += lane is None
+            try:
+                for _ in range(rnd.randint(0, 6)):
+                    await asyncio.sleep(0)
+            finally:
+                outside[0] -= lane is None
+                slots.release(lane)
+
+        users = []
+        for _ in range(rnd.randint(20, 100)):
+            roll = rnd.random()
+            if roll < 0.45:
+                users.append(asyncio.ensure_future(user(rnd.choice(choices), rnd.random() < 0.5)))
+            elif roll < 0.6 and users:
+                rnd.choice(users).cancel()
+            for _ in range(rnd.randint(0, 3)):
+                await asyncio.sleep(0)
+            check()
+        await asyncio.wait_for(asyncio.gather(*users, return_exceptions=True), 5)
+        assert slots.free == size and not slots.held and not slots.waiting
+
+    asyncio.run(trial(random.Random(seed)))

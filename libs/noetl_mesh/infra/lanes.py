@@ -17,9 +17,10 @@ import collections
 from typing import Iterable
 
 
-def next_in_turn(waiting: Iterable[int], last: int, lanes: int) -> int:
-    """The lane served next of those ``waiting``: the first after ``last``, going round ``lanes``."""
-    return min(waiting, key=lambda lane: (lane - last - 1) % lanes)
+def next_in_turn(waiting: Iterable[int | None], last: int, lanes: int) -> int | None:
+    """The lane served next of those ``waiting``: the first after ``last``, going round ``lanes``; the
+    waiters of no lane (None: a task run outside a worker's command, as under ``noetl run``) first."""
+    return min(waiting, key=lambda lane: -1 if lane is None else (lane - last - 1) % lanes)
 
 
 class Slots:
@@ -36,7 +37,7 @@ class Slots:
         self.share = max(1, size - reserve) if reserve > 0 else size + 1  # the most slots one lane holds
         self.held: dict[int, int] = {}  # lane -> slots it holds now
         self.last = -1
-        self.waiting: dict[int, collections.deque[asyncio.Future]] = {}  # lane -> its waiters, first first
+        self.waiting: dict[int | None, collections.deque[asyncio.Future]] = {}  # lane -> its waiters, first first
         self._released = asyncio.Event()
 
     def _may(self, lane: int | None) -> bool:
@@ -53,8 +54,8 @@ class Slots:
             return True
         return False
 
-    async def take(self, lane: int) -> None:
-        """A slot for one of ``lane``'s commands or tasks."""
+    async def take(self, lane: int | None) -> None:
+        """A slot for one of ``lane``'s commands or tasks (None: of no lane)."""
         if self.try_take(lane):
             return
         granted = asyncio.get_running_loop().create_future()
@@ -88,7 +89,8 @@ class Slots:
             if not queue:
                 del self.waiting[turn]
             if not granted.done():  # (one cancelled as its lane stops is passed over)
-                self.last = turn
+                if turn is not None:
+                    self.last = turn
                 self._hold(turn)
                 granted.set_result(None)
         self._released.set()

@@ -476,7 +476,8 @@ class Supervisor:
                 raise TaskCrashed(how, limit, ended.get("stderr") or "")
             # Answered: the process ends by itself at once. One that goes on (it wrote an answer early
             # and kept running) is killed; either way its slot is free only once it has exited.
-            finishing = asyncio.ensure_future(self._after_answer(server, task_id, pid_fut, exit_fut, sem, lane))
+            finishing = asyncio.ensure_future(self._after_answer(server, task_id, pid_fut, exit_fut))
+            finishing.add_done_callback(lambda _: sem.release(lane))  # even if cancelled before it starts
             self._finishing.add(finishing)
             finishing.add_done_callback(self._finishing.discard)
             handed_over = True
@@ -487,7 +488,9 @@ class Supervisor:
                 sem.release(lane)
 
     async def _after_answer(self, server: _Server, task_id: int, pid_fut: asyncio.Future,
-                            exit_fut: asyncio.Future, sem: Slots, lane: int | None) -> None:
+                            exit_fut: asyncio.Future) -> None:
+        """Until the answered task's process has exited (killed if it goes on); its process slot is
+        released when this ends, however (a done callback)."""
         try:
             try:
                 async with asyncio.timeout(ANSWER_EXIT_GRACE):
@@ -503,7 +506,6 @@ class Supervisor:
             server.exits.pop(task_id, None)
             server.pids.pop(task_id, None)
             self._running.pop(task_id, None)
-            sem.release(lane)
 
     def server_pid(self, kind: str = "python") -> int | None:
         """The pid of ``kind``'s fork server, when it runs."""
