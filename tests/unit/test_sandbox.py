@@ -508,3 +508,33 @@ def test_a_tasks_process_limit_stays_within_the_hard_limit_it_inherited():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_more_tasks_than_task_processes_outside_a_worker_wait_their_turn_and_all_run():
+    """Tasks of no lane (``noetl run``, a local loop's iterations) beyond ``max_task_processes`` wait for a
+    process and run; a process is held by one lane at most all but ``lane_reserve`` at a time."""
+    from noetl_mesh import limits
+    from noetl_mesh.sandbox import supervisor
+
+    async def main():
+        sandbox = Supervisor(Policy())
+        tool = PythonTool(sandbox)
+
+        async def one(i: int, lane: int | None) -> tuple[int, float]:
+            supervisor.LANE.set(lane)
+            out = await tool.run({"code": f"import time\nresult = [{i}, time.time()]\ntime.sleep(0.3)"}, {}, ctx(30))
+            return out["result"]
+
+        try:
+            alone = await asyncio.gather(*(one(i, None) for i in range(3)))
+            # one lane's three tasks and another's one: the other lane's starts with the first two
+            laned = await asyncio.gather(*(one(i, 4) for i in range(3)), one(9, 7))
+            return alone, laned
+        finally:
+            await sandbox.close()
+
+    with limits.override(max_task_processes=2, lane_reserve=1):
+        alone, laned = asyncio.run(main())
+    assert [r[0] for r in alone] == [0, 1, 2]
+    started = {i: t for i, t in laned}
+    assert started[9] < max(started[0], started[1], started[2])  # not after all three of lane 4
