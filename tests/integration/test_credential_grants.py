@@ -315,6 +315,21 @@ workflow:
 """
 
 
+async def run_as(grants: Any, token: str | None, playbook: str, **body: Any) -> tuple[dict, list[dict]]:
+    """Start ``playbook`` (or what ``body`` names: a catalog path) as the user of ``token`` (None: the
+    admin); its final status and its events."""
+    async with (grants.client(token=token) if token else grants.client()) as client:
+        eid = await client.start(**body) if body else await client.start(playbook)
+        return await client.wait(eid, timeout=60), await client.all_events(eid)
+
+
+def refused_without(secret: str, status: dict, events: list[dict]) -> str:
+    """The error of an execution whose credential was refused: it failed, and ``secret`` is nowhere."""
+    assert status["status"] == "FAILED", status
+    assert secret not in str(events)
+    return str(next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"])
+
+
 def test_a_credential_is_used_only_by_the_playbooks_of_users_holding_one_of_its_roles(grants):
     """D24: a credential stored without roles is an admin's: a developer's playbook naming it, or a
     developer starting an admin's playbook that names it, gets nothing (refused and audited); once an
@@ -333,14 +348,10 @@ def test_a_credential_is_used_only_by_the_playbooks_of_users_holding_one_of_its_
             assert stored.status_code == 201 and stored.json()["roles"] == ["admin"], stored.text
 
             async def run(as_dev: bool, **body: Any) -> tuple[dict, list[dict]]:
-                async with (grants.client(token=dev) if as_dev else grants.client()) as client:
-                    eid = await client.start(**body) if body else await client.start(ROLES)
-                    return await client.wait(eid, timeout=60), await client.all_events(eid)
+                return await run_as(grants, dev if as_dev else None, ROLES, **body)
 
             def refusal(status: dict, events: list[dict]) -> str:
-                assert status["status"] == "FAILED", status
-                assert token not in str(events)
-                return str(next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"])
+                return refused_without(token, status, events)
 
             why = refusal(*await run(True))
             assert "credential 'grant_roles' may be used only by playbooks started and written by users with the " \
@@ -408,14 +419,10 @@ def test_a_credential_that_names_a_user_is_theirs_and_no_other_developers(grants
             assert stored.json()["roles"] == [] and [u["username"] for u in stored.json()["users"]] == ["cred-alice"]
 
             async def run(user: str | None, **body: Any) -> tuple[dict, list[dict]]:
-                async with (grants.client(token=user) if user else grants.client()) as client:
-                    eid = await client.start(**body) if body else await client.start(NAMED)
-                    return await client.wait(eid, timeout=60), await client.all_events(eid)
+                return await run_as(grants, user, NAMED, **body)
 
             def refusal(status: dict, events: list[dict]) -> str:
-                assert status["status"] == "FAILED", status
-                assert token not in str(events)
-                return str(next(e for e in events if e["name"] == "task.processed")["data"]["outcome"]["error"])
+                return refused_without(token, status, events)
 
             status, _ = await run(alice)
             assert status["status"] == "COMPLETED" and status["steps"]["start"]["result"] == {"t": "***"}, status
