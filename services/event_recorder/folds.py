@@ -12,8 +12,10 @@ took every connection and the loop, so recording and every other user's reads st
 - a status or a view reads its rows ``CHUNK`` at a time through a server-side cursor (:func:`stream`)
   and folds each chunk before the next, so memory is the state's, not the log's, and recording runs
   between chunks (a timeline and a restart's seed read theirs at once, in the slot);
-- one user has one large fold at a time, waiting or running (the gateway names the reader; a second is
-  ``too_many``, 429): a user asking many at once cannot queue ahead of everyone else;
+- one user's large folds go one at a time (the gateway names the reader): a user's second waits for
+  the first before it queues for the slot, so a user asking many at once does not queue ahead of
+  everyone else (a console page asks two or three at once); past :data:`PER_READER` waiting, ``too_many``
+  (429);
 - its answer is kept by the execution and its event count (:class:`Large`): asking again about an
   execution that has not moved costs one count. Only a status and the view of the whole log are kept
   (a view at an earlier event is folded each time): so nobody's answers push another's out.
@@ -39,6 +41,7 @@ WAIT = 5.0  # seconds a large fold waits for the slot
 RETRY_AFTER = 2  # seconds, in the answer of one that waited in vain
 KEEP = 8  # large folds' answers kept
 KNOWN = 1024  # executions remembered as large
+PER_READER = 4  # large folds one user may have waiting or running
 
 
 def fold_into(state: ExecutionState, events: Iterable[dict[str, Any]]) -> ExecutionState:
@@ -82,7 +85,8 @@ class Large:
         self.keep = keep
         self.kept: OrderedDict[tuple, Any] = OrderedDict()
         self.large: OrderedDict[str, None] = OrderedDict()  # executions folded large lately
-        self.readers: set[str] = set()  # the users whose large fold waits or runs
+        self.readers: dict[str, int] = {}  # user -> their large folds waiting or running
+        self.turns: dict[str, asyncio.Lock] = {}  # user -> whose turn it is among their large folds
 
     def known(self, xid: str) -> bool:
         """Whether ``xid`` was folded large lately: a status then asks for its count before any event."""
@@ -96,15 +100,25 @@ class Large:
             yield
             return
         reader = reader if isinstance(reader, str) else None
-        if reader is not None and reader in self.readers:
-            raise BusError("too_many", f"{what} of execution {xid} folds its {events} events, and another large "
-                                       f"read of yours is being folded (one at a time per user); try again",
-                           details={"retry_after": RETRY_AFTER})
+        if reader is not None and self.readers.get(reader, 0) >= PER_READER:
+            raise BusError("too_many", f"{what} of execution {xid} folds its {events} events, and {PER_READER} "
+                                       f"other large reads of yours wait or are being folded (one at a time per "
+                                       f"user); try again", details={"retry_after": RETRY_AFTER})
+        turn = None
         if reader is not None:
-            self.readers.add(reader)
+            self.readers[reader] = self.readers.get(reader, 0) + 1
+            turn = self.turns.setdefault(reader, asyncio.Lock())
+        deadline = asyncio.get_running_loop().time() + WAIT
         try:
             try:
-                await asyncio.wait_for(self.slot.acquire(), WAIT)
+                if turn is not None:
+                    await asyncio.wait_for(turn.acquire(), WAIT)
+                try:
+                    await asyncio.wait_for(self.slot.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
+                except BaseException:
+                    if turn is not None:
+                        turn.release()
+                    raise
             except asyncio.TimeoutError:
                 raise BusError("unavailable", f"{what} of execution {xid} folds its {events} events, and the "
                                               f"event-recorder folds another large execution's now (one at a "
@@ -113,8 +127,14 @@ class Large:
                 yield
             finally:
                 self.slot.release()
+                if turn is not None:
+                    turn.release()
         finally:
-            self.readers.discard(reader)
+            if reader is not None:
+                self.readers[reader] -= 1
+                if not self.readers[reader]:  # nobody holds or waits for this user's turn
+                    del self.readers[reader]
+                    self.turns.pop(reader, None)
 
     def get(self, key: tuple) -> Any:
         value = self.kept.get(key)

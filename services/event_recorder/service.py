@@ -125,6 +125,10 @@ _STARTER_NAME = """WITH RECURSIVE up(id, parent, depth) AS (
   WHERE e.name = 'playbook.execution.requested' AND e.data->'requested_by'->>'username' IS NOT NULL
   ORDER BY up.depth, e.seq LIMIT 1"""
 RETRY_CAP = 5.0  # seconds between attempts to reach the database, at most
+# Requests of one subject a recorder answers at once: a large fold (folds.py) waits for its turn, or
+# yields between its chunks, while the others are answered (one at a time, one user's large fold held up
+# everyone's status reads). Each takes a database connection only while it reads.
+REPLIES_AT_ONCE = 8
 DRAIN_QUIET = 0.25  # seconds without a delivery that end a stopping recorder's drain
 BATCH_BYTES = 8 * 1024 * 1024  # a batch stops growing at this many bytes of messages
 # A batch is written this long after its first message arrives (unless a whole batch is there already):
@@ -383,7 +387,7 @@ class RecorderService:
 
         # stop() removes the subscription: a stopped recorder must not stay in the queue group
         # answering with a closed pool.
-        self._subs.append(await self.bus.serve(subject, guarded, queue=QUEUE))
+        self._subs.append(await self.bus.serve(subject, guarded, queue=QUEUE, concurrency=REPLIES_AT_ONCE))
 
     async def _bounded(self, subject: str, reply: Any) -> orjson.Fragment:
         """The reply's JSON within ``max_reply_bytes``: as it is, with its biggest values as D23

@@ -125,7 +125,7 @@ def test_one_users_slow_tasks_leave_a_slot_and_a_task_process_to_the_others(shar
             slow = [await client.start(path="tests/share/slow") for _ in range(4)]
             for _ in range(600):  # the hog's tasks have taken what they may
                 states = [await client.status(eid) for eid in slow]
-                if sum(s["steps"].get("start", {}).get("status") == "running" for s in states) >= 2:
+                if sum((s.get("steps") or {}).get("start", {}).get("status") == "running" for s in states) >= 2:
                     break
                 await asyncio.sleep(0.05)
             try:

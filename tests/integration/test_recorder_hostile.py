@@ -534,7 +534,7 @@ def test_a_large_fold_is_streamed_kept_and_one_at_a_time(stack, monkeypatch) -> 
 
     monkeypatch.setattr(folds, "SMALL", 5)
     monkeypatch.setattr(folds, "CHUNK", 3)  # every read below is large, and folds in many chunks
-    monkeypatch.setattr(folds, "WAIT", 0.3)
+    monkeypatch.setattr(folds, "WAIT", 30.0)
     monkeypatch.setattr(folds, "stream", counted)
     large = stack.run(read())
     assert large == small
@@ -543,25 +543,43 @@ def test_a_large_fold_is_streamed_kept_and_one_at_a_time(stack, monkeypatch) -> 
     assert stack.run(read()) == small and len(folded) == 4
 
     async def as_users() -> list[httpx.Response]:
+        large = recorder.large
         async with httpx.AsyncClient(base_url=stack.url, trust_env=False, timeout=30, headers=stack.headers) as http:
             me = (await http.get("/api/auth/whoami")).json()["user_id"]
             viewer = await new_user(stack, "fold-reader", ["viewer"])
             assert (await http.get(f"/api/executions/{xid}/state", params={"upto": 10**6})).json() == small[1]
-            recorder.large.readers.add(me)  # a large read of the admin's is being folded
+            large.readers[me] = folds.PER_READER  # as many large reads of the admin's wait or run as may
             try:
-                mine = await http.get(f"/api/executions/{xid}/state", params={"upto": 11})
+                refused = await http.get(f"/api/executions/{xid}/state", params={"upto": 11})
+            finally:
+                del large.readers[me]
+            # one large read of the admin's is being folded: the admin's next waits for it; the viewer's does not
+            large.readers[me], turn = 1, large.turns.setdefault(me, asyncio.Lock())
+            await turn.acquire()
+            try:
+                waiting = asyncio.ensure_future(http.get(f"/api/executions/{xid}/state", params={"upto": 12}))
                 async with httpx.AsyncClient(base_url=stack.url, trust_env=False, timeout=30,
                                              headers={"Authorization": f"Bearer {viewer}"}) as dev:
                     theirs = await dev.get(f"/api/executions/{xid}/state", params={"upto": 11})
+                still = not waiting.done()
             finally:
-                recorder.large.readers.discard(me)
-            return [mine, theirs]
+                turn.release()
+            mine = await waiting
+            large.readers[me] -= 1
+            if not large.readers[me]:
+                del large.readers[me]
+                large.turns.pop(me, None)
+            assert not large.readers and not large.turns
+            return [refused, theirs, still, mine]
 
-    mine, theirs = stack.run(as_users())
-    assert len(folded) == 5  # upto past the last event is the whole view, kept; then the viewer's
-    assert mine.status_code == 429 and mine.headers["retry-after"] == str(folds.RETRY_AFTER), mine.text
-    assert "one at a time per user" in mine.text
+    refused, theirs, still, mine = stack.run(as_users())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == str(folds.RETRY_AFTER), refused.text
+    assert "one at a time per user" in refused.text
     assert theirs.status_code == 200 and theirs.json()["position"] == 11, theirs.text
+    assert still and mine.status_code == 200 and mine.json()["position"] == 12, mine.text
+    assert len(folded) == 6  # upto past the last event is the whole view, kept; then the viewer's, the admin's
+
+    monkeypatch.setattr(folds, "WAIT", 0.3)
 
     async def while_held() -> list[httpx.Response]:
         await recorder.large.slot.acquire()  # another large fold runs
@@ -579,4 +597,4 @@ def test_a_large_fold_is_streamed_kept_and_one_at_a_time(stack, monkeypatch) -> 
     assert "one at a time" in waited.text
     assert brief.status_code == 200 and brief.json()["status"] == "COMPLETED"
     assert page.status_code == 200 and len(page.json()["events"]) == 5
-    assert len(folded) == 5
+    assert len(folded) == 6

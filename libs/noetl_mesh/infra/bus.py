@@ -594,14 +594,16 @@ class Bus:
         return True
 
     async def serve(self, subject: str, handler: Callable[..., Awaitable[Any]], queue: str, *,
-                    with_msg: bool = False, any_reply: bool = False):
+                    with_msg: bool = False, any_reply: bool = False, concurrency: int = 1):
         """Answer requests on ``subject`` (a queue group shares them among replicas). A handler's
         exception becomes an error reply, so the requester never just times out; :class:`NoReply`
         answers nothing (a reply subject that must not be answered). ``with_msg``: the handler is
         called with the request and the NATS message (its subject and reply subject). Requests, error
         replies and the time taken are counted (:meth:`endpoint`). A request whose reply subject is not
         an inbox is not answered (:func:`answerable`); ``any_reply``: the handler sees it all the same
-        (to record it), and answers it with :class:`NoReply` only."""
+        (to record it), and answers it with :class:`NoReply` only. ``concurrency``: how many requests
+        are handled at once (a subscription's callback handles one at a time: a slow request would hold
+        up every other on the subject); past it, the next waits for one to end."""
         counts = self.endpoint(subject, queue)
 
         async def on_msg(msg: Msg) -> None:
@@ -638,7 +640,18 @@ class Bus:
             metrics.REQUESTS.labels(self.service, subject, outcome).observe(time.perf_counter() - t0, exemplar)
             counts.record(started, error=error)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        if concurrency <= 1:
+            return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        room = asyncio.Semaphore(concurrency)
+        handling: set[asyncio.Task] = set()
+
+        async def dispatch(msg: Msg) -> None:
+            await room.acquire()  # the subscription reads no further while every handler is busy
+            task = asyncio.create_task(on_msg(msg))
+            handling.add(task)
+            task.add_done_callback(lambda t: (handling.discard(t), room.release()))
+
+        return await self.nc.subscribe(subject, queue=queue, cb=dispatch)
 
     # ----------------------------------------------------------------- consumers
     async def durable(self, stream: str, name: str, filter_subject: str, *, max_ack_pending: int,
