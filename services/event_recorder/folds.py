@@ -84,13 +84,13 @@ class Large:
         self.slot = asyncio.Semaphore(1)
         self.keep = keep
         self.kept: OrderedDict[tuple, Any] = OrderedDict()
-        self.large: OrderedDict[str, None] = OrderedDict()  # executions folded large lately
+        self.folded: OrderedDict[str, None] = OrderedDict()  # executions folded large lately
         self.readers: dict[str, int] = {}  # user -> their large folds waiting or running
         self.turns: dict[str, asyncio.Lock] = {}  # user -> whose turn it is among their large folds
 
     def known(self, xid: str) -> bool:
         """Whether ``xid`` was folded large lately: a status then asks for its count before any event."""
-        return xid in self.large
+        return xid in self.folded
 
     @contextlib.asynccontextmanager
     async def fold(self, xid: str, events: int, what: str, reader: Any = None):
@@ -136,6 +136,23 @@ class Large:
                     del self.readers[reader]
                     self.turns.pop(reader, None)
 
+    async def answer(self, key: tuple | None, xid: str, events: int, what: str, reader: Any,
+                     make: Callable[[], Awaitable[tuple[Any, tuple | None]]]) -> tuple[Any, bool]:
+        """The answer kept under ``key`` (None: one not kept), else ``make()``'s, made in the slot
+        (:meth:`fold`) unless it was made while this one waited; ``make`` returns the answer and the key to
+        keep it under (the event count its snapshot read). ``(answer, whether it was kept)``."""
+        kept = self.get(key) if key is not None else None
+        if kept is not None:
+            return kept, True
+        async with self.fold(xid, events, what, reader):
+            kept = self.get(key) if key is not None else None
+            if kept is not None:
+                return kept, True
+            made, keep = await make()
+            if keep is not None:
+                self.put(keep, made)
+            return made, False
+
     def get(self, key: tuple) -> Any:
         value = self.kept.get(key)
         if value is not None:
@@ -148,7 +165,7 @@ class Large:
         self.kept.move_to_end(key)
         while len(self.kept) > self.keep:
             self.kept.popitem(last=False)
-        self.large[key[1]] = None
-        self.large.move_to_end(key[1])
-        while len(self.large) > KNOWN:
-            self.large.popitem(last=False)
+        self.folded[key[1]] = None
+        self.folded.move_to_end(key[1])
+        while len(self.folded) > KNOWN:
+            self.folded.popitem(last=False)

@@ -715,21 +715,18 @@ class RecorderService:
     async def _large_status(self, xid: str, count: int, reader: Any) -> tuple[dict[str, Any], Any]:
         """The summary and error of an execution with more than ``folds.SMALL`` state events: a large fold
         (one at a time, streamed), kept by its event count."""
-        kept = self.large.get(("status", xid, count))
-        if kept is None:
-            async with self.large.fold(xid, count, "the status", reader):
-                kept = self.large.get(("status", xid, count))  # folded while this one waited
-                if kept is None:
-                    ends: list[dict[str, Any]] = []
-                    async with self._snapshot() as conn:
-                        count = await _event_count(conn, xid)
-                        state, _ = await folds.stream(
-                            conn, f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
-                                  " ORDER BY seq", (xid,), xid, self._readable,
-                            seen=lambda e: ends.append(e) if e["name"] == "workflow.finished" else None)
-                    kept = summary(state), _error(ends)
-                    self.large.put(("status", xid, count), kept)
-        return {**kept[0]}, kept[1]
+        async def make() -> tuple[Any, tuple]:
+            ends: list[dict[str, Any]] = []
+            async with self._snapshot() as conn:
+                now = await _event_count(conn, xid)
+                state, _ = await folds.stream(
+                    conn, f"{schema.SELECT_EVENT} WHERE execution_id = %s AND {schema.STATE_EVENTS_SQL}"
+                          " ORDER BY seq", (xid,), xid, self._readable,
+                    seen=lambda e: ends.append(e) if e["name"] == "workflow.finished" else None)
+            return (summary(state), _error(ends)), ("status", xid, now)
+
+        (out, error), _ = await self.large.answer(("status", xid, count), xid, count, "the status", reader, make)
+        return {**out}, error
 
     async def execution_events(self, req: dict[str, Any]) -> dict[str, Any]:
         """A page of the execution's events: at most ``limit`` and at most what fits in the reply
@@ -776,25 +773,24 @@ class RecorderService:
         net = bool(req.get("net"))
         async with self._autocommit() as conn:
             total = await _event_count(conn, xid)
-            if upto is not None and upto >= total:
-                upto = None  # after every event: the view of the whole log
-            whole = upto is None and seq is None  # only such a view is kept (folds.py)
-            kept = self.large.get(("state", xid, total, net)) if whole else None
-            if kept is not None:  # the log has not moved; restarts are other executions'
-                return _with_restarts(kept, await _restarts(conn, xid))
         if not total:
             raise BusError("not_found", f"execution {xid} is not known")
+        if upto is not None and upto >= total:
+            upto = None  # after every event: the view of the whole log
         if total <= folds.SMALL:
             return await self._state_view(xid, upto, seq, net)
-        async with self.large.fold(xid, total, "the view of the state", req.get("reader")):
-            kept = self.large.get(("state", xid, total, net)) if whole else None  # made while this one waited
-            if kept is None:
-                kept = await self._state_view(xid, upto, seq, net)
-                if whole:
-                    self.large.put(("state", xid, kept["total"], net), kept)
-                return kept
-        async with self._autocommit() as conn:
-            return _with_restarts(kept, await _restarts(conn, xid))
+        whole = upto is None and seq is None  # only such a view is kept (folds.py)
+
+        async def make() -> tuple[Any, tuple | None]:
+            view = await self._state_view(xid, upto, seq, net)
+            return view, ("state", xid, view["total"], net) if whole else None
+
+        view, kept = await self.large.answer(("state", xid, total, net) if whole else None, xid, total,
+                                             "the view of the state", req.get("reader"), make)
+        if not kept:
+            return view
+        async with self._autocommit() as conn:  # the log has not moved; restarts are other executions'
+            return _with_restarts(view, await _restarts(conn, xid))
 
     async def _state_view(self, xid: str, upto: Any, seq: Any, net: bool) -> dict[str, Any]:
         bound_limit = limits.current().max_state_events
